@@ -1,0 +1,5 @@
+"""jax_paged: paged-KV-cache LLM decoding for Flax models on NVIDIA GPUs."""
+
+from jax_paged import reference
+from jax_paged import pool
+from jax_paged.pool import KVPool, PoolExhausted

@@ -1,0 +1,342 @@
+"""A functional KV page pool: the paged KV cache of every layer as one immutable pytree.
+
+The pool holds the K/V pages of all layers, the page table, the sequence lengths and a
+free-page stack. Every operation is a pure, jittable function that returns a new pool; a
+jitted caller that donates the pool (`jax.jit(..., donate_argnums=...)`) gets its K/V
+buffers updated in place, so nothing is copied per step.
+
+Free pages live in a stack: `free_pages[:num_free]` are the free page ids, and allocation
+pops from the top, so a page costs O(1) whatever `num_pages` is.
+
+Inside `jax.jit` nothing can raise, so `reserve` reports failures through its `ok` flags
+and leaves failed sequences untouched. Outside jit (concrete arguments) the functions also
+check `seq_ids` and `slots` up front and raise `ValueError` naming the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+class PoolExhausted(RuntimeError):
+  """Raised by `reserve_or_raise` when some sequences could not get their pages."""
+
+
+@struct.dataclass
+class KVPool:
+  """The paged KV cache of a whole model.
+
+  Attributes:
+    k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]. Head-major,
+      so one (head, page) tile is contiguous.
+    page_table: int32 [max_seqs, max_pages_per_seq]; entry j of row s is the physical page
+      holding tokens [j * page_size, (j + 1) * page_size) of sequence s. Entries past a
+      sequence's last used page are garbage.
+    lengths: int32 [max_seqs], tokens stored per sequence (0 = empty / inactive).
+    free_pages: int32 [num_pages], a stack: `free_pages[:num_free]` are the free pages.
+    num_free: int32 [], the stack height.
+  """
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+  free_pages: jax.Array
+  num_free: jax.Array
+
+  @classmethod
+  def create(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+             page_size: int, max_seqs: int, max_pages_per_seq: int,
+             dtype=jnp.bfloat16) -> "KVPool":
+    """An empty pool: every page free, every sequence of length 0."""
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("num_pages", num_pages),
+                        ("page_size", page_size), ("max_seqs", max_seqs),
+                        ("max_pages_per_seq", max_pages_per_seq)):
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_pages * page_size >= 2 ** 31:
+      raise ValueError(f"num_pages * page_size must fit int32 slots, got {num_pages * page_size}")
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    return cls(
+        k_pages=jnp.zeros(shape, dtype),
+        v_pages=jnp.zeros(shape, dtype),
+        page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
+        lengths=jnp.zeros((max_seqs,), jnp.int32),
+        # Reversed so that pops hand out pages 0, 1, 2, ... in order.
+        free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+        num_free=jnp.asarray(num_pages, jnp.int32),
+    )
+
+  @property
+  def num_layers(self) -> int:
+    return self.k_pages.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k_pages.shape[1]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[2]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[4]
+
+  @property
+  def max_seqs(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return self.page_table.shape[1]
+
+  def num_free_pages(self) -> jax.Array:
+    """int32 scalar: pages not owned by any sequence."""
+    return self.num_free
+
+  def pages_used(self, lengths: jax.Array | None = None) -> jax.Array:
+    """int32 [max_seqs]: pages owned by each sequence (derived from its length)."""
+    lengths = self.lengths if lengths is None else lengths
+    return (lengths + self.page_size - 1) // self.page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizing:
+  """How many pages fit a memory budget (vLLM's way), and why."""
+
+  num_pages: int
+  bytes_per_page: int
+  budget_bytes: int
+  utilization: float
+
+  def __str__(self) -> str:
+    gib = 1024 ** 3
+    return (f"KV pool: {self.num_pages} pages x {self.bytes_per_page / 1024:.1f} KiB "
+            f"(K+V, all layers) = {self.num_pages * self.bytes_per_page / gib:.2f} GiB "
+            f"of {self.budget_bytes / gib:.2f} GiB available x {self.utilization:.0%}")
+
+
+def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+              dtype=jnp.bfloat16, available_bytes: int | None = None,
+              utilization: float = 0.9, device: jax.Device | None = None) -> PoolSizing:
+  """Sizes `num_pages` from a memory budget: available x utilization / bytes of one page.
+
+  One page holds `page_size` tokens of K and V for every layer and kv head. With
+  `available_bytes=None` the budget is the device's free memory (bytes_limit - bytes_in_use
+  from `memory_stats()`), which only accelerators report; on CPU pass it explicitly.
+  """
+  if not 0.0 < utilization <= 1.0:
+    raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+  if available_bytes is None:
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+      raise ValueError(f"device {device} reports no memory stats: pass available_bytes")
+    available_bytes = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  bytes_per_page = 2 * num_layers * num_kv_heads * page_size * head_dim * jnp.dtype(dtype).itemsize
+  num_pages = int(available_bytes * utilization) // bytes_per_page
+  if num_pages < 1:
+    raise ValueError(f"available_bytes={available_bytes} x utilization={utilization} holds no "
+                     f"page of {bytes_per_page} bytes")
+  return PoolSizing(num_pages=num_pages, bytes_per_page=bytes_per_page,
+                    budget_bytes=int(available_bytes), utilization=utilization)
+
+
+def _concrete(x) -> np.ndarray | None:
+  """x as a numpy array if it is known outside of tracing, else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_seq_ids(pool: KVPool, seq_ids) -> jax.Array:
+  seq_ids = jnp.asarray(seq_ids)
+  if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
+    raise ValueError(f"seq_ids must be a 1-D integer array, got shape {seq_ids.shape} "
+                     f"dtype {seq_ids.dtype}")
+  ids = _concrete(seq_ids)
+  if ids is not None:
+    if ids.size and (ids.min() < 0 or ids.max() >= pool.max_seqs):
+      raise ValueError(f"seq_ids must be in [0, max_seqs={pool.max_seqs}), got {ids.tolist()}")
+    if len(np.unique(ids)) != ids.size:
+      raise ValueError(f"seq_ids must be distinct, got {ids.tolist()}")
+  return seq_ids.astype(jnp.int32)
+
+
+def _first_valid_occurrence(pool: KVPool, seq_ids: jax.Array) -> jax.Array:
+  """bool [n]: id in range and not repeating an earlier id (the in-jit guard against
+  double allocation or double free, where raising is impossible)."""
+  n = seq_ids.shape[0]
+  earlier = jnp.tril(seq_ids[:, None] == seq_ids[None, :], k=-1).any(axis=1)
+  return (seq_ids >= 0) & (seq_ids < pool.max_seqs) & ~earlier if n else jnp.zeros(0, bool)
+
+
+def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
+            max_new_tokens: int | None = None) -> tuple[KVPool, jax.Array, jax.Array]:
+  """Makes room for `num_new_tokens` more tokens of each listed sequence.
+
+  Sequences are served in the order given. One that does not fit (not enough free pages,
+  more than `max_pages_per_seq` pages, more than `max_new_tokens` tokens, or an invalid or
+  repeated id under jit) is left unchanged with `ok[i] = False`; later ones may succeed.
+
+  Args:
+    pool: the pool.
+    seq_ids: int [n] distinct sequence ids in [0, max_seqs).
+    num_new_tokens: a non-negative int, or int [n] per sequence.
+    max_new_tokens: the width of `slots`. Defaults to max(num_new_tokens), which must then
+      be known outside of tracing (a Python int or a concrete array).
+
+  Returns:
+    (pool, slots, ok): the new pool with pages allocated and `lengths` advanced; int32
+    slots [n, max_new_tokens] where row i holds the flat slots (page * page_size + offset)
+    of sequence i's new tokens in order and -1 elsewhere (the whole row when not ok); and
+    bool ok [n].
+  """
+  seq_ids = _check_seq_ids(pool, seq_ids)
+  n = seq_ids.shape[0]
+  counts = jnp.asarray(num_new_tokens)
+  if counts.shape not in ((), (n,)) or not jnp.issubdtype(counts.dtype, jnp.integer):
+    raise ValueError(f"num_new_tokens must be an int or an int array of shape [{n}], got "
+                     f"shape {counts.shape} dtype {counts.dtype}")
+  concrete_counts = _concrete(num_new_tokens)
+  counts = jnp.broadcast_to(counts, (n,))
+  if concrete_counts is not None:
+    concrete_counts = np.broadcast_to(concrete_counts, (n,))
+  if concrete_counts is not None and concrete_counts.size and concrete_counts.min() < 0:
+    raise ValueError(f"num_new_tokens must be >= 0, got {concrete_counts.tolist()}")
+  if max_new_tokens is None:
+    if concrete_counts is None:
+      raise ValueError("num_new_tokens is traced: pass a static max_new_tokens for the width "
+                       "of slots")
+    max_new_tokens = int(concrete_counts.max()) if n else 0
+  counts = counts.astype(jnp.int32)
+  ps = pool.page_size
+
+  valid = _first_valid_occurrence(pool, seq_ids)
+  safe_ids = jnp.where(valid, seq_ids, 0)
+  old_len = jnp.where(valid, pool.lengths[safe_ids], 0)
+  new_len = old_len + counts
+  have = (old_len + ps - 1) // ps
+  need = (new_len + ps - 1) // ps - have
+  valid &= (counts >= 0) & (counts <= max_new_tokens)
+  valid &= (new_len + ps - 1) // ps <= pool.max_pages_per_seq
+
+  # Greedy in order: sequence i fits if its pages fit in what earlier successes left.
+  # Only this scalar bookkeeping is sequential; the page moves below are vectorised.
+  def admit(free, x):
+    need_i, valid_i = x
+    ok_i = valid_i & (need_i <= free)
+    taken = jnp.where(ok_i, need_i, 0)
+    return free - taken, (ok_i, free)
+
+  num_free, (ok, free_before) = jax.lax.scan(admit, pool.num_free, (need, valid))
+  need = jnp.where(ok, need, 0)
+
+  # Sequence i pops free_pages[free_before - need : free_before], top of stack first.
+  max_need = -(-max_new_tokens // ps) + 1  # a span of t tokens touches at most this many pages
+  j = jnp.arange(max_need)
+  take = j[None, :] < need[:, None]
+  popped = pool.free_pages[jnp.clip(free_before[:, None] - 1 - j[None, :], 0, pool.num_pages - 1)]
+  rows = jnp.where(take, safe_ids[:, None], pool.max_seqs)  # out of range -> dropped
+  page_table = pool.page_table.at[rows, have[:, None] + j[None, :]].set(popped, mode="drop")
+
+  lengths = pool.lengths.at[jnp.where(ok, seq_ids, pool.max_seqs)].set(new_len, mode="drop")
+
+  t = jnp.arange(max_new_tokens)
+  pos = old_len[:, None] + t[None, :]
+  page_idx = jnp.clip(pos // ps, 0, pool.max_pages_per_seq - 1)
+  slot = page_table[safe_ids[:, None], page_idx] * ps + pos % ps
+  slots = jnp.where(ok[:, None] & (t[None, :] < counts[:, None]), slot, -1).astype(jnp.int32)
+
+  new_pool = pool.replace(page_table=page_table, lengths=lengths, num_free=num_free)
+  return new_pool, slots, ok
+
+
+def release(pool: KVPool, seq_ids) -> KVPool:
+  """Returns the listed sequences' pages to the free stack and sets their lengths to 0.
+
+  Under jit, out-of-range or repeated ids are ignored (so a page is never freed twice).
+  """
+  seq_ids = _check_seq_ids(pool, seq_ids)
+  valid = _first_valid_occurrence(pool, seq_ids)
+  safe_ids = jnp.where(valid, seq_ids, 0)
+  count = jnp.where(valid, pool.pages_used()[safe_ids], 0)
+  offset = pool.num_free + jnp.cumsum(count) - count  # exclusive prefix sum
+  j = jnp.arange(pool.max_pages_per_seq)
+  give = j[None, :] < count[:, None]
+  dest = jnp.where(give, offset[:, None] + j[None, :], pool.num_pages)  # out of range -> dropped
+  free_pages = pool.free_pages.at[dest].set(pool.page_table[safe_ids], mode="drop")
+  lengths = pool.lengths.at[jnp.where(valid, seq_ids, pool.max_seqs)].set(0, mode="drop")
+  return pool.replace(free_pages=free_pages, num_free=pool.num_free + jnp.sum(count),
+                      lengths=lengths)
+
+
+def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array) -> KVPool:
+  """Scatters new tokens' K/V into one layer's pages (vLLM's reshape_and_cache).
+
+  Args:
+    pool: the pool.
+    layer: int (or int32 scalar under jit), the layer index.
+    slots: int32 [...] flat slots from `reserve`; negative slots are padding, never written.
+    k, v: [..., num_kv_heads, head_dim] (= slots.shape + (Hkv, D)), cast to the pool's dtype.
+
+  Returns:
+    The pool with the tokens written. Slots outside [0, num_pages * page_size) are dropped
+    under jit and raise ValueError when concrete.
+  """
+  slots = jnp.asarray(slots)
+  expected = tuple(slots.shape) + (pool.num_kv_heads, pool.head_dim)
+  for name, x in (("k", k), ("v", v)):
+    if tuple(x.shape) != expected:
+      raise ValueError(f"{name} must have shape slots.shape + (num_kv_heads, head_dim) = "
+                       f"{expected}, got {tuple(x.shape)}")
+  if not jnp.issubdtype(slots.dtype, jnp.integer):
+    raise ValueError(f"slots must be an integer array, got dtype {slots.dtype}")
+  total = pool.num_pages * pool.page_size
+  concrete_slots = _concrete(slots)
+  if concrete_slots is not None and concrete_slots.size and concrete_slots.max() >= total:
+    raise ValueError(f"slots must be < num_pages * page_size = {total} (negative = padding), "
+                     f"got max {concrete_slots.max()}")
+  concrete_layer = _concrete(layer)
+  if concrete_layer is not None and not 0 <= int(concrete_layer) < pool.num_layers:
+    raise ValueError(f"layer must be in [0, {pool.num_layers}), got {int(concrete_layer)}")
+  flat = slots.reshape(-1).astype(jnp.int32)
+  flat = jnp.where(flat < 0, total, flat)  # negative indices would wrap: send them out of range
+  shape = pool.k_pages.shape
+  flat_shape = (shape[0], shape[1], total, shape[4])
+
+  def scatter(pages, x):
+    x = x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pages.dtype)
+    # Integer indices split by a slice put the indexed axis first: updates are [N, Hkv, D].
+    pages = pages.reshape(flat_shape).at[layer, :, flat].set(x, mode="drop")
+    return pages.reshape(shape)
+
+  return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v))
+
+
+def reserve_or_raise(pool: KVPool, seq_ids, num_new_tokens) -> tuple[KVPool, jax.Array]:
+  """`reserve` for callers outside jit who prefer an exception to flags.
+
+  Returns (pool, slots); raises `PoolExhausted` naming the sequences that did not fit, in
+  which case the input pool is untouched and still valid.
+  """
+  new_pool, slots, ok = reserve(pool, seq_ids, num_new_tokens)
+  ok = np.asarray(ok)
+  if not ok.all():
+    failed = np.asarray(seq_ids).reshape(-1)[~ok].tolist()
+    raise PoolExhausted(
+        f"no room for sequences {failed}: {int(pool.num_free)} free pages of "
+        f"{pool.page_size} tokens, at most {pool.max_pages_per_seq} pages per sequence")
+  return new_pool, slots

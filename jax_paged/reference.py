@@ -1,0 +1,126 @@
+"""Plain jax.numpy references: the ground truth every kernel is tested against.
+
+Written for clarity, not speed. They are also the library's CPU path (XLA compiles them
+well enough for CPU generation), so they are jittable and take the same arguments as the
+Pallas kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_paged import validation
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Gathers each sequence's K or V from its pages into a contiguous array.
+
+  Args:
+    pages: [Hkv, num_pages, page_size, D].
+    page_table: int32 [B, max_pages_per_seq].
+    lengths: int32 [B].
+
+  Returns:
+    [B, Hkv, max_pages_per_seq * page_size, D]. Positions at or past a sequence's length
+    hold page 0's data: table entries past the last used page are garbage (possibly out of
+    range) and are never used as indices.
+  """
+  page_size = pages.shape[2]
+  max_pages = page_table.shape[1]
+  used_pages = (lengths + page_size - 1) // page_size
+  live = jnp.arange(max_pages)[None, :] < used_pages[:, None]
+  safe_table = jnp.where(live, page_table, 0)
+  gathered = pages[:, safe_table]  # [Hkv, B, max_pages, page_size, D]
+  b = page_table.shape[0]
+  gathered = gathered.reshape(pages.shape[0], b, max_pages * page_size, pages.shape[3])
+  return gathered.transpose(1, 0, 2, 3)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, lengths: jax.Array, *,
+                           scale: float | None = None, logits_soft_cap: float | None = None,
+                           sliding_window: int | None = None, return_lse: bool = False):
+  """One query token per sequence attending to its paged K/V cache.
+
+  Args:
+    q: [B, H, D] float32 / bfloat16 / float16.
+    k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0.
+    page_table: int32 [B, max_pages_per_seq], physical page ids.
+    lengths: int32 [B], tokens in each sequence's cache (0 = empty).
+    scale: logits = scale * q.k; defaults to D ** -0.5.
+    logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
+    sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
+    return_lse: also return the log-sum-exp of the final logits.
+
+  Returns:
+    out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
+    A sequence of length 0 gives out 0 and lse -inf.
+  """
+  validation.check_decode_args(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                               logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                               strict_kernel_shapes=False)
+  b, h, d = q.shape
+  hkv = k_pages.shape[0]
+  scale = d ** -0.5 if scale is None else scale
+  k = gather_pages(k_pages, page_table, lengths).astype(jnp.float32)  # [B, Hkv, T, D]
+  v = gather_pages(v_pages, page_table, lengths).astype(jnp.float32)
+  qg = q.astype(jnp.float32).reshape(b, hkv, h // hkv, d)
+  logits = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+  pos = jnp.arange(k.shape[2])[None, :]
+  mask = pos < lengths[:, None]
+  if sliding_window is not None:
+    mask &= pos >= lengths[:, None] - sliding_window
+  mask = mask[:, None, None, :]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty sequence
+  probs = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]),
+                    0.0)
+  out = jnp.einsum("bkgt,bktd->bkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
+  out = out.reshape(b, h, d).astype(q.dtype)
+  if return_lse:
+    return out, lse.reshape(b, h)
+  return out
+
+
+def merge_attention_states_n(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Merges N partial attention states along the leading axis.
+
+  Args:
+    o: [N, ..., D] partial outputs, each normalised over its own keys.
+    lse: float32 [N, ...], each partial's log-sum-exp; +inf or -inf marks an empty state.
+
+  Returns:
+    (o [..., D] in o's dtype, lse float32 [...]). All-empty inputs give o = 0 and
+    lse = -inf; never NaN.
+  """
+  validation.check_merge_n_args(o, lse)
+  lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+  m = jnp.max(lse, axis=0)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  w = jnp.exp(lse - m_safe)  # 0 for empty states
+  total = jnp.sum(w, axis=0)
+  out_lse = jnp.where(total > 0, m_safe + jnp.log(total), -jnp.inf)
+  # An empty state's output is meaningless (it may even be NaN): it contributes exactly 0.
+  weighted = jnp.where(w[..., None] > 0, o.astype(jnp.float32) * w[..., None], 0.0)
+  out = jnp.sum(weighted, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.astype(o.dtype), out_lse
+
+
+def merge_attention_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
+                           lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Merges two partial attention states (vLLM's merge_attn_states).
+
+  Args:
+    o_a, o_b: [..., D] float32 / bfloat16 / float16 partial outputs.
+    lse_a, lse_b: float32 [...] (= o.shape[:-1]) their log-sum-exps.
+
+  Returns:
+    (o, lse) with lse = log(exp(lse_a) + exp(lse_b)) and
+    o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse), computed stably. An lse of +inf
+    counts as -inf (empty); two empty states give o = 0, lse = -inf.
+  """
+  validation.check_merge_args(o_a, lse_a, o_b, lse_b)
+  return merge_attention_states_n(jnp.stack([o_a, o_b]), jnp.stack([lse_a, lse_b]))

@@ -1,0 +1,98 @@
+"""Argument checks shared by the kernels and their references.
+
+Everything here runs on shapes and dtypes only (static under `jax.jit`), so the checks
+happen at the public boundary before anything is traced, and their messages name the
+offending argument and say what is allowed.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 8, 128
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(getattr(x, "shape", ()))
+
+
+def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits_soft_cap,
+                      sliding_window, strict_kernel_shapes: bool) -> None:
+  """Validates the arguments of `paged_decode_attention` (kernel and reference).
+
+  `strict_kernel_shapes` additionally enforces what the kernels support (head dims
+  64/80/96/128/256, power-of-two page sizes 8..128); the reference accepts any.
+  """
+  if len(_shape(q)) != 3:
+    raise ValueError(f"q must have shape [batch, num_heads, head_dim], got shape {_shape(q)}")
+  b, h, d = q.shape
+  if len(_shape(k_pages)) != 4:
+    raise ValueError("k_pages must have shape [num_kv_heads, num_pages, page_size, head_dim], "
+                     f"got shape {_shape(k_pages)}")
+  if _shape(v_pages) != _shape(k_pages):
+    raise ValueError(f"v_pages must have the shape of k_pages {_shape(k_pages)}, "
+                     f"got {_shape(v_pages)}")
+  hkv, _, page_size, dk = k_pages.shape
+  if dk != d:
+    raise ValueError(f"k_pages head_dim {dk} does not match q head_dim {d}")
+  if hkv == 0 or h % hkv:
+    raise ValueError(f"q num_heads ({h}) must be a multiple of k_pages num_kv_heads ({hkv})")
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+      raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+  if jnp.dtype(k_pages.dtype) != jnp.dtype(v_pages.dtype):
+    raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
+  if len(_shape(page_table)) != 2 or page_table.shape[0] != b:
+    raise ValueError(f"page_table must have shape [batch={b}, max_pages_per_seq], "
+                     f"got shape {_shape(page_table)}")
+  if _shape(lengths) != (b,):
+    raise ValueError(f"lengths must have shape [batch={b}], got shape {_shape(lengths)}")
+  for name, x in (("page_table", page_table), ("lengths", lengths)):
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+      raise ValueError(f"{name} dtype must be int32, got {x.dtype}")
+  if scale is not None and not isinstance(scale, (int, float)):
+    raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+  if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
+                                          and logits_soft_cap > 0):
+    raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
+  if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window > 0):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if strict_kernel_shapes:
+    if d not in SUPPORTED_HEAD_DIMS:
+      raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
+      raise ValueError(f"k_pages page_size must be a power of two in "
+                       f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
+
+
+def check_merge_args(o_a, lse_a, o_b, lse_b) -> None:
+  """Validates the arguments of the two-way `merge_attention_states`."""
+  if len(_shape(o_a)) < 1:
+    raise ValueError(f"o_a must have at least one dimension (head_dim last), got {_shape(o_a)}")
+  if _shape(o_b) != _shape(o_a):
+    raise ValueError(f"o_b shape {_shape(o_b)} must equal o_a shape {_shape(o_a)}")
+  for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+    if _shape(lse) != _shape(o_a)[:-1]:
+      raise ValueError(f"{name} must have shape o.shape[:-1] = {_shape(o_a)[:-1]}, "
+                       f"got {_shape(lse)}")
+    if jnp.dtype(lse.dtype) != jnp.dtype(jnp.float32):
+      raise ValueError(f"{name} dtype must be float32, got {lse.dtype}")
+  for name, o in (("o_a", o_a), ("o_b", o_b)):
+    if jnp.dtype(o.dtype) not in SUPPORTED_DTYPES:
+      raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {o.dtype}")
+  if jnp.dtype(o_a.dtype) != jnp.dtype(o_b.dtype):
+    raise ValueError(f"o_a and o_b dtypes differ: {o_a.dtype} vs {o_b.dtype}")
+
+
+def check_merge_n_args(o, lse) -> None:
+  """Validates the N-way form: o [N, ..., D], lse [N, ...]."""
+  if len(_shape(o)) < 2:
+    raise ValueError(f"o must have shape [num_states, ..., head_dim], got {_shape(o)}")
+  if _shape(lse) != _shape(o)[:-1]:
+    raise ValueError(f"lse must have shape o.shape[:-1] = {_shape(o)[:-1]}, got {_shape(lse)}")
+  if jnp.dtype(lse.dtype) != jnp.dtype(jnp.float32):
+    raise ValueError(f"lse dtype must be float32, got {lse.dtype}")
+  if jnp.dtype(o.dtype) not in SUPPORTED_DTYPES:
+    raise ValueError(f"o dtype must be float32, bfloat16 or float16, got {o.dtype}")
