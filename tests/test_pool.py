@@ -1,0 +1,282 @@
+"""The functional KV page pool against a plain-Python model of it."""
+
+import functools
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from jax_paged import pool as kvpool
+from jax_paged.pool import KVPool, PoolExhausted
+
+LAYERS, HKV, D = 2, 2, 4
+NUM_PAGES, PAGE_SIZE, MAX_SEQS, MAX_PAGES_PER_SEQ = 12, 4, 5, 4
+BATCH, WIDTH = 3, 6  # fixed argument shapes, so each jitted op compiles once
+
+
+def make_pool(**overrides) -> KVPool:
+  kwargs = dict(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, num_pages=NUM_PAGES,
+                page_size=PAGE_SIZE, max_seqs=MAX_SEQS, max_pages_per_seq=MAX_PAGES_PER_SEQ,
+                dtype=jnp.float32)
+  kwargs.update(overrides)
+  return KVPool.create(**kwargs)
+
+
+reserve = jax.jit(functools.partial(kvpool.reserve, max_new_tokens=WIDTH), donate_argnums=0)
+write_kv = jax.jit(kvpool.write_kv, donate_argnums=0)
+release = jax.jit(kvpool.release, donate_argnums=0)
+
+
+def owned_pages(p: KVPool) -> dict[int, list[int]]:
+  table, used = np.asarray(p.page_table), np.asarray(p.pages_used())
+  return {s: table[s, :used[s]].tolist() for s in range(p.max_seqs)}
+
+
+def check_page_ownership(p: KVPool) -> None:
+  """Every page is owned by exactly one sequence or is on the free stack, never both."""
+  free = np.asarray(p.free_pages)[:int(p.num_free)].tolist()
+  owned = [page for pages in owned_pages(p).values() for page in pages]
+  assert sorted(owned + free) == list(range(p.num_pages)), (owned, free)
+
+
+class PoolMachine(RuleBasedStateMachine):
+  """Random reserve / write / release against a model: lengths and token values per sequence."""
+
+  def __init__(self):
+    super().__init__()
+    self.pool = make_pool()
+    self.lengths = [0] * MAX_SEQS
+    self.values = [[] for _ in range(MAX_SEQS)]  # per sequence, per token: k [L, HKV, D]
+    self.rng = np.random.default_rng(0)
+
+  def _token_values(self, n):
+    return self.rng.standard_normal((n, LAYERS, HKV, D)).astype(np.float32)
+
+  def _write(self, slots, values, layer):
+    """Writes values [BATCH, WIDTH, L, HKV, D] at slots into one layer: k = v, v = -k."""
+    k = jnp.asarray(values[:, :, layer])
+    self.pool = write_kv(self.pool, layer, slots, k, -k)
+
+  @rule(seq_ids=st.lists(st.integers(0, MAX_SEQS - 1), min_size=BATCH, max_size=BATCH,
+                         unique=True),
+        counts=st.lists(st.integers(0, WIDTH), min_size=BATCH, max_size=BATCH))
+  def reserve_and_write(self, seq_ids, counts):
+    free = NUM_PAGES - sum(-(-n // PAGE_SIZE) for n in self.lengths)
+    expected_ok = []
+    for s, n in zip(seq_ids, counts):
+      need = -(-(self.lengths[s] + n) // PAGE_SIZE) - -(-self.lengths[s] // PAGE_SIZE)
+      fits = need <= free and -(-(self.lengths[s] + n) // PAGE_SIZE) <= MAX_PAGES_PER_SEQ
+      expected_ok.append(fits)
+      free -= need if fits else 0
+    old_lengths = list(self.lengths)
+    self.pool, slots, ok = reserve(self.pool, jnp.asarray(seq_ids), jnp.asarray(counts))
+    assert np.asarray(ok).tolist() == expected_ok
+    slots = np.asarray(slots)
+    values = self._token_values(BATCH * WIDTH).reshape(BATCH, WIDTH, LAYERS, HKV, D)
+    for i, (s, n) in enumerate(zip(seq_ids, counts)):
+      if expected_ok[i]:
+        assert (slots[i, :n] >= 0).all() and (slots[i, n:] == -1).all()
+        self.lengths[s] += n
+        self.values[s].extend(values[i, :n])
+      else:
+        assert (slots[i] == -1).all()
+        assert int(self.pool.lengths[s]) == old_lengths[s]
+    for layer in range(LAYERS):
+      self._write(jnp.asarray(slots), values, layer)
+
+  @rule(seq_ids=st.lists(st.integers(0, MAX_SEQS - 1), min_size=2, max_size=2, unique=True))
+  def release(self, seq_ids):
+    self.pool = release(self.pool, jnp.asarray(seq_ids))
+    for s in seq_ids:
+      self.lengths[s] = 0
+      self.values[s] = []
+
+  @rule(data=st.data())
+  def overwrite_existing(self, data):
+    """Rewrites random cached positions through slots computed from the page table; the
+    rest of the slot matrix is negative padding that must not touch live data."""
+    live = [s for s in range(MAX_SEQS) if self.lengths[s]]
+    if not live:
+      return
+    slots = np.full((BATCH, WIDTH), -1, np.int32)
+    values = self._token_values(BATCH * WIDTH).reshape(BATCH, WIDTH, LAYERS, HKV, D)
+    table = np.asarray(self.pool.page_table)
+    s = data.draw(st.sampled_from(live))
+    positions = data.draw(st.lists(st.integers(0, self.lengths[s] - 1), min_size=1,
+                                   max_size=WIDTH, unique=True))
+    for j, p in enumerate(positions):
+      slots[0, j] = table[s, p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
+      self.values[s][p] = values[0, j]
+    slots[1:] = data.draw(st.sampled_from([-1, -7, -(2 ** 30)]))
+    for layer in range(LAYERS):
+      self._write(jnp.asarray(slots), values, layer)
+
+  @invariant()
+  def consistent(self):
+    p = self.pool
+    np.testing.assert_array_equal(p.lengths, self.lengths)
+    check_page_ownership(p)
+    assert int(p.num_free_pages()) == NUM_PAGES - sum(-(-n // PAGE_SIZE) for n in self.lengths)
+    k_pages, v_pages, table = (np.asarray(x) for x in (p.k_pages, p.v_pages, p.page_table))
+    for s in range(MAX_SEQS):
+      for pos, want in enumerate(self.values[s]):
+        page, off = table[s, pos // PAGE_SIZE], pos % PAGE_SIZE
+        np.testing.assert_array_equal(k_pages[:, :, page, off], want)
+        np.testing.assert_array_equal(v_pages[:, :, page, off], -want)
+
+
+PoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestPoolStateful = PoolMachine.TestCase
+
+
+def test_soak_leaks_no_page():
+  """Thousands of random reserve / release steps, all in one jitted loop."""
+  p = make_pool(num_pages=64, max_seqs=16, max_pages_per_seq=8)
+
+  def step(carry, key):
+    p, ok_count = carry
+    k1, k2, k3 = jax.random.split(key, 3)
+    ids = jax.random.permutation(k1, p.max_seqs)[:4]
+    counts = jax.random.randint(k2, (4,), 0, 12)
+    p, _, ok = kvpool.reserve(p, ids, counts, max_new_tokens=12)
+    p = kvpool.release(p, jax.random.permutation(k3, p.max_seqs)[:3])
+    return (p, ok_count + jnp.sum(ok)), p.num_free + jnp.sum(p.pages_used())
+
+  steps = 3000
+  (p, ok_count), totals = jax.jit(lambda p, keys: jax.lax.scan(step, (p, 0), keys))(
+      p, jax.random.split(jax.random.key(0), steps))
+  np.testing.assert_array_equal(totals, np.full(steps, 64))
+  assert 0 < int(ok_count) < 4 * steps  # both successes and refusals were exercised
+  check_page_ownership(p)
+  p = kvpool.release(p, jnp.arange(p.max_seqs))
+  assert int(p.num_free_pages()) == 64
+  check_page_ownership(p)
+
+
+def test_reserve_serves_in_order_and_later_ones_may_fit():
+  p = make_pool(num_pages=3)
+  p, slots, ok = kvpool.reserve(p, jnp.array([0, 1, 2]), jnp.array([8, 5, 4]))
+  # 0 takes 2 pages; 1 needs 2 but only 1 is left; 2 needs 1 and fits.
+  np.testing.assert_array_equal(ok, [True, False, True])
+  np.testing.assert_array_equal(slots[1], [-1] * 8)
+  np.testing.assert_array_equal(p.lengths[:3], [8, 0, 4])
+  assert int(p.num_free_pages()) == 0
+  check_page_ownership(p)
+
+
+def test_reserve_past_max_pages_per_seq_fails_cleanly():
+  p = make_pool()
+  limit = MAX_PAGES_PER_SEQ * PAGE_SIZE
+  p, _, ok = kvpool.reserve(p, jnp.array([0, 1]), jnp.array([limit, limit + 1]))
+  np.testing.assert_array_equal(ok, [True, False])
+  p, _, ok = kvpool.reserve(p, jnp.array([0]), 1)
+  assert not bool(ok[0]) and int(p.lengths[0]) == limit
+
+
+def test_reserve_slots_continue_a_partly_filled_page():
+  p = make_pool()
+  p, first, _ = kvpool.reserve(p, jnp.array([2]), 3)
+  p, second, _ = kvpool.reserve(p, jnp.array([2]), 3)
+  page0 = int(p.page_table[2, 0])
+  page1 = int(p.page_table[2, 1])
+  np.testing.assert_array_equal(first[0], [page0 * 4, page0 * 4 + 1, page0 * 4 + 2])
+  np.testing.assert_array_equal(second[0], [page0 * 4 + 3, page1 * 4, page1 * 4 + 1])
+
+
+def test_released_pages_are_reused():
+  p = make_pool(num_pages=2)
+  p, _, _ = kvpool.reserve(p, jnp.array([0]), 8)
+  pages = set(owned_pages(p)[0])
+  p = kvpool.release(p, jnp.array([0]))
+  p, _, ok = kvpool.reserve(p, jnp.array([3]), 8)
+  assert bool(ok[0]) and set(owned_pages(p)[3]) == pages
+
+
+def test_invalid_ids_under_jit_are_flagged_not_applied():
+  p = make_pool()
+  p, slots, ok = jax.jit(lambda p, ids: kvpool.reserve(p, ids, 2))(p, jnp.array([1, 1, 9, -1]))
+  np.testing.assert_array_equal(ok, [True, False, False, False])
+  assert (np.asarray(slots[1:]) == -1).all()
+  p = jax.jit(kvpool.release)(p, jnp.array([1, 1, 7]))  # the repeat must not free twice
+  assert int(p.num_free_pages()) == NUM_PAGES
+  check_page_ownership(p)
+
+
+def test_traced_counts_need_static_width():
+  p = make_pool()
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    jax.jit(lambda p, n: kvpool.reserve(p, jnp.array([0]), n))(p, jnp.array([2]))
+  _, _, ok = jax.jit(lambda p, n: kvpool.reserve(p, jnp.array([0]), n, max_new_tokens=2))(
+      p, jnp.array([3]))
+  assert not bool(ok[0])  # more tokens than the slot width: refused, not truncated
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda p: kvpool.reserve(p, [0, 0], 1), "distinct"),
+    (lambda p: kvpool.reserve(p, [MAX_SEQS], 1), r"seq_ids must be in \[0, max_seqs"),
+    (lambda p: kvpool.reserve(p, [0], -1), "num_new_tokens must be >= 0"),
+    (lambda p: kvpool.reserve(p, [0, 1], jnp.array([1, 2, 3])), "num_new_tokens must be"),
+    (lambda p: kvpool.release(p, [[0]]), "seq_ids must be a 1-D"),
+    (lambda p: kvpool.write_kv(p, 0, jnp.array([0]), jnp.ones((1, HKV, D + 1)),
+                               jnp.ones((1, HKV, D + 1))), "k must have shape"),
+    (lambda p: kvpool.write_kv(p, 0, jnp.array([NUM_PAGES * PAGE_SIZE]), jnp.ones((1, HKV, D)),
+                               jnp.ones((1, HKV, D))), "slots must be <"),
+    (lambda p: kvpool.write_kv(p, LAYERS, jnp.array([0]), jnp.ones((1, HKV, D)),
+                               jnp.ones((1, HKV, D))), "layer must be in"),
+    (lambda p: make_pool(num_pages=0), "num_pages must be a positive int"),
+])
+def test_bad_arguments_raise_clear_errors(call, match):
+  with pytest.raises(ValueError, match=match):
+    call(make_pool())
+
+
+def test_reserve_or_raise():
+  p = make_pool(num_pages=1)
+  p, slots = kvpool.reserve_or_raise(p, jnp.array([0]), 4)
+  assert slots.shape == (1, 4)
+  with pytest.raises(PoolExhausted, match=r"no room for sequences \[1\]"):
+    kvpool.reserve_or_raise(p, jnp.array([1]), 1)
+  assert int(p.num_free_pages()) == 0 and int(p.lengths[1]) == 0
+
+
+def test_size_pool():
+  sizing = kvpool.size_pool(num_layers=12, num_kv_heads=12, head_dim=64, page_size=16,
+                            dtype=jnp.bfloat16, available_bytes=10 * 2 ** 30, utilization=0.9)
+  per_page = 2 * 12 * 12 * 16 * 64 * 2
+  assert sizing.bytes_per_page == per_page
+  assert sizing.num_pages == int(10 * 2 ** 30 * 0.9) // per_page
+  assert "pages" in str(sizing) and "GiB" in str(sizing)
+  with pytest.raises(ValueError, match="utilization"):
+    kvpool.size_pool(num_layers=1, num_kv_heads=1, head_dim=64, page_size=16,
+                     available_bytes=2 ** 30, utilization=1.5)
+
+
+def test_pool_is_a_pytree():
+  p = make_pool()
+  leaves = jax.tree_util.tree_leaves(p)
+  assert len(leaves) == 6
+  chex.assert_trees_all_equal_shapes(p, jax.tree_util.tree_map(jnp.zeros_like, p))
+
+
+def test_donated_reserve_and_write_update_buffers_in_place():
+  """A jitted reserve+write with the pool donated reuses the K/V buffers: no pool copy."""
+  p = make_pool(num_pages=64, max_seqs=8, max_pages_per_seq=8)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(p, k):
+    p, slots, _ = kvpool.reserve(p, jnp.arange(4), 2)
+    return kvpool.write_kv(p, 1, slots, k, -k)
+
+  k = jnp.asarray(np.random.default_rng(5).standard_normal((4, 2, HKV, D)), jnp.float32)
+  pointers = (p.k_pages.unsafe_buffer_pointer(), p.v_pages.unsafe_buffer_pointer())
+  for _ in range(3):
+    old = p
+    p = step(p, k)
+    assert old.k_pages.is_deleted() and old.v_pages.is_deleted()
+    assert (p.k_pages.unsafe_buffer_pointer(), p.v_pages.unsafe_buffer_pointer()) == pointers
+  assert int(p.lengths[0]) == 6
