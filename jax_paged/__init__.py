@@ -3,3 +3,5 @@
 from jax_paged import reference
 from jax_paged import pool
 from jax_paged.pool import KVPool, PoolExhausted
+from jax_paged import nn
+from jax_paged.generate import generate

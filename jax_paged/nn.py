@@ -1,0 +1,131 @@
+"""Flax NNX layers for models whose KV cache lives in a `KVPool`.
+
+`PagedAttention` is a multi-head (MHA / GQA / MQA) self-attention layer that a model drops
+in place of its usual attention: it projects q/k/v for the new tokens, writes k/v into its
+layer's pages of the pool (`pool.write_kv`) and attends
+
+* over the new tokens with a causal mask for a prompt (`prefill`), and
+* over the sequence's pages with the paged decode kernel for one new token (`decode`).
+
+The caller reserves the slots (`pool.reserve`) once per step for all layers and passes
+them in; the layer never allocates.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_paged import pool as pool_lib
+from jax_paged import reference
+
+DecodeImpl = Literal["kernel", "reference"]
+_DECODE_ATTENTION = {
+    # TODO(issue 4): jax_paged.paged_attention.paged_decode_attention once it lands.
+    "kernel": reference.paged_decode_attention,
+    "reference": reference.paged_decode_attention,
+}
+
+
+class PagedAttention(nnx.Module):
+  """Self-attention with a paged KV cache.
+
+  Parameters: `qkv`, one fused projection [in_features, (num_heads + 2 * num_kv_heads) *
+  head_dim] whose output is q, then k, then v, each head-major (GPT-2's `c_attn` layout);
+  `out` [num_heads * head_dim, in_features].
+
+  Attributes:
+    decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
+      XLA elsewhere) or "reference" (`jax_paged.reference`, for comparisons).
+  """
+
+  def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
+               num_kv_heads: int | None = None, scale: float | None = None,
+               use_bias: bool = True, decode_impl: DecodeImpl = "kernel",
+               kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                       f"({num_kv_heads})")
+    if decode_impl not in ("kernel", "reference"):
+      raise ValueError(f"decode_impl must be 'kernel' or 'reference', got {decode_impl!r}")
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.scale = head_dim ** -0.5 if scale is None else scale
+    self.decode_impl = decode_impl
+    self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim,
+                          use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
+                          param_dtype=param_dtype, rngs=rngs)
+    self.out = nnx.Linear(num_heads * head_dim, in_features, use_bias=use_bias,
+                          kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype,
+                          rngs=rngs)
+
+  def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D]."""
+    h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+    q, k, v = jnp.split(self.qkv(x), [h * d, (h + hkv) * d], axis=-1)
+    lead = x.shape[:-1]
+    return (q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d)))
+
+  def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
+              lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+    """A prompt of fresh sequences: causal attention over the new tokens only.
+
+    The sequences must hold no tokens before this step (their cache is not read).
+
+    Args:
+      x: [B, T, in_features], prompts right-padded to T.
+      kv: the pool.
+      layer: this layer's index in the pool.
+      slots: int32 [B, T] from `reserve`; -1 at padding, which is never written.
+      lengths: int32 [B], real tokens per row (the rest is padding).
+
+    Returns:
+      (y [B, T, in_features], pool with this layer's K/V written). Rows past a prompt's
+      length are garbage.
+    """
+    q, k, v = self._project(x)
+    kv = pool_lib.write_kv(kv, layer, slots, k, v)
+    # Padded queries attend to the real keys before them, so no row is empty (no NaN).
+    y = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=True,
+                                     key_value_seq_lengths=lengths)
+    return self.out(y.reshape(y.shape[:2] + (-1,))), kv
+
+  def decode(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
+             page_table: jax.Array, lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+    """One new token per sequence, attending to everything in its pages.
+
+    Args:
+      x: [B, in_features].
+      kv: the pool.
+      layer: this layer's index in the pool (a Python int).
+      slots: int32 [B] the new tokens' slots from `reserve`; -1 = inactive row, not written.
+      page_table: int32 [B, max_pages_per_seq], the rows of `kv.page_table` of the batch.
+      lengths: int32 [B] tokens to attend to, the new one included (0 for an inactive row,
+        whose output is then 0).
+
+    Returns:
+      (y [B, in_features], pool with the new tokens' K/V written).
+    """
+    b = x.shape[0]
+    hkv, d = self.num_kv_heads, self.head_dim
+    q, k, v = self._project(x)
+    kv = pool_lib.write_kv(kv, layer, slots, k, v)
+    # Slicing one layer out of the pool would hand the kernel a copy of that layer's pages
+    # every step (a custom call cannot take a view). The whole pool reshaped to
+    # [1, layers * Hkv * pages, page_size, D] is a free bitcast instead: each (layer, kv head)
+    # owns a range of `num_pages` pages, and each (sequence, kv head) becomes one row of
+    # the batch, with its kv head's group of q heads and its page ids offset into that range.
+    shape = kv.k_pages.shape
+    flat = (1, shape[0] * shape[1] * shape[2]) + shape[3:]
+    heads = layer * hkv + jnp.arange(hkv, dtype=jnp.int32)
+    table = (page_table[:, None, :] + heads[None, :, None] * kv.num_pages).reshape(b * hkv, -1)
+    y = _DECODE_ATTENTION[self.decode_impl](
+        q.reshape(b * hkv, -1, d).astype(kv.k_pages.dtype), kv.k_pages.reshape(flat),
+        kv.v_pages.reshape(flat), table, jnp.repeat(lengths, hkv), scale=self.scale)
+    return self.out(y.reshape(b, -1).astype(x.dtype)), kv

@@ -1,0 +1,350 @@
+"""GPT-2 in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+
+The model is nanoGPT's: learned positions, pre-LayerNorm blocks, a gelu_new MLP and an LM
+head tied to the token embedding. Its attention is `jax_paged.nn.PagedAttention`, so the
+K/V cache lives in the pool's pages.
+
+The serving entry points are two pure step functions over (params, pool, tokens), which
+`jit_steps` compiles with the pool donated:
+
+    graphdef, params = nnx.split(model)
+    steps = jit_steps(graphdef)
+    logits, pool = steps.prefill(params, pool, tokens, prompt_lengths, seq_ids)
+    logits, pool = steps.decode(params, pool, next_tokens, seq_ids)
+
+Each reserves its slots inside the step (`pool.reserve`, once for all layers) and writes
+every layer's K/V into the pool, which is donated so XLA updates it in place. The decode
+step's shapes depend only on the batch capacity, so it compiles once per capacity.
+
+`from_pretrained` loads Hugging Face GPT-2 checkpoints (config.json + model.safetensors or
+pytorch_model.bin). HF's Conv1D stores weights as [in, out], which is already the layout
+of an `nnx.Linear` kernel, and `c_attn` packs q, k, v along `out` exactly as
+`PagedAttention.qkv` does, so no weight is transposed or split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged import nn as paged_nn
+from jax_paged import pool as pool_lib
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+  """GPT-2 hyperparameters under Hugging Face's field names (defaults: GPT-2 124M)."""
+
+  vocab_size: int = 50257
+  n_positions: int = 1024
+  n_embd: int = 768
+  n_layer: int = 12
+  n_head: int = 12
+  n_inner: int | None = None  # MLP width; None means 4 * n_embd
+  activation_function: str = "gelu_new"
+  layer_norm_epsilon: float = 1e-5
+  scale_attn_weights: bool = True
+  scale_attn_by_inverse_layer_idx: bool = False
+  initializer_range: float = 0.02
+  bos_token_id: int | None = 50256
+  eos_token_id: int | None = 50256
+
+  def __post_init__(self):
+    if self.n_embd % self.n_head:
+      raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+    if self.activation_function not in _ACTIVATIONS:
+      raise ValueError(f"activation_function {self.activation_function!r} is not supported; "
+                       f"use one of {sorted(_ACTIVATIONS)}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.n_embd // self.n_head
+
+  @classmethod
+  def from_dict(cls, config: dict[str, Any]) -> "GPT2Config":
+    """From a Hugging Face config dict; fields this model does not use are ignored."""
+    if config.get("tie_word_embeddings", True) is False:
+      raise ValueError("GPT2LMHeadModel ties its LM head to wte: tie_word_embeddings=False "
+                       "is not supported")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in config.items() if k in names})
+
+
+class MLP(nnx.Module):
+  def __init__(self, config: GPT2Config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    width = config.n_inner or 4 * config.n_embd
+    init = nnx.initializers.normal(config.initializer_range)
+    self.c_fc = nnx.Linear(config.n_embd, width, kernel_init=init, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+    self.c_proj = nnx.Linear(width, config.n_embd, kernel_init=init, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)
+    self.activation = _ACTIVATIONS[config.activation_function]
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.c_proj(self.activation(self.c_fc(x)))
+
+
+# attend(attention layer, normalised x, pool, layer index) -> (attention output, pool)
+Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
+                  tuple[jax.Array, pool_lib.KVPool]]
+
+
+class Block(nnx.Module):
+  def __init__(self, config: GPT2Config, layer: int, *, dtype, param_dtype,
+               decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
+    scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+    if config.scale_attn_by_inverse_layer_idx:
+      scale /= layer + 1
+    norm = functools.partial(nnx.LayerNorm, config.n_embd, epsilon=config.layer_norm_epsilon,
+                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.ln_1 = norm()
+    self.attn = paged_nn.PagedAttention(
+        config.n_embd, config.n_head, config.head_dim, scale=scale, decode_impl=decode_impl,
+        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
+    self.ln_2 = norm()
+    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, kv: pool_lib.KVPool, layer: int,
+               attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:
+    a, kv = attend(self.attn, self.ln_1(x), kv, layer)
+    x = x + a
+    return x + self.mlp(self.ln_2(x)), kv
+
+
+class GPT2LMHeadModel(nnx.Module):
+  """GPT-2 with an LM head tied to `wte`, attending through a `KVPool`.
+
+  Args:
+    config: the hyperparameters.
+    dtype: compute dtype (activations; the pool should match it).
+    param_dtype: parameter storage dtype; defaults to `dtype`.
+    decode_impl: the decode attention, see `jax_paged.nn.PagedAttention`.
+    rngs: initialisation randomness (normal(initializer_range) weights, as HF does).
+  """
+
+  def __init__(self, config: GPT2Config, *, dtype=jnp.float32, param_dtype=None,
+               decode_impl: paged_nn.DecodeImpl = "kernel", rngs: nnx.Rngs):
+    param_dtype = dtype if param_dtype is None else param_dtype
+    self.config = config
+    self.dtype = dtype
+    init = nnx.initializers.normal(config.initializer_range)
+    self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=init, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
+    self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=init, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
+    self.h = nnx.List([Block(config, i, dtype=dtype, param_dtype=param_dtype,
+                             decode_impl=decode_impl, rngs=rngs)
+                       for i in range(config.n_layer)])
+    self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+
+  def create_pool(self, *, num_pages: int, page_size: int, max_seqs: int,
+                  max_pages_per_seq: int, dtype=None) -> pool_lib.KVPool:
+    """An empty pool shaped for this model (dtype defaults to the compute dtype)."""
+    c = self.config
+    return pool_lib.KVPool.create(num_layers=c.n_layer, num_kv_heads=c.n_head,
+                                  head_dim=c.head_dim, num_pages=num_pages,
+                                  page_size=page_size, max_seqs=max_seqs,
+                                  max_pages_per_seq=max_pages_per_seq,
+                                  dtype=self.dtype if dtype is None else dtype)
+
+  def _forward(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
+               attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:
+    x = self.wte(tokens) + self.wpe(positions)
+    for layer, block in enumerate(self.h):
+      x, kv = block(x, kv, layer, attend)
+    return x, kv
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    return self.wte.attend(self.ln_f(x)).astype(jnp.float32)
+
+  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+              lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+    """Prompts of fresh sequences (see `prefill` below for the step).
+
+    Args:
+      tokens: int32 [B, T], right-padded.
+      kv: the pool, with slots reserved.
+      slots: int32 [B, T] from `reserve`, -1 at padding.
+      lengths: int32 [B] >= 1, the prompt lengths.
+
+    Returns:
+      (float32 logits [B, vocab] of each prompt's last token, pool).
+    """
+    b, t = tokens.shape
+    x, kv = self._forward(
+        tokens, jnp.arange(t)[None, :], kv,
+        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths))
+    last = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    return self._logits(last), kv
+
+  def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
+             slots: jax.Array, page_table: jax.Array,
+             lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+    """One token per sequence (see `decode` below for the step).
+
+    Args:
+      tokens, positions: int32 [B].
+      kv: the pool, with slots reserved.
+      slots: int32 [B] from `reserve`, -1 for inactive rows.
+      page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
+      lengths: int32 [B], tokens to attend to including the new one (0 = inactive).
+
+    Returns:
+      (float32 logits [B, vocab], pool).
+    """
+    x, kv = self._forward(
+        tokens, positions, kv,
+        lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths))
+    return self._logits(x), kv
+
+
+def prefill(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
+            tokens: jax.Array, prompt_lengths: jax.Array,
+            seq_ids: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+  """The prefill step: reserves and fills the pages of fresh sequences' prompts.
+
+  Args:
+    graphdef, params: `nnx.split(model)` of a `GPT2LMHeadModel`.
+    kv: the pool (donated by `jit_steps`). The sequences must be empty.
+    tokens: int32 [B, T], prompts right-padded to T (the padding value does not matter).
+    prompt_lengths: int32 [B] in [1, T].
+    seq_ids: int32 [B], distinct pool sequence ids.
+
+  Returns:
+    (float32 logits [B, vocab] of each prompt's last token, the new pool). A sequence
+    that did not fit in the pool is left empty (its length stays 0); check
+    `pool.lengths[seq_ids]` if the pool may run out.
+  """
+  model = nnx.merge(graphdef, params)
+  kv, slots, _ = pool_lib.reserve(kv, seq_ids, prompt_lengths, max_new_tokens=tokens.shape[1])
+  return model.prefill(tokens, kv, slots, prompt_lengths)
+
+
+def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
+           tokens: jax.Array, seq_ids: jax.Array,
+           active: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+  """The decode step: appends one token to each active sequence and returns its logits.
+
+  Args:
+    graphdef, params: `nnx.split(model)` of a `GPT2LMHeadModel`.
+    kv: the pool (donated by `jit_steps`). Its position for the token is the sequence's current length.
+    tokens: int32 [B] the newest token of each sequence.
+    seq_ids: int32 [B] distinct pool sequence ids (B is the batch capacity).
+    active: bool [B], rows to run (default all); inactive rows write nothing and their
+      logits are meaningless, so a fixed-capacity batch can carry empty rows.
+
+  Returns:
+    (float32 logits [B, vocab], the new pool). A row that found no free page is treated
+    as inactive and its length does not advance.
+  """
+  model = nnx.merge(graphdef, params)
+  active = jnp.ones(seq_ids.shape, bool) if active is None else active
+  positions = kv.lengths[seq_ids]
+  kv, slots, ok = pool_lib.reserve(kv, seq_ids, active.astype(jnp.int32), max_new_tokens=1)
+  lengths = jnp.where(active & ok, kv.lengths[seq_ids], 0)
+  return model.decode(tokens, positions, kv, slots[:, 0], kv.page_table[seq_ids], lengths)
+
+
+class Steps(NamedTuple):
+  """`prefill` and `decode` jitted for one model structure, graphdef bound, pool donated:
+  `steps.prefill(params, pool, tokens, prompt_lengths, seq_ids)` and
+  `steps.decode(params, pool, tokens, seq_ids, active=None)`."""
+
+  prefill: Callable[..., tuple[jax.Array, pool_lib.KVPool]]
+  decode: Callable[..., tuple[jax.Array, pool_lib.KVPool]]
+
+
+@functools.lru_cache(maxsize=8)
+def jit_steps(graphdef: nnx.GraphDef) -> Steps:
+  """The jitted steps of a model structure (`nnx.split(model)[0]`), cached per structure.
+
+  The graphdef is bound here rather than passed as a static argument because hashing it
+  costs about 1 ms for GPT-2 124M, as long as a whole decode step.
+  """
+  return Steps(prefill=jax.jit(functools.partial(prefill, graphdef), donate_argnums=1),
+               decode=jax.jit(functools.partial(decode, graphdef), donate_argnums=1))
+
+
+def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
+  """All tensors of a checkpoint directory, as numpy, keyed by name."""
+  safetensors_file = os.path.join(path, "model.safetensors")
+  torch_file = os.path.join(path, "pytorch_model.bin")
+  if os.path.exists(safetensors_file):
+    from safetensors.numpy import load_file  # optional dependencies: import only when used
+    return load_file(safetensors_file)
+  if os.path.exists(torch_file):
+    import torch
+    state = torch.load(torch_file, map_location="cpu", weights_only=True)
+    return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
+            for k, v in state.items()}
+  raise FileNotFoundError(f"no weights in {path}: expected model.safetensors or "
+                          "pytorch_model.bin")
+
+
+def _hf_name(path: tuple[Any, ...]) -> str:
+  """An nnx state path -> the Hugging Face parameter name (without `transformer.`)."""
+  rename = {"qkv": "c_attn", "out": "c_proj", "kernel": "weight", "scale": "weight",
+            "embedding": "weight"}
+  return ".".join(rename.get(p, str(p)) for p in path)
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+                    decode_impl: paged_nn.DecodeImpl = "kernel") -> GPT2LMHeadModel:
+  """Loads a Hugging Face GPT-2 checkpoint directory.
+
+  Args:
+    path: a directory with config.json and model.safetensors (or pytorch_model.bin), as
+      written by `transformers`' `save_pretrained`.
+    dtype, param_dtype, decode_impl: as for `GPT2LMHeadModel`.
+
+  Raises:
+    FileNotFoundError: the directory, its config.json or its weights file is missing.
+    ValueError: a weight is missing from the checkpoint or has the wrong shape.
+  """
+  path = os.fspath(path)
+  config_file = os.path.join(path, "config.json")
+  if not os.path.isfile(config_file):
+    raise FileNotFoundError(f"no config.json in {path}")
+  with open(config_file) as f:
+    config = GPT2Config.from_dict(json.load(f))
+  tensors = _load_checkpoint(path)
+  # Both GPT2Model ("h.0...") and GPT2LMHeadModel ("transformer.h.0...") checkpoints.
+  tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+
+  # Shapes only: the checkpoint supplies every value, so nothing is initialised twice.
+  abstract = nnx.eval_shape(lambda: GPT2LMHeadModel(config, dtype=dtype,
+                                                    param_dtype=param_dtype,
+                                                    decode_impl=decode_impl,
+                                                    rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+
+  def load(key_path, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    name = _hf_name(tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey)))
+    if name not in tensors:
+      raise ValueError(f"{path}: weight {name!r} (shape {spec.shape}) is missing from the "
+                       "checkpoint")
+    value = tensors[name]
+    if value.shape != spec.shape:
+      raise ValueError(f"{path}: weight {name!r} has shape {value.shape}, expected "
+                       f"{spec.shape} for config.json's hyperparameters")
+    return jnp.asarray(value, spec.dtype)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, state))

@@ -1,0 +1,250 @@
+"""GPT-2 on the paged pool against Hugging Face transformers' PyTorch GPT-2 (CPU, f32).
+
+Random-init HF models are saved with `save_pretrained` and loaded back through
+`models.gpt2.from_pretrained`, so loading is tested along with the math.
+
+Tolerance: logits are compared at 1e-4 absolute. Both sides compute in f32 and differ only
+in summation order (fused qkv, softmax, paged vs contiguous keys); the observed gap is
+~1e-6 on logits of magnitude ~1, while a wrong position, mask or page gives errors of
+order the logits themselves.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import jax_paged
+from models import gpt2
+
+PAGE = 8
+HF_CONFIG = dict(vocab_size=300, n_positions=64, n_embd=128, n_layer=2, n_head=2,
+                 initializer_range=0.1, bos_token_id=0, eos_token_id=0)
+
+
+def _hf_model(seed: int, **overrides) -> transformers.GPT2LMHeadModel:
+  torch.manual_seed(seed)
+  config = transformers.GPT2Config(**{**HF_CONFIG, **overrides}, attn_implementation="eager")
+  return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """(HF model, its save_pretrained directory)."""
+  hf = _hf_model(seed=1234)
+  path = tmp_path_factory.mktemp("gpt2")
+  hf.save_pretrained(path)
+  return hf, path
+
+
+def _hf_last_logits(hf, tokens: list[int]) -> np.ndarray:
+  with torch.no_grad():
+    return hf(torch.tensor([tokens])).logits[0, -1].numpy()
+
+
+def _padded(prompts: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+  width = max(map(len, prompts))
+  tokens = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def _prompts(rng, lengths) -> list[list[int]]:
+  return [rng.integers(1, HF_CONFIG["vocab_size"], n).tolist() for n in lengths]
+
+
+def test_prefill_and_decode_logits_match_hf(checkpoint):
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  graphdef, params = nnx.split(model)
+  steps = gpt2.jit_steps(graphdef)
+  rng = np.random.default_rng(0)
+  seqs = _prompts(rng, [3, 8, 13])  # ends inside, at and past a page boundary
+  kv = model.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  seq_ids = jnp.array([2, 0, 3], jnp.int32)
+  tokens, lengths = _padded(seqs)
+  logits, kv = steps.prefill(params, kv, tokens, lengths, seq_ids)
+  for step in range(12):
+    for i, seq in enumerate(seqs):
+      np.testing.assert_allclose(logits[i], _hf_last_logits(hf, seq), atol=1e-4,
+                                 err_msg=f"step {step} row {i}")
+    # Random next tokens, not argmax: every step sees fresh inputs.
+    nxt = rng.integers(1, HF_CONFIG["vocab_size"], len(seqs))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  np.testing.assert_array_equal(kv.lengths[seq_ids], [len(s) for s in seqs])
+
+
+def test_greedy_generate_matches_hf(checkpoint):
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(1), [1, 5, 8, 9, 17])
+  new = 14  # every prompt crosses at least one page boundary while decoding
+  ours = jax_paged.generate(model, prompts, new, page_size=PAGE)
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want
+
+
+def _check_pool_consistent(kv: jax_paged.KVPool) -> set[int]:
+  """Every page is owned by exactly one sequence or free; returns the owned pages."""
+  used = np.asarray(kv.pages_used())
+  table = np.asarray(kv.page_table)
+  owned = [int(p) for s in range(kv.max_seqs) for p in table[s, :used[s]]]
+  free = np.asarray(kv.free_pages)[:int(kv.num_free)].tolist()
+  assert len(owned) == len(set(owned)), "a page is owned twice"
+  assert sorted(owned + free) == list(range(kv.num_pages)), "pages lost or duplicated"
+  return set(owned)
+
+
+def test_pool_consistent_after_decoding_and_released_pages_reused(checkpoint):
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  graphdef, params = nnx.split(model)
+  steps = gpt2.jit_steps(graphdef)
+  rng = np.random.default_rng(2)
+  seqs = _prompts(rng, [6, 11, 2])
+  # Exactly enough pages (2 + 2 + 1), so the second round must reuse the released ones.
+  kv = model.create_pool(num_pages=5, page_size=PAGE, max_seqs=3, max_pages_per_seq=3)
+  ids = jnp.arange(3, dtype=jnp.int32)
+  tokens, lengths = _padded(seqs)
+  logits, kv = steps.prefill(params, kv, tokens, lengths, ids)
+  for _ in range(5):
+    nxt = np.asarray(jnp.argmax(logits, -1))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32), ids)
+  np.testing.assert_array_equal(kv.lengths, [11, 16, 7])
+  before = _check_pool_consistent(kv)
+  assert len(before) == 5
+
+  released = set(np.asarray(kv.page_table)[[0, 1], :2].ravel().tolist())
+  kv = jax_paged.pool.release(kv, jnp.array([0, 1]))
+  _check_pool_consistent(kv)
+  fresh = _prompts(rng, [15, 9])
+  tokens, lengths = _padded(fresh)
+  logits, kv = steps.prefill(params, kv, tokens, lengths, jnp.array([1, 0], jnp.int32))
+  assert released <= _check_pool_consistent(kv)
+  # Stale K/V in the reused pages must not leak into the new sequences.
+  for i, seq in enumerate(fresh):
+    np.testing.assert_allclose(logits[i], _hf_last_logits(hf, seq), atol=1e-4)
+  nxt = np.asarray(jnp.argmax(logits, -1))
+  logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32),
+                            jnp.array([1, 0], jnp.int32))
+  for i, seq in enumerate(fresh):
+    np.testing.assert_allclose(logits[i], _hf_last_logits(hf, seq + [int(nxt[i])]),
+                               atol=1e-4)
+  np.testing.assert_array_equal(kv.lengths, [10, 16, 7])
+  assert int(kv.num_free) == 0
+  _check_pool_consistent(kv)
+
+
+def test_decode_compiles_once_per_batch_capacity(checkpoint):
+  _, path = checkpoint
+  # A structure of its own, so that other tests' calls do not touch this jit cache.
+  model = gpt2.from_pretrained(path, decode_impl="reference")
+  graphdef, params = nnx.split(model)
+  steps = gpt2.jit_steps(graphdef)
+  kv = model.create_pool(num_pages=32, page_size=PAGE, max_seqs=4, max_pages_per_seq=8)
+  ids = jnp.arange(4, dtype=jnp.int32)
+  tokens, lengths = _padded(_prompts(np.random.default_rng(3), [4, 9, 1, 16]))
+  _, kv = steps.prefill(params, kv, tokens, lengths, ids)
+  rng = np.random.default_rng(4)
+  for step in range(20):  # lengths grow across pages; rows drop in and out
+    active = jnp.asarray(rng.random(4) < 0.7)
+    _, kv = steps.decode(params, kv, jnp.asarray(rng.integers(1, 300, 4), jnp.int32), ids,
+                         active)
+    assert steps.decode._cache_size() == 1, f"recompiled at step {step}"
+  assert steps.prefill._cache_size() == 1
+
+
+def test_from_pretrained_pytorch_bin_and_bf16(checkpoint, tmp_path):
+  hf, _ = checkpoint
+  torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+  hf.config.to_json_file(tmp_path / "config.json")
+  model = gpt2.from_pretrained(tmp_path)
+  prompt = _prompts(np.random.default_rng(5), [7])[0]
+  tokens, lengths = _padded([prompt])
+  kv = model.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
+  graphdef, params = nnx.split(model)
+  logits, _ = gpt2.jit_steps(graphdef).prefill(params, kv, tokens, lengths, jnp.array([0]))
+  np.testing.assert_allclose(logits[0], _hf_last_logits(hf, prompt), atol=1e-4)
+
+  half = gpt2.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(half)))
+  out = jax_paged.generate(half, [prompt], 4, page_size=PAGE)
+  assert len(out[0]) == 4
+
+
+def test_from_pretrained_errors(checkpoint, tmp_path):
+  _, path = checkpoint
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    gpt2.from_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text((path / "config.json").read_text())
+  with pytest.raises(FileNotFoundError, match="model.safetensors or pytorch_model.bin"):
+    gpt2.from_pretrained(tmp_path)
+
+  tensors = load_file(path / "model.safetensors")
+  del tensors["transformer.h.1.mlp.c_fc.weight"]
+  save_file(tensors, tmp_path / "model.safetensors")
+  with pytest.raises(ValueError, match=r"'h\.1\.mlp\.c_fc\.weight' \(shape \(128, 512\)\) is "
+                                       "missing"):
+    gpt2.from_pretrained(tmp_path)
+
+  config = json.loads((path / "config.json").read_text())
+  config["n_positions"] = 32
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  save_file(load_file(path / "model.safetensors"), tmp_path / "model.safetensors")
+  with pytest.raises(ValueError, match=r"'wpe\.weight' has shape \(64, 128\), expected "
+                                       r"\(32, 128\)"):
+    gpt2.from_pretrained(tmp_path)
+
+
+def test_generate_eos_sampling_and_argument_errors(checkpoint):
+  _, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(6), [3, 10])
+  greedy = jax_paged.generate(model, prompts, 8, page_size=PAGE)
+  eos = greedy[1][2]
+  stopped = jax_paged.generate(model, prompts, 8, page_size=PAGE, eos_token_id=eos)
+  for full, row in zip(greedy, stopped):
+    cut = full.index(eos) + 1 if eos in full else len(full)
+    assert row == full[:cut]
+
+  kwargs = dict(page_size=PAGE, temperature=1.5, top_k=50, top_p=0.95)
+  a = jax_paged.generate(model, prompts, 8, seed=1, **kwargs)
+  assert a == jax_paged.generate(model, prompts, 8, seed=1, **kwargs)
+  assert a != jax_paged.generate(model, prompts, 8, seed=2, **kwargs)
+  assert all(0 <= t < HF_CONFIG["vocab_size"] for row in a for t in row)
+
+  with pytest.raises(ValueError, match="n_positions=64"):
+    jax_paged.generate(model, prompts, 60)
+  with pytest.raises(ValueError, match="non-empty"):
+    jax_paged.generate(model, [[1], []], 2)
+
+
+@pytest.mark.gpu
+def test_decode_with_triton_kernel_matches_reference_on_gpu(tmp_path):
+  # head_dim 64: a shape the Triton kernel supports.
+  hf = _hf_model(seed=7, n_embd=256, n_head=4, n_layer=3)
+  hf.save_pretrained(tmp_path)
+  prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
+  with jax.default_matmul_precision("highest"):
+    kernel = jax_paged.generate(gpt2.from_pretrained(tmp_path), prompts, 24, page_size=16)
+    ref = jax_paged.generate(gpt2.from_pretrained(tmp_path, decode_impl="reference"),
+                             prompts, 24, page_size=16)
+  assert kernel == ref
+  for prompt, got in zip(prompts, kernel):
+    with torch.no_grad():
+      want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want
