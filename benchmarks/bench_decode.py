@@ -1,0 +1,176 @@
+"""Paged decode attention on the GPU: ours vs XLA gather+einsum vs jax's Pallas op.
+
+Usage (device machine): PYTHONPATH=. python benchmarks/bench_decode.py [--sweep] [--shapes a,b]
+Prints a markdown table (% of the HBM read ceiling measured in the same run) and writes
+decode.png / decode.json to $OUT (or the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+import jax_paged
+from jax_paged import reference
+
+# name: (B, H, Hkv, D, L, page_size, ragged)
+SHAPES = {
+    "gpt2-b64-l1k": (64, 12, 12, 64, 1024, 16, False),
+    "gpt2-b256-l1k": (256, 12, 12, 64, 1024, 16, False),
+    "gqa-b32-l4k": (32, 32, 8, 128, 4096, 16, False),
+    "gqa-b1-l32k": (1, 32, 8, 128, 32768, 16, False),
+    "mha-b64-l2k": (64, 32, 32, 128, 2048, 16, False),
+    "gpt2-b64-l1k-ragged": (64, 12, 12, 64, 1024, 16, True),
+    "gqa-b32-l4k-ragged": (32, 32, 8, 128, 4096, 16, True),
+}
+
+
+def make_inputs(b, h, hkv, d, length, page_size, ragged, seed=0):
+  pages_per_seq = length // page_size
+  num_pages = b * pages_per_seq
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (b, h, d), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (hkv, num_pages, page_size, d), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (hkv, num_pages, page_size, d), jnp.bfloat16)
+  table = jax.random.permutation(ks[3], num_pages).reshape(b, pages_per_seq).astype(jnp.int32)
+  if ragged:
+    lengths = jax.random.randint(ks[4], (b,), 1, length + 1).astype(jnp.int32)
+  else:
+    lengths = jnp.full((b,), length, jnp.int32)
+  return q, k, v, table, lengths
+
+
+def kv_bytes(k, lengths):
+  hkv, _, _, d = k.shape
+  return 2 * int(np.sum(np.asarray(lengths))) * hkv * d * k.dtype.itemsize
+
+
+def ours_configs(group, sweep):
+  if not sweep:
+    return [dict()]
+  if group == 1:
+    grid = [dict(block_n=n, num_warps=w, num_stages=s)
+            for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+  else:
+    grid = [dict(block_n=n, num_warps=w, num_stages=s)
+            for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+  return [dict()] + grid
+
+
+def split_options(b, hkv, length, sweep):
+  if not sweep:
+    return [None]
+  return [None] + [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * hkv * s <= 16384
+                   and length // s >= 64]
+
+
+def bench_jax_pallas(args, length, page_size):
+  """Best time of jax.experimental.pallas.ops.gpu.paged_attention over its knobs."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jpa  # pylint: disable=g-import-not-at-top
+  q, k, v, table, lengths = args
+  best, errors = None, []
+  pages = length // page_size
+  for k_splits in (1, 2, 4, 8, 16):
+    for ppcb in (4, 8, 16):
+      if pages % k_splits or (pages // k_splits) % min(ppcb, pages // k_splits):
+        continue
+      fn = jax.jit(lambda *a, ks=k_splits, pp=ppcb: jpa.paged_attention(
+          *a, k_splits=ks, pages_per_compute_block=pp))
+      try:
+        t = common.time_fn(fn, q, k, v, table, lengths)
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(f"k_splits={k_splits} ppcb={ppcb}: {type(e).__name__}: {str(e)[:200]}")
+        continue
+      if best is None or t < best[0]:
+        best = (t, dict(k_splits=k_splits, pages_per_compute_block=ppcb))
+  return best, errors
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--sweep", action="store_true", help="also sweep our kernel's knobs")
+  parser.add_argument("--shapes", default=",".join(SHAPES))
+  parser.add_argument("--no-peers", action="store_true", help="skip XLA and jax's Pallas op")
+  opts = parser.parse_args()
+
+  ceiling = common.read_ceiling_gbs()
+  print(f"# decode attention: {common.header()}; read ceiling {ceiling:.0f} GB/s", flush=True)
+  rows, log = [], {"header": common.header(), "ceiling_gbs": ceiling, "shapes": {}}
+  for name in opts.shapes.split(","):
+    b, h, hkv, d, length, page_size, ragged = SHAPES[name]
+    args = make_inputs(b, h, hkv, d, length, page_size, ragged)
+    nbytes = kv_bytes(args[1], args[4])
+    entry = {"bytes": nbytes, "ours": []}
+    expected = reference.paged_decode_attention(*args).astype(jnp.float32)
+    for cfg in ours_configs(h // hkv, opts.sweep):
+      for splits in split_options(b, hkv, length, opts.sweep and not cfg):
+        kw = dict(cfg, num_splits=splits)
+        fn = jax.jit(lambda *a, kw=kw: jax_paged.paged_decode_attention(*a, **kw))
+        try:
+          err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - expected)))
+          t = common.time_fn(fn, *args)
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"{name} {kw}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
+        entry["ours"].append({"cfg": kw, "us": t * 1e6, "gbs": nbytes / t / 1e9, "max_err": err})
+        print(f"{name} ours {kw}: {t*1e6:.1f} us {nbytes/t/1e9:.0f} GB/s "
+              f"({100*nbytes/t/1e9/ceiling:.1f}%) err {err:.3g}", flush=True)
+    default = entry["ours"][0]
+    best = max(entry["ours"], key=lambda r: r["gbs"])
+    xla_gbs = pallas_gbs = float("nan")
+    if not opts.no_peers:
+      t = common.time_fn(jax.jit(reference.paged_decode_attention), *args)
+      xla_gbs = nbytes / t / 1e9
+      jbest, errors = bench_jax_pallas(args, length, page_size)
+      entry["jax_pallas_errors"] = errors
+      if errors:
+        print(f"{name} jax pallas errors: {errors[:2]}", flush=True)
+      if jbest:
+        pallas_gbs = nbytes / jbest[0] / 1e9
+        entry["jax_pallas"] = {"us": jbest[0] * 1e6, "cfg": jbest[1]}
+    entry.update(xla_gbs=xla_gbs, pallas_gbs=pallas_gbs)
+    log["shapes"][name] = entry
+    rows.append((name, nbytes, default, best, xla_gbs, pallas_gbs))
+
+  pct = lambda g: f"{100 * g / ceiling:.1f}%"
+  print(f"\n{common.header()}; read ceiling {ceiling:.0f} GB/s\n")
+  print("| shape | KV MB | ours default µs | ours GB/s | ours % | best cfg % (cfg) | XLA % | "
+        "jax Pallas % |")
+  print("|---|---|---|---|---|---|---|---|")
+  for name, nbytes, default, best, xla_gbs, pallas_gbs in rows:
+    print(f"| {name} | {nbytes/1e6:.0f} | {default['us']:.1f} | {default['gbs']:.0f} | "
+          f"{pct(default['gbs'])} | {pct(best['gbs'])} ({best['cfg']}) | {pct(xla_gbs)} | "
+          f"{pct(pallas_gbs)} |")
+  out = common.out_dir()
+  with open(os.path.join(out, "decode.json"), "w") as f:
+    json.dump(log, f, indent=1, default=str)
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, (label, key) in enumerate((("ours", 2), ("XLA gather+einsum", 4),
+                                      ("jax Pallas paged_attention", 5))):
+      vals = [100 * (r[key]["gbs"] if isinstance(r[key], dict) else r[key]) / ceiling
+              for r in rows]
+      ax.bar(x + (i - 1) * 0.27, vals, 0.27, label=label)
+    ax.set_xticks(x, [r[0] for r in rows], rotation=20, fontsize=8)
+    ax.set_ylabel("% of HBM read ceiling")
+    ax.set_title(f"Paged decode attention, bf16 ({common.header()})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "decode.png"), dpi=110)
+  except Exception:  # pylint: disable=broad-except
+    traceback.print_exc()
+
+
+if __name__ == "__main__":
+  main()

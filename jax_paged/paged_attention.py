@@ -1,0 +1,251 @@
+"""Paged decode attention: a split-KV (flash-decoding) Pallas-Triton kernel.
+
+One query token per sequence attends to that sequence's K/V, stored in fixed-size pages
+of a shared pool (`k_pages`, `v_pages`: [Hkv, num_pages, page_size, D]) and located
+through `page_table`. Semantics are exactly `jax_paged.reference.paged_decode_attention`.
+
+Grid (B, Hkv, num_splits). A program owns one (sequence, kv head) and one contiguous
+slice of that sequence's tokens; all q heads sharing the kv head are handled together so
+each K/V byte is read from HBM once. Each step it takes `block_n` tokens, looks up every
+token's page (`page_table[b, t // page_size]`: the pointers are formed per token, as in
+vLLM's Triton kernel, so the K/V tile is loaded directly as a 2-D [block_n, D] gather with
+16-byte accesses along D and no reshape), and updates an f32 online softmax. Only page
+table entries of tokens below the sequence length are read or used as indices. With
+several splits the per-split (o, lse) partials go through the merge kernel.
+
+MHA (one q head per kv head) computes q.k and p.v elementwise on CUDA cores: a 1-row
+tensor-core dot would pad q to 16 rows and waste 15/16 of the work. GQA / MQA pad the
+group to >= 16 rows and use tensor-core dots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jax_paged import merge_attention
+from jax_paged import reference
+from jax_paged import triton_backend
+from jax_paged import validation
+
+# Auto split heuristic: aim for this many programs per SM so every SM has work and the
+# ragged tail of the last wave is small.
+_PROGRAMS_PER_SM = 4
+# A split should walk at least this many blocks of tokens, else its fixed costs (q load,
+# partial write, merge) dominate.
+_MIN_BLOCKS_PER_SPLIT = 4
+_MAX_SPLITS = 128
+
+
+def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                   scale: float, logits_soft_cap: float | None, sliding_window: int | None,
+                   page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
+                   block_n: int, num_splits: int):
+  """One (sequence b, kv head, split) program.
+
+  Refs are whole arrays: lengths [B], page_table [B, max_pages], q [B, H, D],
+  k/v [Hkv, num_pages * page_size, D], o [S, B, H, D], lse [S, B, H].
+  """
+  b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = lengths_ref[b]
+  first = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+  # Split the live tokens evenly (rounded to whole blocks) over the splits.
+  per_split = pl.cdiv(pl.cdiv(length - first, num_splits), block_n) * block_n
+  lo = first + split * per_split
+  hi = jnp.minimum(lo + per_split, length)
+  num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_n)
+
+  cols = jnp.arange(block_d)
+  col_mask = cols < head_dim if block_d != head_dim else None
+  mha = block_g == 1
+  if mha:
+    heads = kv_head
+    head_mask = None
+    q_idx = (b, heads, cols)
+    q_mask = col_mask
+  else:
+    g = jnp.arange(block_g)
+    heads = kv_head * group + g
+    head_mask = g < group if block_g != group else None
+    q_idx = (b, heads[:, None], cols[None, :])
+    q_mask = triton_backend.and_masks(head_mask, col_mask)
+  q = plgpu.load(q_ref.at[q_idx], mask=q_mask, other=None if q_mask is None else 0.0)
+  if mha:
+    q = q.astype(jnp.float32) * scale
+
+  def body(i, carry):
+    m, l, acc = carry
+    tok = lo + i * block_n + jnp.arange(block_n)
+    live = tok < hi
+    pages = plgpu.load(page_table_ref.at[b, tok // page_size], mask=live, other=0)
+    rows = pages * page_size + tok % page_size
+    kv_idx = (kv_head, rows[:, None], cols[None, :])
+    kv_mask = triton_backend.and_masks(live, col_mask)
+    k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0.0)
+    if mha:
+      logits = jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1)  # [block_n]
+    else:
+      logits = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32) * scale
+    if logits_soft_cap is not None:
+      logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    logits = jnp.where(live, logits, -jnp.inf)
+    # Every block holds at least one live token, so m_new is finite.
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(logits - (m_new if mha else m_new[:, None]))
+    v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0)
+    if mha:
+      pv = jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+      acc = acc * alpha + pv
+    else:
+      pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+      acc = acc * alpha[:, None] + pv
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+  rows_shape = () if mha else (block_g,)
+  init = (jnp.full(rows_shape, -jnp.inf, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
+          jnp.zeros(rows_shape + (block_d,), jnp.float32))
+  m, l, acc = lax.fori_loop(0, num_blocks, body, init)
+
+  nonempty = l > 0
+  out = acc / (jnp.where(nonempty, l, 1.0) if mha else jnp.where(nonempty, l, 1.0)[:, None])
+  lse = jnp.where(nonempty, m + jnp.log(l), -jnp.inf)
+  o_mask = col_mask if mha else triton_backend.and_masks(head_mask, col_mask)
+  plgpu.store(o_ref.at[(split,) + q_idx], out.astype(o_ref.dtype), mask=o_mask)
+  plgpu.store(lse_ref.at[split, b, heads], lse, mask=head_mask)
+
+
+@functools.partial(jax.jit, static_argnames=[
+    "scale", "logits_soft_cap", "sliding_window", "num_splits", "return_lse", "interpret",
+    "block_n", "num_warps", "num_stages"])
+def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, *, scale: float,
+                         logits_soft_cap: float | None, sliding_window: int | None,
+                         num_splits: int, return_lse: bool, interpret: bool, block_n: int,
+                         num_warps: int, num_stages: int):
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  block_g = 1 if group == 1 else max(16, pl.next_power_of_2(group))
+  # Token-major views of the pools (free reshapes): row = page * page_size + offset.
+  k_rows = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+  v_rows = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+  kernel = functools.partial(
+      _decode_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
+      sliding_window=sliding_window, page_size=page_size, head_dim=head_dim,
+      block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
+      num_splits=num_splits)
+  # One split writes the final output directly; partials stay f32 for the merge.
+  part_dtype = q.dtype if num_splits == 1 else jnp.float32
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, num_splits),
+      out_shape=(jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), part_dtype),
+                 jax.ShapeDtypeStruct((num_splits, batch, num_heads), jnp.float32)),
+      compiler_params=triton_backend.compiler_params(num_warps=num_warps,
+                                                     num_stages=num_stages),
+      interpret=interpret,
+      name="paged_decode_attention",
+  )(lengths, page_table, q, k_rows, v_rows)
+  if num_splits == 1:
+    o, lse = o[0], lse[0]
+  else:
+    o, lse = merge_attention.merge_states_pallas(
+        [(o.reshape(num_splits, batch * num_heads, head_dim),
+          lse.reshape(num_splits, batch * num_heads))], out_dtype=q.dtype, interpret=interpret)
+    o, lse = o.reshape(q.shape), lse.reshape(q.shape[:-1])
+  return (o, lse) if return_lse else o
+
+
+_paged_decode_reference = jax.jit(
+    reference.paged_decode_attention,
+    static_argnames=["scale", "logits_soft_cap", "sliding_window", "return_lse"])
+
+
+def default_block_config(group: int, head_dim: int) -> tuple[int, int, int]:
+  """(block_n, num_warps, num_stages) measured best for a group size and head dim."""
+  del group, head_dim
+  return 64, 4, 3
+
+
+def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int) -> int:
+  """Splits so that batch x kv heads x splits fills the GPU without tiny splits.
+
+  Args:
+    batch, num_kv_heads: the grid's other two axes.
+    max_tokens: most tokens a sequence can attend to (static bound on the lengths).
+    block_n: tokens per kernel step.
+  """
+  wanted = pl.cdiv(_PROGRAMS_PER_SM * triton_backend.sm_count(), batch * num_kv_heads)
+  most = max(1, max_tokens // (_MIN_BLOCKS_PER_SPLIT * block_n))
+  return max(1, min(wanted, most, _MAX_SPLITS))
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, lengths: jax.Array, *,
+                           scale: float | None = None, logits_soft_cap: float | None = None,
+                           sliding_window: int | None = None, num_splits: int | None = None,
+                           return_lse: bool = False, interpret: bool | None = None,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None):
+  """One query token per sequence attending to its paged K/V cache.
+
+  Args:
+    q: [B, H, D] float32 / bfloat16 / float16; D in (64, 80, 96, 128, 256).
+    k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype; H % Hkv == 0; page_size
+      a power of two in [8, 128].
+    page_table: int32 [B, max_pages_per_seq], physical page ids; entries past a
+      sequence's last page are never read.
+    lengths: int32 [B], tokens in each sequence's cache (0 = empty).
+    scale: logits = scale * q.k; defaults to D ** -0.5.
+    logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
+    sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
+    num_splits: KV partitions per sequence (flash-decoding); None picks from B x Hkv
+      against the GPU's SM count and max_pages_per_seq.
+    return_lse: also return the log-sum-exp of the final logits.
+    interpret: None = Triton kernel on GPU, plain XLA elsewhere; True = Pallas interpret
+      mode (tests); False = Triton kernel.
+    block_n, num_warps, num_stages: kernel tuning knobs (tokens per step, Triton warps,
+      pipeline stages); None = measured defaults.
+
+  Returns:
+    out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
+    A sequence of length 0 gives out 0 and lse -inf.
+  """
+  validation.check_decode_args(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                               logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                               strict_kernel_shapes=True)
+  for name, knob in (("num_splits", num_splits), ("block_n", block_n),
+                     ("num_warps", num_warps), ("num_stages", num_stages)):
+    if knob is not None and not (isinstance(knob, int) and knob > 0):
+      raise ValueError(f"{name} must be a positive int or None, got {knob!r}")
+  if block_n is not None and block_n & (block_n - 1):
+    raise ValueError(f"block_n must be a power of two, got {block_n}")
+  scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+  logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+  mode = triton_backend.resolve_interpret(interpret)
+  if mode is None or q.size == 0:
+    return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                                   logits_soft_cap=logits_soft_cap,
+                                   sliding_window=sliding_window, return_lse=return_lse)
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  default_n, default_warps, default_stages = default_block_config(num_heads // num_kv_heads,
+                                                                  head_dim)
+  block_n = block_n or default_n
+  if num_splits is None:
+    max_tokens = page_table.shape[1] * page_size
+    if sliding_window is not None:
+      max_tokens = min(max_tokens, sliding_window + page_size)
+    num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n)
+  return _paged_decode_pallas(
+      q, k_pages, v_pages, page_table, lengths, scale=scale, logits_soft_cap=logits_soft_cap,
+      sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
+      interpret=mode, block_n=block_n, num_warps=num_warps or default_warps,
+      num_stages=num_stages or default_stages)

@@ -1,0 +1,63 @@
+"""Shared bits of the Pallas-Triton kernels: backend choice, compiler params, GPU size.
+
+jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton pallas_call is
+lowered. Lowering happens when the enclosing `jax.jit` compiles, which may be a user's jit
+long after our function returned, so a `catch_warnings` around our call cannot see it: the
+filter below is process-wide but matches only that exact message.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax.experimental.pallas import triton as plgpu
+
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+# H100 / H200 SXM; used when the device does not report its multiprocessor count.
+_DEFAULT_SM_COUNT = 132
+
+
+def _silence_triton_deprecation() -> None:
+  # Re-installed on every use (filterwarnings de-duplicates): `catch_warnings` blocks
+  # such as pytest's restore the filter list when they exit.
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def compiler_params(*, num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+  """Triton compiler params, with the backend's deprecation warning silenced."""
+  _silence_triton_deprecation()
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def resolve_interpret(interpret: bool | None) -> bool | None:
+  """Maps the public `interpret` knob to how a kernel runs.
+
+  Returns False (compile the Triton kernel), True (Pallas interpret mode) or None (no
+  kernel: the caller uses its plain-XLA reference). `None` picks the kernel on a GPU
+  and the plain-XLA path elsewhere, so CPU users get XLA's speed, not the interpreter's.
+  """
+  if interpret is None:
+    return False if jax.default_backend() == "gpu" else None
+  return bool(interpret)
+
+
+@functools.cache
+def sm_count() -> int:
+  """Streaming multiprocessors on the default device (132 if it does not say)."""
+  device = jax.devices()[0]
+  return int(getattr(device, "core_count", 0) or _DEFAULT_SM_COUNT)
+
+
+def and_masks(outer, inner, rank: int = 2):
+  """outer [..] (rank - 1 dims) & inner [C] -> a mask broadcastable to rank dims."""
+  if outer is None and inner is None:
+    return None
+  if inner is None:
+    return outer[..., None]
+  inner = inner.reshape((1,) * (rank - 1) + inner.shape)
+  return inner if outer is None else outer[..., None] & inner

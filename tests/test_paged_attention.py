@@ -1,0 +1,194 @@
+"""Paged decode attention kernel vs the plain-jnp reference.
+
+CPU: the Pallas kernel in interpret mode on small shapes. `-m gpu`: the compiled Triton
+kernel. Inputs are fresh random values, page tables are random permutations of the pool,
+and entries past each sequence's last page hold garbage (negative / out of range) that
+must never be used as an index.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_paged
+from jax_paged import paged_attention as pa
+from jax_paged import reference
+
+_TOL = {jnp.float32: dict(atol=2e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2),
+        jnp.float16: dict(atol=2e-3, rtol=2e-3)}
+_SEED = iter(range(10**6))
+
+
+def make_inputs(batch, num_heads, num_kv_heads, head_dim, page_size, max_pages, dtype,
+                lengths, seed=None):
+  """Random q/K/V, a permuted page table with garbage past each sequence's last page."""
+  key = jax.random.key(next(_SEED) if seed is None else seed)
+  kq, kk, kv, kp, kg = jax.random.split(key, 5)
+  num_pages = batch * max_pages + 3
+  q = jax.random.normal(kq, (batch, num_heads, head_dim), dtype)
+  k_pages = jax.random.normal(kk, (num_kv_heads, num_pages, page_size, head_dim), dtype)
+  v_pages = jax.random.normal(kv, (num_kv_heads, num_pages, page_size, head_dim), dtype)
+  table = jax.random.permutation(kp, num_pages)[:batch * max_pages].reshape(batch, max_pages)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  used = (lengths + page_size - 1) // page_size
+  garbage = jax.random.randint(kg, table.shape, -10**6, 10**6)
+  table = jnp.where(jnp.arange(max_pages)[None, :] < used[:, None], table, garbage)
+  return q, k_pages, v_pages, table.astype(jnp.int32), lengths
+
+
+def check_against_reference(args, *, interpret, **kwargs):
+  q, *_, lengths = args
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window")
+                if k in kwargs}
+  out, lse = jax_paged.paged_decode_attention(*args, return_lse=True, interpret=interpret,
+                                              **kwargs)
+  ref_out, ref_lse = reference.paged_decode_attention(*args, return_lse=True, **ref_kwargs)
+  chex.assert_trees_all_equal_shapes_and_dtypes((out, lse), (ref_out, ref_lse))
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert not np.isnan(np.asarray(lse)).any()
+  empty = np.asarray(lengths) == 0
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
+  np.testing.assert_array_equal(np.asarray(lse)[empty], -np.inf)
+  chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32),
+                              **_TOL[q.dtype.type])
+  chex.assert_trees_all_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+# (heads, kv heads, head dim, page size, dtype): MHA / GQA / MQA, every head dim, page
+# sizes 8..128, the three dtypes.
+_CPU_GRID = [
+    (4, 4, 64, 8, jnp.float32),
+    (4, 4, 80, 16, jnp.bfloat16),
+    (2, 2, 256, 32, jnp.float16),
+    (8, 2, 128, 16, jnp.float32),
+    (8, 2, 96, 8, jnp.bfloat16),
+    (6, 3, 64, 128, jnp.float32),
+    (8, 1, 128, 64, jnp.float16),
+    (16, 1, 80, 16, jnp.float32),
+    (32, 8, 256, 16, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", _CPU_GRID)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_matches_reference_interpret(num_heads, num_kv_heads, head_dim, page_size, dtype,
+                                     num_splits):
+  # Ragged: empty, one token, an exact page multiple, a partial last page.
+  lengths = [0, 1, 2 * page_size, 3 * page_size - 5]
+  args = make_inputs(4, num_heads, num_kv_heads, head_dim, page_size, 3, dtype, lengths)
+  check_against_reference(args, interpret=True, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(logits_soft_cap=3.0, num_splits=2),
+    dict(sliding_window=13, num_splits=2),
+    dict(sliding_window=40, logits_soft_cap=7.0, scale=0.3),
+    dict(num_splits=None),
+    dict(num_splits=7),  # more splits than blocks: some splits are empty
+])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_options_interpret(kwargs, num_heads, num_kv_heads):
+  args = make_inputs(3, num_heads, num_kv_heads, 64, 8, 6, jnp.float32, [0, 45, 23])
+  check_against_reference(args, interpret=True, block_n=16, **kwargs)
+
+
+def test_default_block_size_and_all_empty_interpret():
+  args = make_inputs(2, 8, 2, 128, 16, 8, jnp.bfloat16, [0, 0])
+  check_against_reference(args, interpret=True)
+  args = make_inputs(2, 4, 4, 64, 16, 8, jnp.float32, [128, 77])
+  check_against_reference(args, interpret=True)
+
+
+def test_jit_and_vmap_interpret():
+  args = make_inputs(2, 8, 2, 64, 8, 3, jnp.float32, [20, 7])
+  fn = functools.partial(jax_paged.paged_decode_attention, interpret=True, num_splits=2,
+                         block_n=16)
+  expected = reference.paged_decode_attention(*args)
+  chex.assert_trees_all_close(jax.jit(fn)(*args), expected, atol=2e-5, rtol=1e-5)
+  # vmap over a leading "layer" axis of q and the pools.
+  q, k, v, table, lengths = args
+  stacked = (jnp.stack([q, -q]), jnp.stack([k, v]), jnp.stack([v, k]))
+  out = jax.vmap(fn, in_axes=(0, 0, 0, None, None))(*stacked, table, lengths)
+  for layer in range(2):
+    expected = reference.paged_decode_attention(stacked[0][layer], stacked[1][layer],
+                                                stacked[2][layer], table, lengths)
+    chex.assert_trees_all_close(out[layer], expected, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_default_is_reference_path():
+  args = make_inputs(2, 4, 2, 64, 8, 3, jnp.float32, [9, 24])
+  chex.assert_trees_all_close(jax_paged.paged_decode_attention(*args),
+                              reference.paged_decode_attention(*args), atol=1e-6)
+
+
+def test_auto_num_splits():
+  # Small batch, long context: split to fill the GPU; big batch: no split.
+  assert pa.auto_num_splits(1, 8, 32768, 32) > 16
+  assert pa.auto_num_splits(256, 12, 1024, 64) == 1
+  # Short sequences are never split into less than a few blocks each.
+  assert pa.auto_num_splits(1, 1, 128, 32) == 1
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(q=jnp.zeros((2, 4, 64, 1))), "q"),
+    (dict(k_pages=jnp.zeros((3, 5, 8, 64)), v_pages=jnp.zeros((3, 5, 8, 64))), "num_kv_heads"),
+    (dict(q=jnp.zeros((2, 4, 72)), k_pages=jnp.zeros((2, 5, 8, 72)),
+          v_pages=jnp.zeros((2, 5, 8, 72))), "head_dim"),
+    (dict(k_pages=jnp.zeros((4, 5, 12, 64)), v_pages=jnp.zeros((4, 5, 12, 64))), "page_size"),
+    (dict(page_table=jnp.zeros((2, 3), jnp.float32)), "page_table"),
+    (dict(lengths=jnp.zeros((3,), jnp.int32)), "lengths"),
+    (dict(q=jnp.zeros((2, 4, 64), jnp.int8)), "q"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(block_n=24), "block_n"),
+])
+def test_bad_inputs_raise(change, name):
+  kwargs = dict(q=jnp.zeros((2, 4, 64)), k_pages=jnp.zeros((4, 5, 8, 64)),
+                v_pages=jnp.zeros((4, 5, 8, 64)), page_table=jnp.zeros((2, 3), jnp.int32),
+                lengths=jnp.zeros((2,), jnp.int32))
+  kwargs.update(change)
+  with pytest.raises(ValueError, match=name):
+    jax_paged.paged_decode_attention(**kwargs)
+
+
+_GPU_GRID = [
+    (12, 12, 64, 16, jnp.bfloat16),
+    (32, 8, 128, 16, jnp.bfloat16),
+    (32, 32, 128, 32, jnp.float16),
+    (8, 1, 256, 8, jnp.bfloat16),
+    (16, 4, 80, 64, jnp.float32),
+    (8, 8, 96, 128, jnp.float32),
+    (64, 4, 128, 16, jnp.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", _GPU_GRID)
+@pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=5), dict(),
+                                    dict(sliding_window=300, logits_soft_cap=20.0)])
+def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dtype, kwargs):
+  rng = np.random.default_rng(next(_SEED))
+  max_pages = 1024 // page_size + 1
+  lengths = rng.integers(1, max_pages * page_size, size=6)
+  lengths[:3] = [0, page_size * 7, 1]
+  args = make_inputs(6, num_heads, num_kv_heads, head_dim, page_size, max_pages, dtype,
+                     lengths)
+  check_against_reference(args, interpret=False, **kwargs)
+
+
+@pytest.mark.gpu
+def test_jit_vmap_gpu():
+  args = make_inputs(4, 32, 8, 128, 16, 20, jnp.bfloat16, [0, 300, 17, 320])
+  out = jax.jit(jax_paged.paged_decode_attention)(*args)
+  chex.assert_trees_all_close(out.astype(jnp.float32),
+                              reference.paged_decode_attention(*args).astype(jnp.float32),
+                              atol=2e-2, rtol=2e-2)
+  q, k, v, table, lengths = args
+  out = jax.vmap(jax_paged.paged_decode_attention, in_axes=(0, 0, 0, None, None))(
+      jnp.stack([q, q]), jnp.stack([k, v]), jnp.stack([v, k]), table, lengths)
+  chex.assert_trees_all_close(out[1].astype(jnp.float32),
+                              reference.paged_decode_attention(q, v, k, table, lengths)
+                              .astype(jnp.float32), atol=2e-2, rtol=2e-2)
