@@ -1,0 +1,451 @@
+"""A continuous-batching generation engine over the paged KV pool.
+
+The engine keeps a queue of requests and `max_batch` decode slots (slot i is pool sequence
+i). Each round it
+
+1. admits waiting requests in arrival order while a slot and pages for their prompt are
+   free, and prefills them together (one jitted prefill, padded to bucketed shapes);
+2. decodes every running sequence for up to `steps_per_call` steps in ONE jitted device
+   loop that samples on device and stops rows on EOS / stop tokens / max_new_tokens, so
+   Python dispatch is paid once per chunk, not once per token;
+3. streams the new tokens, releases finished sequences' pages at once, and goes back to 1.
+
+Before each chunk the host checks, from its exact mirror of the sequence lengths, that the
+chunk cannot run out of pages. When even one step does not fit, the most recently admitted
+request is preempted: its pages are released and it goes back to the front of the queue,
+to be recomputed later from its prompt plus the tokens it already produced (vLLM's
+recompute preemption). Each token is drawn with the key `fold_in(key(seed), index)` where
+index counts the request's own tokens, so results do not depend on batching, arrival order
+or preemption.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged import pool as pool_lib
+from jax_paged import sampling
+from models import gpt2
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One generation request.
+
+  Attributes:
+    prompt: token ids (non-empty).
+    max_new_tokens: the most tokens to generate (>= 1).
+    temperature: 0 is greedy, otherwise the softmax temperature.
+    top_k: keep the k most likely tokens (None = all).
+    top_p: nucleus sampling mass in (0, 1] (None = all).
+    seed: this request's sampling seed.
+    stop_token_ids: tokens that end the request (included in its output), in addition to
+      the engine's `eos_token_id`.
+  """
+
+  prompt: Sequence[int]
+  max_new_tokens: int
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  seed: int = 0
+  stop_token_ids: Sequence[int] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+  """A token produced for request `request_id` (its index in the submitted list).
+  `finish_reason` is None while the request goes on, else 'stop' or 'length'."""
+
+  request_id: int
+  token: int
+  finish_reason: str | None
+
+
+@dataclasses.dataclass
+class Report:
+  """What a run did. `kv_efficiency` is live tokens / reserved token slots (pages in use x
+  page_size), averaged over decode chunks: the fraction of reserved KV memory holding data."""
+
+  num_requests: int = 0
+  generated_tokens: int = 0
+  elapsed_s: float = 0.0
+  ttft_s: list[float] = dataclasses.field(default_factory=list)
+  peak_pages_in_use: int = 0
+  num_pages: int = 0
+  kv_efficiency: float = 0.0
+  preemptions: int = 0
+  decode_calls: int = 0
+  prefill_calls: int = 0
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+  def __str__(self) -> str:
+    ttft = np.asarray(self.ttft_s) * 1e3 if self.ttft_s else np.zeros(1)
+    return "\n".join([
+        f"requests: {self.num_requests}  generated tokens: {self.generated_tokens}  "
+        f"time: {self.elapsed_s:.2f} s",
+        f"time to first token: mean {ttft.mean():.1f} ms, p50 {np.median(ttft):.1f} ms, "
+        f"max {ttft.max():.1f} ms",
+        f"KV pages: peak {self.peak_pages_in_use} of {self.num_pages} in use; memory "
+        f"efficiency {self.kv_efficiency:.1%} (live tokens / reserved slots)",
+        f"preemptions: {self.preemptions}  prefill calls: {self.prefill_calls}  "
+        f"decode calls: {self.decode_calls}",
+        f"throughput: {self.tokens_per_s:.1f} tokens/s",
+    ])
+
+
+@dataclasses.dataclass
+class _Running:
+  """Host state of a request in a slot. The pool caches `prompt + tokens` but the newest
+  token, which the next decode step feeds in."""
+
+  request_id: int
+  request: Request
+  tokens: list[int]  # generated so far (all of them, across preemptions)
+  cached: int        # tokens in the pool for this sequence
+  admitted_at: int   # admission counter: the newest is preempted first
+
+
+def _bucket(n: int, lo: int) -> int:
+  """n rounded up to a power of two times lo, so shapes (and compilations) stay few."""
+  return lo * 2 ** max(0, math.ceil(math.log2(max(n, 1) / lo)))
+
+
+def _row_keys(seeds: jax.Array, index: jax.Array) -> jax.Array:
+  return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
+
+
+def _sample_rows(logits, seeds, index, temperature, top_k, top_p, *, greedy: bool):
+  """int32 [B]: each row sampled with its own key `fold_in(key(seed), index)`."""
+  if greedy:
+    return sampling.greedy(logits)
+  row = lambda l, k, t, tk, tp: sampling.sample(l[None], k, temperature=t, top_k=tk,
+                                                top_p=tp)[0]
+  return jax.vmap(row)(logits, _row_keys(seeds, index), temperature, top_k, top_p)
+
+
+def _prefill_and_sample(graphdef, params, kv, tokens, lengths, seq_ids, seeds, index,
+                        temperature, top_k, top_p, *, greedy: bool):
+  """Prefills fresh sequences and samples each one's next token."""
+  logits, kv = gpt2.prefill(graphdef, params, kv, tokens, lengths, seq_ids)
+  return _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=greedy), kv
+
+
+def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget, stop_ids,
+                 seeds, temperature, top_k, top_p, *, max_steps: int, greedy: bool):
+  """Up to `num_steps` (<= max_steps) decode steps on device.
+
+  Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
+  generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
+  (-1 padded); seeds, temperature, top_k, top_p.
+
+  Returns:
+    (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool).
+  """
+  b = tokens.shape[0]
+  seq_ids = jnp.arange(b, dtype=jnp.int32)
+
+  def cond(carry):
+    step, _, _, active, *_ = carry
+    return (step < num_steps) & jnp.any(active)
+
+  def body(carry):
+    step, kv, tokens, active, index, budget, out = carry
+    logits, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active)
+    new = _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=greedy)
+    out = out.at[step].set(jnp.where(active, new, -1))
+    index += active
+    budget -= active
+    stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
+    tokens = jnp.where(active, new, tokens)
+    return step + 1, kv, tokens, active & ~stopped, index, budget, out
+
+  out = jnp.full((max_steps, b), -1, jnp.int32)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
+  _, kv, *_, out = jax.lax.while_loop(cond, body, carry)
+  return out, kv
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(graphdef: nnx.GraphDef) -> tuple[Callable, Callable]:
+  """The engine's device functions for one model structure, pool donated. The graphdef is
+  bound rather than static, as in `gpt2.jit_steps`: hashing it per call costs ~1 ms."""
+  return (jax.jit(functools.partial(_prefill_and_sample, graphdef), donate_argnums=1,
+                  static_argnames="greedy"),
+          jax.jit(functools.partial(_decode_loop, graphdef), donate_argnums=1,
+                  static_argnames=("max_steps", "greedy")))
+
+
+_release = jax.jit(pool_lib.release, donate_argnums=0)
+
+
+class Engine:
+  """Continuous batching for a `models.gpt2.GPT2LMHeadModel`.
+
+  Args:
+    model: the model (its config gives n_positions and the pool's shapes).
+    max_batch: decode slots (pool sequences) run together.
+    num_pages: pages in the pool; or None to size it from `memory_fraction` of the
+      device's free memory (`pool.size_pool`, accelerators only).
+    page_size: tokens per page.
+    steps_per_call: decode steps per device call (one host round trip per chunk).
+    max_prefill_tokens: the most (padded) tokens one prefill call processes; admission
+      pauses for a decode chunk past it, bounding prefill memory and decode stalls.
+    eos_token_id: ends every request when generated (optional).
+    cache_dtype: the pool dtype (default: the model's compute dtype).
+  """
+
+  def __init__(self, model: gpt2.GPT2LMHeadModel, *, max_batch: int = 32,
+               num_pages: int | None = None, memory_fraction: float = 0.9,
+               page_size: int = 16, steps_per_call: int = 16,
+               max_prefill_tokens: int = 16384, eos_token_id: int | None = None, cache_dtype=None):
+    if max_batch < 1:
+      raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+    c = model.config
+    self.config = c
+    self.max_batch, self.page_size, self.steps_per_call = max_batch, page_size, steps_per_call
+    self.max_prefill_tokens = max_prefill_tokens
+    self.eos_token_id = eos_token_id
+    cache_dtype = model.dtype if cache_dtype is None else cache_dtype
+    if num_pages is None:
+      self.sizing = pool_lib.size_pool(num_layers=c.n_layer, num_kv_heads=c.n_head,
+                                       head_dim=c.head_dim, page_size=page_size,
+                                       dtype=cache_dtype, utilization=memory_fraction)
+      num_pages = self.sizing.num_pages
+    else:
+      self.sizing = None
+    self.max_pages_per_seq = -(-c.n_positions // page_size)
+    self.kv = model.create_pool(num_pages=num_pages, page_size=page_size, max_seqs=max_batch,
+                                max_pages_per_seq=self.max_pages_per_seq, dtype=cache_dtype)
+    self.num_pages = num_pages
+    graphdef, self.params = nnx.split(model)
+    self._prefill_fn, self._decode_fn = _jitted(graphdef)
+
+  def _pages(self, tokens: int) -> int:
+    return -(-tokens // self.page_size)
+
+  def _check(self, requests: Sequence[Request]) -> None:
+    limit = min(self.num_pages, self.max_pages_per_seq)
+    for i, r in enumerate(requests):
+      if len(r.prompt) == 0:
+        raise ValueError(f"request {i}: prompt is empty")
+      if r.max_new_tokens < 1:
+        raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+      if r.temperature < 0:
+        raise ValueError(f"request {i}: temperature must be >= 0, got {r.temperature}")
+      if r.top_p is not None and not 0.0 < r.top_p <= 1.0:
+        raise ValueError(f"request {i}: top_p must be in (0, 1], got {r.top_p}")
+      if r.top_k is not None and r.top_k < 1:
+        raise ValueError(f"request {i}: top_k must be >= 1, got {r.top_k}")
+      bad = [t for t in r.prompt if not 0 <= t < self.config.vocab_size]
+      if bad:
+        raise ValueError(f"request {i}: token ids {bad[:5]} outside [0, vocab_size="
+                         f"{self.config.vocab_size})")
+      # The newest token is never fed back, so the cache peaks at prompt + max_new - 1.
+      peak = len(r.prompt) + r.max_new_tokens - 1
+      if peak > self.config.n_positions:
+        raise ValueError(f"request {i}: prompt of {len(r.prompt)} tokens + {r.max_new_tokens} "
+                         f"new tokens exceeds the model's n_positions={self.config.n_positions}")
+      if self._pages(peak) > limit:
+        raise ValueError(f"request {i}: needs {self._pages(peak)} pages of {self.page_size} "
+                         f"tokens but the pool holds {self.num_pages}: the pool is too small "
+                         f"for this request")
+
+  def generate(self, requests: Sequence[Request],
+               on_token: Callable[[TokenEvent], None] | None = None) -> tuple[list[list[int]], Report]:
+    """Runs every request to completion; returns (new tokens per request, report)."""
+    outputs: list[list[int]] = [[] for _ in requests]
+    stream = self.stream(requests)
+    for event in stream:
+      outputs[event.request_id].append(event.token)
+      if on_token is not None:
+        on_token(event)
+    return outputs, self.report
+
+  def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+    """Yields each token as soon as the host has it. `self.report` is complete once the
+    iterator is exhausted."""
+    self._check(requests)
+    self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
+    start = time.perf_counter()
+    waiting = collections.deque(range(len(requests)))
+    slots: list[_Running | None] = [None] * self.max_batch
+    progress: dict[int, list[int]] = {}  # tokens of preempted requests, kept for recompute
+    admissions = 0
+    efficiency = []
+
+    def free_pages() -> int:
+      return self.num_pages - sum(self._pages(s.cached) for s in slots if s is not None)
+
+    def finish(slot: int, reason: str | None) -> None:
+      if reason is not None:
+        self.kv = _release(self.kv, jnp.asarray([slot], jnp.int32))
+        slots[slot] = None
+
+    while waiting or any(slots):
+      # 1. Admit in arrival order while slots and pages allow (one page of headroom per
+      #    running sequence, so the running ones can keep going).
+      admitted = []
+      budget = free_pages() - sum(s is not None for s in slots)
+      widest = 0
+      while waiting and None in slots:
+        rid = waiting[0]
+        context = len(requests[rid].prompt) + len(progress.get(rid, []))
+        need = self._pages(context)
+        if need + 1 > budget and (admitted or any(slots)):
+          break
+        widest = max(widest, context)
+        prefill_tokens = _bucket(len(admitted) + 1, 1) * _bucket(widest, self.page_size)
+        if admitted and prefill_tokens > self.max_prefill_tokens:
+          break
+        waiting.popleft()
+        slot = slots.index(None)
+        slots[slot] = _Running(rid, requests[rid], progress.pop(rid, []), context, admissions)
+        admissions += 1
+        budget -= need + 1
+        admitted.append(slot)
+      if admitted:
+        yield from self._prefill(admitted, slots, report, start, finish)
+      report.peak_pages_in_use = max(report.peak_pages_in_use, self.num_pages - free_pages())
+
+      # 2. Fit the chunk in the free pages, preempting the newest request if not one step fits.
+      running = [i for i, s in enumerate(slots) if s is not None]
+      if not running:
+        continue
+      steps = self._steps_that_fit(slots, free_pages())
+      while steps == 0:
+        victim = max((i for i, s in enumerate(slots) if s is not None),
+                     key=lambda i: slots[i].admitted_at)
+        progress[slots[victim].request_id] = slots[victim].tokens
+        waiting.appendleft(slots[victim].request_id)
+        finish(victim, "preempted")
+        report.preemptions += 1
+        steps = self._steps_that_fit(slots, free_pages())
+      if not any(slots):
+        continue
+      live = sum(s.cached for s in slots if s is not None)
+      efficiency.append(live / max(1, (self.num_pages - free_pages()) * self.page_size))
+
+      # 3. Decode the chunk on device, then stream and retire.
+      yield from self._decode(steps, slots, report, finish)
+      report.peak_pages_in_use = max(report.peak_pages_in_use, self.num_pages - free_pages())
+    report.elapsed_s = time.perf_counter() - start
+    report.kv_efficiency = float(np.mean(efficiency)) if efficiency else 1.0
+
+  def _steps_that_fit(self, slots: list[_Running | None], free: int) -> int:
+    """The most decode steps (<= steps_per_call) whose new pages all fit in `free`."""
+    for steps in range(self.steps_per_call, 0, -1):
+      need = 0
+      for s in slots:
+        if s is not None:
+          n = min(steps, s.request.max_new_tokens - len(s.tokens))
+          need += self._pages(s.cached + n) - self._pages(s.cached)
+      if need <= free:
+        return steps
+    return 0
+
+  def _sampling_arrays(self, running: list[_Running | None]):
+    """Per-row sampling settings; rows without a request get greedy defaults."""
+    def column(fn, dtype):
+      return jnp.asarray([fn(s.request) if s is not None else 0 for s in running], dtype)
+    return dict(
+        seeds=column(lambda r: r.seed, jnp.uint32),
+        temperature=column(lambda r: r.temperature, jnp.float32),
+        top_k=column(lambda r: r.top_k or 0, jnp.int32),
+        top_p=jnp.asarray([1.0 if s is None or s.request.top_p is None else s.request.top_p
+                           for s in running], jnp.float32),
+        greedy=all(s is None or s.request.temperature == 0 for s in running))
+
+  def _stop_reason(self, s: _Running, token: int) -> str | None:
+    if token == self.eos_token_id or token in s.request.stop_token_ids:
+      return "stop"
+    if len(s.tokens) >= s.request.max_new_tokens:
+      return "length"
+    return None
+
+  def _prefill(self, admitted, slots, report, start, finish) -> Iterator[TokenEvent]:
+    rows = [slots[i] for i in admitted]
+    contexts = [list(s.request.prompt) + s.tokens for s in rows]
+    n = _bucket(len(rows), 1)
+    width = _bucket(max(map(len, contexts)), self.page_size)
+    tokens = np.zeros((n, width), np.int32)
+    lengths = np.ones((n,), np.int32)
+    seq_ids = np.full((n,), -1, np.int32)  # padding rows: invalid ids reserve nothing
+    for j, (slot, ctx) in enumerate(zip(admitted, contexts)):
+      tokens[j, :len(ctx)] = ctx
+      lengths[j] = len(ctx)
+      seq_ids[j] = slot
+    rows_padded = rows + [None] * (n - len(rows))
+    new, self.kv = self._prefill_fn(
+        self.params, self.kv, jnp.asarray(tokens), jnp.asarray(lengths),
+        jnp.asarray(seq_ids), index=jnp.asarray([len(s.tokens) if s else 0 for s in rows_padded],
+                                                jnp.int32),
+        **self._sampling_arrays(rows_padded))
+    new = np.asarray(new)
+    report.prefill_calls += 1
+    cached = np.asarray(self.kv.lengths)[admitted]
+    if not np.array_equal(cached, lengths[:len(rows)]):
+      raise RuntimeError(f"prefill could not reserve pages (lengths {cached.tolist()}, "
+                         f"expected {lengths[:len(rows)].tolist()}): scheduler bug")
+    now = time.perf_counter()
+    for j, (slot, s) in enumerate(zip(admitted, rows)):
+      if not s.tokens:
+        report.ttft_s.append(now - start)
+      s.tokens.append(int(new[j]))
+      report.generated_tokens += 1
+      reason = self._stop_reason(s, int(new[j]))
+      yield TokenEvent(s.request_id, int(new[j]), reason)
+      finish(slot, reason)
+
+  def _decode(self, steps, slots, report, finish) -> Iterator[TokenEvent]:
+    b = self.max_batch
+    stops = [([self.eos_token_id] if self.eos_token_id is not None else [])
+             + list(s.request.stop_token_ids) if s is not None else [] for s in slots]
+    stop_ids = np.full((b, _bucket(max(map(len, stops)), 1)), -1, np.int32)
+    for i, ids in enumerate(stops):
+      stop_ids[i, :len(ids)] = ids
+    out, self.kv = self._decode_fn(
+        self.params, self.kv, jnp.int32(steps),
+        tokens=jnp.asarray([s.tokens[-1] if s else 0 for s in slots], jnp.int32),
+        active=jnp.asarray([s is not None for s in slots]),
+        index=jnp.asarray([len(s.tokens) if s else 0 for s in slots], jnp.int32),
+        budget=jnp.asarray([s.request.max_new_tokens - len(s.tokens) if s else 0
+                            for s in slots], jnp.int32),
+        stop_ids=jnp.asarray(stop_ids), max_steps=self.steps_per_call,
+        **self._sampling_arrays(slots))
+    out = np.asarray(out)
+    report.decode_calls += 1
+    for i, s in enumerate(slots):
+      if s is None:
+        continue
+      for token in out[:, i]:
+        if token < 0:
+          break
+        s.cached += 1  # the previous newest token went into the cache
+        s.tokens.append(int(token))
+        report.generated_tokens += 1
+        reason = self._stop_reason(s, int(token))
+        yield TokenEvent(s.request_id, int(token), reason)
+        if reason is not None:
+          finish(i, reason)
+          break
+    cached = np.asarray(self.kv.lengths)
+    for i, s in enumerate(slots):
+      if s is not None and cached[i] != s.cached:
+        raise RuntimeError(f"slot {i} holds {cached[i]} cached tokens, expected {s.cached}: "
+                           f"a decode step found no free page (scheduler bug)")
