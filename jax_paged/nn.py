@@ -19,15 +19,47 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
 from jax_paged import reference
+from jax_paged import validation
 
-DecodeImpl = Literal["kernel", "reference"]
-_DECODE_ATTENTION = {
-    # TODO(issue 4): jax_paged.paged_attention.paged_decode_attention once it lands.
-    "kernel": reference.paged_decode_attention,
-    "reference": reference.paged_decode_attention,
-}
+DecodeImpl = Literal["auto", "kernel", "reference"]
+
+
+def _kernel_supports(head_dim: int, page_size: int) -> bool:
+  return (head_dim in validation.SUPPORTED_HEAD_DIMS
+          and validation.MIN_PAGE_SIZE <= page_size <= validation.MAX_PAGE_SIZE
+          and page_size & (page_size - 1) == 0)
+
+
+def layer_view(kv: pool_lib.KVPool, layer: int, page_table: jax.Array, lengths: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """One layer of the pool as `paged_decode_attention` arguments, without copying it.
+
+  Slicing a layer out of the pool (`kv.k_pages[layer]`) would hand the kernel a copy of
+  that layer's pages every step: a custom call cannot take a view. The whole pool reshaped
+  to [1, layers * Hkv * pages, page_size, D] is a free bitcast instead: each (layer, kv head)
+  owns a range of `num_pages` pages, and each (sequence, kv head) becomes one row of the
+  batch, with its kv head's group of q heads and page ids offset into that range.
+
+  Args:
+    kv: the pool.
+    layer: the layer index.
+    page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
+    lengths: int32 [B].
+
+  Returns:
+    (k_pages, v_pages [1, L * Hkv * num_pages, page_size, D], page_table int32
+    [B * Hkv, max_pages_per_seq], lengths int32 [B * Hkv]); q [B, H, D] goes with them
+    reshaped to [B * Hkv, H // Hkv, D].
+  """
+  layers, hkv, num_pages = kv.k_pages.shape[:3]
+  flat = (1, layers * hkv * num_pages) + kv.k_pages.shape[3:]
+  heads = layer * hkv + jnp.arange(hkv, dtype=jnp.int32)
+  table = page_table[:, None, :] + heads[None, :, None] * num_pages
+  return (kv.k_pages.reshape(flat), kv.v_pages.reshape(flat),
+          table.reshape(-1, page_table.shape[1]), jnp.repeat(lengths, hkv))
 
 
 class PagedAttention(nnx.Module):
@@ -39,20 +71,22 @@ class PagedAttention(nnx.Module):
 
   Attributes:
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
-      XLA elsewhere) or "reference" (`jax_paged.reference`, for comparisons).
+      XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
+      kernel where it supports the head dim and page size, else the reference).
   """
 
   def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
                num_kv_heads: int | None = None, scale: float | None = None,
-               use_bias: bool = True, decode_impl: DecodeImpl = "kernel",
+               use_bias: bool = True, decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                        f"({num_kv_heads})")
-    if decode_impl not in ("kernel", "reference"):
-      raise ValueError(f"decode_impl must be 'kernel' or 'reference', got {decode_impl!r}")
+    if decode_impl not in ("auto", "kernel", "reference"):
+      raise ValueError(f"decode_impl must be 'auto', 'kernel' or 'reference', got "
+                       f"{decode_impl!r}")
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -116,16 +150,12 @@ class PagedAttention(nnx.Module):
     hkv, d = self.num_kv_heads, self.head_dim
     q, k, v = self._project(x)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
-    # Slicing one layer out of the pool would hand the kernel a copy of that layer's pages
-    # every step (a custom call cannot take a view). The whole pool reshaped to
-    # [1, layers * Hkv * pages, page_size, D] is a free bitcast instead: each (layer, kv head)
-    # owns a range of `num_pages` pages, and each (sequence, kv head) becomes one row of
-    # the batch, with its kv head's group of q heads and its page ids offset into that range.
-    shape = kv.k_pages.shape
-    flat = (1, shape[0] * shape[1] * shape[2]) + shape[3:]
-    heads = layer * hkv + jnp.arange(hkv, dtype=jnp.int32)
-    table = (page_table[:, None, :] + heads[None, :, None] * kv.num_pages).reshape(b * hkv, -1)
-    y = _DECODE_ATTENTION[self.decode_impl](
-        q.reshape(b * hkv, -1, d).astype(kv.k_pages.dtype), kv.k_pages.reshape(flat),
-        kv.v_pages.reshape(flat), table, jnp.repeat(lengths, hkv), scale=self.scale)
+    k_pages, v_pages, table, kv_lengths = layer_view(kv, layer, page_table, lengths)
+    use_kernel = self.decode_impl == "kernel" or (
+        self.decode_impl == "auto" and _kernel_supports(d, kv.page_size))
+    attend = (paged_attention.paged_decode_attention if use_kernel
+              else reference.paged_decode_attention)
+    y = attend(
+        q.reshape(b * hkv, -1, d).astype(kv.k_pages.dtype), k_pages, v_pages, table,
+        kv_lengths, scale=self.scale)
     return self.out(y.reshape(b, -1).astype(x.dtype)), kv

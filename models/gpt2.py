@@ -140,7 +140,7 @@ class GPT2LMHeadModel(nnx.Module):
   """
 
   def __init__(self, config: GPT2Config, *, dtype=jnp.float32, param_dtype=None,
-               decode_impl: paged_nn.DecodeImpl = "kernel", rngs: nnx.Rngs):
+               decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.config = config
     self.dtype = dtype
@@ -307,7 +307,7 @@ def _hf_name(path: tuple[Any, ...]) -> str:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "kernel") -> GPT2LMHeadModel:
+                    decode_impl: paged_nn.DecodeImpl = "auto") -> GPT2LMHeadModel:
   """Loads a Hugging Face GPT-2 checkpoint directory.
 
   Args:

@@ -239,7 +239,8 @@ def test_decode_with_triton_kernel_matches_reference_on_gpu(tmp_path):
   hf.save_pretrained(tmp_path)
   prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
   with jax.default_matmul_precision("highest"):
-    kernel = jax_paged.generate(gpt2.from_pretrained(tmp_path), prompts, 24, page_size=16)
+    kernel = jax_paged.generate(gpt2.from_pretrained(tmp_path, decode_impl="kernel"), prompts,
+                               24, page_size=16)
     ref = jax_paged.generate(gpt2.from_pretrained(tmp_path, decode_impl="reference"),
                              prompts, 24, page_size=16)
   assert kernel == ref

@@ -29,7 +29,7 @@ def _dense_attention(layer: nn.PagedAttention, x: np.ndarray) -> np.ndarray:
   return y @ np.asarray(layer.out.kernel[...], np.float64) + np.asarray(layer.out.bias[...])
 
 
-@pytest.mark.parametrize("decode_impl", ["kernel", "reference"])
+@pytest.mark.parametrize("decode_impl", ["auto", "kernel", "reference"])
 def test_prefill_then_decode_matches_dense_attention(decode_impl):
   rng = np.random.default_rng(0)
   layer = nn.PagedAttention(E, H, D, num_kv_heads=HKV, decode_impl=decode_impl,
