@@ -2,7 +2,7 @@
 
 Usage (device machine): PYTHONPATH=. python benchmarks/bench_decode.py [--sweep] [--shapes a,b]
 Prints a markdown table (% of the HBM read ceiling measured in the same run) and writes
-decode.png / decode.json to $OUT (or the current directory).
+<name>.png / <name>.json to $OUT (or the current directory).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def main():
   parser.add_argument("--sweep", action="store_true", help="also sweep our kernel's knobs")
   parser.add_argument("--shapes", default=",".join(SHAPES))
   parser.add_argument("--no-peers", action="store_true", help="skip XLA and jax's Pallas op")
+  parser.add_argument("--name", default="decode", help="file name stem under $OUT")
   opts = parser.parse_args()
 
   ceiling = common.read_ceiling_gbs()
@@ -149,7 +150,7 @@ def main():
           f"{pct(default['gbs'])} | {pct(best['gbs'])} ({best['cfg']}) | {pct(xla_gbs)} | "
           f"{pct(pallas_gbs)} |")
   out = common.out_dir()
-  with open(os.path.join(out, "decode.json"), "w") as f:
+  with open(os.path.join(out, f"{opts.name}.json"), "w") as f:
     json.dump(log, f, indent=1, default=str)
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
@@ -167,7 +168,7 @@ def main():
     ax.set_title(f"Paged decode attention, bf16 ({common.header()})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "decode.png"), dpi=110)
+    fig.savefig(os.path.join(out, f"{opts.name}.png"), dpi=110)
   except Exception:  # pylint: disable=broad-except
     traceback.print_exc()
 

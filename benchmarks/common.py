@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 
-def time_fn(fn, *args, calls: int = 20, reps: int = 15) -> float:
+def time_fn(fn, *args, calls: int = 50, reps: int = 15) -> float:
   """Median seconds per call: `calls` back-to-back dispatches, one block, `reps` times."""
   jax.block_until_ready(fn(*args))  # compile + warm up
   times = []

@@ -1,102 +1,218 @@
-"""Text generation over the paged KV pool.
+"""The generation command line: `jax-paged-generate` / `python -m jax_paged.generate`.
 
-`generate` runs one static batch: every prompt is prefilled together, then all rows decode
-in lock step until `max_new_tokens` (rows that hit `eos_token_id` go inactive and stop
-writing to the pool). Nothing is copied to the host until the end, so the device runs the
-steps back to back.
+Runs the continuous-batching engine over a Hugging Face GPT-2 checkpoint (with its
+tokenizer) or over an embedded GPT-2 configuration with random weights, whose text is
+encoded as UTF-8 bytes (ids 0-255). Shows a progress bar with live tokens/s on stderr,
+prints each completion to stdout and ends with a report whose last line holds tokens/s.
 """
 
 from __future__ import annotations
 
-import functools
-import math
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jax_paged import sampling
+from jax_paged import engine as engine_lib
 from models import gpt2
 
+# Embedded configurations for runs without a checkpoint (random weights).
+MODELS = {
+    "gpt2": gpt2.GPT2Config(),
+    "gpt2-medium": gpt2.GPT2Config(n_embd=1024, n_layer=24, n_head=16),
+    "tiny": gpt2.GPT2Config(vocab_size=256, n_positions=512, n_embd=64, n_layer=2, n_head=4,
+                            bos_token_id=None, eos_token_id=None),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-@functools.partial(jax.jit, static_argnames="greedy")
-def _next_tokens(logits: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array,
-                 top_k: jax.Array, top_p: jax.Array, *, greedy: bool) -> jax.Array:
-  if greedy:
-    return sampling.greedy(logits)
-  return sampling.sample(logits, jax.random.fold_in(key, step), temperature=temperature,
-                         top_k=top_k, top_p=top_p)
+
+class CLIError(Exception):
+  """A user error, printed as one line without a traceback."""
 
 
-def generate(model: gpt2.GPT2LMHeadModel, prompts: list[list[int]], max_new_tokens: int, *,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, page_size: int = 16, eos_token_id: int | None = None,
-             cache_dtype=None) -> list[list[int]]:
-  """Continues each prompt by up to `max_new_tokens` tokens.
+@dataclasses.dataclass
+class Codec:
+  """Text <-> token ids."""
 
-  Args:
-    model: a `models.gpt2.GPT2LMHeadModel` (any NNX model with its `create_pool`,
-      `prefill` and `decode` methods works).
-    prompts: token ids, one non-empty list per prompt; lengths may differ.
-    max_new_tokens: tokens to generate per prompt (>= 1).
-    temperature: 0 is greedy; otherwise the softmax temperature.
-    top_k, top_p: optional filters for sampling (see `jax_paged.sampling.sample`).
-    seed: the sampling seed; the same seed gives the same tokens.
-    page_size: tokens per KV page. The pool is sized to hold exactly these prompts and
-      their new tokens.
-    eos_token_id: if given, a row stops after generating it (the eos token is included).
-    cache_dtype: the pool's dtype (default: the model's compute dtype).
+  encode: Callable[[str], list[int]]
+  decode: Callable[[Sequence[int]], str]
+  name: str
 
-  Returns:
-    The new tokens only, one list per prompt.
-  """
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("prompts must be a non-empty list of non-empty token lists")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if top_p is not None and not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  # The last new token is returned, never fed back, so it takes no room in the cache.
-  cached = lengths + max_new_tokens - 1
-  n_positions = model.config.n_positions
-  if cached.max() > n_positions:
-    raise ValueError(f"a prompt of {lengths[cached.argmax()]} tokens + {max_new_tokens} new "
-                     f"tokens exceeds the model's n_positions={n_positions}")
 
-  b = len(prompts)
-  pages = -(-cached // page_size)
-  kv = model.create_pool(num_pages=int(pages.sum()), page_size=page_size, max_seqs=b,
-                         max_pages_per_seq=int(pages.max()), dtype=cache_dtype)
-  # Prompt widths rounded up to a page, so similar batches share one prefill compilation.
-  width = page_size * math.ceil(lengths.max() / page_size)
-  tokens = np.zeros((b, width), np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, :len(p)] = p
+BYTES = Codec(encode=lambda text: list(text.encode("utf-8")),
+              decode=lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
+              name="UTF-8 bytes (ids 0-255)")
 
-  graphdef, params = nnx.split(model)
-  steps = gpt2.jit_steps(graphdef)
-  seq_ids = jnp.arange(b, dtype=jnp.int32)
-  logits, kv = steps.prefill(params, kv, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids)
 
-  pick = functools.partial(_next_tokens, key=jax.random.key(seed),
-                           temperature=jnp.float32(temperature), top_k=jnp.int32(top_k or 0),
-                           top_p=jnp.float32(1.0 if top_p is None else top_p),
-                           greedy=temperature == 0)
-  active = jnp.ones((b,), bool)
-  new = []
-  for step in range(max_new_tokens):
-    token = pick(logits, step=jnp.int32(step))
-    new.append(token)
-    if eos_token_id is not None:
-      active &= token != eos_token_id
-    if step + 1 < max_new_tokens:
-      logits, kv = steps.decode(params, kv, token, seq_ids, active)
+def load_tokenizer(directory: str) -> Codec:
+  """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt)."""
+  try:
+    import tokenizers
+  except ImportError as e:
+    raise CLIError("reading a checkpoint's tokenizer needs the `tokenizers` package "
+                   "(pip install tokenizers)") from e
+  tokenizer_json = os.path.join(directory, "tokenizer.json")
+  vocab, merges = (os.path.join(directory, f) for f in ("vocab.json", "merges.txt"))
+  if os.path.exists(tokenizer_json):
+    tok = tokenizers.Tokenizer.from_file(tokenizer_json)
+  elif os.path.exists(vocab) and os.path.exists(merges):
+    tok = tokenizers.ByteLevelBPETokenizer(vocab, merges)
+  else:
+    raise CLIError(f"{directory} has no tokenizer.json nor vocab.json + merges.txt")
+  return Codec(encode=lambda text: tok.encode(text).ids,
+               decode=lambda ids: tok.decode(list(ids)), name=f"tokenizer of {directory}")
 
-  out = np.asarray(jnp.stack(new, axis=1)).tolist()
-  if eos_token_id is not None:
-    out = [row[:row.index(eos_token_id) + 1] if eos_token_id in row else row for row in out]
-  return out
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="jax-paged-generate",
+      description="Generate text with GPT-2 over a paged KV cache (continuous batching).")
+  src = p.add_argument_group("model")
+  src.add_argument("--checkpoint", metavar="DIR",
+                   help="a Hugging Face GPT-2 directory (config.json + model.safetensors or "
+                        "pytorch_model.bin; tokenizer.json or vocab.json + merges.txt)")
+  src.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                   help="an embedded configuration with RANDOM weights, used when no "
+                        "--checkpoint is given; text is encoded as UTF-8 bytes (default: tiny)")
+  src.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="compute and KV-cache dtype (default: bfloat16 on GPU, float32 on CPU)")
+  prompts = p.add_argument_group("prompts")
+  prompts.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+  prompts.add_argument("--prompts-file", metavar="FILE",
+                       help="a file with one prompt per line (empty lines are skipped)")
+  gen = p.add_argument_group("generation")
+  gen.add_argument("--max-new-tokens", type=int, default=64)
+  gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+  gen.add_argument("--top-k", type=int, default=None)
+  gen.add_argument("--top-p", type=float, default=None)
+  gen.add_argument("--seed", type=int, default=0,
+                   help="request i samples with seed + i (reproducible)")
+  gen.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the model's eos token")
+  eng = p.add_argument_group("engine")
+  eng.add_argument("--max-batch", type=int, default=32, help="decode slots (default 32)")
+  eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+  eng.add_argument("--steps-per-call", type=int, default=16,
+                   help="decode steps per device call (default 16)")
+  size = eng.add_mutually_exclusive_group()
+  size.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool")
+  size.add_argument("--memory-fraction", type=float, default=None,
+                    help="size the pool from this fraction of the accelerator's free memory "
+                         "(default 0.9 on GPU; on CPU the default is enough pages for every "
+                         "slot to reach n_positions)")
+  eng.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return p.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, dtype) -> tuple[gpt2.GPT2LMHeadModel, Codec, str]:
+  if args.checkpoint:
+    if not os.path.isdir(args.checkpoint):
+      raise CLIError(f"--checkpoint {args.checkpoint}: not a directory")
+    try:
+      model = gpt2.from_pretrained(args.checkpoint, dtype=dtype)
+    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
+      raise CLIError(f"--checkpoint {args.checkpoint}: {e}") from e
+    return model, load_tokenizer(args.checkpoint), f"checkpoint {args.checkpoint}"
+  config = MODELS[args.model]
+  model = gpt2.GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(args.seed))
+  return model, BYTES, f"{args.model} with RANDOM weights (no checkpoint)"
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+  prompts = list(args.prompt)
+  if args.prompts_file:
+    try:
+      with open(args.prompts_file, encoding="utf-8") as f:
+        prompts += [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+      raise CLIError(f"--prompts-file: {e}") from e
+  if not prompts:
+    raise CLIError("give at least one --prompt or a --prompts-file")
+  return prompts
+
+
+class Progress:
+  """A one-line progress bar on stderr, redrawn at most 10 times a second."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.enabled = total, enabled
+    self.done = 0
+    self.start = self.last = time.perf_counter()
+
+  def update(self, n: int = 1) -> None:
+    self.done += n
+    now = time.perf_counter()
+    if self.enabled and (now - self.last > 0.1 or self.done >= self.total):
+      self.last = now
+      frac = self.done / max(1, self.total)
+      bar = "#" * int(30 * frac)
+      rate = self.done / max(now - self.start, 1e-9)
+      sys.stderr.write(f"\r[{bar:<30}] {self.done}/{self.total} tokens  {rate:,.1f} tokens/s")
+      sys.stderr.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      sys.stderr.write("\n")
+
+
+def run(args: argparse.Namespace) -> int:
+  on_gpu = jax.default_backend() == "gpu"
+  dtype = DTYPES[args.dtype] if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
+  model, codec, label = build_model(args, dtype)
+  texts = read_prompts(args)
+  prompts = [codec.encode(t) for t in texts]
+  config = model.config
+  for i, ids in enumerate(prompts):
+    if not ids:
+      raise CLIError(f"prompt {i} encodes to no tokens")
+    if len(ids) >= config.n_positions:
+      raise CLIError(f"prompt {i} has {len(ids)} tokens; the model's n_positions is "
+                     f"{config.n_positions}")
+  num_pages = args.num_pages
+  if num_pages is None and (args.memory_fraction is None and not on_gpu):
+    num_pages = args.max_batch * -(-config.n_positions // args.page_size)
+  eos = None if args.ignore_eos else config.eos_token_id
+  try:
+    eng = engine_lib.Engine(model, max_batch=args.max_batch, num_pages=num_pages,
+                            memory_fraction=args.memory_fraction or 0.9,
+                            page_size=args.page_size, steps_per_call=args.steps_per_call,
+                            eos_token_id=eos)
+    requests = [engine_lib.Request(
+        ids, min(args.max_new_tokens, config.n_positions - len(ids) + 1),
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)
+        for i, ids in enumerate(prompts)]
+    print(f"model: {label}; {config.n_layer} layers, {config.n_embd} wide; {jnp.dtype(dtype).name}"
+          f" on {jax.devices()[0].platform}; text as {codec.name}", file=sys.stderr)
+    print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens",
+          file=sys.stderr)
+    progress = Progress(sum(r.max_new_tokens for r in requests),
+                        enabled=not args.no_progress)
+    outputs, report = eng.generate(requests, on_token=lambda event: progress.update())
+    progress.close()
+  except ValueError as e:
+    raise CLIError(str(e)) from e
+  for i, (text, out) in enumerate(zip(texts, outputs)):
+    print(f"--- [{i}] {text!r} -> {len(out)} tokens")
+    print(codec.decode(out))
+  print(report)
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  try:
+    return run(args)
+  except CLIError as e:
+    print(f"jax-paged-generate: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_paged import engine as engine_lib
 from jax_paged.engine import Engine, Request
-from jax_paged.generate import generate
+from jax_paged.static_batch import generate
 from models import gpt2
 
 CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=32, n_layer=2, n_head=4,
