@@ -1,0 +1,171 @@
+"""GPT-2 124M decode step on the paged pool (GPU, bf16) against its bytes floor.
+
+A decode step reads every weight once and every live K/V byte once, so its floor is
+(weight bytes + live KV bytes) / read bandwidth, with the read ceiling measured in the same
+run as `jnp.sum(x, dtype=f32)` over 4 GiB of bf16. The step is timed with all sequences at
+`context` tokens (pages randomly permuted over the pool), then again with a pool twice as
+large: nothing in the step may scale with the pool (no copy of the donated pool), so the
+time must not change.
+
+    PYTHONPATH=. python benchmarks/bench_decode_step.py [--batches 1 32 128]
+        [--contexts 512 1024] [--iters 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged import nn
+from jax_paged import paged_attention
+from jax_paged import pool as pool_lib
+from models import gpt2
+
+PAGE_SIZE = 16
+
+
+def read_ceiling_gbps(iters: int = 20) -> float:
+  """HBM read bandwidth: GB/s of a jitted f32-accumulated sum over 4 GiB of bf16."""
+  x = jnp.ones((2 ** 31,), jnp.bfloat16)
+  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+  total(x).block_until_ready()
+  start = time.perf_counter()
+  for _ in range(iters):
+    out = total(x)
+  out.block_until_ready()
+  seconds = (time.perf_counter() - start) / iters
+  del x
+  return 2 ** 32 / seconds / 1e9
+
+
+def filled_pool(model: gpt2.GPT2LMHeadModel, batch: int, context: int, num_pages: int,
+                max_pages_per_seq: int, seed: int) -> pool_lib.KVPool:
+  """A pool whose `batch` sequences already hold `context` tokens in random pages.
+
+  K/V values are zeros: the step's time does not depend on them.
+  """
+  kv = model.create_pool(num_pages=num_pages, page_size=PAGE_SIZE, max_seqs=batch,
+                         max_pages_per_seq=max_pages_per_seq)
+  used = -(-context // PAGE_SIZE)
+  perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+  table = np.zeros((batch, max_pages_per_seq), np.int32)
+  table[:, :used] = perm[:batch * used].reshape(batch, used)
+  free = perm[batch * used:]
+  return kv.replace(page_table=jnp.asarray(table),
+                    lengths=jnp.full((batch,), context, jnp.int32),
+                    free_pages=jnp.asarray(np.concatenate([free, perm[:batch * used]])),
+                    num_free=jnp.asarray(len(free), jnp.int32))
+
+
+def time_decode(steps: gpt2.Steps, params, kv, batch: int,
+                iters: int) -> tuple[float, float, pool_lib.KVPool]:
+  """Seconds per decode step (back-to-back steps, one block at the end), the host's
+  seconds per call (dispatch), and the pool after the steps.
+
+  Raises if a row went inactive (no page), which would make the step cheaper than it is.
+  """
+  tokens = jnp.zeros((batch,), jnp.int32)
+  ids = jnp.arange(batch, dtype=jnp.int32)
+  for _ in range(3):  # compile and warm up
+    logits, kv = steps.decode(params, kv, tokens, ids)
+  logits.block_until_ready()
+  start = time.perf_counter()
+  for _ in range(iters):
+    logits, kv = steps.decode(params, kv, tokens, ids)
+  host = (time.perf_counter() - start) / iters
+  logits.block_until_ready()
+  seconds = (time.perf_counter() - start) / iters
+  lengths = np.asarray(kv.lengths)
+  if (lengths != lengths[0]).any():
+    raise RuntimeError(f"some sequences did not advance: lengths {lengths}")
+  return seconds, host, kv
+
+
+def time_reserve(kv, iters: int) -> tuple[float, pool_lib.KVPool]:
+  """Seconds of the step's `pool.reserve` alone (one token for every sequence)."""
+  ids = jnp.arange(kv.max_seqs, dtype=jnp.int32)
+  reserve = jax.jit(lambda kv: pool_lib.reserve(kv, ids, 1, max_new_tokens=1)[:2],
+                    donate_argnums=0)
+  kv, slots = reserve(kv)
+  slots.block_until_ready()
+  start = time.perf_counter()
+  for _ in range(iters):
+    kv, slots = reserve(kv)
+  slots.block_until_ready()
+  return (time.perf_counter() - start) / iters, kv
+
+
+def time_attention(kv, num_layers: int, iters: int) -> float:
+  """Seconds per step spent in decode attention alone: the kernel on layer 0's view of
+  the same pool (as the step calls it), times the number of layers."""
+  batch = kv.max_seqs
+  q = jax.random.normal(jax.random.key(0), (batch * kv.num_kv_heads, 1, kv.head_dim),
+                        kv.k_pages.dtype)
+  attend = jax.jit(lambda q, kv: paged_attention.paged_decode_attention(
+      q, *nn.layer_view(kv, 0, kv.page_table, kv.lengths)))
+  out = attend(q, kv)
+  out.block_until_ready()
+  start = time.perf_counter()
+  for _ in range(iters):
+    out = attend(q, kv)
+  out.block_until_ready()
+  return (time.perf_counter() - start) / iters * num_layers
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+  parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024])
+  parser.add_argument("--iters", type=int, default=50)
+  parser.add_argument("--double-pool-batch", type=int, default=128,
+                      help="batch at which the 2x pool is also timed")
+  args = parser.parse_args()
+
+  ceiling = read_ceiling_gbps()
+  config = gpt2.GPT2Config()
+  model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  steps = gpt2.jit_steps(graphdef)
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  headroom = 2 * (3 + args.iters)  # tokens added by time_reserve and time_decode
+
+  print(f"# GPT-2 124M decode step, bf16, page {PAGE_SIZE}: "
+        f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(f"read ceiling (jnp.sum over 4 GiB bf16): {ceiling:.0f} GB/s; "
+        f"weights {weight_bytes / 1e6:.0f} MB")
+  print("| batch | context | pool pages | weights + live KV MB | floor us | step us | "
+        "x floor | new tokens/s | attention us (x layers) | reserve us | host us/call |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for context in args.contexts:
+    for batch in args.batches:
+      # Room for the warm-up and timed steps' tokens.
+      pages_per_seq = -(-(context + headroom) // PAGE_SIZE)
+      pages = batch * pages_per_seq
+      # 1x, 2x, 1x, 2x: the repeat shows the run-to-run spread next to any pool effect.
+      sizes = [pages, 2 * pages] * 2 if batch == args.double_pool_batch else [pages]
+      for num_pages in sizes:
+        kv = filled_pool(model, batch, context, num_pages, pages_per_seq, seed=batch + context)
+        attention = time_attention(kv, config.n_layer, args.iters)
+        reserve, kv = time_reserve(kv, args.iters)
+        step, host, kv = time_decode(steps, params, kv, batch, args.iters)
+        del kv
+        # Live KV averaged over the timed decode steps: time_reserve added 1 + iters tokens
+        # per sequence, the decode warm-up 3, and the timed steps add one each.
+        live = context + 1 + args.iters + 3 + args.iters / 2
+        kv_bytes = (2 * batch * live * config.n_layer * config.n_embd
+                    * jnp.dtype(jnp.bfloat16).itemsize)
+        floor = (weight_bytes + kv_bytes) / (ceiling * 1e9)
+        print(f"| {batch} | {context} | {num_pages} | {(weight_bytes + kv_bytes) / 1e6:.0f} | "
+              f"{floor * 1e6:.0f} | {step * 1e6:.0f} | {step / floor:.2f} | "
+              f"{batch / step:,.0f} | {attention * 1e6:.0f} | {reserve * 1e6:.0f} | "
+              f"{host * 1e6:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
