@@ -234,14 +234,25 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
   valid &= (new_len + ps - 1) // ps <= pool.max_pages_per_seq
 
   # Greedy in order: sequence i fits if its pages fit in what earlier successes left.
-  # Only this scalar bookkeeping is sequential; the page moves below are vectorised.
+  # When every valid request fits (the common case) that is a prefix sum; only otherwise
+  # is the scalar bookkeeping walked in order, a scan of n tiny steps that would cost a
+  # decode step ~5 us per sequence on a GPU. The page moves below are vectorised.
   def admit(free, x):
     need_i, valid_i = x
     ok_i = valid_i & (need_i <= free)
     taken = jnp.where(ok_i, need_i, 0)
     return free - taken, (ok_i, free)
 
-  num_free, (ok, free_before) = jax.lax.scan(admit, pool.num_free, (need, valid))
+  def all_fit(need, valid):
+    taken = jnp.where(valid, need, 0)
+    return pool.num_free - jnp.sum(taken), (valid, pool.num_free - jnp.cumsum(taken) + taken)
+
+  def in_order(need, valid):
+    return jax.lax.scan(admit, pool.num_free, (need, valid))
+
+  total = jnp.sum(jnp.where(valid, need, 0))
+  num_free, (ok, free_before) = jax.lax.cond(total <= pool.num_free, all_fit, in_order,
+                                             need, valid)
   need = jnp.where(ok, need, 0)
 
   # Sequence i pops free_pages[free_before - need : free_before], top of stack first.
