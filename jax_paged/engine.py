@@ -210,7 +210,7 @@ class Engine:
 
   def __init__(self, model: gpt2.GPT2LMHeadModel, *, max_batch: int = 32,
                num_pages: int | None = None, memory_fraction: float = 0.9,
-               page_size: int = 16, steps_per_call: int = 16,
+               page_size: int = 16, steps_per_call: int = 32,
                max_prefill_tokens: int = 16384, eos_token_id: int | None = None, cache_dtype=None):
     if max_batch < 1:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -270,16 +270,23 @@ class Engine:
                on_token: Callable[[TokenEvent], None] | None = None) -> tuple[list[list[int]], Report]:
     """Runs every request to completion; returns (new tokens per request, report)."""
     outputs: list[list[int]] = [[] for _ in requests]
-    stream = self.stream(requests)
-    for event in stream:
-      outputs[event.request_id].append(event.token)
+    for rid, tokens, reason in self._run(requests):
+      outputs[rid] += tokens
       if on_token is not None:
-        on_token(event)
+        for j, token in enumerate(tokens):
+          on_token(TokenEvent(rid, token, reason if j == len(tokens) - 1 else None))
     return outputs, self.report
 
   def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
     """Yields each token as soon as the host has it. `self.report` is complete once the
     iterator is exhausted."""
+    for rid, tokens, reason in self._run(requests):
+      for j, token in enumerate(tokens):
+        yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None)
+
+  def _run(self, requests: Sequence[Request]) -> Iterator[tuple[int, list[int], str | None]]:
+    """The scheduling loop. Yields (request_id, new tokens, finish_reason) per request per
+    device call: whole chunks, so the host pays per request, not per token."""
     self._check(requests)
     self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
     start = time.perf_counter()
@@ -292,10 +299,14 @@ class Engine:
     def free_pages() -> int:
       return self.num_pages - sum(self._pages(s.cached) for s in slots if s is not None)
 
-    def finish(slot: int, reason: str | None) -> None:
-      if reason is not None:
-        self.kv = _release(self.kv, jnp.asarray([slot], jnp.int32))
-        slots[slot] = None
+    def retire(done: list[int]) -> None:
+      """Frees these slots and their pages, all in one device call."""
+      if done:
+        ids = np.full((self.max_batch,), -1, np.int32)  # -1 pads: ignored under jit
+        ids[:len(done)] = done
+        self.kv = _release(self.kv, jnp.asarray(ids))
+        for slot in done:
+          slots[slot] = None
 
     while waiting or any(slots):
       # 1. Admit in arrival order while slots and pages allow (one page of headroom per
@@ -320,7 +331,7 @@ class Engine:
         budget -= need + 1
         admitted.append(slot)
       if admitted:
-        yield from self._prefill(admitted, slots, report, start, finish)
+        yield from self._prefill(admitted, slots, report, start, retire)
       report.peak_pages_in_use = max(report.peak_pages_in_use, self.num_pages - free_pages())
 
       # 2. Fit the chunk in the free pages, preempting the newest request if not one step fits.
@@ -333,7 +344,7 @@ class Engine:
                      key=lambda i: slots[i].admitted_at)
         progress[slots[victim].request_id] = slots[victim].tokens
         waiting.appendleft(slots[victim].request_id)
-        finish(victim, "preempted")
+        retire([victim])
         report.preemptions += 1
         steps = self._steps_that_fit(slots, free_pages())
       if not any(slots):
@@ -342,7 +353,7 @@ class Engine:
       efficiency.append(live / max(1, (self.num_pages - free_pages()) * self.page_size))
 
       # 3. Decode the chunk on device, then stream and retire.
-      yield from self._decode(steps, slots, report, finish)
+      yield from self._decode(steps, slots, report, retire)
       report.peak_pages_in_use = max(report.peak_pages_in_use, self.num_pages - free_pages())
     report.elapsed_s = time.perf_counter() - start
     report.kv_efficiency = float(np.mean(efficiency)) if efficiency else 1.0
@@ -371,14 +382,16 @@ class Engine:
                            for s in running], jnp.float32),
         greedy=all(s is None or s.request.temperature == 0 for s in running))
 
-  def _stop_reason(self, s: _Running, token: int) -> str | None:
+  def _stop_reason(self, s: _Running) -> str | None:
+    """Why the request ends after its newest token, or None if it goes on."""
+    token = s.tokens[-1]
     if token == self.eos_token_id or token in s.request.stop_token_ids:
       return "stop"
     if len(s.tokens) >= s.request.max_new_tokens:
       return "length"
     return None
 
-  def _prefill(self, admitted, slots, report, start, finish) -> Iterator[TokenEvent]:
+  def _prefill(self, admitted, slots, report, start, retire):
     rows = [slots[i] for i in admitted]
     contexts = [list(s.request.prompt) + s.tokens for s in rows]
     n = _bucket(len(rows), 1)
@@ -403,16 +416,19 @@ class Engine:
       raise RuntimeError(f"prefill could not reserve pages (lengths {cached.tolist()}, "
                          f"expected {lengths[:len(rows)].tolist()}): scheduler bug")
     now = time.perf_counter()
+    done = []
     for j, (slot, s) in enumerate(zip(admitted, rows)):
       if not s.tokens:
         report.ttft_s.append(now - start)
       s.tokens.append(int(new[j]))
       report.generated_tokens += 1
-      reason = self._stop_reason(s, int(new[j]))
-      yield TokenEvent(s.request_id, int(new[j]), reason)
-      finish(slot, reason)
+      reason = self._stop_reason(s)
+      if reason is not None:
+        done.append(slot)
+      yield s.request_id, [int(new[j])], reason
+    retire(done)
 
-  def _decode(self, steps, slots, report, finish) -> Iterator[TokenEvent]:
+  def _decode(self, steps, slots, report, retire):
     b = self.max_batch
     stops = [([self.eos_token_id] if self.eos_token_id is not None else [])
              + list(s.request.stop_token_ids) if s is not None else [] for s in slots]
@@ -430,22 +446,24 @@ class Engine:
         **self._sampling_arrays(slots))
     out = np.asarray(out)
     report.decode_calls += 1
+    # A row's tokens are a prefix of its column: the device loop stops a row for good on
+    # its first stop token or when its budget runs out, so only the last one can end it.
+    produced = (out >= 0).sum(axis=0)
+    done = []
     for i, s in enumerate(slots):
-      if s is None:
+      if s is None or not produced[i]:
         continue
-      for token in out[:, i]:
-        if token < 0:
-          break
-        s.cached += 1  # the previous newest token went into the cache
-        s.tokens.append(int(token))
-        report.generated_tokens += 1
-        reason = self._stop_reason(s, int(token))
-        yield TokenEvent(s.request_id, int(token), reason)
-        if reason is not None:
-          finish(i, reason)
-          break
+      new = out[:produced[i], i].tolist()
+      s.cached += len(new)  # each step cached the previous newest token
+      s.tokens += new
+      report.generated_tokens += len(new)
+      reason = self._stop_reason(s)
+      if reason is not None:
+        done.append(i)
+      yield s.request_id, new, reason
     cached = np.asarray(self.kv.lengths)
     for i, s in enumerate(slots):
       if s is not None and cached[i] != s.cached:
         raise RuntimeError(f"slot {i} holds {cached[i]} cached tokens, expected {s.cached}: "
                            f"a decode step found no free page (scheduler bug)")
+    retire(done)

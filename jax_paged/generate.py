@@ -99,8 +99,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   eng = p.add_argument_group("engine")
   eng.add_argument("--max-batch", type=int, default=32, help="decode slots (default 32)")
   eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-  eng.add_argument("--steps-per-call", type=int, default=16,
-                   help="decode steps per device call (default 16)")
+  eng.add_argument("--steps-per-call", type=int, default=32,
+                   help="decode steps per device call (default 32)")
   size = eng.add_mutually_exclusive_group()
   size.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool")
   size.add_argument("--memory-fraction", type=float, default=None,
