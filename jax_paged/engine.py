@@ -204,6 +204,10 @@ class Engine:
     steps_per_call: decode steps per device call (one host round trip per chunk).
     max_prefill_tokens: the most (padded) tokens one prefill call processes; admission
       pauses for a decode chunk past it, bounding prefill memory and decode stalls.
+    admission: "optimistic" (vLLM's policy: admit when the prompt's pages are free, and
+      preempt the newest request when the pool runs out mid-decode) or "peak" (admit only
+      when every running request can reach its max_new_tokens: no preemption, fewer
+      sequences at once; best when requests rarely stop early).
     eos_token_id: ends every request when generated (optional).
     cache_dtype: the pool dtype (default: the model's compute dtype).
   """
@@ -211,7 +215,8 @@ class Engine:
   def __init__(self, model: gpt2.GPT2LMHeadModel, *, max_batch: int = 32,
                num_pages: int | None = None, memory_fraction: float = 0.9,
                page_size: int = 16, steps_per_call: int = 32,
-               max_prefill_tokens: int = 16384, eos_token_id: int | None = None, cache_dtype=None):
+               max_prefill_tokens: int = 16384, admission: str = "optimistic",
+               eos_token_id: int | None = None, cache_dtype=None):
     if max_batch < 1:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if steps_per_call < 1:
@@ -220,6 +225,9 @@ class Engine:
     self.config = c
     self.max_batch, self.page_size, self.steps_per_call = max_batch, page_size, steps_per_call
     self.max_prefill_tokens = max_prefill_tokens
+    if admission not in ("optimistic", "peak"):
+      raise ValueError(f"admission must be 'optimistic' or 'peak', got {admission!r}")
+    self.admission = admission
     self.eos_token_id = eos_token_id
     cache_dtype = model.dtype if cache_dtype is None else cache_dtype
     if num_pages is None:
@@ -239,6 +247,10 @@ class Engine:
   def _pages(self, tokens: int) -> int:
     return -(-tokens // self.page_size)
 
+  def _peak_pages(self, r: Request) -> int:
+    """Pages a request holds at its longest (the newest token is never cached)."""
+    return self._pages(len(r.prompt) + r.max_new_tokens - 1)
+
   def _check(self, requests: Sequence[Request]) -> None:
     limit = min(self.num_pages, self.max_pages_per_seq)
     for i, r in enumerate(requests):
@@ -256,13 +268,11 @@ class Engine:
       if bad:
         raise ValueError(f"request {i}: token ids {bad[:5]} outside [0, vocab_size="
                          f"{self.config.vocab_size})")
-      # The newest token is never fed back, so the cache peaks at prompt + max_new - 1.
-      peak = len(r.prompt) + r.max_new_tokens - 1
-      if peak > self.config.n_positions:
+      if len(r.prompt) + r.max_new_tokens - 1 > self.config.n_positions:
         raise ValueError(f"request {i}: prompt of {len(r.prompt)} tokens + {r.max_new_tokens} "
                          f"new tokens exceeds the model's n_positions={self.config.n_positions}")
-      if self._pages(peak) > limit:
-        raise ValueError(f"request {i}: needs {self._pages(peak)} pages of {self.page_size} "
+      if self._peak_pages(r) > limit:
+        raise ValueError(f"request {i}: needs {self._peak_pages(r)} pages of {self.page_size} "
                          f"tokens but the pool holds {self.num_pages}: the pool is too small "
                          f"for this request")
 
@@ -309,16 +319,21 @@ class Engine:
           slots[slot] = None
 
     while waiting or any(slots):
-      # 1. Admit in arrival order while slots and pages allow (one page of headroom per
-      #    running sequence, so the running ones can keep going).
+      # 1. Admit in arrival order while slots and pages allow: "optimistic" keeps one
+      #    page of headroom per running sequence so they can keep going; "peak" admits
+      #    only what fits at every admitted request's max_new_tokens.
       admitted = []
-      budget = free_pages() - sum(s is not None for s in slots)
+      if self.admission == "peak":
+        budget = self.num_pages - sum(self._peak_pages(s.request) for s in slots if s)
+      else:
+        budget = free_pages() - sum(s is not None for s in slots)
       widest = 0
       while waiting and None in slots:
         rid = waiting[0]
         context = len(requests[rid].prompt) + len(progress.get(rid, []))
-        need = self._pages(context)
-        if need + 1 > budget and (admitted or any(slots)):
+        need = (self._peak_pages(requests[rid]) if self.admission == "peak"
+                else self._pages(context) + 1)
+        if need > budget and (admitted or any(slots)):
           break
         widest = max(widest, context)
         prefill_tokens = _bucket(len(admitted) + 1, 1) * _bucket(widest, self.page_size)
@@ -328,7 +343,7 @@ class Engine:
         slot = slots.index(None)
         slots[slot] = _Running(rid, requests[rid], progress.pop(rid, []), context, admissions)
         admissions += 1
-        budget -= need + 1
+        budget -= need
         admitted.append(slot)
       if admitted:
         yield from self._prefill(admitted, slots, report, start, retire)

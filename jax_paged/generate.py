@@ -101,6 +101,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
   eng.add_argument("--steps-per-call", type=int, default=32,
                    help="decode steps per device call (default 32)")
+  eng.add_argument("--admission", choices=("optimistic", "peak"), default="optimistic",
+                   help="optimistic: admit when the prompt fits, preempt and recompute when "
+                        "the pool runs out (vLLM); peak: admit only what fits at "
+                        "max_new_tokens (default optimistic)")
   size = eng.add_mutually_exclusive_group()
   size.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool")
   size.add_argument("--memory-fraction", type=float, default=None,
@@ -183,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     eng = engine_lib.Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                             memory_fraction=args.memory_fraction or 0.9,
                             page_size=args.page_size, steps_per_call=args.steps_per_call,
+                            admission=args.admission,
                             eos_token_id=eos)
     requests = [engine_lib.Request(
         ids, min(args.max_new_tokens, config.n_positions - len(ids) + 1),

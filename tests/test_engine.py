@@ -47,6 +47,14 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, gree
   assert report.peak_pages_in_use <= 9 and int(eng.kv.num_free_pages()) == 9
 
 
+def test_peak_admission_never_preempts(model, prompts, greedy_reference):
+  eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6,
+               admission="peak")
+  outputs, report = eng.generate([Request(p, 14) for p in prompts])
+  assert report.preemptions == 0 and outputs == greedy_reference
+  assert report.peak_pages_in_use <= 9 and int(eng.kv.num_free_pages()) == 9
+
+
 def test_no_page_leaks_after_thousands_of_requests(model):
   rng = np.random.default_rng(3)
   requests = [Request(rng.integers(0, CONFIG.vocab_size, rng.integers(1, 12)).tolist(),
