@@ -234,25 +234,33 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
   valid &= (new_len + ps - 1) // ps <= pool.max_pages_per_seq
 
   # Greedy in order: sequence i fits if its pages fit in what earlier successes left.
-  # When every valid request fits (the common case) that is a prefix sum; only otherwise
-  # is the scalar bookkeeping walked in order, a scan of n tiny steps that would cost a
-  # decode step ~5 us per sequence on a GPU. The page moves below are vectorised.
+  # Walking that in order is a scan of n tiny steps (~5 us each on a GPU), so it is
+  # avoided where a prefix sum gives the same answer: when every need is 0 or 1 (one new
+  # token, known statically: no device-to-host branch in a decode step), a request fails
+  # exactly when the earlier successes already took every free page; when every valid
+  # request fits, all succeed. Only otherwise is the scan walked. The page moves below
+  # are vectorised.
   def admit(free, x):
     need_i, valid_i = x
     ok_i = valid_i & (need_i <= free)
     taken = jnp.where(ok_i, need_i, 0)
     return free - taken, (ok_i, free)
 
-  def all_fit(need, valid):
-    taken = jnp.where(valid, need, 0)
-    return pool.num_free - jnp.sum(taken), (valid, pool.num_free - jnp.cumsum(taken) + taken)
+  def prefix_sum(need, valid):
+    wanted = jnp.where(valid, need, 0)
+    ok = valid & ((need == 0) | (jnp.cumsum(wanted) <= pool.num_free))
+    taken = jnp.where(ok, need, 0)
+    return pool.num_free - jnp.sum(taken), (ok, pool.num_free - jnp.cumsum(taken) + taken)
 
   def in_order(need, valid):
     return jax.lax.scan(admit, pool.num_free, (need, valid))
 
-  total = jnp.sum(jnp.where(valid, need, 0))
-  num_free, (ok, free_before) = jax.lax.cond(total <= pool.num_free, all_fit, in_order,
-                                             need, valid)
+  if max_new_tokens <= 1:
+    num_free, (ok, free_before) = prefix_sum(need, valid)
+  else:
+    total = jnp.sum(jnp.where(valid, need, 0))
+    num_free, (ok, free_before) = jax.lax.cond(total <= pool.num_free, prefix_sum, in_order,
+                                               need, valid)
   need = jnp.where(ok, need, 0)
 
   # Sequence i pops free_pages[free_before - need : free_before], top of stack first.

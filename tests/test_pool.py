@@ -169,6 +169,30 @@ def test_reserve_serves_in_order_and_later_ones_may_fit():
   check_page_ownership(p)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_one_token_reserve_is_greedy_in_order_when_pages_run_short(seed):
+  """A decode step's reserve (max_new_tokens=1, a prefix sum) equals in-order greedy."""
+  rng = np.random.default_rng(seed)
+  p = make_pool(num_pages=10, max_seqs=8, max_pages_per_seq=4)
+  # Every sequence holds one page, half of them full: 2 free pages for ~4 that need one.
+  p, _, _ = kvpool.reserve(p, jnp.arange(8), jnp.asarray(rng.choice([2, 4], 8)))
+  ids = rng.permutation(8)
+  counts = rng.integers(0, 2, 8)
+  counts[:2] = 1
+  lengths, free = np.asarray(p.lengths), int(p.num_free_pages())
+  expected = []
+  for s, n in zip(ids, counts):
+    need = int(n > 0 and lengths[s] % PAGE_SIZE == 0)
+    expected.append(need <= free)
+    free -= need if need <= free else 0
+  new, slots, ok = jax.jit(functools.partial(kvpool.reserve, max_new_tokens=1))(
+      p, jnp.asarray(ids), jnp.asarray(counts))
+  np.testing.assert_array_equal(ok, expected)
+  assert int(new.num_free_pages()) == free
+  assert ((np.asarray(slots)[:, 0] >= 0) == (np.asarray(expected) & (counts > 0))).all()
+  check_page_ownership(new)
+
+
 def test_reserve_past_max_pages_per_seq_fails_cleanly():
   p = make_pool()
   limit = MAX_PAGES_PER_SEQ * PAGE_SIZE
