@@ -133,10 +133,33 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
 
 
 # ----------------------------------------------------------------- main
+def plot_sweep(sweep: dict, contiguous_tps: float, contiguous_batch: int, n_req: int) -> None:
+  """tokens/s vs the engine's batch capacity, one line per admission policy."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for admission, points in sweep.items():
+      ax.plot(list(points), list(points.values()), "o-", label=f"paged engine, {admission}")
+    ax.axhline(contiguous_tps, color="gray", ls="--",
+               label=f"contiguous cache, batch {contiguous_batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("engine batch capacity (same KV memory)")
+    ax.set_ylabel("new tokens/s")
+    ax.set_title(f"GPT-2 generation, {n_req} mixed requests")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.out_dir(), "generate_throughput.png"), dpi=120)
+  except ImportError:
+    print("matplotlib missing: no PNG")
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--tiny", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--skip-hf", action="store_true")
+  p.add_argument("--skip-mixed", action="store_true", help="only the fixed workload")
   p.add_argument("--contiguous-batch", type=int, default=64,
                  help="the contiguous baseline's batch; fixes the shared KV memory")
   args = p.parse_args()
@@ -158,11 +181,12 @@ def main():
   kv_slots = args.contiguous_batch * max_len  # the shared KV memory, in token slots
   num_pages = kv_slots // page_size
   lines = [f"# bench_generate: {common.header()}", "",
-           f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, greedy. Mixed: "
-           f"{n_req} requests, prompts {lo}..{hi}, {new} new; KV memory {kv_slots} token "
-           f"slots for both paged ({num_pages} pages of {page_size}) and contiguous "
-           f"(batch {args.contiguous_batch} x {max_len}).", "",
-           "| system | batch capacity | time (s) | new tokens/s |", "|---|---|---|---|"]
+           f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, greedy."]
+  if not args.skip_mixed:
+    lines += [f"Mixed: {n_req} requests, prompts {lo}..{hi}, {new} new; KV memory {kv_slots} "
+              f"token slots for both paged ({num_pages} pages of {page_size}) and contiguous "
+              f"(batch {args.contiguous_batch} x {max_len}).", "",
+              "| system | batch capacity | time (s) | new tokens/s |", "|---|---|---|---|"]
   total = n_req * new
   print("\n".join(lines), flush=True)
 
@@ -174,31 +198,33 @@ def main():
     for line in new_lines:
       emit(line)
 
-  contiguous, sec = timed(lambda: contiguous_generate(model, prompts, new,
-                                                      args.contiguous_batch, max_len))
-  contiguous_tps = total / sec
-  emit(f"| contiguous cache (JAX, static batches) | {args.contiguous_batch} | {sec:.2f} "
-               f"| {contiguous_tps:,.0f} |")
+  if not args.skip_mixed:
+    contiguous, sec = timed(lambda: contiguous_generate(model, prompts, new,
+                                                        args.contiguous_batch, max_len))
+    contiguous_tps = total / sec
+    emit(f"| contiguous cache (JAX, static batches) | {args.contiguous_batch} | {sec:.2f} "
+         f"| {contiguous_tps:,.0f} |")
 
-  sweep = {"optimistic": {}, "peak": {}}
-  reports = {}
-  for admission, caps in (("optimistic", capacities), ("peak", capacities[-2:])):
-    for cap in caps:
-      eng = Engine(model, max_batch=cap, num_pages=num_pages, page_size=page_size,
-                   steps_per_call=32, admission=admission)
-      (outs, report), sec = timed(lambda: eng.generate([Request(p, new) for p in prompts]))
-      sweep[admission][cap] = total / sec
-      emit(f"| paged engine, {admission} admission | {cap} | {sec:.2f} | "
-           f"{total / sec:,.0f} |")
-      reports[(admission, cap)] = report
-  agree = np.mean([a[:8] == b[:8] for a, b in zip(outs, contiguous)])
-  best = max(((a, c) for a in sweep for c in sweep[a]), key=lambda k: sweep[k[0]][k[1]])
-  emit_all(["", f"Paged engine best / contiguous at equal KV memory: "
-            f"**{sweep[best[0]][best[1]] / contiguous_tps:.2f}x** ({best[0]} admission, "
-            f"capacity {best[1]}). First 8 tokens agree with the contiguous run on {agree:.0%} "
-            f"of requests (bf16 ties may differ).", "",
-            f"Engine report ({best[0]} admission, capacity {best[1]}, timed run):", "", "```",
-            str(reports[best]), "```"])
+    sweep = {"optimistic": {}, "peak": {}}
+    reports = {}
+    for admission, caps in (("optimistic", capacities), ("peak", capacities[-2:])):
+      for cap in caps:
+        eng = Engine(model, max_batch=cap, num_pages=num_pages, page_size=page_size,
+                     steps_per_call=32, admission=admission)
+        (outs, report), sec = timed(lambda: eng.generate([Request(p, new) for p in prompts]))
+        sweep[admission][cap] = total / sec
+        emit(f"| paged engine, {admission} admission | {cap} | {sec:.2f} | "
+             f"{total / sec:,.0f} |")
+        reports[(admission, cap)] = report
+    agree = np.mean([a[:8] == b[:8] for a, b in zip(outs, contiguous)])
+    best = max(((a, c) for a in sweep for c in sweep[a]), key=lambda k: sweep[k[0]][k[1]])
+    emit_all(["", f"Paged engine best / contiguous at equal KV memory: "
+              f"**{sweep[best[0]][best[1]] / contiguous_tps:.2f}x** ({best[0]} admission, "
+              f"capacity {best[1]}). First 8 tokens agree with the contiguous run on {agree:.0%} "
+              f"of requests (bf16 ties may differ).", "",
+              f"Engine report ({best[0]} admission, capacity {best[1]}, timed run):", "", "```",
+              str(reports[best]), "```"])
+    plot_sweep(sweep, contiguous_tps, args.contiguous_batch, n_req)
 
   b, prompt_len, new_f = fixed
   fixed_prompts = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(b)]
@@ -222,24 +248,6 @@ def main():
   out = common.out_dir()
   with open(os.path.join(out, "bench_generate.md"), "w") as f:
     f.write(text + "\n")
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for admission, points in sweep.items():
-      ax.plot(list(points), list(points.values()), "o-", label=f"paged engine, {admission}")
-    ax.axhline(contiguous_tps, color="gray", ls="--",
-               label=f"contiguous cache, batch {args.contiguous_batch}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("engine batch capacity (same KV memory)")
-    ax.set_ylabel("new tokens/s")
-    ax.set_title(f"GPT-2 generation, {n_req} mixed requests")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "generate_throughput.png"), dpi=120)
-  except ImportError:
-    print("matplotlib missing: no PNG")
 
 
 if __name__ == "__main__":
