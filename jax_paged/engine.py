@@ -262,6 +262,8 @@ class Engine:
         raise ValueError(f"request {i}: temperature must be >= 0, got {r.temperature}")
       if r.top_p is not None and not 0.0 < r.top_p <= 1.0:
         raise ValueError(f"request {i}: top_p must be in (0, 1], got {r.top_p}")
+      if not 0 <= r.seed < 2 ** 32:
+        raise ValueError(f"request {i}: seed must be in [0, 2**32), got {r.seed}")
       if r.top_k is not None and r.top_k < 1:
         raise ValueError(f"request {i}: top_k must be >= 1, got {r.top_k}")
       bad = [t for t in r.prompt if not 0 <= t < self.config.vocab_size]
@@ -375,15 +377,14 @@ class Engine:
 
   def _steps_that_fit(self, slots: list[_Running | None], free: int) -> int:
     """The most decode steps (<= steps_per_call) whose new pages all fit in `free`."""
-    for steps in range(self.steps_per_call, 0, -1):
-      need = 0
-      for s in slots:
-        if s is not None:
-          n = min(steps, s.request.max_new_tokens - len(s.tokens))
-          need += self._pages(s.cached + n) - self._pages(s.cached)
-      if need <= free:
-        return steps
-    return 0
+    running = [s for s in slots if s is not None]
+    cached = np.array([s.cached for s in running])
+    left = np.array([s.request.max_new_tokens - len(s.tokens) for s in running])
+    steps = np.arange(1, self.steps_per_call + 1)[:, None]
+    ps = self.page_size
+    grown = -(-(cached + np.minimum(steps, left)) // ps) - -(-cached // ps)  # [steps, running]
+    fits = np.flatnonzero(grown.sum(axis=1) <= free)
+    return int(fits[-1]) + 1 if fits.size else 0
 
   def _sampling_arrays(self, running: list[_Running | None]):
     """Per-row sampling settings; rows without a request get greedy defaults."""

@@ -113,6 +113,7 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
     (Request([1], 0), "max_new_tokens must be >= 1"),
     (Request([1] * 90, 10), "exceeds the model's n_positions"),
     (Request([1], 3, top_p=0.0), "top_p"),
+    (Request([1], 3, seed=-1), "seed must be"),
     (Request([1000], 3), "outside"),
     (Request([1] * 40, 20), "pool is too small"),
 ])
