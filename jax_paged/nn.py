@@ -27,12 +27,6 @@ from jax_paged import validation
 DecodeImpl = Literal["auto", "kernel", "reference"]
 
 
-def _kernel_supports(head_dim: int, page_size: int) -> bool:
-  return (head_dim in validation.SUPPORTED_HEAD_DIMS
-          and validation.MIN_PAGE_SIZE <= page_size <= validation.MAX_PAGE_SIZE
-          and page_size & (page_size - 1) == 0)
-
-
 def layer_view(kv: pool_lib.KVPool, layer: int, page_table: jax.Array, lengths: jax.Array
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One layer of the pool as `paged_decode_attention` arguments, without copying it.
@@ -152,7 +146,7 @@ class PagedAttention(nnx.Module):
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     k_pages, v_pages, table, kv_lengths = layer_view(kv, layer, page_table, lengths)
     use_kernel = self.decode_impl == "kernel" or (
-        self.decode_impl == "auto" and _kernel_supports(d, kv.page_size))
+        self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
     y = attend(

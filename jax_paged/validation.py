@@ -18,6 +18,16 @@ def _shape(x) -> tuple[int, ...]:
   return tuple(getattr(x, "shape", ()))
 
 
+def kernel_page_size_ok(page_size: int) -> bool:
+  """Whether the kernels take this page size (a power of two in [8, 128])."""
+  return MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
+
+
+def kernel_supports(head_dim: int, page_size: int) -> bool:
+  """Whether the Pallas kernels support this head dim and page size."""
+  return head_dim in SUPPORTED_HEAD_DIMS and kernel_page_size_ok(page_size)
+
+
 def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits_soft_cap,
                       sliding_window, strict_kernel_shapes: bool) -> None:
   """Validates the arguments of `paged_decode_attention` (kernel and reference).
@@ -62,7 +72,7 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
   if strict_kernel_shapes:
     if d not in SUPPORTED_HEAD_DIMS:
       raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
-    if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
+    if not kernel_page_size_ok(page_size):
       raise ValueError(f"k_pages page_size must be a power of two in "
                        f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
 
