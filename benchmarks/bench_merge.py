@@ -11,7 +11,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import common
 import jax_paged

@@ -10,7 +10,6 @@ order the logits themselves.
 """
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
