@@ -14,7 +14,6 @@ time must not change.
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 
 import jax
@@ -22,26 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import common
 from jax_paged import nn
 from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
 from models import gpt2
 
 PAGE_SIZE = 16
-
-
-def read_ceiling_gbps(iters: int = 20) -> float:
-  """HBM read bandwidth: GB/s of a jitted f32-accumulated sum over 4 GiB of bf16."""
-  x = jnp.ones((2 ** 31,), jnp.bfloat16)
-  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-  total(x).block_until_ready()
-  start = time.perf_counter()
-  for _ in range(iters):
-    out = total(x)
-  out.block_until_ready()
-  seconds = (time.perf_counter() - start) / iters
-  del x
-  return 2 ** 32 / seconds / 1e9
 
 
 def filled_pool(model: gpt2.GPT2LMHeadModel, batch: int, context: int, num_pages: int,
@@ -127,7 +113,7 @@ def main():
                       help="batch at which the 2x pool is also timed")
   args = parser.parse_args()
 
-  ceiling = read_ceiling_gbps()
+  ceiling = common.read_ceiling_gbs()
   config = gpt2.GPT2Config()
   model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
@@ -135,8 +121,7 @@ def main():
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   headroom = 2 * (3 + args.iters)  # tokens added by time_reserve and time_decode
 
-  print(f"# GPT-2 124M decode step, bf16, page {PAGE_SIZE}: "
-        f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(f"# GPT-2 124M decode step, bf16, page {PAGE_SIZE}: {common.header()}")
   print(f"read ceiling (jnp.sum over 4 GiB bf16): {ceiling:.0f} GB/s; "
         f"weights {weight_bytes / 1e6:.0f} MB")
   print("| batch | context | pool pages | weights + live KV MB | floor us | step us | "
