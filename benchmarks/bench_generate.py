@@ -160,6 +160,7 @@ def main():
   p.add_argument("--tiny", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument("--skip-mixed", action="store_true", help="only the fixed workload")
+  p.add_argument("--capacities", type=int, nargs="+", help="engine batch capacities to sweep")
   p.add_argument("--contiguous-batch", type=int, default=64,
                  help="the contiguous baseline's batch; fixes the shared KV memory")
   args = p.parse_args()
@@ -173,6 +174,7 @@ def main():
     config = gpt2.GPT2Config()
     n_req, lo, hi, new, fixed = 256, 32, 512, 256, (128, 256, 256)
     dtype, page_size, capacities = jnp.bfloat16, 16, [32, 64, 128, 256]
+  capacities = args.capacities or capacities
   model = gpt2.GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, config.vocab_size, rng.integers(lo, hi + 1)).tolist()
@@ -186,7 +188,9 @@ def main():
     lines += [f"Mixed: {n_req} requests, prompts {lo}..{hi}, {new} new; KV memory {kv_slots} "
               f"token slots for both paged ({num_pages} pages of {page_size}) and contiguous "
               f"(batch {args.contiguous_batch} x {max_len}).", "",
-              "| system | batch capacity | time (s) | new tokens/s |", "|---|---|---|---|"]
+              "| system | batch capacity | time (s) | new tokens/s | decode steps | sequences "
+              "per step | ms per step | prefill s | preemptions |",
+              "|---|---|---|---|---|---|---|---|---|"]
   total = n_req * new
   print("\n".join(lines), flush=True)
 
@@ -203,7 +207,7 @@ def main():
                                                         args.contiguous_batch, max_len))
     contiguous_tps = total / sec
     emit(f"| contiguous cache (JAX, static batches) | {args.contiguous_batch} | {sec:.2f} "
-         f"| {contiguous_tps:,.0f} |")
+         f"| {contiguous_tps:,.0f} | | | | | |")
 
     sweep = {"optimistic": {}, "peak": {}}
     reports = {}
@@ -213,8 +217,11 @@ def main():
                      steps_per_call=32, admission=admission)
         (outs, report), sec = timed(lambda: eng.generate([Request(p, new) for p in prompts]))
         sweep[admission][cap] = total / sec
+        r = report
         emit(f"| paged engine, {admission} admission | {cap} | {sec:.2f} | "
-             f"{total / sec:,.0f} |")
+             f"{total / sec:,.0f} | {r.decode_steps} | {r.decode_tokens / r.decode_steps:.1f} | "
+             f"{1e3 * r.decode_s / r.decode_steps:.2f} | {r.prefill_s:.2f} | "
+             f"{r.preemptions} |")
         reports[(admission, cap)] = report
     agree = np.mean([a[:8] == b[:8] for a, b in zip(outs, contiguous)])
     best = max(((a, c) for a in sweep for c in sweep[a]), key=lambda k: sweep[k[0]][k[1]])

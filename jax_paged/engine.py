@@ -87,6 +87,10 @@ class Report:
   preemptions: int = 0
   decode_calls: int = 0
   prefill_calls: int = 0
+  decode_steps: int = 0       # device decode steps run (a step decodes every running row)
+  decode_tokens: int = 0      # tokens those steps produced
+  decode_s: float = 0.0       # wall time of the decode calls (until their tokens are back)
+  prefill_s: float = 0.0      # wall time of the prefill calls
 
   @property
   def tokens_per_s(self) -> float:
@@ -101,8 +105,11 @@ class Report:
         f"max {ttft.max():.1f} ms",
         f"KV pages: peak {self.peak_pages_in_use} of {self.num_pages} in use; memory "
         f"efficiency {self.kv_efficiency:.1%} (live tokens / reserved slots)",
-        f"preemptions: {self.preemptions}  prefill calls: {self.prefill_calls}  "
-        f"decode calls: {self.decode_calls}",
+        f"preemptions: {self.preemptions}  prefill calls: {self.prefill_calls} "
+        f"({self.prefill_s:.2f} s)  decode calls: {self.decode_calls} ({self.decode_s:.2f} s, "
+        f"{self.decode_steps} steps, {self.decode_tokens / max(1, self.decode_steps):.1f} "
+        f"sequences per step, {1e3 * self.decode_s / max(1, self.decode_steps):.2f} ms per "
+        f"step)",
         f"throughput: {self.tokens_per_s:.1f} tokens/s",
     ])
 
@@ -202,12 +209,14 @@ class Engine:
       device's free memory (`pool.size_pool`, accelerators only).
     page_size: tokens per page.
     steps_per_call: decode steps per device call (one host round trip per chunk).
-    max_prefill_tokens: the most (padded) tokens one prefill call processes; admission
-      pauses for a decode chunk past it, bounding prefill memory and decode stalls.
+    max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
+      prefill memory); more admissions go into further calls before the next chunk.
     admission: "optimistic" (vLLM's policy: admit when the prompt's pages are free, and
       preempt the newest request when the pool runs out mid-decode) or "peak" (admit only
-      when every running request can reach its max_new_tokens: no preemption, fewer
-      sequences at once; best when requests rarely stop early).
+      when every running request can still reach its max_new_tokens: the pool's projected
+      use, step by step until the last running request ends, must stay within the pool
+      counting every request's growth and its release when it ends; no preemption; best
+      when requests rarely stop early).
     eos_token_id: ends every request when generated (optional).
     cache_dtype: the pool dtype (default: the model's compute dtype).
   """
@@ -250,6 +259,19 @@ class Engine:
   def _peak_pages(self, r: Request) -> int:
     """Pages a request holds at its longest (the newest token is never cached)."""
     return self._pages(len(r.prompt) + r.max_new_tokens - 1)
+
+  def _projected_pages(self, cached: np.ndarray, left: np.ndarray) -> np.ndarray:
+    """int64 [n_positions + steps_per_call + 1]: pages held t decode steps from now by
+    requests with `cached` tokens in the pool and `left` decode steps to go, summed.
+
+    A request grows one token per step and releases its pages when it ends; it is
+    retired at the end of its device chunk, so its pages count for up to
+    steps_per_call - 1 steps longer.
+    """
+    t = np.arange(self.config.n_positions + self.steps_per_call + 1)[None, :]
+    cached, left = np.asarray(cached)[:, None], np.asarray(left)[:, None]
+    held = -(-(cached + np.minimum(t, left)) // self.page_size)
+    return np.where(t < left + self.steps_per_call, held, 0).sum(axis=0)
 
   def _check(self, requests: Sequence[Request]) -> None:
     limit = min(self.num_pages, self.max_pages_per_seq)
@@ -323,29 +345,47 @@ class Engine:
     while waiting or any(slots):
       # 1. Admit in arrival order while slots and pages allow: "optimistic" keeps one
       #    page of headroom per running sequence so they can keep going; "peak" admits
-      #    only what fits at every admitted request's max_new_tokens.
+      #    only while the projected use stays within the pool until every running
+      #    request (admitted ones included) reaches its max_new_tokens.
       admitted = []
       if self.admission == "peak":
-        budget = self.num_pages - sum(self._peak_pages(s.request) for s in slots if s)
+        running = [s for s in slots if s is not None]
+        projected = self._projected_pages(
+            [s.cached for s in running],
+            [s.request.max_new_tokens - len(s.tokens) for s in running])
       else:
         budget = free_pages() - sum(s is not None for s in slots)
       widest = 0
       while waiting and None in slots:
         rid = waiting[0]
-        context = len(requests[rid].prompt) + len(progress.get(rid, []))
-        need = (self._peak_pages(requests[rid]) if self.admission == "peak"
-                else self._pages(context) + 1)
-        if need > budget and (admitted or any(slots)):
+        done_tokens = len(progress.get(rid, []))
+        context = len(requests[rid].prompt) + done_tokens
+        if self.admission == "peak":
+          # Prefill caches the context and samples one token; then decode steps.
+          grown = projected + self._projected_pages(
+              [context], [requests[rid].max_new_tokens - done_tokens - 1])
+          fits = grown.max() <= self.num_pages
+        else:
+          fits = self._pages(context) + 1 <= budget
+        if not fits and (admitted or any(slots)):
           break
+        if admitted and (_bucket(len(admitted) + 1, 1) * _bucket(max(widest, context),
+                                                               self.page_size)
+                         > self.max_prefill_tokens):
+          # This prefill call is full: run it and go on admitting into the next one, so
+          # everything that fits starts now rather than one decode chunk later (which
+          # would split the requests into cohorts that peak together).
+          yield from self._prefill(admitted, slots, report, start, retire)
+          admitted, widest = [], 0
         widest = max(widest, context)
-        prefill_tokens = _bucket(len(admitted) + 1, 1) * _bucket(widest, self.page_size)
-        if admitted and prefill_tokens > self.max_prefill_tokens:
-          break
         waiting.popleft()
         slot = slots.index(None)
         slots[slot] = _Running(rid, requests[rid], progress.pop(rid, []), context, admissions)
         admissions += 1
-        budget -= need
+        if self.admission == "peak":
+          projected = grown
+        else:
+          budget -= self._pages(context) + 1
         admitted.append(slot)
       if admitted:
         yield from self._prefill(admitted, slots, report, start, retire)
@@ -420,12 +460,14 @@ class Engine:
       lengths[j] = len(ctx)
       seq_ids[j] = slot
     rows_padded = rows + [None] * (n - len(rows))
+    called = time.perf_counter()
     new, self.kv = self._prefill_fn(
         self.params, self.kv, jnp.asarray(tokens), jnp.asarray(lengths),
         jnp.asarray(seq_ids), index=jnp.asarray([len(s.tokens) if s else 0 for s in rows_padded],
                                                 jnp.int32),
         **self._sampling_arrays(rows_padded))
     new = np.asarray(new)
+    report.prefill_s += time.perf_counter() - called
     report.prefill_calls += 1
     cached = np.asarray(self.kv.lengths)[admitted]
     if not np.array_equal(cached, lengths[:len(rows)]):
@@ -451,6 +493,7 @@ class Engine:
     stop_ids = np.full((b, _bucket(max(map(len, stops)), 1)), -1, np.int32)
     for i, ids in enumerate(stops):
       stop_ids[i, :len(ids)] = ids
+    called = time.perf_counter()
     out, self.kv = self._decode_fn(
         self.params, self.kv, jnp.int32(steps),
         tokens=jnp.asarray([s.tokens[-1] if s else 0 for s in slots], jnp.int32),
@@ -461,10 +504,13 @@ class Engine:
         stop_ids=jnp.asarray(stop_ids), max_steps=self.steps_per_call,
         **self._sampling_arrays(slots))
     out = np.asarray(out)
+    report.decode_s += time.perf_counter() - called
     report.decode_calls += 1
     # A row's tokens are a prefix of its column: the device loop stops a row for good on
     # its first stop token or when its budget runs out, so only the last one can end it.
     produced = (out >= 0).sum(axis=0)
+    report.decode_steps += int(produced.max())
+    report.decode_tokens += int(produced.sum())
     done = []
     for i, s in enumerate(slots):
       if s is None or not produced[i]:

@@ -44,6 +44,14 @@ _MAX_SPLITS = 128
 # on every benchmark shape (H200 sweeps in benchmarks/RESULTS.md), MHA and GQA alike;
 # 8 warps lost 10-40% everywhere.
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 3
+# MHA with D <= 64 (GPT-2): a [64, 64] tile is too little work for 4 warps; 2 warps ran at
+# 80 / 87% of the read ceiling where 4 ran at 66 / 79% (batch 128 / 256, 12 heads, 1k).
+_NUM_WARPS_SMALL_MHA = 2
+
+
+def default_num_warps(group: int, head_dim: int) -> int:
+  """Warps per program for `group` q heads per kv head and head dim `head_dim`."""
+  return _NUM_WARPS_SMALL_MHA if group == 1 and head_dim <= 64 else _NUM_WARPS
 
 
 def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -246,5 +254,6 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
-      interpret=mode, block_n=block_n, num_warps=num_warps or _NUM_WARPS,
+      interpret=mode, block_n=block_n,
+      num_warps=num_warps or default_num_warps(q.shape[1] // num_kv_heads, q.shape[2]),
       num_stages=num_stages or _NUM_STAGES)

@@ -55,6 +55,21 @@ def test_peak_admission_never_preempts(model, prompts, greedy_reference):
   assert report.peak_pages_in_use <= 9 and int(eng.kv.num_free_pages()) == 9
 
 
+def test_peak_admission_overlaps_growth_with_release(model):
+  # Peaks of 3 and 5 pages in a 6-page pool: never both at their peak, but the second can
+  # start while the first still runs, because the first releases its pages before the
+  # second reaches its peak. One after the other would take 16 + 32 decode steps.
+  a, b = list(range(1, 9)), list(range(11, 19))
+  eng = Engine(model, max_batch=2, num_pages=6, page_size=8, steps_per_call=4,
+               admission="peak")
+  outputs, report = eng.generate([Request(a, 17), Request(b, 33)])
+  assert report.preemptions == 0 and report.peak_pages_in_use <= 6
+  assert report.decode_steps < 16 + 32
+  assert report.decode_tokens == 17 + 33 - 2  # each request's first token is prefill's
+  assert outputs == [generate(model, [a], 17, page_size=8)[0],
+                     generate(model, [b], 33, page_size=8)[0]]
+
+
 def test_no_page_leaks_after_thousands_of_requests(model):
   rng = np.random.default_rng(3)
   requests = [Request(rng.integers(0, CONFIG.vocab_size, rng.integers(1, 12)).tolist(),
