@@ -2,10 +2,12 @@
 
 A decode step reads every weight once and every live K/V byte once, so its floor is
 (weight bytes + live KV bytes) / read bandwidth, with the read ceiling measured in the same
-run as `jnp.sum(x, dtype=f32)` over 4 GiB of bf16. The step is timed with all sequences at
-`context` tokens (pages randomly permuted over the pool), then again with a pool twice as
-large: nothing in the step may scale with the pool (no copy of the donated pool), so the
-time must not change.
+run as `jnp.sum(x, dtype=f32)` over 4 GiB of bf16. All sequences start at `context` tokens
+(pages randomly permuted over the pool). The step is timed inside the engine's device loop
+(`iters` steps per jitted call, how `jax_paged.Engine` decodes) and as one jitted call per
+step (`gpt2.jit_steps(...).decode`, where the host's dispatch shows), then again with a
+pool twice as large: nothing in the step may scale with the pool (no copy of the donated
+pool), so the time must not change.
 
     PYTHONPATH=. python benchmarks/bench_decode_step.py [--batches 1 32 128]
         [--contexts 512 1024] [--iters 50]
@@ -22,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
+from jax_paged import engine
 from jax_paged import nn
 from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
@@ -73,18 +76,31 @@ def time_decode(steps: gpt2.Steps, params, kv, batch: int,
   return seconds, host, kv
 
 
-def time_reserve(kv, iters: int) -> tuple[float, pool_lib.KVPool]:
-  """Seconds of the step's `pool.reserve` alone (one token for every sequence)."""
-  ids = jnp.arange(kv.max_seqs, dtype=jnp.int32)
-  reserve = jax.jit(lambda kv: pool_lib.reserve(kv, ids, 1, max_new_tokens=1)[:2],
-                    donate_argnums=0)
-  kv, slots = reserve(kv)
-  slots.block_until_ready()
+def decode_chunk(graphdef, params, kv, batch: int, steps: int):
+  """One device call of the engine's decode loop: `steps` greedy steps for every row."""
+  fn = engine._jitted(graphdef)[1]
+  return fn(params, kv, jnp.int32(steps), tokens=jnp.zeros((batch,), jnp.int32),
+            active=jnp.ones((batch,), bool), index=jnp.zeros((batch,), jnp.int32),
+            budget=jnp.full((batch,), 1 << 30, jnp.int32),
+            stop_ids=jnp.full((batch, 1), -1, jnp.int32),
+            seeds=jnp.zeros((batch,), jnp.uint32), temperature=jnp.zeros((batch,)),
+            top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,)),
+            max_steps=steps, greedy=True)
+
+
+def time_device_loop(graphdef, params, kv, batch: int, iters: int
+                     ) -> tuple[float, pool_lib.KVPool]:
+  """Seconds per decode step inside the engine's device loop (`iters` steps per call,
+  the second of two calls), and the pool after both calls."""
+  out, kv = decode_chunk(graphdef, params, kv, batch, iters)  # compile + warm up
+  out.block_until_ready()
   start = time.perf_counter()
-  for _ in range(iters):
-    kv, slots = reserve(kv)
-  slots.block_until_ready()
-  return (time.perf_counter() - start) / iters, kv
+  out, kv = decode_chunk(graphdef, params, kv, batch, iters)
+  out.block_until_ready()
+  seconds = (time.perf_counter() - start) / iters
+  if (np.asarray(out) < 0).any():
+    raise RuntimeError("a row went inactive (no page) in the device loop")
+  return seconds, kv
 
 
 def time_attention(kv, num_layers: int, iters: int) -> float:
@@ -119,37 +135,38 @@ def main():
   graphdef, params = nnx.split(model)
   steps = gpt2.jit_steps(graphdef)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  headroom = 2 * (3 + args.iters)  # tokens added by time_reserve and time_decode
+  headroom = 5 * args.iters + 3  # tokens added by every timed and warm-up step
 
   print(f"# GPT-2 124M decode step, bf16, page {PAGE_SIZE}: {common.header()}")
   print(f"read ceiling (jnp.sum over 4 GiB bf16): {ceiling:.0f} GB/s; "
         f"weights {weight_bytes / 1e6:.0f} MB")
-  print("| batch | context | pool pages | weights + live KV MB | floor us | step us | "
-        "x floor | new tokens/s | attention us (x layers) | reserve us | host us/call |")
+  print("| batch | context | pool pages | weights + live KV MB | floor us | step us (device "
+        "loop) | x floor | new tokens/s | step us (one call per step) | host us/call | "
+        "attention us (x layers) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   for context in args.contexts:
     for batch in args.batches:
-      # Room for the warm-up and timed steps' tokens.
+      # Room for every timed and warm-up step's tokens.
       pages_per_seq = -(-(context + headroom) // PAGE_SIZE)
       pages = batch * pages_per_seq
       # 1x, 2x, 1x, 2x: the repeat shows the run-to-run spread next to any pool effect.
       sizes = [pages, 2 * pages] * 2 if batch == args.double_pool_batch else [pages]
       for num_pages in sizes:
         kv = filled_pool(model, batch, context, num_pages, pages_per_seq, seed=batch + context)
+        # The device loop runs first, from `context`: its timed call covers tokens
+        # context + iters .. context + 2 * iters.
+        loop_step, kv = time_device_loop(graphdef, params, kv, batch, args.iters)
+        call_step, host, kv = time_decode(steps, params, kv, batch, args.iters)
         attention = time_attention(kv, config.n_layer, args.iters)
-        reserve, kv = time_reserve(kv, args.iters)
-        step, host, kv = time_decode(steps, params, kv, batch, args.iters)
         del kv
-        # Live KV averaged over the timed decode steps: time_reserve added 1 + iters tokens
-        # per sequence, the decode warm-up 3, and the timed steps add one each.
-        live = context + 1 + args.iters + 3 + args.iters / 2
+        live = context + 1.5 * args.iters
         kv_bytes = (2 * batch * live * config.n_layer * config.n_embd
                     * jnp.dtype(jnp.bfloat16).itemsize)
         floor = (weight_bytes + kv_bytes) / (ceiling * 1e9)
         print(f"| {batch} | {context} | {num_pages} | {(weight_bytes + kv_bytes) / 1e6:.0f} | "
-              f"{floor * 1e6:.0f} | {step * 1e6:.0f} | {step / floor:.2f} | "
-              f"{batch / step:,.0f} | {attention * 1e6:.0f} | {reserve * 1e6:.0f} | "
-              f"{host * 1e6:.0f} |", flush=True)
+              f"{floor * 1e6:.0f} | {loop_step * 1e6:.0f} | {loop_step / floor:.2f} | "
+              f"{batch / loop_step:,.0f} | {call_step * 1e6:.0f} | {host * 1e6:.0f} | "
+              f"{attention * 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

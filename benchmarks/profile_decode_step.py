@@ -27,21 +27,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import bench_decode_step
+from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
-from jax_paged import engine
 from models import gpt2
-
-
-def decode_chunk(graphdef, params, kv, batch: int, steps: int):
-  """One device call of the engine's decode loop: `steps` greedy steps for every row."""
-  fn = engine._jitted(graphdef)[1]
-  return fn(params, kv, jnp.int32(steps), tokens=jnp.zeros((batch,), jnp.int32),
-            active=jnp.ones((batch,), bool), index=jnp.zeros((batch,), jnp.int32),
-            budget=jnp.full((batch,), 1 << 30, jnp.int32),
-            stop_ids=jnp.full((batch, 1), -1, jnp.int32),
-            seeds=jnp.zeros((batch,), jnp.uint32), temperature=jnp.zeros((batch,)),
-            top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,)),
-            max_steps=steps, greedy=True)
 
 
 def gpu_kernel_events(trace_dir: str) -> list[dict]:
