@@ -103,8 +103,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="decode steps per device call (default 32)")
   eng.add_argument("--admission", choices=("optimistic", "peak"), default="optimistic",
                    help="optimistic: admit when the prompt fits, preempt and recompute when "
-                        "the pool runs out (vLLM); peak: admit only what fits at "
-                        "max_new_tokens (default optimistic)")
+                        "the pool runs out (vLLM); peak: admit only while the projected "
+                        "page use stays within the pool until every request reaches "
+                        "max_new_tokens, never preempting (default optimistic)")
   size = eng.add_mutually_exclusive_group()
   size.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool")
   size.add_argument("--memory-fraction", type=float, default=None,
