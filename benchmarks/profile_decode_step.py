@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
 import tempfile
 import time
 
@@ -30,28 +26,6 @@ from benchmarks import bench_decode_step
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
 from models import gpt2
-
-
-def gpu_kernel_events(trace_dir: str) -> list[dict]:
-  """Complete ('X') events on the GPU's CUDA stream threads ("Stream #N...") of the
-  Perfetto trace in `trace_dir` (not its "XLA Modules" / "XLA Ops" summary threads)."""
-  path, = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-  with gzip.open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  processes, threads = {}, {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      processes[e["pid"]] = e["args"]["name"]
-    if e.get("ph") == "M" and e.get("name") == "thread_name":
-      threads[e["pid"], e["tid"]] = e["args"]["name"]
-  streams = {key for key, name in threads.items()
-             if "GPU" in processes.get(key[0], "") and name.startswith("Stream")}
-  if not streams:
-    raise RuntimeError(f"no GPU stream in the trace: processes {sorted(processes.values())}, "
-                       f"threads {sorted(set(threads.values()))[:20]}")
-  return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams
-          and e.get("dur", 0) > 0]
 
 
 def main():
@@ -96,13 +70,21 @@ def main():
     for _ in range(args.calls):
       out, kv = decode_chunk(graphdef, params, kv, args.batch, args.steps)
     out.block_until_ready()
-  events = gpu_kernel_events(trace_dir)
+  events = common.gpu_kernel_events(trace_dir)
   steps = args.calls * args.steps
-  by_name = collections.defaultdict(lambda: [0, 0.0])
+  by_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
+  events.sort(key=lambda e: e["ts"])
+  prev_end = None
   for e in events:
     by_name[e["name"]][0] += 1
     by_name[e["name"]][1] += e["dur"]
-  busy = sum(d for _, d in by_name.values()) / steps
+    # Idle GPU time just before this kernel (within a call: gaps over 1 ms are the host
+    # between calls and are not charged to a kernel).
+    if prev_end is not None and 0 < e["ts"] - prev_end < 1000:
+      by_name[e["name"]][2] += e["ts"] - prev_end
+    prev_end = max(prev_end or 0, e["ts"] + e["dur"])
+  busy = sum(v[1] for v in by_name.values()) / steps
+  idle = sum(v[2] for v in by_name.values()) / steps
   span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps
 
   print(f"# decode step profile: batch {args.batch}, context {args.context} to "
@@ -110,13 +92,17 @@ def main():
         f"{common.header()}")
   print(f"wall per step (unprofiled, median of {args.calls} calls): {wall * 1e6:.0f} us; profiled span "
         f"per step {span:.0f} us; summed kernel time per step {busy:.0f} us; "
-        f"kernels per step {len(events) / steps:.1f}")
-  print("| kernel | per step | us per step | % of kernel time |")
-  print("|---|---|---|---|")
+        f"kernels per step {len(events) / steps:.1f}; idle gaps between kernels per step "
+        f"{idle:.0f} us")
+  print("| kernel | per step | us per step | % of kernel time | idle µs before it, per step |")
+  print("|---|---|---|---|---|")
   ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-  for name, (count, dur) in ranked[:args.top]:
+  for name, (count, dur, gap) in ranked[:args.top]:
     print(f"| {name[:90]} | {count / steps:.1f} | {dur / steps:.1f} | "
-          f"{100 * dur / steps / busy:.1f} |")
+          f"{100 * dur / steps / busy:.1f} | {gap / steps:.1f} |")
+  print("\nKernels with the most idle GPU time just before them (µs per step):",
+        ", ".join(f"{name[:40]} {gap / steps:.1f}" for name, (_, _, gap) in
+                  sorted(by_name.items(), key=lambda kv: -kv[1][2])[:8]))
 
 
 if __name__ == "__main__":

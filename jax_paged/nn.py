@@ -36,6 +36,9 @@ def layer_view(kv: pool_lib.KVPool, layer: int, page_table: jax.Array, lengths: 
   to [1, layers * Hkv * pages, page_size, D] is a free bitcast instead: each (layer, kv head)
   owns a range of `num_pages` pages, and each (sequence, kv head) becomes one row of the
   batch, with its kv head's group of q heads and page ids offset into that range.
+  Pools past 4 GiB are fine: Pallas-Triton computes offsets into such an array in 64 bits
+  (`_compute_offsets_from_indices` in jax's Pallas-Triton lowering), and row indices stay
+  far below 2**31 (elements / head_dim).
 
   Args:
     kv: the pool.

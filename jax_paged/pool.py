@@ -22,6 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_paged import cache_write
+from jax_paged import triton_backend
+
 
 class PoolExhausted(RuntimeError):
   """Raised by `reserve_or_raise` when some sequences could not get their pages."""
@@ -302,14 +305,20 @@ def release(pool: KVPool, seq_ids) -> KVPool:
                       lengths=lengths)
 
 
-def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array) -> KVPool:
+def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
+             interpret: bool | None = None) -> KVPool:
   """Scatters new tokens' K/V into one layer's pages (vLLM's reshape_and_cache).
+
+  On a GPU this is one Pallas-Triton kernel writing K and V in place
+  (`jax_paged.cache_write`); elsewhere two XLA scatters.
 
   Args:
     pool: the pool.
     layer: int (or int32 scalar under jit), the layer index.
     slots: int32 [...] flat slots from `reserve`; negative slots are padding, never written.
     k, v: [..., num_kv_heads, head_dim] (= slots.shape + (Hkv, D)), cast to the pool's dtype.
+    interpret: None = the kernel on a GPU, XLA scatters elsewhere; True = the kernel in
+      Pallas interpret mode (tests); False = the kernel.
 
   Returns:
     The pool with the tokens written. Slots outside [0, num_pages * page_size) are dropped
@@ -332,6 +341,16 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array) -> KVPool:
   if concrete_layer is not None and not 0 <= int(concrete_layer) < pool.num_layers:
     raise ValueError(f"layer must be in [0, {pool.num_layers}), got {int(concrete_layer)}")
   flat = slots.reshape(-1).astype(jnp.int32)
+  mode = triton_backend.resolve_interpret(interpret)
+  if mode is not None:
+    if flat.size == 0:
+      return pool
+    tokens = lambda x: x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(
+        pool.k_pages.dtype)
+    k_pages, v_pages = cache_write.write_kv_pallas(
+        pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, tokens(k), tokens(v),
+        interpret=mode)
+    return pool.replace(k_pages=k_pages, v_pages=v_pages)
   flat = jnp.where(flat < 0, total, flat)  # negative indices would wrap: send them out of range
   shape = pool.k_pages.shape
   flat_shape = (shape[0], shape[1], total, shape[4])

@@ -287,14 +287,16 @@ def test_pool_is_a_pytree():
   chex.assert_trees_all_equal_shapes(p, jax.tree_util.tree_map(jnp.zeros_like, p))
 
 
-def test_donated_reserve_and_write_update_buffers_in_place():
-  """A jitted reserve+write with the pool donated reuses the K/V buffers: no pool copy."""
+@pytest.mark.parametrize("interpret", [None, True])
+def test_donated_reserve_and_write_update_buffers_in_place(interpret):
+  """A jitted reserve+write with the pool donated reuses the K/V buffers: no pool copy
+  (XLA's scatters on CPU, and the aliased write kernel)."""
   p = make_pool(num_pages=64, max_seqs=8, max_pages_per_seq=8)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(p, k):
     p, slots, _ = kvpool.reserve(p, jnp.arange(4), 2)
-    return kvpool.write_kv(p, 1, slots, k, -k)
+    return kvpool.write_kv(p, 1, slots, k, -k, interpret=interpret)
 
   k = jnp.asarray(np.random.default_rng(5).standard_normal((4, 2, HKV, D)), jnp.float32)
   pointers = (p.k_pages.unsafe_buffer_pointer(), p.v_pages.unsafe_buffer_pointer())
@@ -304,3 +306,59 @@ def test_donated_reserve_and_write_update_buffers_in_place():
     assert old.k_pages.is_deleted() and old.v_pages.is_deleted()
     assert (p.k_pages.unsafe_buffer_pointer(), p.v_pages.unsafe_buffer_pointer()) == pointers
   assert int(p.lengths[0]) == 6
+
+
+def _random_pool(seed: int, **overrides) -> KVPool:
+  """A pool whose pages hold random values (so unwritten elements are recognisable)."""
+  p = make_pool(**overrides)
+  ks = jax.random.split(jax.random.key(seed))
+  return p.replace(k_pages=jax.random.normal(ks[0], p.k_pages.shape, p.k_pages.dtype),
+                   v_pages=jax.random.normal(ks[1], p.v_pages.shape, p.v_pages.dtype))
+
+
+def _check_kernel_write_matches_scatter(interpret: bool, dtype, hkv: int, d: int):
+  """The write kernel vs XLA's scatter: tokens at random distinct slots of a random layer
+  (traced), padding (-1) and an out-of-range slot dropped, every other element untouched."""
+  rng = np.random.default_rng(hkv * 100 + d)
+  p = _random_pool(d, num_kv_heads=hkv, head_dim=d, num_layers=3, dtype=dtype)
+  total = NUM_PAGES * PAGE_SIZE
+  slots = rng.permutation(total)[:2 * 5].reshape(2, 5).astype(np.int32)
+  slots[0, 3] = slots[1, 4] = -1
+  slots[1, 0] = total + 7  # out of range under jit: dropped
+  k = jnp.asarray(rng.standard_normal(slots.shape + (hkv, d)), dtype)
+  v = jnp.asarray(rng.standard_normal(slots.shape + (hkv, d)), dtype)
+  write = jax.jit(kvpool.write_kv, static_argnames=["interpret"])
+  got = write(p, jnp.int32(2), jnp.asarray(slots), k, v, interpret=interpret)
+  want = write(p, jnp.int32(2), jnp.asarray(slots), k, v, interpret=None)
+  chex.assert_trees_all_equal(got.k_pages, want.k_pages)
+  chex.assert_trees_all_equal(got.v_pages, want.v_pages)
+  written = np.asarray(got.k_pages[2]).reshape(hkv, total, d)
+  np.testing.assert_array_equal(written[:, slots[0, 0]], np.asarray(k[0, 0]))
+  for layer in (0, 1):
+    np.testing.assert_array_equal(np.asarray(got.v_pages[layer]), np.asarray(p.v_pages[layer]))
+
+
+@pytest.mark.parametrize("dtype,hkv,d", [(jnp.float32, 2, 4), (jnp.bfloat16, 3, 80)])
+def test_write_kernel_interpret_matches_scatter(dtype, hkv, d):
+  if jax.default_backend() == "gpu":
+    pytest.skip("the interpret=None reference is the kernel itself on a GPU")
+  _check_kernel_write_matches_scatter(True, dtype, hkv, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hkv,d", [(jnp.bfloat16, 12, 64), (jnp.float16, 3, 80)])
+def test_write_kernel_on_gpu_matches_scatter(dtype, hkv, d):
+  """The compiled kernel vs a numpy write; padding (-1) not written."""
+  rng = np.random.default_rng(d)
+  p = _random_pool(d, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+  total = NUM_PAGES * PAGE_SIZE
+  slots = jnp.asarray(np.append(rng.permutation(total)[:6], -1).astype(np.int32))
+  k, v = (jnp.asarray(rng.standard_normal((7, hkv, d)), dtype) for _ in range(2))
+  got = jax.jit(kvpool.write_kv)(p, 1, slots, k, v)
+  want_k, want_v = np.array(p.k_pages), np.array(p.v_pages)
+  for i, slot in enumerate(np.asarray(slots)):
+    if slot >= 0:
+      want_k[1, :, slot // PAGE_SIZE, slot % PAGE_SIZE] = np.asarray(k[i])
+      want_v[1, :, slot // PAGE_SIZE, slot % PAGE_SIZE] = np.asarray(v[i])
+  np.testing.assert_array_equal(np.asarray(got.k_pages), want_k)
+  np.testing.assert_array_equal(np.asarray(got.v_pages), want_v)
