@@ -1,5 +1,6 @@
 """The continuous-batching engine against static-batch `generate`, under pressure."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -136,3 +137,18 @@ def test_bad_requests_raise_clear_errors(model, request_, match):
   eng = Engine(model, max_batch=2, num_pages=6, page_size=8)
   with pytest.raises(ValueError, match=match):
     eng.generate([request_])
+
+
+@pytest.mark.gpu
+def test_engine_on_gpu_matches_static_generate(prompts):
+  """The engine compiled on the GPU (Triton decode and K/V write kernels, the on-device
+  decode loop in chunks of 5 steps) vs static `generate` with the plain-XLA reference
+  attention."""
+  config = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=256, n_layer=2, n_head=4,
+                           bos_token_id=None, eos_token_id=None)  # head dim 64: the kernel's
+  with jax.default_matmul_precision("highest"):
+    kernel = gpt2.GPT2LMHeadModel(config, decode_impl="kernel", rngs=nnx.Rngs(7))
+    reference = gpt2.GPT2LMHeadModel(config, decode_impl="reference", rngs=nnx.Rngs(7))
+    eng = Engine(kernel, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
+    outputs, _ = eng.generate([Request(p, 14) for p in prompts])
+    assert outputs == generate(reference, prompts, 14, page_size=8)
