@@ -210,7 +210,8 @@ class Engine:
     page_size: tokens per page.
     steps_per_call: decode steps per device call (one host round trip per chunk).
     max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
-      prefill memory); more admissions go into further calls before the next chunk.
+      prefill memory); more admissions go into further calls before the next chunk,
+      grouped by length so that short prompts are not padded to long ones.
     admission: "optimistic" (vLLM's policy: admit when the prompt's pages are free, and
       preempt the newest request when the pool runs out mid-decode) or "peak" (admit only
       when every running request can still reach its max_new_tokens: the pool's projected
@@ -355,7 +356,6 @@ class Engine:
             [s.request.max_new_tokens - len(s.tokens) for s in running])
       else:
         budget = free_pages() - sum(s is not None for s in slots)
-      widest = 0
       while waiting and None in slots:
         rid = waiting[0]
         done_tokens = len(progress.get(rid, []))
@@ -369,15 +369,6 @@ class Engine:
           fits = self._pages(context) + 1 <= budget
         if not fits and (admitted or any(slots)):
           break
-        if admitted and (_bucket(len(admitted) + 1, 1) * _bucket(max(widest, context),
-                                                               self.page_size)
-                         > self.max_prefill_tokens):
-          # This prefill call is full: run it and go on admitting into the next one, so
-          # everything that fits starts now rather than one decode chunk later (which
-          # would split the requests into cohorts that peak together).
-          yield from self._prefill(admitted, slots, report, start, retire)
-          admitted, widest = [], 0
-        widest = max(widest, context)
         waiting.popleft()
         slot = slots.index(None)
         slots[slot] = _Running(rid, requests[rid], progress.pop(rid, []), context, admissions)
@@ -387,8 +378,11 @@ class Engine:
         else:
           budget -= self._pages(context) + 1
         admitted.append(slot)
-      if admitted:
-        yield from self._prefill(admitted, slots, report, start, retire)
+      # Everything admitted starts now, in as many prefill calls as max_prefill_tokens
+      # needs (deferring some to the next round would split the requests into cohorts
+      # that peak together).
+      for call in self._prefill_calls([(i, slots[i].cached) for i in admitted]):
+        yield from self._prefill(call, slots, report, start, retire)
       report.peak_pages_in_use = max(report.peak_pages_in_use, self.num_pages - free_pages())
 
       # 2. Fit the chunk in the free pages, preempting the newest request if not one step fits.
@@ -451,6 +445,23 @@ class Engine:
     if len(s.tokens) >= s.request.max_new_tokens:
       return "length"
     return None
+
+  def _prefill_calls(self, contexts: list[tuple[int, int]]) -> list[list[int]]:
+    """Groups (slot, context length) pairs into prefill calls of at most
+    max_prefill_tokens padded tokens (a lone longer prompt gets a call of its own).
+
+    Longest first, so each call pads its rows to similar lengths: a call is as wide as
+    its longest row (bucketed), and arrival order would put 32-token prompts beside
+    512-token ones.
+    """
+    calls: list[list[int]] = []
+    width = 0  # the bucketed length of the current call's first (longest) row
+    for slot, length in sorted(contexts, key=lambda c: -c[1]):
+      if not calls or (_bucket(len(calls[-1]) + 1, 1) * width > self.max_prefill_tokens):
+        calls.append([])
+        width = _bucket(length, self.page_size)
+      calls[-1].append(slot)
+    return calls
 
   def _prefill(self, admitted, slots, report, start, retire):
     rows = [slots[i] for i in admitted]

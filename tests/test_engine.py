@@ -40,6 +40,20 @@ def test_greedy_matches_static_generate_whatever_order_and_capacity(
   assert int(eng.kv.num_free_pages()) == 64
 
 
+def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prompts,
+                                                                     greedy_reference):
+  eng = Engine(model, max_batch=16, num_pages=64, page_size=8, max_prefill_tokens=64)
+  contexts = [(0, 5), (1, 30), (2, 9), (3, 17), (4, 3), (5, 8), (6, 70)]
+  calls = eng._prefill_calls(contexts)  # pylint: disable=protected-access
+  # Longest first; a call holds bucket(rows) x bucket(longest) <= 64 padded tokens, and
+  # the 70-token prompt (bucket 128 > 64) runs alone.
+  assert calls == [[6], [1, 3], [2, 5, 0, 4]]
+  assert sorted(sum(calls, [])) == list(range(7))
+  # Many small calls still give static generate's tokens.
+  outputs, report = eng.generate([Request(p, 14) for p in prompts])
+  assert outputs == greedy_reference and report.prefill_calls > 2
+
+
 def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, greedy_reference):
   eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6)
   outputs, report = eng.generate([Request(p, 14) for p in prompts])
