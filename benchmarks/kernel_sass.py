@@ -1,0 +1,109 @@
+"""Read the decode kernel's machine code without a GPU: Triton IR -> PTX -> SASS.
+
+jax lowers the Pallas kernel to Triton IR on any machine (lowering for the "cuda" platform
+needs no GPU); a pip-installed Triton compiles that IR for sm_90a and its bundled ptxas
+and cuobjdump give registers and SASS. The loop's global loads (LDG; LDGSTS = cp.async into
+shared memory, i.e. software-pipelined), barriers and branches are listed in order, which
+answers: are the K/V loads 16-byte vectors (LDG.E.128), is the page-table load off the
+critical path, is there enough in flight?
+
+    python -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.5.1
+    PYTHONPATH=. python benchmarks/kernel_sass.py --triton-python /tmp/tv/bin/python \\
+        [--batch 256 --heads 12 --kv-heads 12 --head-dim 64 --warps 2 --stages 3]
+
+The Triton here need not be the one inside the GPU's jaxlib, so treat the output as a
+close reading of what the device compiles, not the exact binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import lowering
+from jax._src.pallas.triton import pallas_call_registration
+
+from jax_paged import paged_attention
+
+_COMPILE = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+src, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps, "num_stages": stages})
+open(src[:-5] + ".ptx", "w").write(k.asm["ptx"])
+"""
+
+
+def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, warps: int,
+                       stages: int, block_n: int, page_size: int = 16) -> str:
+  """The Triton IR of `paged_decode_attention`'s kernel (one split) for these shapes."""
+  modules = []
+  lower = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*args, **kwargs):
+    modules.append(lower(*args, **kwargs))
+    return modules[-1]
+
+  pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+  try:
+    q = jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((kv_heads, 4096, page_size, head_dim), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    fn = jax.jit(lambda *a: paged_attention._paged_decode_pallas(  # pylint: disable=protected-access
+        *a, scale=head_dim ** -0.5, logits_soft_cap=None, sliding_window=None, num_splits=1,
+        return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
+        num_stages=stages))
+    fn.trace(q, kv, kv, table, lengths).lower(lowering_platforms=("cuda",))
+  finally:
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
+  return modules[0].module.operation.get_asm(enable_debug_info=False)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--triton-python", required=True, help="a Python with `triton` installed")
+  p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--heads", type=int, default=12)
+  p.add_argument("--kv-heads", type=int, default=12)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--warps", type=int, default=None, help="default: the kernel's choice")
+  p.add_argument("--stages", type=int, default=3)
+  p.add_argument("--block-n", type=int, default=64)
+  p.add_argument("--out", default=tempfile.mkdtemp(), help="folder for .ttir/.ptx/.sass")
+  args = p.parse_args()
+  warps = args.warps or paged_attention.default_num_warps(args.heads // args.kv_heads,
+                                                          args.head_dim)
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, "decode")
+  with open(stem + ".ttir", "w") as f:
+    f.write(decode_kernel_ttir(args.batch, args.heads, args.kv_heads, args.head_dim, warps,
+                               args.stages, args.block_n))
+  subprocess.run([args.triton_python, "-c", _COMPILE, stem + ".ttir", str(warps),
+                  str(args.stages)], check=True)
+  tools = subprocess.run([args.triton_python, "-c", "import triton, os; print(os.path.join("
+                          "os.path.dirname(triton.__file__), 'backends/nvidia/bin'))"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+  report = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", stem + ".ptx",
+                           "-o", stem + ".cubin"], check=True, capture_output=True, text=True)
+  sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", stem + ".cubin"],
+                        check=True, capture_output=True, text=True).stdout
+  with open(stem + ".sass", "w") as f:
+    f.write(sass)
+  print(f"# decode kernel B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
+        f" warps={warps} stages={args.stages} block_n={args.block_n}; files in {args.out}")
+  print(" ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+", report.stderr)))
+  for line in sass.splitlines():
+    m = re.search(r"/\*([0-9a-f]{4})\*/\s+(.*?);", line)
+    if m and re.search(r"\b(LDG|LDGSTS|BAR|BRA|EXIT)\b", m.group(2)):
+      print(m.group(1), " ".join(m.group(2).split()[:3]))
+
+
+if __name__ == "__main__":
+  main()
