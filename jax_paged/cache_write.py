@@ -8,8 +8,8 @@ writes both in one launch, in place: the pool arrays are aliased to its outputs,
 caller that donates the pool (a jitted decode step) moves only the new tokens' bytes.
 
 Grid (tokens,): program n copies token n's [Hkv, D] K and V rows to flat slot
-`slots[n]` of every kv head of `layer`. Negative or out-of-range slots (padding) write
-nothing.
+`slots[n]` of every kv head of `layer`. Negative or out-of-range slots (padding), and
+every slot of an out-of-range (traced) layer, write nothing.
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from jax_paged import triton_backend
 
 
 def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, k_in_ref, v_in_ref, k_out_ref,
-                  v_out_ref, *, num_kv_heads: int, head_dim: int, slots_per_head: int,
-                  block_h: int, block_d: int):
+                  v_out_ref, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                  slots_per_head: int, block_h: int, block_d: int):
   """Refs: layer [1], slots [N], k/v [N, Hkv, D]; pools (in and aliased out)
   [L * Hkv * slots_per_head, D]. The `_in` refs are the outputs' buffers: unused."""
   del k_in_ref, v_in_ref
   n = pl.program_id(0)
   slot = slots_ref[n]
+  layer = layer_ref[0]
   heads = jnp.arange(block_h)
   cols = jnp.arange(block_d)
-  valid = (slot >= 0) & (slot < slots_per_head)
+  valid = (slot >= 0) & (slot < slots_per_head) & (layer >= 0) & (layer < num_layers)
   mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < head_dim) & valid
   src = (n, heads[:, None], cols[None, :])
-  rows = (layer_ref[0] * num_kv_heads + heads) * slots_per_head + jnp.maximum(slot, 0)
+  rows = (layer * num_kv_heads + heads) * slots_per_head + jnp.maximum(slot, 0)
   dst = (rows[:, None], cols[None, :])
   plgpu.store(k_out_ref.at[dst], plgpu.load(k_ref.at[src], mask=mask, other=0.0), mask=mask)
   plgpu.store(v_out_ref.at[dst], plgpu.load(v_ref.at[src], mask=mask, other=0.0), mask=mask)
@@ -64,7 +65,8 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
   slots_per_head = pages * page_size
   flat = (layers * hkv * slots_per_head, d)  # a free bitcast of the pool
   kernel = functools.partial(
-      _write_kernel, num_kv_heads=hkv, head_dim=d, slots_per_head=slots_per_head,
+      _write_kernel, num_layers=layers, num_kv_heads=hkv, head_dim=d,
+      slots_per_head=slots_per_head,
       block_h=pl.next_power_of_2(hkv), block_d=pl.next_power_of_2(d))
   k_out, v_out = pl.pallas_call(
       kernel,

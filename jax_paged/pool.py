@@ -321,8 +321,8 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
       Pallas interpret mode (tests); False = the kernel.
 
   Returns:
-    The pool with the tokens written. Slots outside [0, num_pages * page_size) are dropped
-    under jit and raise ValueError when concrete.
+    The pool with the tokens written. Slots outside [0, num_pages * page_size) and a layer
+    outside [0, num_layers) are dropped under jit and raise ValueError when concrete.
   """
   slots = jnp.asarray(slots)
   expected = tuple(slots.shape) + (pool.num_kv_heads, pool.head_dim)
@@ -351,7 +351,10 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
         pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, tokens(k), tokens(v),
         interpret=mode)
     return pool.replace(k_pages=k_pages, v_pages=v_pages)
-  flat = jnp.where(flat < 0, total, flat)  # negative indices would wrap: send them out of range
+  # Negative indices would wrap: send them (and a traced layer out of range) out of range.
+  flat = jnp.where(flat < 0, total, flat)
+  if concrete_layer is None:  # traced (a concrete layer was range-checked above)
+    layer = jnp.where(layer < 0, pool.num_layers, layer)
   shape = pool.k_pages.shape
   flat_shape = (shape[0], shape[1], total, shape[4])
 

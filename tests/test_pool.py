@@ -336,6 +336,12 @@ def _check_kernel_write_matches_scatter(interpret: bool, dtype, hkv: int, d: int
   np.testing.assert_array_equal(written[:, slots[0, 0]], np.asarray(k[0, 0]))
   for layer in (0, 1):
     np.testing.assert_array_equal(np.asarray(got.v_pages[layer]), np.asarray(p.v_pages[layer]))
+  # A traced layer out of range writes nothing (nothing past the pool either).
+  for layer in (-1, 3):
+    for mode in (interpret, None):
+      same = write(p, jnp.int32(layer), jnp.asarray(slots), k, v, interpret=mode)
+      chex.assert_trees_all_equal(same.k_pages, p.k_pages)
+      chex.assert_trees_all_equal(same.v_pages, p.v_pages)
 
 
 @pytest.mark.parametrize("dtype,hkv,d", [(jnp.float32, 2, 4), (jnp.bfloat16, 3, 80)])
