@@ -341,15 +341,15 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
   if concrete_layer is not None and not 0 <= int(concrete_layer) < pool.num_layers:
     raise ValueError(f"layer must be in [0, {pool.num_layers}), got {int(concrete_layer)}")
   flat = slots.reshape(-1).astype(jnp.int32)
+  # [N, Hkv, D] in the pool's dtype, for either path.
+  k, v = (x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pool.k_pages.dtype)
+          for x in (k, v))
   mode = triton_backend.resolve_interpret(interpret)
   if mode is not None:
     if flat.size == 0:
       return pool
-    tokens = lambda x: x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(
-        pool.k_pages.dtype)
     k_pages, v_pages = cache_write.write_kv_pallas(
-        pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, tokens(k), tokens(v),
-        interpret=mode)
+        pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, k, v, interpret=mode)
     return pool.replace(k_pages=k_pages, v_pages=v_pages)
   # Negative indices would wrap: send them (and a traced layer out of range) out of range.
   flat = jnp.where(flat < 0, total, flat)
@@ -359,7 +359,6 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
   flat_shape = (shape[0], shape[1], total, shape[4])
 
   def scatter(pages, x):
-    x = x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pages.dtype)
     # Integer indices split by a slice put the indexed axis first: updates are [N, Hkv, D].
     pages = pages.reshape(flat_shape).at[layer, :, flat].set(x, mode="drop")
     return pages.reshape(shape)
