@@ -77,14 +77,18 @@ def time_decode(steps: gpt2.Steps, params, kv, batch: int,
 
 
 def decode_chunk(graphdef, params, kv, batch: int, steps: int):
-  """One device call of the engine's decode loop: `steps` greedy steps for every row."""
+  """One device call of the engine's decode loop: `steps` greedy steps for every row.
+
+  The per-call arrays are numpy, as `Engine` passes them: the call transfers them as it
+  dispatches, where a `jnp` array each would cost a separate dispatch (the GPU waits).
+  """
   fn = engine._jitted(graphdef)[1]
-  return fn(params, kv, jnp.int32(steps), tokens=jnp.zeros((batch,), jnp.int32),
-            active=jnp.ones((batch,), bool), index=jnp.zeros((batch,), jnp.int32),
-            budget=jnp.full((batch,), 1 << 30, jnp.int32),
-            stop_ids=jnp.full((batch, 1), -1, jnp.int32),
-            seeds=jnp.zeros((batch,), jnp.uint32), temperature=jnp.zeros((batch,)),
-            top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,)),
+  return fn(params, kv, np.int32(steps), tokens=np.zeros((batch,), np.int32),
+            active=np.ones((batch,), bool), index=np.zeros((batch,), np.int32),
+            budget=np.full((batch,), 1 << 30, np.int32),
+            stop_ids=np.full((batch, 1), -1, np.int32),
+            seeds=np.zeros((batch,), np.uint32), temperature=np.zeros((batch,), np.float32),
+            top_k=np.zeros((batch,), np.int32), top_p=np.ones((batch,), np.float32),
             max_steps=steps, greedy=True)
 
 
