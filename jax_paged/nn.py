@@ -59,6 +59,43 @@ def layer_view(kv: pool_lib.KVPool, layer: int, page_table: jax.Array, lengths: 
           table.reshape(-1, page_table.shape[1]), jnp.repeat(lengths, hkv))
 
 
+def _cudnn_supports(q: jax.Array) -> bool:
+  """Whether cuDNN's fused attention takes q [B, T, H, D] here (a GPU, 16-bit, D <= 128
+  and a multiple of 8: its flash-attention kernels' limits)."""
+  return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+          and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+
+
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                     scale: float) -> jax.Array:
+  """Causal self-attention over right-padded prompts.
+
+  Args:
+    q: [B, T, H, D]; k, v: [B, T, Hkv, D] with H % Hkv == 0.
+    lengths: int32 [B] in [1, T], real tokens per row.
+    scale: logit scale.
+
+  Returns:
+    [B, T, H, D] in q's dtype; rows at or past a prompt's length are 0.
+
+  On a GPU in bf16 / f16 this is cuDNN's fused flash attention, which never materialises
+  the [B, H, T, T] logits (XLA's path writes and rereads them in f32 at every layer: most
+  of a long prompt's attention time); elsewhere XLA's `jax.nn.dot_product_attention`.
+  """
+  if _cudnn_supports(q):
+    y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                     query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths, implementation="cudnn")
+  else:
+    # Padded queries attend to the real keys before them, so no row is empty (no NaN).
+    y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                     key_value_seq_lengths=lengths)
+  # Zero padding rows whatever the backend left there, so that nothing downstream (their
+  # K/V at the next layer, masked but still multiplied) can carry a non-finite value.
+  real = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
+  return jnp.where(real[:, :, None, None], y, 0).astype(q.dtype)
+
+
 class PagedAttention(nnx.Module):
   """Self-attention with a paged KV cache.
 
@@ -122,9 +159,7 @@ class PagedAttention(nnx.Module):
     """
     q, k, v = self._project(x)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
-    # Padded queries attend to the real keys before them, so no row is empty (no NaN).
-    y = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=True,
-                                     key_value_seq_lengths=lengths)
+    y = prompt_attention(q, k, v, lengths, scale=self.scale)
     return self.out(y.reshape(y.shape[:2] + (-1,))), kv
 
   def decode(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,

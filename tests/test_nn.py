@@ -74,3 +74,44 @@ def test_rejects_bad_head_counts():
     nn.PagedAttention(E, 4, D, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="decode_impl"):
     nn.PagedAttention(E, 4, D, decode_impl="triton", rngs=nnx.Rngs(0))
+
+
+def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+  """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64."""
+  t, h, d = q.shape
+  group = h // k.shape[1]
+  k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+  logits = np.einsum("qhd,shd->hqs", q, k) * scale
+  logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  return np.einsum("hqs,shd->qhd", probs, v)
+
+
+def _check_prompt_attention(dtype):
+  """prompt_attention vs dense causal attention on ragged prompts; returns (fn, args)."""
+  rng = np.random.default_rng(3)
+  b, t, h, hkv, d = 3, 40, 8, 2, 64
+  q, k, v = (rng.standard_normal((b, t, n, d)).astype(np.float32) for n in (h, hkv, hkv))
+  lengths = np.array([40, 1, 23], np.int32)
+  fn = jax.jit(lambda q, k, v, n: nn.prompt_attention(q, k, v, n, scale=d ** -0.5))
+  args = [jnp.asarray(a, dtype) for a in (q, k, v)] + [jnp.asarray(lengths)]
+  y = np.asarray(fn(*args).astype(jnp.float32))
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for i, n in enumerate(lengths):
+    qi, ki, vi = (np.asarray(a[i, :n].astype(jnp.float32), np.float64) for a in args[:3])
+    np.testing.assert_allclose(y[i, :n], _dense_causal(qi, ki, vi, d ** -0.5),
+                               rtol=tol, atol=tol)
+    assert not y[i, n:].any()  # padding rows are exactly 0
+  return fn, args
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prompt_attention_matches_dense(dtype):
+  _check_prompt_attention(dtype)
+
+
+@pytest.mark.gpu
+def test_prompt_attention_uses_cudnn_on_gpu():
+  fn, args = _check_prompt_attention(jnp.bfloat16)
+  assert "cudnn" in fn.lower(*args).compile().as_text()
