@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_paged import layer_norm
 from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
 from jax_paged import reference
@@ -94,6 +95,31 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   # K/V at the next layer, masked but still multiplied) can carry a non-finite value.
   real = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
   return jnp.where(real[:, :, None, None], y, 0).astype(q.dtype)
+
+
+class LayerNorm(nnx.Module):
+  """`nnx.LayerNorm` (scale and bias, same parameter names and shapes) computed by
+  `jax_paged.layer_norm`: one kernel on a GPU where XLA runs two.
+
+  Args:
+    num_features: the normalised (last) axis.
+    epsilon: added to the variance.
+    dtype: the output dtype (default: the input's).
+    param_dtype: scale and bias dtype.
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    del rngs  # ones and zeros: nothing random; accepted for nnx.LayerNorm's signature
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., num_features] -> the same shape, in `dtype` (default x's)."""
+    return layer_norm.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon,
+                                 out_dtype=self.dtype or x.dtype)
 
 
 class PagedAttention(nnx.Module):

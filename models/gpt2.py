@@ -111,8 +111,9 @@ class Block(nnx.Module):
     scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
     if config.scale_attn_by_inverse_layer_idx:
       scale /= layer + 1
-    norm = functools.partial(nnx.LayerNorm, config.n_embd, epsilon=config.layer_norm_epsilon,
-                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    norm = functools.partial(paged_nn.LayerNorm, config.n_embd,
+                             epsilon=config.layer_norm_epsilon, dtype=dtype,
+                             param_dtype=param_dtype)
     self.ln_1 = norm()
     self.attn = paged_nn.PagedAttention(
         config.n_embd, config.n_head, config.head_dim, scale=scale, decode_impl=decode_impl,
@@ -152,8 +153,8 @@ class GPT2LMHeadModel(nnx.Module):
     self.h = nnx.List([Block(config, i, dtype=dtype, param_dtype=param_dtype,
                              decode_impl=decode_impl, rngs=rngs)
                        for i in range(config.n_layer)])
-    self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+    self.ln_f = paged_nn.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon,
+                                   dtype=dtype, param_dtype=param_dtype)
 
   def create_pool(self, *, num_pages: int, page_size: int, max_seqs: int,
                   max_pages_per_seq: int, dtype=None) -> pool_lib.KVPool:
