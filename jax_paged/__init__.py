@@ -4,7 +4,8 @@ Kernels (Pallas, lowered through Triton on GPU; plain XLA on CPU):
   paged_decode_attention, merge_attention_states, merge_attention_states_n
 Ground truth in plain jax.numpy: `jax_paged.reference`.
 The functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv, release, ...).
-A paged attention layer for Flax NNX models: `jax_paged.nn.PagedAttention`.
+Flax NNX layers: `jax_paged.nn.PagedAttention` (paged KV cache), `jax_paged.nn.LayerNorm`
+(one-kernel layer norm, `jax_paged.layer_norm`).
 Generation: generate (one static batch), Engine / Request / TokenEvent (continuous
 batching); the CLI is `jax-paged-generate` (`python -m jax_paged.generate`).
 """
