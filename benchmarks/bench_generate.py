@@ -161,7 +161,7 @@ def main():
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument("--skip-mixed", action="store_true", help="only the fixed workload")
   p.add_argument("--capacities", type=int, nargs="+", help="engine batch capacities to sweep")
-  p.add_argument("--steps-per-call", type=int, nargs="+", default=[32],
+  p.add_argument("--steps-per-call", type=int, nargs="+", default=[32, 128],
                  help="engine decode steps per device call, each timed on the fixed workload "
                       "(the best is compared with Hugging Face) and with peak admission on "
                       "the mixed one")

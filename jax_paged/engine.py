@@ -208,7 +208,9 @@ class Engine:
     num_pages: pages in the pool; or None to size it from `memory_fraction` of the
       device's free memory (`pool.size_pool`, accelerators only).
     page_size: tokens per page.
-    steps_per_call: decode steps per device call (one host round trip per chunk).
+    steps_per_call: the most decode steps per device call (one host round trip per
+      chunk; streamed tokens arrive per chunk). 128 was the fastest measured (GPT-2 124M
+      on an H200: 112k vs 105k tokens/s at 32, benchmarks/RESULTS.md).
     max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
       prefill memory); more admissions go into further calls before the next chunk,
       grouped by length so that short prompts are not padded to long ones.
@@ -224,7 +226,7 @@ class Engine:
 
   def __init__(self, model: gpt2.GPT2LMHeadModel, *, max_batch: int = 32,
                num_pages: int | None = None, memory_fraction: float = 0.9,
-               page_size: int = 16, steps_per_call: int = 32,
+               page_size: int = 16, steps_per_call: int = 128,
                max_prefill_tokens: int = 16384, admission: str = "optimistic",
                eos_token_id: int | None = None, cache_dtype=None):
     if max_batch < 1:

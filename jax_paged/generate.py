@@ -99,8 +99,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   eng = p.add_argument_group("engine")
   eng.add_argument("--max-batch", type=int, default=32, help="decode slots (default 32)")
   eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-  eng.add_argument("--steps-per-call", type=int, default=32,
-                   help="decode steps per device call (default 32)")
+  eng.add_argument("--steps-per-call", type=int, default=128,
+                   help="the most decode steps per device call (default 128)")
   eng.add_argument("--admission", choices=("optimistic", "peak"), default="optimistic",
                    help="optimistic: admit when the prompt fits, preempt and recompute when "
                         "the pool runs out (vLLM); peak: admit only while the projected "
