@@ -27,8 +27,9 @@ from jax_paged import triton_backend
 # program per row to spread them over the SMs; a prompt of thousands of rows wants fewer,
 # fuller programs.
 _MAX_BLOCK_ROWS = 8
-# Wider rows than this would not fit one program's registers: plain XLA takes them.
-_MAX_FEATURES = 16384
+# Values one program holds: 64 f32 registers per thread at 8 warps. Rows are packed only
+# up to this, and wider rows than this take plain XLA.
+_MAX_BLOCK_VALUES = _MAX_FEATURES = 16384
 
 
 def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
@@ -65,10 +66,10 @@ def _layer_norm_pallas(x, scale, bias, *, epsilon: float, out_dtype, interpret: 
   features = x.shape[-1]
   x2 = x.reshape(-1, features)
   rows = x2.shape[0]
-  # About four programs per SM before rows are packed together.
-  block_rows = min(_MAX_BLOCK_ROWS,
-                   pl.next_power_of_2(max(1, rows // (4 * triton_backend.sm_count()))))
   block_f = pl.next_power_of_2(features)
+  # About four programs per SM before rows are packed together.
+  block_rows = min(_MAX_BLOCK_ROWS, _MAX_BLOCK_VALUES // block_f,
+                   pl.next_power_of_2(max(1, rows // (4 * triton_backend.sm_count()))))
   # One warp per 256 values (8 per thread: 16-byte bf16 vectors), 1..8 warps.
   num_warps = max(1, min(8, block_rows * block_f // 256))
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,

@@ -33,6 +33,7 @@ def _numpy_layer_norm(x, scale, bias, epsilon):
 @pytest.mark.parametrize("shape,dtype", [
     ((5, 96), jnp.float32), ((3, 7, 768), jnp.bfloat16), ((2, 80), jnp.float16),
     ((1059, 64), jnp.float32),  # several rows per program, the last program part-full
+    ((70, 4100), jnp.float32),  # wide rows: fewer rows per program
 ])
 def test_kernel_matches_numpy(shape, dtype, monkeypatch):
   monkeypatch.setattr(ln.triton_backend, "sm_count", lambda: 4)  # pack rows at small sizes
@@ -78,7 +79,7 @@ def test_rejects_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype", [((128, 768), jnp.bfloat16), ((4096, 768), jnp.bfloat16),
-                                         ((33, 80), jnp.float32)])
+                                         ((33, 80), jnp.float32), ((3000, 12288), jnp.bfloat16)])
 def test_kernel_on_gpu(shape, dtype):
   x, scale, bias = _inputs(shape, dtype, seed=4)
   got = jax.jit(lambda *a: ln.layer_norm(*a, epsilon=1e-5))(x, scale, bias)
