@@ -13,19 +13,26 @@ from jax_paged import pool as pool_lib
 E, H, HKV, D, PAGE = 96, 4, 2, 64, 8
 
 
+def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+  """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64."""
+  t, h, d = q.shape
+  group = h // k.shape[1]
+  k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+  logits = np.einsum("qhd,shd->hqs", q, k) * scale
+  logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  return np.einsum("hqs,shd->qhd", probs, v)
+
+
 def _dense_attention(layer: nn.PagedAttention, x: np.ndarray) -> np.ndarray:
   """Causal GQA attention of one unpadded sequence x [T, E], in float64 numpy."""
   w = np.asarray(layer.qkv.kernel[...], np.float64)
   qkv = x.astype(np.float64) @ w + np.asarray(layer.qkv.bias[...])
   q, k, v = np.split(qkv, [H * D, (H + HKV) * D], axis=-1)
   t = x.shape[0]
-  q = q.reshape(t, HKV, H // HKV, D)
-  k, v = k.reshape(t, HKV, D), v.reshape(t, HKV, D)
-  logits = np.einsum("qkgd,skd->kgqs", q, k) * layer.scale
-  logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  y = np.einsum("kgqs,skd->qkgd", probs, v).reshape(t, H * D)
+  y = _dense_causal(q.reshape(t, H, D), k.reshape(t, HKV, D), v.reshape(t, HKV, D),
+                    layer.scale).reshape(t, H * D)
   return y @ np.asarray(layer.out.kernel[...], np.float64) + np.asarray(layer.out.bias[...])
 
 
@@ -74,18 +81,6 @@ def test_rejects_bad_head_counts():
     nn.PagedAttention(E, 4, D, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="decode_impl"):
     nn.PagedAttention(E, 4, D, decode_impl="triton", rngs=nnx.Rngs(0))
-
-
-def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-  """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64."""
-  t, h, d = q.shape
-  group = h // k.shape[1]
-  k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-  logits = np.einsum("qhd,shd->hqs", q, k) * scale
-  logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  return np.einsum("hqs,shd->qhd", probs, v)
 
 
 def _check_prompt_attention(dtype):
