@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
+from jax_paged import nn as paged_nn
 from jax_paged.engine import Engine, Request
 from models import gpt2
 
@@ -63,12 +64,16 @@ def contiguous_generate(model: gpt2.GPT2LMHeadModel, prompts: list[list[int]], n
 
 def _stack(model, x, cache_k, cache_v, attend):
   """The blocks, with attend(block, i, q, k, v, cache_k, cache_v) -> (y, cache_k, cache_v)."""
+  # The model's own blocks, residual adds fused as in `GPT2LMHeadModel._forward`.
+  norms = [block.ln_1 for block in model.h] + [model.ln_f]
+  h = norms[0](x)
   for i, block in enumerate(model.h):
-    q, k, v = block.attn._project(block.ln_1(x))
+    q, k, v = block.attn._project(h)
     y, cache_k, cache_v = attend(block, i, q, k, v, cache_k, cache_v)
-    x = x + block.attn.out(y.reshape(y.shape[:2] + (-1,)))
-    x = x + block.mlp(block.ln_2(x))
-  return model.wte.attend(model.ln_f(x)).astype(jnp.float32), cache_k, cache_v
+    x, h = paged_nn.project_add_norm(block.attn.out, y.reshape(y.shape[:2] + (-1,)), x,
+                                     block.ln_2)
+    x, h = paged_nn.project_add_norm(block.mlp.c_proj, block.mlp.hidden(h), x, norms[i + 1])
+  return model.wte.attend(h).astype(jnp.float32), cache_k, cache_v
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("new", "max_len"))

@@ -1,10 +1,17 @@
-"""Layer normalisation in one Pallas-Triton kernel.
+"""Layer normalisation in one Pallas-Triton kernel, optionally fused with a residual add.
 
 XLA runs a layer norm as two kernels: a reduction for the row statistics, then an
 elementwise kernel that normalises. In a GPT-2 124M decode step at batch 128 those are 24
 pairs of ~1.4 + ~1.6 µs on an H200 (benchmarks/RESULTS.md), for 196 KB of activations each:
 launch-bound work. This kernel reads each row once, keeps it in registers for both
 statistics and writes the normalised row: one launch per layer norm.
+
+`add_layer_norm` also adds the partial sums of a split-K projection (and its bias) to the
+residual stream first, writing both the new stream and its normalised rows (vLLM's
+fused_add_rms_norm, for layer norm). A projection at decode's few rows runs as a split-K
+GEMM whose partials XLA reduces in a kernel of its own; handing the partials to this
+kernel instead folds that reduction, the residual add and the next layer norm into one
+launch.
 
 Grid (rows / block_rows,): a program normalises `block_rows` rows of `features` values
 (padded to a power of two and masked). Statistics in f32 (the mean, then the mean of
@@ -43,15 +50,47 @@ def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   return (y + bias.astype(jnp.float32)).astype(out_dtype)
 
 
-def _layer_norm_kernel(x_ref, scale_ref, bias_ref, o_ref, *, rows: int, features: int,
-                       block_rows: int, block_f: int, epsilon: float):
-  """Refs: x, o [rows, features]; scale, bias [features]."""
+def add_layer_norm_reference(x: jax.Array, parts: jax.Array, scale: jax.Array,
+                             bias: jax.Array, *, parts_bias: jax.Array | None = None,
+                             epsilon: float, out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """Plain-XLA `add_layer_norm`."""
+  total = x.astype(jnp.float32) + jnp.sum(parts.astype(jnp.float32), axis=0)
+  if parts_bias is not None:
+    total += parts_bias.astype(jnp.float32)
+  total = total.astype(x.dtype)
+  return total, layer_norm_reference(total, scale, bias, epsilon=epsilon, out_dtype=out_dtype)
+
+
+def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f: int,
+                       epsilon: float, num_parts: int, has_parts_bias: bool):
+  """Refs: x [rows, features]; with num_parts > 0, parts [num_parts, rows, features] and
+  (has_parts_bias) parts_bias [features]; scale, bias [features]; outputs: with
+  num_parts > 0, the sum [rows, features]; the normalised rows [rows, features]."""
+  x_ref, *refs = refs
+  if num_parts:
+    parts_ref, *refs = refs
+    if has_parts_bias:
+      parts_bias_ref, *refs = refs
+  scale_ref, bias_ref, *out_refs = refs
   r = pl.program_id(0) * block_rows + jnp.arange(block_rows)
   cols = jnp.arange(block_f)
   col_mask = cols < features
   mask = (r[:, None] < rows) & col_mask[None, :]
   idx = (r[:, None], cols[None, :])
   x = plgpu.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+  if num_parts:
+    sum_ref, o_ref = out_refs
+    for part in range(num_parts):  # few (split-K splits): unrolled
+      x += plgpu.load(parts_ref.at[(part,) + idx], mask=mask, other=0.0).astype(jnp.float32)
+    if has_parts_bias:
+      x += plgpu.load(parts_bias_ref.at[cols], mask=col_mask, other=0.0).astype(
+          jnp.float32)[None, :]
+    # Normalise the stream as stored (rounded to its dtype), as an unfused add would.
+    total = x.astype(sum_ref.dtype)
+    plgpu.store(sum_ref.at[idx], total, mask=mask)
+    x = total.astype(jnp.float32)
+  else:
+    o_ref, = out_refs
   mean = jnp.sum(x, axis=1) / features
   centred = jnp.where(mask, x - mean[:, None], 0.0)
   var = jnp.sum(centred * centred, axis=1) / features
@@ -62,10 +101,13 @@ def _layer_norm_kernel(x_ref, scale_ref, bias_ref, o_ref, *, rows: int, features
 
 
 @functools.partial(jax.jit, static_argnames=["epsilon", "out_dtype", "interpret"])
-def _layer_norm_pallas(x, scale, bias, *, epsilon: float, out_dtype, interpret: bool):
+def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: float,
+                       out_dtype, interpret: bool):
+  """The kernel over x's rows; with `parts`, (sum, normalised sum) of `add_layer_norm`."""
   features = x.shape[-1]
   x2 = x.reshape(-1, features)
   rows = x2.shape[0]
+  num_parts = 0 if parts is None else parts.shape[0]
   block_f = pl.next_power_of_2(features)
   # About four programs per SM before rows are packed together.
   block_rows = min(_MAX_BLOCK_ROWS, _MAX_BLOCK_VALUES // block_f,
@@ -73,16 +115,24 @@ def _layer_norm_pallas(x, scale, bias, *, epsilon: float, out_dtype, interpret: 
   # One warp per 256 values (8 per thread: 16-byte bf16 vectors), 1..8 warps.
   num_warps = max(1, min(8, block_rows * block_f // 256))
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,
-                             block_rows=block_rows, block_f=block_f, epsilon=epsilon)
-  y = pl.pallas_call(
+                             block_rows=block_rows, block_f=block_f, epsilon=epsilon,
+                             num_parts=num_parts, has_parts_bias=parts_bias is not None)
+  out_shape = jax.ShapeDtypeStruct((rows, features), out_dtype)
+  inputs = [x2]
+  if num_parts:
+    out_shape = (jax.ShapeDtypeStruct((rows, features), x.dtype), out_shape)
+    inputs.append(parts.reshape(num_parts, rows, features))
+    if parts_bias is not None:
+      inputs.append(parts_bias)
+  out = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(rows, block_rows),),
-      out_shape=jax.ShapeDtypeStruct((rows, features), out_dtype),
+      out_shape=out_shape,
       compiler_params=triton_backend.compiler_params(num_warps=num_warps, num_stages=1),
       interpret=interpret,
-      name="layer_norm",
-  )(x2, scale, bias)
-  return y.reshape(x.shape)
+      name="add_layer_norm" if num_parts else "layer_norm",
+  )(*inputs, scale, bias)
+  return jax.tree.map(lambda y: y.reshape(x.shape), out)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: float = 1e-5,
@@ -101,6 +151,57 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: floa
   Returns:
     [..., F] in `out_dtype`. Statistics and the affine are computed in f32.
   """
+  _check_norm_args(x, scale, bias)
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  mode = triton_backend.resolve_interpret(interpret)
+  if mode is None or x.size == 0 or x.shape[-1] > _MAX_FEATURES:
+    return layer_norm_reference(x, scale, bias, epsilon=epsilon, out_dtype=out_dtype)
+  return _layer_norm_pallas(x, scale, bias, epsilon=float(epsilon), out_dtype=out_dtype,
+                            interpret=mode)
+
+
+def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.Array, *,
+                   parts_bias: jax.Array | None = None, epsilon: float = 1e-5,
+                   out_dtype=None, interpret: bool | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+  """A residual add and the layer norm of its result, in one kernel.
+
+  total = x + sum(parts, axis=0) + parts_bias (summed in f32, stored in x's dtype), and
+  layer_norm(total). For a pre-LN transformer block: x is the residual stream and `parts`
+  the split-K partial products of the projection being added (`parts_bias` its bias); the
+  result is the new stream and the next sub-layer's normalised input.
+
+  Args:
+    x: [..., F], f32 / bf16 / f16.
+    parts: [S, ..., F] (S >= 1), any float dtype; f32 partial sums keep their precision.
+    scale, bias: [F], the layer norm's.
+    parts_bias: [F] or None.
+    epsilon: added to the variance.
+    out_dtype: the normalised result's dtype (default x's).
+    interpret: as `layer_norm`.
+
+  Returns:
+    (total [..., F] in x's dtype, layer_norm(total) [..., F] in `out_dtype`).
+  """
+  _check_norm_args(x, scale, bias)
+  if parts.ndim != x.ndim + 1 or parts.shape[1:] != x.shape or parts.shape[0] < 1:
+    raise ValueError(f"parts must have shape [S >= 1, *x.shape] = [S, {', '.join(map(str, x.shape))}], "
+                     f"got {parts.shape}")
+  if not jnp.issubdtype(parts.dtype, jnp.floating):
+    raise ValueError(f"parts must be a floating dtype, got {parts.dtype}")
+  if parts_bias is not None and parts_bias.shape != x.shape[-1:]:
+    raise ValueError(f"parts_bias must have shape {x.shape[-1:]} (x's last axis), got "
+                     f"{parts_bias.shape}")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  mode = triton_backend.resolve_interpret(interpret)
+  if mode is None or x.size == 0 or x.shape[-1] > _MAX_FEATURES:
+    return add_layer_norm_reference(x, parts, scale, bias, parts_bias=parts_bias,
+                                    epsilon=epsilon, out_dtype=out_dtype)
+  return _layer_norm_pallas(x, scale, bias, parts, parts_bias, epsilon=float(epsilon),
+                            out_dtype=out_dtype, interpret=mode)
+
+
+def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array) -> None:
   if x.ndim < 1 or x.shape[-1] < 1:
     raise ValueError(f"x must have a non-empty last (feature) axis, got shape {x.shape}")
   if scale.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
@@ -108,9 +209,3 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: floa
                      f"{scale.shape} and {bias.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating dtype, got {x.dtype}")
-  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = triton_backend.resolve_interpret(interpret)
-  if mode is None or x.size == 0 or x.shape[-1] > _MAX_FEATURES:
-    return layer_norm_reference(x, scale, bias, epsilon=epsilon, out_dtype=out_dtype)
-  return _layer_norm_pallas(x, scale, bias, epsilon=float(epsilon), out_dtype=out_dtype,
-                            interpret=mode)

@@ -96,11 +96,14 @@ class MLP(nnx.Module):
                              param_dtype=param_dtype, rngs=rngs)
     self.activation = _ACTIVATIONS[config.activation_function]
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self.c_proj(self.activation(self.c_fc(x)))
+  def hidden(self, x: jax.Array) -> jax.Array:
+    """activation(c_fc(x)) [..., width]; the block applies `c_proj` with its residual add
+    (`jax_paged.nn.project_add_norm`)."""
+    return self.activation(self.c_fc(x))
 
 
-# attend(attention layer, normalised x, pool, layer index) -> (attention output, pool)
+# attend(attention layer, normalised x, pool, layer index) -> (attention output before
+# the layer's `out` projection, pool)
 Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
                   tuple[jax.Array, pool_lib.KVPool]]
 
@@ -122,11 +125,16 @@ class Block(nnx.Module):
     self.ln_2 = norm()
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, kv: pool_lib.KVPool, layer: int,
-               attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:
-    a, kv = attend(self.attn, self.ln_1(x), kv, layer)
-    x = x + a
-    return x + self.mlp(self.ln_2(x)), kv
+  def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
+               attend: Attend, next_norm: paged_nn.LayerNorm
+               ) -> tuple[jax.Array, jax.Array, pool_lib.KVPool]:
+    """x [..., n_embd] the residual stream and h = ln_1(x) -> (the new stream, its
+    `next_norm` (the next block's ln_1, or ln_f), the pool). Each residual add is fused
+    with the projection before it and the norm after it (`project_add_norm`)."""
+    a, kv = attend(self.attn, h, kv, layer)
+    x, h = paged_nn.project_add_norm(self.attn.out, a, x, self.ln_2)
+    x, h = paged_nn.project_add_norm(self.mlp.c_proj, self.mlp.hidden(h), x, next_norm)
+    return x, h, kv
 
 
 class GPT2LMHeadModel(nnx.Module):
@@ -168,13 +176,16 @@ class GPT2LMHeadModel(nnx.Module):
 
   def _forward(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
                attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:
+    """-> (ln_f of the final residual stream, pool)."""
     x = self.wte(tokens) + self.wpe(positions)
+    norms = [block.ln_1 for block in self.h] + [self.ln_f]
+    h = norms[0](x)
     for layer, block in enumerate(self.h):
-      x, kv = block(x, kv, layer, attend)
-    return x, kv
+      x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1])
+    return h, kv
 
-  def _logits(self, x: jax.Array) -> jax.Array:
-    return self.wte.attend(self.ln_f(x)).astype(jnp.float32)
+  def _logits(self, h: jax.Array) -> jax.Array:
+    return self.wte.attend(h).astype(jnp.float32)
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
@@ -190,10 +201,10 @@ class GPT2LMHeadModel(nnx.Module):
       (float32 logits [B, vocab] of each prompt's last token, pool).
     """
     b, t = tokens.shape
-    x, kv = self._forward(
+    h, kv = self._forward(
         tokens, jnp.arange(t)[None, :], kv,
-        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths))
-    last = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, project=False))
+    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     return self._logits(last), kv
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
@@ -211,10 +222,11 @@ class GPT2LMHeadModel(nnx.Module):
     Returns:
       (float32 logits [B, vocab], pool).
     """
-    x, kv = self._forward(
+    h, kv = self._forward(
         tokens, positions, kv,
-        lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths))
-    return self._logits(x), kv
+        lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
+                                               project=False))
+    return self._logits(h), kv
 
 
 def prefill(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,

@@ -88,3 +88,64 @@ def test_kernel_on_gpu(shape, dtype):
   np.testing.assert_allclose(np.asarray(got, np.float64),
                              _numpy_layer_norm(x, scale, bias, 1e-5), rtol=_TOL[dtype],
                              atol=_TOL[dtype])
+
+
+def _numpy_add_layer_norm(x, parts, scale, bias, parts_bias, epsilon):
+  """(x + sum(parts) + parts_bias rounded to x's dtype, its layer norm), float64."""
+  total = np.asarray(x, np.float64) + np.asarray(parts, np.float64).sum(0)
+  if parts_bias is not None:
+    total += np.asarray(parts_bias, np.float64)
+  total = np.asarray(jnp.asarray(total, jnp.float32).astype(x.dtype), np.float64)
+  return total, _numpy_layer_norm(total, scale, bias, epsilon)
+
+
+@pytest.mark.parametrize("shape,dtype,splits,with_bias", [
+    ((5, 96), jnp.float32, 3, True), ((3, 7, 768), jnp.bfloat16, 4, True),
+    ((2, 80), jnp.float16, 1, False), ((1059, 64), jnp.float32, 8, True),
+])
+def test_add_layer_norm_matches_numpy(shape, dtype, splits, with_bias, monkeypatch):
+  monkeypatch.setattr(ln.triton_backend, "sm_count", lambda: 4)  # pack rows at small sizes
+  x, scale, bias = _inputs(shape, dtype, seed=sum(shape) + splits)
+  rng = np.random.default_rng(splits)
+  parts = jnp.asarray(rng.standard_normal((splits,) + shape), jnp.float32)
+  parts_bias = jnp.asarray(rng.standard_normal(shape[-1]), dtype) if with_bias else None
+  want_total, want = _numpy_add_layer_norm(x, parts, scale, bias, parts_bias, 1e-5)
+  for interpret in (True, None):  # the kernel; plain XLA (this machine has no GPU)
+    total, got = ln.add_layer_norm(x, parts, scale, bias, parts_bias=parts_bias,
+                                   interpret=interpret)
+    chex.assert_shape((total, got), shape)
+    assert total.dtype == got.dtype == dtype
+    chex.assert_tree_all_finite((total, got))
+    np.testing.assert_allclose(np.asarray(total, np.float64), want_total, rtol=_TOL[dtype],
+                               atol=_TOL[dtype])
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=_TOL[dtype],
+                               atol=_TOL[dtype])
+
+
+def test_add_layer_norm_rejects_bad_input():
+  x, scale, bias = _inputs((4, 64), jnp.float32, seed=5)
+  parts = jnp.ones((2, 4, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"parts must have shape \[S >= 1, \*x.shape\]"):
+    ln.add_layer_norm(x, parts[:, :3], scale, bias)
+  with pytest.raises(ValueError, match="parts must have shape"):
+    ln.add_layer_norm(x, parts[0], scale, bias)
+  with pytest.raises(ValueError, match="parts must be a floating"):
+    ln.add_layer_norm(x, parts.astype(jnp.int32), scale, bias)
+  with pytest.raises(ValueError, match="parts_bias must have shape"):
+    ln.add_layer_norm(x, parts, scale, bias, parts_bias=bias[:8])
+  with pytest.raises(ValueError, match="scale and bias must have shape"):
+    ln.add_layer_norm(x, parts, scale[:8], bias)
+
+
+@pytest.mark.gpu
+def test_add_layer_norm_on_gpu():
+  x, scale, bias = _inputs((128, 768), jnp.bfloat16, seed=6)
+  rng = np.random.default_rng(6)
+  parts = jnp.asarray(rng.standard_normal((4, 128, 768)), jnp.float32)
+  parts_bias = jnp.asarray(rng.standard_normal(768), jnp.bfloat16)
+  fn = jax.jit(lambda *a: ln.add_layer_norm(*a, parts_bias=parts_bias))
+  assert "add_layer_norm" in fn.lower(x, parts, scale, bias).as_text()
+  total, got = fn(x, parts, scale, bias)
+  want_total, want = _numpy_add_layer_norm(x, parts, scale, bias, parts_bias, 1e-5)
+  np.testing.assert_allclose(np.asarray(total, np.float64), want_total, rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2)

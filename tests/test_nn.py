@@ -110,3 +110,31 @@ def test_prompt_attention_matches_dense(dtype):
 def test_prompt_attention_uses_cudnn_on_gpu():
   fn, args = _check_prompt_attention(jnp.bfloat16)
   assert "cudnn" in fn.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
+def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
+  # 5 and 7 rows take the split-K + add_layer_norm kernel (interpret mode); 300 rows are
+  # over the fused path's limit and take the plain modules.
+  fused_calls = []
+  add_layer_norm = nn.layer_norm.add_layer_norm
+  monkeypatch.setattr(nn.layer_norm, "add_layer_norm",
+                      lambda *a, **k: fused_calls.append(a[1].shape) or add_layer_norm(*a, **k))
+  rng = np.random.default_rng(rows)
+  proj = nnx.Linear(192, E, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(rows))
+  proj.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  norm = nn.LayerNorm(E, epsilon=1e-5, dtype=dtype, param_dtype=dtype)
+  norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, E), dtype)
+  norm.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  h = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
+  residual = jnp.asarray(rng.standard_normal((rows, E)) * 2 + 1, dtype)
+  x, y = nn.project_add_norm(proj, h, residual, norm, interpret=True)
+  assert fused_calls == ([] if rows > 256 else [(4, rows, E)])  # 4 K-splits of 192
+  want_x = residual + proj(h)
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  assert x.dtype == y.dtype == dtype
+  np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(want_x, np.float64),
+                             rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(y, np.float64),
+                             np.asarray(norm(want_x.astype(jnp.float32)), np.float64),
+                             rtol=tol, atol=tol * 4)
