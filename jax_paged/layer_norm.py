@@ -185,8 +185,9 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
   """
   _check_norm_args(x, scale, bias)
   if parts.ndim != x.ndim + 1 or parts.shape[1:] != x.shape or parts.shape[0] < 1:
-    raise ValueError(f"parts must have shape [S >= 1, *x.shape] = [S, {', '.join(map(str, x.shape))}], "
-                     f"got {parts.shape}")
+    dims = ", ".join(map(str, x.shape))
+    raise ValueError(f"parts must have shape [S >= 1, *x.shape] = [S, {dims}], got "
+                     f"{parts.shape}")
   if not jnp.issubdtype(parts.dtype, jnp.floating):
     raise ValueError(f"parts must be a floating dtype, got {parts.dtype}")
   if parts_bias is not None and parts_bias.shape != x.shape[-1:]:
