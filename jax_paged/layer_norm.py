@@ -153,8 +153,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: floa
   """
   _check_norm_args(x, scale, bias)
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = triton_backend.resolve_interpret(interpret)
-  if mode is None or x.size == 0 or x.shape[-1] > _MAX_FEATURES:
+  mode = _kernel_mode(x, interpret)
+  if mode is None:
     return layer_norm_reference(x, scale, bias, epsilon=epsilon, out_dtype=out_dtype)
   return _layer_norm_pallas(x, scale, bias, epsilon=float(epsilon), out_dtype=out_dtype,
                             interpret=mode)
@@ -194,12 +194,20 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
     raise ValueError(f"parts_bias must have shape {x.shape[-1:]} (x's last axis), got "
                      f"{parts_bias.shape}")
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = triton_backend.resolve_interpret(interpret)
-  if mode is None or x.size == 0 or x.shape[-1] > _MAX_FEATURES:
+  mode = _kernel_mode(x, interpret)
+  if mode is None:
     return add_layer_norm_reference(x, parts, scale, bias, parts_bias=parts_bias,
                                     epsilon=epsilon, out_dtype=out_dtype)
   return _layer_norm_pallas(x, scale, bias, parts, parts_bias, epsilon=float(epsilon),
                             out_dtype=out_dtype, interpret=mode)
+
+
+def _kernel_mode(x: jax.Array, interpret: bool | None) -> bool | None:
+  """How the kernel runs on x: False (compiled) / True (interpret mode), or None for plain
+  XLA (no GPU and no interpret, empty x, or rows over 16384 features)."""
+  if x.size == 0 or x.shape[-1] > _MAX_FEATURES:
+    return None
+  return triton_backend.resolve_interpret(interpret)
 
 
 def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array) -> None:
