@@ -29,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from jax_paged import nn as paged_nn
 from jax_paged.engine import Engine, Request
 from models import gpt2
 
@@ -62,18 +61,18 @@ def contiguous_generate(model: gpt2.GPT2LMHeadModel, prompts: list[list[int]], n
   return outs
 
 
-def _stack(model, x, cache_k, cache_v, attend):
-  """The blocks, with attend(block, i, q, k, v, cache_k, cache_v) -> (y, cache_k, cache_v)."""
-  # The model's own blocks, residual adds fused as in `GPT2LMHeadModel._forward`.
-  norms = [block.ln_1 for block in model.h] + [model.ln_f]
-  h = norms[0](x)
-  for i, block in enumerate(model.h):
-    q, k, v = block.attn._project(h)
-    y, cache_k, cache_v = attend(block, i, q, k, v, cache_k, cache_v)
-    x, h = paged_nn.project_add_norm(block.attn.out, y.reshape(y.shape[:2] + (-1,)), x,
-                                     block.ln_2)
-    x, h = paged_nn.project_add_norm(block.mlp.c_proj, block.mlp.hidden(h), x, norms[i + 1])
-  return model.wte.attend(h).astype(jnp.float32), cache_k, cache_v
+def _stack(model, tokens, positions, cache_k, cache_v, attend):
+  """The model's own forward pass (`GPT2LMHeadModel._forward`, fused blocks and all) with
+  attend(attention layer, layer index, q, k, v, cache_k, cache_v) -> (y [B, T, H, D],
+  cache_k, cache_v) in place of the paged attention. Returns (f32 logits, caches)."""
+  def attend_contiguous(attn, h, caches, layer):
+    q, k, v = attn._project(h)
+    y, cache_k, cache_v = attend(attn, layer, q, k, v, *caches)
+    return y.reshape(y.shape[:2] + (-1,)), (cache_k, cache_v)
+
+  h, (cache_k, cache_v) = model._forward(tokens, positions, (cache_k, cache_v),
+                                         attend_contiguous)
+  return model._logits(h), cache_k, cache_v
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("new", "max_len"))
@@ -84,26 +83,25 @@ def _contiguous_run(graphdef, params, tokens, lengths, *, new: int, max_len: int
   rows = jnp.arange(b)
   cache = jnp.zeros((c.n_layer, b, max_len, c.n_head, c.head_dim), model.dtype)
 
-  def attend_prompt(block, i, q, k, v, ck, cv):
-    y = jax.nn.dot_product_attention(q, k, v, scale=block.attn.scale, is_causal=True,
+  def attend_prompt(attn, i, q, k, v, ck, cv):
+    y = jax.nn.dot_product_attention(q, k, v, scale=attn.scale, is_causal=True,
                                      key_value_seq_lengths=lengths)
     return y, ck.at[i, :, :t].set(k), cv.at[i, :, :t].set(v)
 
-  x = model.wte(tokens) + model.wpe(jnp.arange(t)[None])
-  logits, cache_k, cache_v = _stack(model, x, cache, cache, attend_prompt)
+  logits, cache_k, cache_v = _stack(model, tokens, jnp.arange(t)[None], cache, cache,
+                                    attend_prompt)
   first = jnp.argmax(logits[rows, lengths - 1], axis=-1).astype(jnp.int32)
 
   def step(carry, _):
     token, pos, ck, cv = carry
 
-    def attend_cache(block, i, q, k, v, ck, cv):
+    def attend_cache(attn, i, q, k, v, ck, cv):
       ck, cv = ck.at[i, rows, pos].set(k[:, 0]), cv.at[i, rows, pos].set(v[:, 0])
-      y = jax.nn.dot_product_attention(q, ck[i], cv[i], scale=block.attn.scale,
+      y = jax.nn.dot_product_attention(q, ck[i], cv[i], scale=attn.scale,
                                        key_value_seq_lengths=pos + 1)
       return y, ck, cv
 
-    x = model.wte(token[:, None]) + model.wpe(pos[:, None])
-    logits, ck, cv = _stack(model, x, ck, cv, attend_cache)
+    logits, ck, cv = _stack(model, token[:, None], pos[:, None], ck, cv, attend_cache)
     nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     return (nxt, pos + 1, ck, cv), nxt
 
