@@ -9,7 +9,7 @@ critical path, is there enough in flight?
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.5.1
     PYTHONPATH=. python benchmarks/kernel_sass.py --triton-python /tmp/tv/bin/python \\
-        [--batch 256 --heads 12 --kv-heads 12 --head-dim 64 --warps 2 --stages 3]
+        [--batch 256 --heads 12 --kv-heads 12 --head-dim 64 --warps 2 --stages 2 --block-n 64]
 
 The Triton here need not be the one inside the GPU's jaxlib, so treat the output as a
 close reading of what the device compiles, not the exact binary.
@@ -37,6 +37,7 @@ src, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps, "num_stages": stages})
 open(src[:-5] + ".ptx", "w").write(k.asm["ptx"])
+print(f"{k.metadata.shared} bytes shared memory")
 """
 
 
@@ -74,19 +75,21 @@ def main():
   p.add_argument("--kv-heads", type=int, default=12)
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--warps", type=int, default=None, help="default: the kernel's choice")
-  p.add_argument("--stages", type=int, default=3)
-  p.add_argument("--block-n", type=int, default=64)
+  p.add_argument("--stages", type=int, default=None, help="default: the kernel's choice")
+  p.add_argument("--block-n", type=int, default=None, help="default: the kernel's choice")
   p.add_argument("--out", default=tempfile.mkdtemp(), help="folder for .ttir/.ptx/.sass")
   args = p.parse_args()
-  warps = args.warps or paged_attention.default_num_warps(args.heads // args.kv_heads,
-                                                          args.head_dim)
+  block_n, warps, stages = paged_attention.default_config(
+      args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim)
+  block_n, warps, stages = args.block_n or block_n, args.warps or warps, args.stages or stages
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "decode")
   with open(stem + ".ttir", "w") as f:
     f.write(decode_kernel_ttir(args.batch, args.heads, args.kv_heads, args.head_dim, warps,
-                               args.stages, args.block_n))
-  subprocess.run([args.triton_python, "-c", _COMPILE, stem + ".ttir", str(warps),
-                  str(args.stages)], check=True)
+                               stages, block_n))
+  shared = subprocess.run([args.triton_python, "-c", _COMPILE, stem + ".ttir", str(warps),
+                           str(stages)], check=True, capture_output=True,
+                          text=True).stdout.strip()
   tools = subprocess.run([args.triton_python, "-c", "import triton, os; print(os.path.join("
                           "os.path.dirname(triton.__file__), 'backends/nvidia/bin'))"],
                          check=True, capture_output=True, text=True).stdout.strip()
@@ -97,8 +100,8 @@ def main():
   with open(stem + ".sass", "w") as f:
     f.write(sass)
   print(f"# decode kernel B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
-        f" warps={warps} stages={args.stages} block_n={args.block_n}; files in {args.out}")
-  print(" ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+", report.stderr)))
+        f" warps={warps} stages={stages} block_n={block_n}; files in {args.out}")
+  print(" ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+", report.stderr)), shared)
   for line in sass.splitlines():
     m = re.search(r"/\*([0-9a-f]{4})\*/\s+(.*?);", line)
     if m and re.search(r"\b(LDG|LDGSTS|BAR|BRA|EXIT)\b", m.group(2)):

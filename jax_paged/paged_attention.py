@@ -13,9 +13,10 @@ vLLM's Triton kernel, so the K/V tile is loaded directly as a 2-D [block_n, D] g
 table entries of tokens below the sequence length are read or used as indices. With
 several splits the per-split (o, lse) partials go through the merge kernel.
 
-MHA (one q head per kv head) computes q.k and p.v elementwise on CUDA cores: a 1-row
-tensor-core dot would pad q to 16 rows and waste 15/16 of the work. GQA / MQA pad the
-group to >= 16 rows and use tensor-core dots.
+q.k and p.v are tensor-core dots for every group size, MHA included: the group of q heads is
+padded to 16 rows (15 of them masked for MHA). The wasted math is free in a memory-bound
+kernel, and only loads feeding a dot get Triton's cp.async software pipeline: on an H200
+the elementwise MHA path it replaced ran at 80-88% of the read ceiling, this at 86-96%.
 """
 
 from __future__ import annotations
@@ -40,18 +41,29 @@ _PROGRAMS_PER_SM = 4
 # partial write, merge) dominate.
 _MIN_BLOCKS_PER_SPLIT = 4
 _MAX_SPLITS = 128
-# Default tokens per step, warps and pipeline stages: the best or within noise of the best
-# on every benchmark shape (H200 sweeps in benchmarks/RESULTS.md), MHA and GQA alike;
-# 8 warps lost 10-40% everywhere.
+# Default tokens per step, warps and pipeline stages for GQA / MQA: the best or within noise
+# of the best on every benchmark shape (H200 sweeps in benchmarks/RESULTS.md).
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 3
-# MHA with D <= 64 (GPT-2): a [64, 64] tile is too little work for 4 warps; 2 warps ran at
-# 80 / 87% of the read ceiling where 4 ran at 66 / 79% (batch 128 / 256, 12 heads, 1k).
-_NUM_WARPS_SMALL_MHA = 2
+# MHA (a 16 x D tile of which one row is real): 2 warps and 2 stages were the best or within
+# a point of it on every MHA shape measured (H200, 2026-11-22 06:09 in RESULTS.md); D = 256
+# keeps 4 warps (2 would need 255 registers per thread).
+_MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
+# With at least this many MHA programs per SM, 32-token blocks: at 72 registers (vs 116 for
+# 64 tokens, D = 64) 14 programs fit on an SM instead of 8, so e.g. GPT-2's 1536 programs
+# at batch 128 run as one wave (87 / 92% at context 512 / 1k vs 81 / 85%). Fewer programs
+# want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
+_MHA_MANY_PROGRAMS_PER_SM = 8
+_MHA_MANY_BLOCK_N = 32
 
 
-def default_num_warps(group: int, head_dim: int) -> int:
-  """Warps per program for `group` q heads per kv head and head dim `head_dim`."""
-  return _NUM_WARPS_SMALL_MHA if group == 1 and head_dim <= 64 else _NUM_WARPS
+def default_config(num_programs: int, group: int, head_dim: int) -> tuple[int, int, int]:
+  """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
+  programs with `group` q heads per kv head and head dim `head_dim`."""
+  if group > 1:
+    return _BLOCK_N, _NUM_WARPS, _NUM_STAGES
+  many = num_programs >= _MHA_MANY_PROGRAMS_PER_SM * triton_backend.sm_count()
+  return (_MHA_MANY_BLOCK_N if many else _BLOCK_N,
+          _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
 
 
 def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -74,21 +86,12 @@ def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_
 
   cols = jnp.arange(block_d)
   col_mask = cols < head_dim if block_d != head_dim else None
-  mha = block_g == 1
-  if mha:
-    heads = kv_head
-    head_mask = None
-    q_idx = (b, heads, cols)
-    q_mask = col_mask
-  else:
-    g = jnp.arange(block_g)
-    heads = kv_head * group + g
-    head_mask = g < group if block_g != group else None
-    q_idx = (b, heads[:, None], cols[None, :])
-    q_mask = triton_backend.and_masks(head_mask, col_mask)
+  g = jnp.arange(block_g)
+  heads = kv_head * group + g
+  head_mask = g < group if block_g != group else None
+  q_idx = (b, heads[:, None], cols[None, :])
+  q_mask = triton_backend.and_masks(head_mask, col_mask)
   q = plgpu.load(q_ref.at[q_idx], mask=q_mask, other=None if q_mask is None else 0.0)
-  if mha:
-    q = q.astype(jnp.float32) * scale
 
   def body(i, carry):
     m, l, acc = carry
@@ -102,38 +105,28 @@ def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_
     # kernels left in L2 (their dirty outputs would be written back to HBM meanwhile, at
     # this kernel's expense: 79 -> 83% of the read ceiling between GPT-2's projections).
     k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
-    if mha:
-      logits = jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1)  # [block_n]
-    else:
-      logits = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32) * scale
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32) * scale
     if logits_soft_cap is not None:
       logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     logits = jnp.where(live, logits, -jnp.inf)
     # Every block holds at least one live token, so m_new is finite.
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.exp(logits - (m_new if mha else m_new[:, None]))
+    p = jnp.exp(logits - m_new[:, None])
     v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
-    if mha:
-      pv = jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
-      acc = acc * alpha + pv
-    else:
-      pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
-                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-      acc = acc * alpha[:, None] + pv
-    return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
 
-  rows_shape = () if mha else (block_g,)
-  init = (jnp.full(rows_shape, -jnp.inf, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
-          jnp.zeros(rows_shape + (block_d,), jnp.float32))
+  init = (jnp.full((block_g,), -jnp.inf, jnp.float32), jnp.zeros((block_g,), jnp.float32),
+          jnp.zeros((block_g, block_d), jnp.float32))
   m, l, acc = lax.fori_loop(0, num_blocks, body, init)
 
   nonempty = l > 0
-  out = acc / (jnp.where(nonempty, l, 1.0) if mha else jnp.where(nonempty, l, 1.0)[:, None])
+  out = acc / jnp.where(nonempty, l, 1.0)[:, None]
   lse = jnp.where(nonempty, m + jnp.log(l), -jnp.inf)
-  o_mask = col_mask if mha else triton_backend.and_masks(head_mask, col_mask)
-  plgpu.store(o_ref.at[(split,) + q_idx], out.astype(o_ref.dtype), mask=o_mask)
+  plgpu.store(o_ref.at[(split,) + q_idx], out.astype(o_ref.dtype), mask=q_mask)
   plgpu.store(lse_ref.at[split, b, heads], lse, mask=head_mask)
 
 
@@ -147,7 +140,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, *, scale: flo
   batch, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
-  block_g = 1 if group == 1 else max(16, pl.next_power_of_2(group))
+  # tl.dot needs >= 16 rows: pad the group (one q head for MHA) with masked rows.
+  block_g = max(16, pl.next_power_of_2(group))
   # Token-major views of the pools (free reshapes): row = page * page_size + offset.
   k_rows = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
   v_rows = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
@@ -246,17 +240,17 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, scale=scale,
                                    logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window, return_lse=return_lse)
-  batch = q.shape[0]
+  batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
-  block_n = block_n or _BLOCK_N
   if num_splits is None:
     max_tokens = page_table.shape[1] * page_size
     if sliding_window is not None:
       max_tokens = min(max_tokens, sliding_window + page_size)
-    num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n)
+    num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N)
+  default_n, default_warps, default_stages = default_config(
+      batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim)
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
-      interpret=mode, block_n=block_n,
-      num_warps=num_warps or default_num_warps(q.shape[1] // num_kv_heads, q.shape[2]),
-      num_stages=num_stages or _NUM_STAGES)
+      interpret=mode, block_n=block_n or default_n, num_warps=num_warps or default_warps,
+      num_stages=num_stages or default_stages)
