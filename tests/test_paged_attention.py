@@ -133,6 +133,15 @@ def test_auto_num_splits():
   assert pa.auto_num_splits(1, 1, 128, 32) == 1
 
 
+def test_default_config(monkeypatch):
+  monkeypatch.setattr(pa.triton_backend, "sm_count", lambda: 132)
+  assert pa.default_config(64, 4, 128) == (64, 4, 3)  # GQA
+  assert pa.default_config(5000, 4, 128) == (64, 4, 3)
+  assert pa.default_config(768, 1, 64) == (64, 2, 2)  # MHA, fewer than 8 programs per SM
+  assert pa.default_config(8 * 132, 1, 64) == (32, 2, 2)  # MHA, one wave of small tiles
+  assert pa.default_config(64, 1, 256) == (64, 4, 2)  # D = 256 keeps 4 warps
+
+
 @pytest.mark.parametrize("change,name", [
     (dict(q=jnp.zeros((2, 4, 64, 1))), "q"),
     (dict(k_pages=jnp.zeros((3, 5, 8, 64)), v_pages=jnp.zeros((3, 5, 8, 64))), "num_kv_heads"),
@@ -159,6 +168,7 @@ _GPU_GRID = [
     (32, 8, 128, 16, jnp.bfloat16),
     (32, 32, 128, 32, jnp.float16),
     (8, 1, 256, 8, jnp.bfloat16),
+    (8, 8, 256, 16, jnp.bfloat16),
     (16, 4, 80, 64, jnp.float32),
     (8, 8, 96, 128, jnp.float32),
     (64, 4, 128, 16, jnp.bfloat16),
@@ -177,6 +187,19 @@ def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dty
   args = make_inputs(6, num_heads, num_kv_heads, head_dim, page_size, max_pages, dtype,
                      lengths)
   check_against_reference(args, interpret=False, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_mha_many_programs_gpu(dtype):
+  # >= 8 MHA programs per SM take the 32-token default block (`default_config`).
+  rng = np.random.default_rng(next(_SEED))
+  batch = pa.triton_backend.sm_count() + 5  # x 8 kv heads: > 8 programs per SM
+  lengths = rng.integers(1, 320, size=batch)
+  lengths[:2] = [0, 32]
+  args = make_inputs(batch, 8, 8, 64, 16, 20, dtype, lengths)
+  assert pa.default_config(batch * 8, 1, 64)[0] == 32
+  check_against_reference(args, interpret=False)
 
 
 @pytest.mark.gpu
