@@ -6,7 +6,9 @@ Ground truth in plain jax.numpy: `jax_paged.reference`.
 The functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv, release, ...).
 Flax NNX layers: `jax_paged.nn.PagedAttention` (paged KV cache), `jax_paged.nn.LayerNorm`
 (one-kernel layer norm, `jax_paged.layer_norm`), `jax_paged.nn.project_add_norm` (a
-projection's residual add fused with the next layer norm).
+projection's residual add fused with the next layer norm), `jax_paged.nn.dense` (a linear
+layer + activation as one GEMM-with-epilogue kernel at decode's few rows,
+`jax_paged.linear`).
 Generation: generate (one static batch), Engine / Request / TokenEvent (continuous
 batching); the CLI is `jax-paged-generate` (`python -m jax_paged.generate`).
 """

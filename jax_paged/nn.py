@@ -12,19 +12,23 @@ them in; the layer never allocates.
 
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
-few rows (the attention layer's `project=False` leaves its output projection to it).
+few rows (the attention layer's `project=False` leaves its output projection to it), and
+`dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
+(`jax_paged.linear`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Literal
+from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_paged import layer_norm
+from jax_paged import linear
 from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
 from jax_paged import reference
@@ -32,10 +36,6 @@ from jax_paged import triton_backend
 from jax_paged import validation
 
 DecodeImpl = Literal["auto", "kernel", "reference"]
-
-# `project_add_norm` fuses up to this many rows (decode's one per sequence); a prompt's
-# thousands of rows take XLA's GEMM with its fused bias/residual epilogue.
-_FUSED_MAX_ROWS = 256
 
 
 def layer_view(kv: pool_lib.KVPool, layer: int, page_table: jax.Array, lengths: jax.Array
@@ -132,12 +132,49 @@ class LayerNorm(nnx.Module):
                                  out_dtype=self.dtype or x.dtype)
 
 
-def _split_k(k: int) -> int:
-  """K-splits of a `project_add_norm` projection with K inputs. XLA runs the split
-  product as one batched GEMM; fewer splits and it splits K again itself, adding the
-  reduction kernel this fusion removes (GPT-2 124M at 128 rows, H200: K = 768 at 4
-  splits 2.6 µs vs its own GEMM + reduction 5.1 µs; K = 3072 at 8 splits 4.9 µs vs 7.0)."""
-  return 4 if k <= 1024 else 8
+def _kernel_mode(proj: nnx.Linear, h: jax.Array, interpret: bool | None
+                 ) -> tuple[bool | None, jax.Array, jax.Array]:
+  """How `proj(h)` runs: (False / True: `jax_paged.linear` compiled / interpreted, or None:
+  the plain module), with h and proj's kernel in the module's compute dtype (nnx.Linear
+  computes in its dtype, or the inputs' common dtype). The kernels take decode's few rows;
+  a prompt's thousands take XLA's GEMM with its fused epilogue."""
+  dtype = proj.dtype or jnp.result_type(h, proj.kernel[...])
+  mode = triton_backend.resolve_interpret(interpret)
+  if math.prod(h.shape[:-1]) > linear.MAX_ROWS or h.size == 0:
+    mode = None
+  return mode, h.astype(dtype), proj.kernel[...].astype(dtype)
+
+
+def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
+          sections: Sequence[int] | None = None, interpret: bool | None = None
+          ) -> jax.Array | tuple[jax.Array, ...]:
+  """activation(proj(h)), as one kernel at decode's few rows on a GPU.
+
+  Up to 256 rows, `jax_paged.linear.linear` runs the GEMM with the bias and activation
+  applied to its f32 accumulator (where XLA adds a reduction kernel after a split-K
+  GEMM); elsewhere, the plain module and activation.
+
+  Args:
+    proj: an `nnx.Linear` (kernel [K, N], optional bias [N]).
+    h: [..., K].
+    activation: an elementwise function (hashable, e.g. a module-level partial) or None.
+    sections: column widths summing to N: return that many arrays (e.g. q, k, v of a
+      fused projection), written separately by the kernel instead of sliced (copied).
+    interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
+      Pallas interpret mode (tests).
+
+  Returns:
+    [..., N] in the module's compute dtype, or with `sections` a tuple of [..., width].
+  """
+  mode, h_c, kernel = _kernel_mode(proj, h, interpret)
+  if mode is not None:
+    return linear.linear(h_c, kernel, None if proj.bias is None else proj.bias[...],
+                         activation=activation, sections=sections, interpret=mode)
+  y = proj(h)
+  y = y if activation is None else activation(y)
+  if sections is None:
+    return y
+  return tuple(jnp.split(y, list(itertools.accumulate(sections[:-1])), axis=-1))
 
 
 def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
@@ -145,10 +182,10 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
                      ) -> tuple[jax.Array, jax.Array]:
   """x = residual + proj(h) and norm(x), as one kernel after the projection's GEMM.
 
-  On a GPU with at most 256 rows, `proj` runs as a split-K GEMM whose f32 partial sums go
-  straight to `layer_norm.add_layer_norm` (sum + bias + residual, then the norm): no
-  reduction kernel for the projection and no separate norm. Elsewhere, the plain
-  modules.
+  On a GPU with at most 256 rows, `proj` runs as a split-K GEMM
+  (`jax_paged.linear.linear_partials`) whose f32 partial sums go straight to
+  `layer_norm.add_layer_norm` (sum + bias + residual, then the norm): no reduction kernel
+  for the projection and no separate norm. Elsewhere, the plain modules.
 
   Args:
     proj: the projection added to the residual stream (kernel [K, N], optional bias [N]).
@@ -161,18 +198,11 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
   Returns:
     (x [..., N] in the stream's dtype, norm(x)).
   """
-  k = h.shape[-1]
-  splits = _split_k(k)
-  mode = triton_backend.resolve_interpret(interpret)
-  if mode is None or math.prod(h.shape[:-1]) > _FUSED_MAX_ROWS or k % splits:
+  mode, h_c, kernel = _kernel_mode(proj, h, interpret)
+  if mode is None:
     x = residual + proj(h)
     return x, norm(x)
-  # nnx.Linear computes in its dtype (or the inputs' common dtype): so do the partials.
-  dtype = proj.dtype or jnp.result_type(h, proj.kernel[...])
-  parts = jnp.einsum(
-      "...sk,skn->s...n", h.astype(dtype).reshape(h.shape[:-1] + (splits, k // splits)),
-      proj.kernel[...].astype(dtype).reshape(splits, k // splits, -1),
-      preferred_element_type=jnp.float32)
+  parts = linear.linear_partials(h_c, kernel, interpret=mode)
   return layer_norm.add_layer_norm(
       residual, parts, norm.scale[...], norm.bias[...],
       parts_bias=None if proj.bias is None else proj.bias[...], epsilon=norm.epsilon,
@@ -219,7 +249,7 @@ class PagedAttention(nnx.Module):
   def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D]."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-    q, k, v = jnp.split(self.qkv(x), [h * d, (h + hkv) * d], axis=-1)
+    q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d))
     lead = x.shape[:-1]
     return (q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d)))
 

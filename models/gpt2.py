@@ -97,9 +97,10 @@ class MLP(nnx.Module):
     self.activation = _ACTIVATIONS[config.activation_function]
 
   def hidden(self, x: jax.Array) -> jax.Array:
-    """activation(c_fc(x)) [..., width]; the block applies `c_proj` with its residual add
+    """activation(c_fc(x)) [..., width] (one kernel at decode's few rows,
+    `jax_paged.nn.dense`); the block applies `c_proj` with its residual add
     (`jax_paged.nn.project_add_norm`)."""
-    return self.activation(self.c_fc(x))
+    return paged_nn.dense(self.c_fc, x, activation=self.activation)
 
 
 # attend(attention layer, normalised x, pool, layer index) -> (attention output before

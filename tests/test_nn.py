@@ -113,6 +113,28 @@ def test_prompt_attention_uses_cudnn_on_gpu():
 
 
 @pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
+def test_dense_matches_module(rows, dtype, monkeypatch):
+  # Up to 256 rows: `linear.linear` (interpret mode) with bias and activation fused; 300
+  # rows: the plain module.
+  kernel_calls = []
+  fused = nn.linear.linear
+  monkeypatch.setattr(nn.linear, "linear",
+                      lambda *a, **k: kernel_calls.append(a[0].shape) or fused(*a, **k))
+  rng = np.random.default_rng(rows)
+  proj = nnx.Linear(96, E, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(rows))
+  proj.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  h = jnp.asarray(rng.standard_normal((rows, 96)), dtype)
+  gelu = jax.nn.gelu
+  y = nn.dense(proj, h, activation=gelu, interpret=True)
+  assert kernel_calls == ([] if rows > 256 else [(rows, 96)])
+  assert y.dtype == dtype
+  want = gelu(proj(h).astype(jnp.float32))
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(want, np.float64),
+                             rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
 def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
   # 5 and 7 rows take the split-K + add_layer_norm kernel (interpret mode); 300 rows are
   # over the fused path's limit and take the plain modules.

@@ -1,0 +1,268 @@
+"""Linear layers at decode's few rows: one Pallas-Triton GEMM with its epilogue fused.
+
+A decode step projects one row per sequence (tens to a few hundred rows): the product is
+bound by reading the weights and by latency, not by math. XLA runs it as a split-K GEMM
+plus a second kernel that reduces the splits and applies the bias and any activation. At
+GPT-2 124M's shapes and 128 rows on an H200, this kernel walks the whole K in each program
+instead (one program per `block_n` output columns, all rows, 3-4 loads in flight per
+program) and applies bias and activation to the f32 accumulator before the one store: 72
+to 96 programs, 5.3-5.5 µs per product with cold weights where XLA's GEMM + reduction took
+7.8-8.2 (benchmarks/RESULTS.md).
+
+`linear_partials` keeps K split and returns the f32 partial products, for a consumer that
+sums them anyway (`layer_norm.add_layer_norm` folds the sum into the residual add).
+
+Grid (N / block_n, splits). A program owns output columns [n * block_n, (n + 1) * block_n)
+for every row (padded to a power of two >= 16, the smallest tensor-core tile) and one
+contiguous K range; f32 accumulation. Rows, columns and K are masked where they do not
+fill a block.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Callable, Sequence
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jax_paged import triton_backend
+
+# Rows the kernel takes; more (a prompt) go to XLA, whose GEMMs are then compute-bound.
+MAX_ROWS = 256
+# Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): whole-K programs of 32
+# columns, 128-deep K steps, 4 warps, 4 stages were the best or within 0.1 µs of it for
+# K = 768 (N = 2304, 3072).
+_BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 32, 128, 4, 4
+
+
+def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                     activation: Callable[[jax.Array], jax.Array] | None = None,
+                     out_dtype=None) -> jax.Array:
+  """Plain XLA: activation(x @ kernel + bias), f32 accumulation, cast to `out_dtype`."""
+  y = jnp.einsum("...k,kn->...n", x, kernel, precision=lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+  if bias is not None:
+    y += bias.astype(jnp.float32)
+  if activation is not None:
+    y = activation(y)
+  return y.astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
+                   block_k: int, k_split: int, has_bias: bool,
+                   activation: Callable[[jax.Array], jax.Array] | None, partials: bool,
+                   sections: tuple[int, ...]):
+  """Refs: x [rows, depth], kernel [depth, cols], (has_bias) bias [cols]; outputs:
+  partials f32 [splits, rows, cols], or y split by columns into `sections` arrays
+  [rows, section] (one section: y [rows, cols])."""
+  x_ref, w_ref, *refs = refs
+  bias_ref = refs.pop(0) if has_bias else None
+  o_refs = refs
+  n, split = pl.program_id(0), pl.program_id(1)
+  r = jnp.arange(block_m)
+  c = n * block_n + jnp.arange(block_n)
+  row_mask = r < rows if block_m != rows else None
+  col_mask = c < cols if cols % block_n else None
+  lo = split * k_split
+  hi = jnp.minimum(lo + k_split, depth)
+
+  def body(i, acc):
+    k = lo + i * block_k + jnp.arange(block_k)
+    k_mask = k < hi if depth % k_split else None
+    x_mask = triton_backend.and_masks(row_mask, k_mask)
+    w_mask = triton_backend.and_masks(k_mask, col_mask)
+    xb = plgpu.load(x_ref.at[r[:, None], k[None, :]], mask=x_mask,
+                    other=None if x_mask is None else 0.0)
+    # Weights are read once per step: stream them, keep L2 for the activations.
+    wb = plgpu.load(w_ref.at[k[:, None], c[None, :]], mask=w_mask,
+                    other=None if w_mask is None else 0.0, eviction_policy="evict_first")
+    return acc + lax.dot_general(xb, wb, (((1,), (0,)), ((), ())),
+                                 precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+
+  acc = lax.fori_loop(0, pl.cdiv(k_split, block_k), body,
+                      jnp.zeros((block_m, block_n), jnp.float32))
+  mask = triton_backend.and_masks(row_mask, col_mask)
+  if partials:
+    plgpu.store(o_refs[0].at[split, r[:, None], c[None, :]], acc, mask=mask)
+    return
+  if has_bias:
+    bias = plgpu.load(bias_ref.at[c], mask=col_mask, other=None if col_mask is None else 0.0)
+    acc += bias.astype(jnp.float32)[None, :]
+  if activation is not None:
+    acc = activation(acc)
+  if len(sections) == 1:
+    plgpu.store(o_refs[0].at[r[:, None], c[None, :]], acc.astype(o_refs[0].dtype), mask=mask)
+    return
+  # Sections are whole column blocks: each program stores into exactly one of them.
+  start = 0
+  for o_ref, width in zip(o_refs, sections):
+    @pl.when((n * block_n >= start) & (n * block_n < start + width))
+    def _(o_ref=o_ref, start=start):
+      plgpu.store(o_ref.at[r[:, None], c[None, :] - start], acc.astype(o_ref.dtype),
+                  mask=row_mask if row_mask is None else row_mask[:, None])
+    start += width
+
+
+@functools.partial(jax.jit, static_argnames=[
+    "activation", "out_dtype", "k_split", "sections", "block_n", "block_k", "interpret"])
+def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | None,
+                   sections: tuple[int, ...], block_n: int, block_k: int, interpret: bool):
+  """x [rows, K] -> a tuple of [rows, section] for `sections` of N (k_split None:
+  whole-K programs), or f32 partials [cdiv(K, k_split), rows, N] (k_split a multiple of
+  block_k)."""
+  rows, depth = x.shape
+  cols = kernel.shape[1]
+  partials = k_split is not None
+  if not partials:
+    k_split = pl.cdiv(depth, block_k) * block_k
+  splits = pl.cdiv(depth, k_split)
+  kernel_fn = functools.partial(
+      _linear_kernel, rows=rows, cols=cols, depth=depth, block_m=_block_m(rows),
+      block_n=block_n, block_k=block_k, k_split=k_split, has_bias=bias is not None,
+      activation=activation, partials=partials, sections=sections)
+  out_shape = ((jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),) if partials
+               else tuple(jax.ShapeDtypeStruct((rows, w), out_dtype) for w in sections))
+  return pl.pallas_call(
+      kernel_fn,
+      grid=(pl.cdiv(cols, block_n), splits),
+      out_shape=out_shape,
+      compiler_params=triton_backend.compiler_params(num_warps=_NUM_WARPS,
+                                                     num_stages=_NUM_STAGES),
+      interpret=interpret,
+      name="linear_partials" if partials else "linear",
+  )(x, kernel, *(() if bias is None else (bias,)))
+
+
+def _block_m(rows: int) -> int:
+  """Rows padded to a power of two >= 16 (the smallest tensor-core tile)."""
+  return max(16, pl.next_power_of_2(rows))
+
+
+def _block_k(rows: int, depth: int) -> int:
+  """K per step: 128, or 64 above 128 rows (4 stages of a [256, 128] x tile would not fit
+  in shared memory); never much deeper than K itself."""
+  return min(_BLOCK_K if _block_m(rows) <= 128 else _BLOCK_K // 2,
+             max(16, pl.next_power_of_2(depth)))
+
+
+def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> None:
+  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating array [..., K], got {x.dtype}{list(x.shape)}")
+  if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
+    raise ValueError(f"kernel must have shape [K, N] with K = x.shape[-1] = {x.shape[-1]}, "
+                     f"got {kernel.shape}")
+  if kernel.dtype != x.dtype:
+    raise ValueError(f"kernel must have x's dtype {x.dtype}, got {kernel.dtype}")
+  if bias is not None and bias.shape != kernel.shape[1:]:
+    raise ValueError(f"bias must have shape [N] = {kernel.shape[1:]}, got {bias.shape}")
+
+
+def _kernel_mode(x: jax.Array, kernel: jax.Array, interpret: bool | None) -> bool | None:
+  """False / True: the kernel compiled / in interpret mode; None: plain XLA (no GPU and no
+  interpret, more than MAX_ROWS rows, or an empty operand)."""
+  if x.size == 0 or kernel.size == 0 or math.prod(x.shape[:-1]) > MAX_ROWS:
+    return None
+  return triton_backend.resolve_interpret(interpret)
+
+
+def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+           activation: Callable[[jax.Array], jax.Array] | None = None, out_dtype=None,
+           sections: Sequence[int] | None = None, interpret: bool | None = None
+           ) -> jax.Array | tuple[jax.Array, ...]:
+  """activation(x @ kernel + bias) as one kernel: the GEMM with its epilogue.
+
+  Args:
+    x: [..., K] f32 / bf16 / f16; at most MAX_ROWS (256) rows take the kernel, more rows
+      plain XLA.
+    kernel: [K, N], x's dtype.
+    bias: [N] or None.
+    activation: an elementwise function of the f32 pre-activation (e.g. `jax.nn.gelu`),
+      applied in the kernel; None for none. Hashable (it is a static argument).
+    out_dtype: the result's dtype (default x's).
+    sections: column widths summing to N: return the output split into that many arrays
+      (a fused q/k/v projection's q, k, v), each written by the kernel itself, where
+      slicing one output would copy each part. Widths that are multiples of 32 keep it one
+      kernel; others are sliced from the whole output.
+    interpret: None = the Triton kernel on a GPU, plain XLA elsewhere; True = the kernel
+      in Pallas interpret mode (tests); False = the kernel.
+
+  Returns:
+    [..., N] in `out_dtype`, or with `sections` a tuple of [..., width]; products
+    accumulated, bias added and activation applied in f32.
+  """
+  _check_args(x, kernel, bias)
+  cols = kernel.shape[1]
+  widths = (cols,) if sections is None else tuple(int(w) for w in sections)
+  if sum(widths) != cols or min(widths) < 1:
+    raise ValueError(f"sections must be positive widths summing to N = {cols}, got "
+                     f"{sections!r}")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  mode = _kernel_mode(x, kernel, interpret)
+  if mode is None or (len(widths) > 1 and any(w % _BLOCK_N for w in widths)):
+    if mode is None:
+      y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype)
+    else:
+      y = linear(x, kernel, bias, activation=activation, out_dtype=out_dtype,
+                 interpret=mode)
+    if sections is None:
+      return y
+    return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
+  x2 = x.reshape(-1, x.shape[-1])
+  ys = _linear_pallas(x2, kernel, bias, activation=activation, out_dtype=out_dtype,
+                      k_split=None, sections=widths, block_n=_BLOCK_N,
+                      block_k=_block_k(*x2.shape), interpret=mode)
+  ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
+  return ys[0] if sections is None else ys
+
+
+def default_splits(depth: int) -> int:
+  """K splits of `linear_partials` for a K of `depth`: 4 up to 1024, else 8 (~100
+  programs at GPT-2's widths; fewer and each walks a longer serial K loop)."""
+  return 4 if depth <= 1024 else 8
+
+
+def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
+                    interpret: bool | None = None) -> jax.Array:
+  """The split-K partial products of x @ kernel, for a consumer that sums them.
+
+  Args:
+    x: [..., K] f32 / bf16 / f16 (any number of rows; over MAX_ROWS, plain XLA).
+    kernel: [K, N], x's dtype.
+    splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
+      None = `default_splits(K)`.
+    interpret: as `linear`.
+
+  Returns:
+    f32 [S, ..., N] whose sum over the first axis is x @ kernel; S = `splits` unless K is
+    too short for that many (then fewer).
+  """
+  _check_args(x, kernel, None)
+  depth = x.shape[-1]
+  splits = default_splits(depth) if splits is None else splits
+  if not (isinstance(splits, int) and splits > 0):
+    raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+  rows = math.prod(x.shape[:-1])
+  block_k = _block_k(rows, depth)
+  while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64
+    block_k //= 2
+  k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+  mode = _kernel_mode(x, kernel, interpret)
+  if mode is None:
+    bounds = list(range(0, depth, k_split)) + [depth]
+    return jnp.stack([jnp.einsum("...k,kn->...n", x[..., a:b], kernel[a:b],
+                                 precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+                      for a, b in zip(bounds[:-1], bounds[1:])])
+  # Fewer, wider programs when K is long: about the same program count, fewer partials.
+  block_n = _BLOCK_N if depth <= 1024 else 2 * _BLOCK_N
+  parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, activation=None,
+                          out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
+                          block_n=block_n, block_k=block_k, interpret=mode)
+  return parts.reshape((parts.shape[0],) + x.shape[:-1] + kernel.shape[1:])

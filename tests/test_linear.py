@@ -1,0 +1,126 @@
+"""`jax_paged.linear`: the GEMM-with-epilogue and split-K kernels vs plain jnp."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_paged import linear
+
+_GELU = functools.partial(jax.nn.gelu, approximate=True)
+_TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2),
+        jnp.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def _inputs(rows, depth, cols, dtype, seed):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((rows, depth)), dtype)
+  w = jnp.asarray(rng.standard_normal((depth, cols)) / np.sqrt(depth), dtype)
+  b = jnp.asarray(rng.standard_normal(cols), dtype)
+  return x, w, b
+
+
+def _numpy_linear(x, w, b=None, activation=None):
+  y = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  if b is not None:
+    y += np.asarray(b, np.float64)
+  return y if activation is None else np.asarray(activation(jnp.asarray(y, jnp.float32)))
+
+
+# rows: one, a few, non-powers of two, GPT-2's 128, the most the kernel takes; depth/cols:
+# multiples of the blocks and ragged tails.
+@pytest.mark.parametrize("rows,depth,cols,dtype", [
+    (1, 64, 32, jnp.float32), (5, 100, 70, jnp.float32), (33, 256, 96, jnp.bfloat16),
+    (128, 768, 160, jnp.bfloat16), (200, 96, 48, jnp.float16), (256, 130, 64, jnp.float32)])
+@pytest.mark.parametrize("bias,activation", [(False, None), (True, _GELU)])
+def test_linear_matches_numpy(rows, depth, cols, dtype, bias, activation):
+  x, w, b = _inputs(rows, depth, cols, dtype, rows + depth)
+  b = b if bias else None
+  y = linear.linear(x, w, b, activation=activation, interpret=True)
+  chex.assert_shape(y, (rows, cols))
+  assert y.dtype == dtype
+  y64 = np.asarray(y, np.float64)
+  assert not np.isnan(y64).any()
+  np.testing.assert_allclose(y64, _numpy_linear(x, w, b, activation), **_TOL[dtype])
+
+
+@pytest.mark.parametrize("rows,depth,cols,splits,want_splits", [
+    (7, 768, 96, None, 4), (128, 3072, 128, None, 8), (3, 100, 40, 4, 4), (16, 48, 32, 2, 2),
+    (9, 40, 16, 8, 3)])
+def test_linear_partials_sum_to_product(rows, depth, cols, splits, want_splits):
+  x, w, _ = _inputs(rows, depth, cols, jnp.float32, depth)
+  parts = linear.linear_partials(x, w, splits=splits, interpret=True)
+  chex.assert_shape(parts, (want_splits, rows, cols))
+  assert parts.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(parts, np.float64).sum(0), _numpy_linear(x, w),
+                             rtol=1e-5, atol=1e-5)
+  # The same K ranges as the plain-XLA path (CPU default).
+  chex.assert_trees_all_close(parts, linear.linear_partials(x, w, splits=splits),
+                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sections", [(64, 32, 32), (40, 50, 38)])
+def test_sections(sections):
+  # Multiples of 32: one kernel storing each section; otherwise sliced from the output.
+  x, w, b = _inputs(9, 80, 128, jnp.float32, 3)
+  parts = linear.linear(x, w, b, activation=_GELU, sections=sections, interpret=True)
+  assert [p.shape for p in parts] == [(9, n) for n in sections]
+  want = _numpy_linear(x, w, b, _GELU)
+  np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in parts], -1), want,
+                             rtol=1e-5, atol=1e-5)
+  cpu = linear.linear(x, w, b, activation=_GELU, sections=sections)
+  chex.assert_trees_all_close(cpu, parts, rtol=1e-5, atol=1e-5)
+
+
+def test_leading_dims_and_cpu_default():
+  x, w, b = _inputs(12, 64, 48, jnp.float32, 0)
+  x3 = x.reshape(3, 4, 64)
+  y = linear.linear(x3, w, b, interpret=True)
+  chex.assert_shape(y, (3, 4, 48))
+  chex.assert_trees_all_close(y.reshape(12, 48), linear.linear(x, w, b), rtol=1e-5, atol=1e-5)
+  chex.assert_shape(linear.linear_partials(x3, w, interpret=True), (4, 3, 4, 48))
+
+
+def test_many_rows_take_xla(monkeypatch):
+  monkeypatch.setattr(linear, "_linear_pallas", None)  # would raise if called
+  x, w, b = _inputs(linear.MAX_ROWS + 1, 32, 16, jnp.float32, 1)
+  np.testing.assert_allclose(np.asarray(linear.linear(x, w, b, interpret=True), np.float64),
+                             _numpy_linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("args,name", [
+    (dict(x=jnp.ones((4, 8), jnp.int32)), "x"),
+    (dict(kernel=jnp.ones((9, 16))), "kernel"),
+    (dict(kernel=jnp.ones((8, 16), jnp.bfloat16)), "kernel must have x's dtype"),
+    (dict(bias=jnp.ones((15,))), "bias"),
+])
+def test_bad_inputs_raise(args, name):
+  kwargs = dict(x=jnp.ones((4, 8)), kernel=jnp.ones((8, 16)), bias=jnp.ones((16,)))
+  kwargs.update(args)
+  with pytest.raises(ValueError, match=name):
+    linear.linear(kwargs["x"], kwargs["kernel"], kwargs["bias"], interpret=True)
+  with pytest.raises(ValueError, match="splits"):
+    linear.linear_partials(jnp.ones((4, 8)), jnp.ones((8, 16)), splits=0)
+  with pytest.raises(ValueError, match="sections"):
+    linear.linear(jnp.ones((4, 8)), jnp.ones((8, 16)), sections=(8, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,depth,cols,dtype", [
+    (128, 768, 2304, jnp.bfloat16), (128, 768, 3072, jnp.float16), (37, 3072, 768, jnp.bfloat16),
+    (256, 100, 70, jnp.float32)])
+def test_compiled_matches_numpy_gpu(rows, depth, cols, dtype):
+  x, w, b = _inputs(rows, depth, cols, dtype, rows)
+  y = linear.linear(x, w, b, activation=_GELU)
+  np.testing.assert_allclose(np.asarray(y, np.float64), _numpy_linear(x, w, b, _GELU),
+                             **_TOL[dtype])
+  if cols % 96 == 0:  # q / k / v sections of a fused projection
+    qkv = linear.linear(x, w, b, sections=(cols // 3,) * 3)
+    np.testing.assert_allclose(np.concatenate([np.asarray(p, np.float64) for p in qkv], -1),
+                               _numpy_linear(x, w, b), **_TOL[dtype])
+  parts = linear.linear_partials(x, w)
+  np.testing.assert_allclose(np.asarray(parts, np.float64).sum(0), _numpy_linear(x, w),
+                             rtol=1e-4 if dtype == jnp.float32 else 1e-3, atol=1e-3)
