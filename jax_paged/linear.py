@@ -39,6 +39,10 @@ MAX_ROWS = 256
 # columns, 128-deep K steps, 4 warps, 4 stages were the best or within 0.1 µs of it for
 # K = 768 (N = 2304, 3072).
 _BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 32, 128, 4, 4
+# Shared memory for the pipelined x and kernel tiles: an H100 / H200 SM has 227 KB, and
+# Triton buffers num_stages - 1 copies of each (f32 at 128 rows, 128-deep K, 4 stages asked
+# for 240 KB = 3 x 80 KB and failed to launch).
+_SMEM_BYTES = 200 * 1024
 
 
 def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -145,11 +149,14 @@ def _block_m(rows: int) -> int:
   return max(16, pl.next_power_of_2(rows))
 
 
-def _block_k(rows: int, depth: int) -> int:
-  """K per step: 128, or 64 above 128 rows (4 stages of a [256, 128] x tile would not fit
-  in shared memory); never much deeper than K itself."""
-  return min(_BLOCK_K if _block_m(rows) <= 128 else _BLOCK_K // 2,
-             max(16, pl.next_power_of_2(depth)))
+def _block_k(rows: int, depth: int, block_n: int, itemsize: int) -> int:
+  """K per step: 128, halved until every stage's x and kernel tiles fit the shared-memory
+  budget (64 for bf16 at 256 rows, or for f32 at 128), never much deeper than K."""
+  block_k = min(_BLOCK_K, max(16, pl.next_power_of_2(depth)))
+  while (block_k > 16 and
+         (_NUM_STAGES - 1) * (_block_m(rows) + block_n) * block_k * itemsize > _SMEM_BYTES):
+    block_k //= 2
+  return block_k
 
 
 def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> None:
@@ -217,7 +224,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   x2 = x.reshape(-1, x.shape[-1])
   ys = _linear_pallas(x2, kernel, bias, activation=activation, out_dtype=out_dtype,
                       k_split=None, sections=widths, block_n=_BLOCK_N,
-                      block_k=_block_k(*x2.shape), interpret=mode)
+                      block_k=_block_k(*x2.shape, _BLOCK_N, x.dtype.itemsize),
+                      interpret=mode)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
   return ys[0] if sections is None else ys
 
@@ -249,7 +257,9 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   if not (isinstance(splits, int) and splits > 0):
     raise ValueError(f"splits must be a positive int or None, got {splits!r}")
   rows = math.prod(x.shape[:-1])
-  block_k = _block_k(rows, depth)
+  # Fewer, wider programs when K is long: about the same program count, fewer partials.
+  block_n = _BLOCK_N if depth <= 1024 else 2 * _BLOCK_N
+  block_k = _block_k(rows, depth, block_n, x.dtype.itemsize)
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64
     block_k //= 2
   k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
@@ -260,8 +270,6 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
                                  precision=lax.Precision.HIGHEST,
                                  preferred_element_type=jnp.float32)
                       for a, b in zip(bounds[:-1], bounds[1:])])
-  # Fewer, wider programs when K is long: about the same program count, fewer partials.
-  block_n = _BLOCK_N if depth <= 1024 else 2 * _BLOCK_N
   parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, activation=None,
                           out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
                           block_n=block_n, block_k=block_k, interpret=mode)

@@ -111,7 +111,8 @@ def test_bad_inputs_raise(args, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,depth,cols,dtype", [
     (128, 768, 2304, jnp.bfloat16), (128, 768, 3072, jnp.float16), (37, 3072, 768, jnp.bfloat16),
-    (256, 100, 70, jnp.float32)])
+    (256, 100, 70, jnp.float32), (128, 768, 192, jnp.float32), (256, 3072, 96, jnp.float32),
+    (256, 768, 96, jnp.bfloat16)])
 def test_compiled_matches_numpy_gpu(rows, depth, cols, dtype):
   x, w, b = _inputs(rows, depth, cols, dtype, rows)
   y = linear.linear(x, w, b, activation=_GELU)
