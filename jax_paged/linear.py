@@ -191,7 +191,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     kernel: [K, N], x's dtype.
     bias: [N] or None.
     activation: an elementwise function of the f32 pre-activation (e.g. `jax.nn.gelu`),
-      applied in the kernel; None for none. Hashable (it is a static argument).
+      applied in the kernel where Pallas-Triton lowers it (`lowers_in_kernel`), else by
+      XLA right after; None for none. Hashable (it is a static argument).
     out_dtype: the result's dtype (default x's).
     sections: column widths summing to N: return the output split into that many arrays
       (a fused q/k/v projection's q, k, v), each written by the kernel itself, where
@@ -222,12 +223,36 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       return y
     return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
   x2 = x.reshape(-1, x.shape[-1])
-  ys = _linear_pallas(x2, kernel, bias, activation=activation, out_dtype=out_dtype,
-                      k_split=None, sections=widths, block_n=_BLOCK_N,
+  fused = activation is None or lowers_in_kernel(activation)
+  ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
+                      out_dtype=out_dtype if fused else jnp.float32, k_split=None,
+                      sections=widths, block_n=_BLOCK_N,
                       block_k=_block_k(*x2.shape, _BLOCK_N, x.dtype.itemsize),
                       interpret=mode)
+  if not fused:  # XLA applies it to the f32 output, fused with the cast.
+    ys = tuple(activation(y).astype(out_dtype) for y in ys)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
   return ys[0] if sections is None else ys
+
+
+@functools.cache
+def lowers_in_kernel(activation: Callable[[jax.Array], jax.Array]) -> bool:
+  """Whether Pallas-Triton can lower `activation` inside the kernel. Most elementwise jnp
+  functions do (tanh, exp, logistic: tanh-gelu, silu, relu); erf does not (exact gelu),
+  and `linear` then applies such an activation after the kernel. Decided once per
+  activation by lowering a one-tile kernel for CUDA (no GPU needed)."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = activation(x_ref[...])
+
+  probe = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                         compiler_params=triton_backend.compiler_params(num_warps=1,
+                                                                        num_stages=1))
+  try:
+    jax.jit(probe).trace(jax.ShapeDtypeStruct((16, 16), jnp.float32)).lower(
+        lowering_platforms=("cuda",))
+  except NotImplementedError:
+    return False
+  return True
 
 
 def default_splits(depth: int) -> int:

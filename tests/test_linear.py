@@ -11,6 +11,7 @@ import pytest
 from jax_paged import linear
 
 _GELU = functools.partial(jax.nn.gelu, approximate=True)
+_GELU_EXACT = functools.partial(jax.nn.gelu, approximate=False)  # erf: not in the kernel
 _TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2),
         jnp.float16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -35,7 +36,7 @@ def _numpy_linear(x, w, b=None, activation=None):
 @pytest.mark.parametrize("rows,depth,cols,dtype", [
     (1, 64, 32, jnp.float32), (5, 100, 70, jnp.float32), (33, 256, 96, jnp.bfloat16),
     (128, 768, 160, jnp.bfloat16), (200, 96, 48, jnp.float16), (256, 130, 64, jnp.float32)])
-@pytest.mark.parametrize("bias,activation", [(False, None), (True, _GELU)])
+@pytest.mark.parametrize("bias,activation", [(False, None), (True, _GELU), (True, _GELU_EXACT)])
 def test_linear_matches_numpy(rows, depth, cols, dtype, bias, activation):
   x, w, b = _inputs(rows, depth, cols, dtype, rows + depth)
   b = b if bias else None
@@ -73,6 +74,11 @@ def test_sections(sections):
                              rtol=1e-5, atol=1e-5)
   cpu = linear.linear(x, w, b, activation=_GELU, sections=sections)
   chex.assert_trees_all_close(cpu, parts, rtol=1e-5, atol=1e-5)
+
+
+def test_lowers_in_kernel():
+  assert linear.lowers_in_kernel(_GELU) and linear.lowers_in_kernel(jax.nn.silu)
+  assert not linear.lowers_in_kernel(_GELU_EXACT)
 
 
 def test_leading_dims_and_cpu_default():
@@ -115,9 +121,10 @@ def test_bad_inputs_raise(args, name):
     (256, 768, 96, jnp.bfloat16)])
 def test_compiled_matches_numpy_gpu(rows, depth, cols, dtype):
   x, w, b = _inputs(rows, depth, cols, dtype, rows)
-  y = linear.linear(x, w, b, activation=_GELU)
-  np.testing.assert_allclose(np.asarray(y, np.float64), _numpy_linear(x, w, b, _GELU),
-                             **_TOL[dtype])
+  for activation in (_GELU, _GELU_EXACT):  # in the kernel / by XLA after it
+    y = linear.linear(x, w, b, activation=activation)
+    np.testing.assert_allclose(np.asarray(y, np.float64), _numpy_linear(x, w, b, activation),
+                               **_TOL[dtype])
   if cols % 96 == 0:  # q / k / v sections of a fused projection
     qkv = linear.linear(x, w, b, sections=(cols // 3,) * 3)
     np.testing.assert_allclose(np.concatenate([np.asarray(p, np.float64) for p in qkv], -1),
