@@ -57,7 +57,8 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
     kv = jax.ShapeDtypeStruct((kv_heads, 4096, page_size, head_dim), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    fn = jax.jit(lambda *a: paged_attention._paged_decode_pallas(  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    fn = jax.jit(lambda *a: paged_attention._paged_decode_pallas(
         *a, scale=head_dim ** -0.5, logits_soft_cap=None, sliding_window=None, num_splits=1,
         return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
         num_stages=stages))

@@ -90,8 +90,8 @@ def main():
   print(f"# decode step profile: batch {args.batch}, context {args.context} to "
         f"{args.context + args.calls * args.steps}, {args.steps} steps per call, "
         f"{common.header()}")
-  print(f"wall per step (unprofiled, median of {args.calls} calls): {wall * 1e6:.0f} us; profiled span "
-        f"per step {span:.0f} us; summed kernel time per step {busy:.0f} us; "
+  print(f"wall per step (unprofiled, median of {args.calls} calls): {wall * 1e6:.0f} us; "
+        f"profiled span per step {span:.0f} us; summed kernel time per step {busy:.0f} us; "
         f"kernels per step {len(events) / steps:.1f}; idle gaps between kernels per step "
         f"{idle:.0f} us")
   print("| kernel | per step | us per step | % of kernel time | idle µs before it, per step |")

@@ -304,7 +304,8 @@ class Engine:
                          f"for this request")
 
   def generate(self, requests: Sequence[Request],
-               on_token: Callable[[TokenEvent], None] | None = None) -> tuple[list[list[int]], Report]:
+               on_token: Callable[[TokenEvent], None] | None = None
+               ) -> tuple[list[list[int]], Report]:
     """Runs every request to completion; returns (new tokens per request, report)."""
     outputs: list[list[int]] = [[] for _ in requests]
     for rid, tokens, reason in self._run(requests):

@@ -259,7 +259,8 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
 
   Args:
     graphdef, params: `nnx.split(model)` of a `GPT2LMHeadModel`.
-    kv: the pool (donated by `jit_steps`). Its position for the token is the sequence's current length.
+    kv: the pool (donated by `jit_steps`). Its position for the token is the sequence's
+      current length.
     tokens: int32 [B] the newest token of each sequence.
     seq_ids: int32 [B] distinct pool sequence ids (B is the batch capacity).
     active: bool [B], rows to run (default all); inactive rows write nothing and their
