@@ -219,9 +219,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     else:
       y = linear(x, kernel, bias, activation=activation, out_dtype=out_dtype,
                  interpret=mode)
-    if sections is None:
-      return y
-    return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
+    return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
   ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
@@ -233,6 +231,11 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     ys = tuple(activation(y).astype(out_dtype) for y in ys)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
   return ys[0] if sections is None else ys
+
+
+def split_sections(y: jax.Array, sections: Sequence[int]) -> tuple[jax.Array, ...]:
+  """y [..., sum(sections)] -> one array per section of its last axis, in order."""
+  return tuple(jnp.split(y, list(itertools.accumulate(sections[:-1])), axis=-1))
 
 
 @functools.cache

@@ -19,7 +19,6 @@ few rows (the attention layer's `project=False` leaves its output projection to 
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Literal, Sequence
 
@@ -172,9 +171,7 @@ def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
                          activation=activation, sections=sections, interpret=mode)
   y = proj(h)
   y = y if activation is None else activation(y)
-  if sections is None:
-    return y
-  return tuple(jnp.split(y, list(itertools.accumulate(sections[:-1])), axis=-1))
+  return y if sections is None else linear.split_sections(y, sections)
 
 
 def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
