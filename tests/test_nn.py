@@ -112,18 +112,26 @@ def test_prompt_attention_uses_cudnn_on_gpu():
   assert "cudnn" in fn.lower(*args).compile().as_text()
 
 
+def _record_calls(monkeypatch, module, name: str, arg: int) -> list:
+  """Replaces module.name by a wrapper recording the shape of its positional arg `arg`."""
+  calls, fn = [], getattr(module, name)
+  monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a[arg].shape) or fn(*a, **k))
+  return calls
+
+
+def _random_linear(in_features: int, rows: int, dtype, rng):
+  """An nnx.Linear(in_features, E) with a random bias, and a random input [rows, in]."""
+  proj = nnx.Linear(in_features, E, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(rows))
+  proj.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  return proj, jnp.asarray(rng.standard_normal((rows, in_features)), dtype)
+
+
 @pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
 def test_dense_matches_module(rows, dtype, monkeypatch):
   # Up to 256 rows: `linear.linear` (interpret mode) with bias and activation fused; 300
   # rows: the plain module.
-  kernel_calls = []
-  fused = nn.linear.linear
-  monkeypatch.setattr(nn.linear, "linear",
-                      lambda *a, **k: kernel_calls.append(a[0].shape) or fused(*a, **k))
-  rng = np.random.default_rng(rows)
-  proj = nnx.Linear(96, E, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(rows))
-  proj.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
-  h = jnp.asarray(rng.standard_normal((rows, 96)), dtype)
+  kernel_calls = _record_calls(monkeypatch, nn.linear, "linear", 0)
+  proj, h = _random_linear(96, rows, dtype, np.random.default_rng(rows))
   gelu = jax.nn.gelu
   y = nn.dense(proj, h, activation=gelu, interpret=True)
   assert kernel_calls == ([] if rows > 256 else [(rows, 96)])
@@ -138,17 +146,12 @@ def test_dense_matches_module(rows, dtype, monkeypatch):
 def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
   # 5 and 7 rows take the split-K + add_layer_norm kernel (interpret mode); 300 rows are
   # over the fused path's limit and take the plain modules.
-  fused_calls = []
-  add_layer_norm = nn.layer_norm.add_layer_norm
-  monkeypatch.setattr(nn.layer_norm, "add_layer_norm",
-                      lambda *a, **k: fused_calls.append(a[1].shape) or add_layer_norm(*a, **k))
+  fused_calls = _record_calls(monkeypatch, nn.layer_norm, "add_layer_norm", 1)
   rng = np.random.default_rng(rows)
-  proj = nnx.Linear(192, E, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(rows))
-  proj.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  proj, h = _random_linear(192, rows, dtype, rng)
   norm = nn.LayerNorm(E, epsilon=1e-5, dtype=dtype, param_dtype=dtype)
   norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, E), dtype)
   norm.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
-  h = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
   residual = jnp.asarray(rng.standard_normal((rows, E)) * 2 + 1, dtype)
   x, y = nn.project_add_norm(proj, h, residual, norm, interpret=True)
   assert fused_calls == ([] if rows > 256 else [(4, rows, E)])  # 4 K-splits of 192
