@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_paged import linear
 from jax_paged import triton_backend
 
 
@@ -80,3 +81,104 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
   )(jnp.reshape(layer, (1,)).astype(jnp.int32), slots, k, v, k_pages.reshape(flat),
     v_pages.reshape(flat))
   return k_out.reshape(shape), v_out.reshape(shape)
+
+
+def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, depth: int,
+                          q_width: int, kv_width: int, head_dim: int, num_layers: int,
+                          num_kv_heads: int, slots_per_head: int, has_bias: bool,
+                          block_m: int, block_n: int, block_k: int):
+  """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv], (has_bias)
+  bias [q + 2 kv], pools (in, unused) [L * Hkv * slots_per_head, D] x 2; outputs q
+  [rows, q_width] and the pools (aliased)."""
+  if has_bias:
+    bias_ref, *refs = refs
+  _, _, q_ref, k_out_ref, v_out_ref = refs
+  n = pl.program_id(0)
+  acc = linear.matmul_tile(x_ref, w_ref, n=n, split=0, rows=rows,
+                           cols=q_width + 2 * kv_width, depth=depth, block_m=block_m,
+                           block_n=block_n, block_k=block_k,
+                           k_split=pl.cdiv(depth, block_k) * block_k)
+  r = jnp.arange(block_m)
+  c = n * block_n + jnp.arange(block_n)
+  if has_bias:
+    acc += plgpu.load(bias_ref.at[c]).astype(jnp.float32)[None, :]
+  row_mask = r < rows
+
+  @pl.when(n * block_n < q_width)
+  def _():
+    plgpu.store(q_ref.at[r[:, None], c[None, :]], acc.astype(q_ref.dtype),
+                mask=row_mask[:, None])
+
+  # K and V columns: head (col // D) is one per program (D is a multiple of block_n); each
+  # row goes to its token's slot in that head's pages of `layer`.
+  layer = layer_ref[0]
+  slot = plgpu.load(slots_ref.at[r], mask=row_mask, other=-1)
+  valid = (row_mask & (slot >= 0) & (slot < slots_per_head) & (layer >= 0)
+           & (layer < num_layers))
+  for out_ref, start in ((k_out_ref, q_width), (v_out_ref, q_width + kv_width)):
+    @pl.when((n * block_n >= start) & (n * block_n < start + kv_width))
+    def _(out_ref=out_ref, start=start):
+      head = (n * block_n - start) // head_dim
+      # Rows not written still address something: in interpret mode a masked store writes
+      # back what it read, and two rows at one address would race. Send them to another
+      # layer's slots (num_layers > 1), which no row of this call writes.
+      other = (layer + 1) % num_layers
+      dst = jnp.where(valid, (layer * num_kv_heads + head) * slots_per_head + slot,
+                      (other * num_kv_heads + head) * slots_per_head + r % slots_per_head)
+      plgpu.store(out_ref.at[dst[:, None], ((c - start) % head_dim)[None, :]],
+                  acc.astype(out_ref.dtype), mask=valid[:, None])
+
+
+def can_project_write(rows: int, head_dim: int, num_layers: int) -> bool:
+  """Whether `project_write_kv_pallas` takes these shapes: decode's few rows, heads made
+  of whole column blocks (so each program writes one head), more than one layer."""
+  _, block_n, _ = linear.whole_k_tiles(rows, 1, 2)
+  return 0 < rows <= linear.MAX_ROWS and head_dim % block_n == 0 and num_layers > 1
+
+
+@functools.partial(jax.jit, static_argnames=["q_width", "interpret"])
+def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                            k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                            slots: jax.Array, *, q_width: int, interpret: bool
+                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A fused q/k/v projection whose K and V go straight into the pool: `linear`'s GEMM
+  with this module's write as its epilogue (one kernel where `linear` + `write_kv_pallas`
+  were two, and K/V never round-trip through HBM as separate arrays).
+
+  Args:
+    x: [N, in] (N <= linear.MAX_ROWS), the pool's dtype.
+    kernel: [in, q_width + 2 * Hkv * D], x's dtype; q, then k, then v columns, head-major.
+    bias: [q_width + 2 * Hkv * D] or None.
+    k_pages, v_pages: [L, Hkv, P, page_size, D], updated in place when donated.
+    layer: int32 scalar.
+    slots: int32 [N] flat slots; outside [0, P * page_size) = not written.
+    q_width: q's columns.
+
+  Returns:
+    (q [N, q_width] in x's dtype, k_pages, v_pages).
+  """
+  shape = k_pages.shape
+  layers, hkv, pages, page_size, d = shape
+  rows, depth = x.shape
+  slots_per_head = pages * page_size
+  flat = (layers * hkv * slots_per_head, d)
+  block_m, block_n, block_k = linear.whole_k_tiles(rows, depth, x.dtype.itemsize)
+  kernel_fn = functools.partial(
+      _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
+      head_dim=d, num_layers=layers, num_kv_heads=hkv, slots_per_head=slots_per_head,
+      has_bias=bias is not None, block_m=block_m, block_n=block_n, block_k=block_k)
+  inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots, x, kernel]
+  if bias is not None:
+    inputs.append(bias)
+  q, k_out, v_out = pl.pallas_call(
+      kernel_fn,
+      grid=(pl.cdiv(kernel.shape[1], block_n),),
+      out_shape=(jax.ShapeDtypeStruct((rows, q_width), x.dtype),
+                 jax.ShapeDtypeStruct(flat, k_pages.dtype),
+                 jax.ShapeDtypeStruct(flat, v_pages.dtype)),
+      input_output_aliases={len(inputs): 1, len(inputs) + 1: 2},
+      compiler_params=linear.compiler_params(),
+      interpret=interpret,
+      name="project_write_kv",
+  )(*inputs, k_pages.reshape(flat), v_pages.reshape(flat))
+  return q, k_out.reshape(shape), v_out.reshape(shape)

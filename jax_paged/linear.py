@@ -58,17 +58,11 @@ def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = N
   return y.astype(x.dtype if out_dtype is None else out_dtype)
 
 
-def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
-                   block_k: int, k_split: int, has_bias: bool,
-                   activation: Callable[[jax.Array], jax.Array] | None, partials: bool,
-                   sections: tuple[int, ...]):
-  """Refs: x [rows, depth], kernel [depth, cols], (has_bias) bias [cols]; outputs:
-  partials f32 [splits, rows, cols], or y split by columns into `sections` arrays
-  [rows, section] (one section: y [rows, cols])."""
-  x_ref, w_ref, *refs = refs
-  bias_ref = refs.pop(0) if has_bias else None
-  o_refs = refs
-  n, split = pl.program_id(0), pl.program_id(1)
+def matmul_tile(x_ref, w_ref, *, n, split, rows: int, cols: int, depth: int, block_m: int,
+                block_n: int, block_k: int, k_split: int) -> jax.Array:
+  """Inside a kernel: f32 [block_m, block_n] = x[:, K range] @ kernel[K range, columns of
+  block n], for K range `split` (k_split wide). Rows, columns and K masked where they do
+  not fill a block; the kernel's weights streamed (evict_first)."""
   r = jnp.arange(block_m)
   c = n * block_n + jnp.arange(block_n)
   row_mask = r < rows if block_m != rows else None
@@ -90,8 +84,27 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
                                  precision=lax.Precision.HIGHEST,
                                  preferred_element_type=jnp.float32)
 
-  acc = lax.fori_loop(0, pl.cdiv(k_split, block_k), body,
-                      jnp.zeros((block_m, block_n), jnp.float32))
+  return lax.fori_loop(0, pl.cdiv(k_split, block_k), body,
+                       jnp.zeros((block_m, block_n), jnp.float32))
+
+
+def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
+                   block_k: int, k_split: int, has_bias: bool,
+                   activation: Callable[[jax.Array], jax.Array] | None, partials: bool,
+                   sections: tuple[int, ...]):
+  """Refs: x [rows, depth], kernel [depth, cols], (has_bias) bias [cols]; outputs:
+  partials f32 [splits, rows, cols], or y split by columns into `sections` arrays
+  [rows, section] (one section: y [rows, cols])."""
+  x_ref, w_ref, *refs = refs
+  bias_ref = refs.pop(0) if has_bias else None
+  o_refs = refs
+  n, split = pl.program_id(0), pl.program_id(1)
+  acc = matmul_tile(x_ref, w_ref, n=n, split=split, rows=rows, cols=cols, depth=depth,
+                    block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
+  r = jnp.arange(block_m)
+  c = n * block_n + jnp.arange(block_n)
+  row_mask = r < rows if block_m != rows else None
+  col_mask = c < cols if cols % block_n else None
   mask = triton_backend.and_masks(row_mask, col_mask)
   if partials:
     plgpu.store(o_refs[0].at[split, r[:, None], c[None, :]], acc, mask=mask)
@@ -137,11 +150,21 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
       kernel_fn,
       grid=(pl.cdiv(cols, block_n), splits),
       out_shape=out_shape,
-      compiler_params=triton_backend.compiler_params(num_warps=_NUM_WARPS,
-                                                     num_stages=_NUM_STAGES),
+      compiler_params=compiler_params(),
       interpret=interpret,
       name="linear_partials" if partials else "linear",
   )(x, kernel, *(() if bias is None else (bias,)))
+
+
+def whole_k_tiles(rows: int, depth: int, itemsize: int) -> tuple[int, int, int]:
+  """(block_m, block_n, block_k) of whole-K programs (`linear`, or a kernel built on
+  `matmul_tile`) for `rows` x `depth` inputs of `itemsize` bytes."""
+  return _block_m(rows), _BLOCK_N, _block_k(rows, depth, _BLOCK_N, itemsize)
+
+
+def compiler_params():
+  """The Triton warps / stages the tiles above are sized for."""
+  return triton_backend.compiler_params(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
 
 
 def _block_m(rows: int) -> int:
@@ -222,11 +245,10 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
+  _, block_n, block_k = whole_k_tiles(*x2.shape, x.dtype.itemsize)
   ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
-                      sections=widths, block_n=_BLOCK_N,
-                      block_k=_block_k(*x2.shape, _BLOCK_N, x.dtype.itemsize),
-                      interpret=mode)
+                      sections=widths, block_n=block_n, block_k=block_k, interpret=mode)
   if not fused:  # XLA applies it to the f32 output, fused with the cast.
     ys = tuple(activation(y).astype(out_dtype) for y in ys)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_paged import cache_write
 from jax_paged import layer_norm
 from jax_paged import linear
 from jax_paged import paged_attention
@@ -295,8 +296,17 @@ class PagedAttention(nnx.Module):
     """
     b = x.shape[0]
     hkv, d = self.num_kv_heads, self.head_dim
-    q, k, v = self._project(x)
-    kv = pool_lib.write_kv(kv, layer, slots, k, v)
+    mode, x_c, kernel = _kernel_mode(self.qkv, x, None)
+    if mode is not None and cache_write.can_project_write(b, d, kv.num_layers):
+      # One kernel: the projection, K and V stored straight into the pages.
+      q, k_pages, v_pages = cache_write.project_write_kv_pallas(
+          x_c, kernel, None if self.qkv.bias is None else self.qkv.bias[...], kv.k_pages,
+          kv.v_pages, jnp.asarray(layer, jnp.int32), jnp.asarray(slots, jnp.int32),
+          q_width=self.num_heads * d, interpret=mode)
+      kv = kv.replace(k_pages=k_pages, v_pages=v_pages)
+    else:
+      q, k, v = self._project(x)
+      kv = pool_lib.write_kv(kv, layer, slots, k, v)
     k_pages, v_pages, table, kv_lengths = layer_view(kv, layer, page_table, lengths)
     use_kernel = self.decode_impl == "kernel" or (
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))

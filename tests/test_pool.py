@@ -11,6 +11,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from jax_paged import cache_write
+from jax_paged import linear
 from jax_paged import pool as kvpool
 from jax_paged.pool import KVPool, PoolExhausted
 
@@ -368,3 +370,44 @@ def test_write_kernel_on_gpu_matches_scatter(dtype, hkv, d):
       want_v[1, :, slot // PAGE_SIZE, slot % PAGE_SIZE] = np.asarray(v[i])
   np.testing.assert_array_equal(np.asarray(got.k_pages), want_k)
   np.testing.assert_array_equal(np.asarray(got.v_pages), want_v)
+
+
+def _check_project_write_matches_unfused(interpret, dtype, heads: int, hkv: int, d: int):
+  """`cache_write.project_write_kv_pallas` vs `linear.linear` + `write_kv`: the same q and
+  pool, padding (-1) and out-of-range slots dropped, every other element untouched."""
+  rng = np.random.default_rng(heads * 10 + d)
+  p = _random_pool(d, num_kv_heads=hkv, head_dim=d, num_layers=3, dtype=dtype)
+  total = NUM_PAGES * PAGE_SIZE
+  slots = rng.permutation(total)[:9].astype(np.int32)
+  slots[3] = -1
+  slots[5] = total + 2
+  width = (heads + 2 * hkv) * d
+  x = jnp.asarray(rng.standard_normal((9, 48)), dtype)
+  w = jnp.asarray(rng.standard_normal((48, width)) / 7, dtype)
+  b = jnp.asarray(rng.standard_normal(width), dtype)
+  q, k_pages, v_pages = cache_write.project_write_kv_pallas(
+      x, w, b, p.k_pages, p.v_pages, jnp.int32(2), jnp.asarray(slots), q_width=heads * d,
+      interpret=interpret)
+  # The same GEMM as `linear` (bitwise equal on the same backend).
+  want_q, k, v = linear.linear(x, w, b, sections=(heads * d, hkv * d, hkv * d),
+                               interpret=interpret)
+  want = jax.jit(kvpool.write_kv)(p, jnp.int32(2), jnp.asarray(slots),
+                                  k.reshape(9, hkv, d), v.reshape(9, hkv, d))
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=0, atol=0)
+  chex.assert_trees_all_close((q, k_pages, v_pages), (want_q, want.k_pages, want.v_pages),
+                              **tol)
+  for layer in (0, 1):
+    np.testing.assert_array_equal(np.asarray(k_pages[layer]), np.asarray(p.k_pages[layer]))
+
+
+@pytest.mark.parametrize("dtype,heads,hkv,d", [(jnp.float32, 4, 2, 32),
+                                               (jnp.bfloat16, 3, 3, 64)])
+def test_project_write_kernel_interpret(dtype, heads, hkv, d):
+  _check_project_write_matches_unfused(True, dtype, heads, hkv, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,heads,hkv,d", [(jnp.bfloat16, 12, 12, 64),
+                                               (jnp.float16, 32, 8, 128)])
+def test_project_write_kernel_on_gpu(dtype, heads, hkv, d):
+  _check_project_write_matches_unfused(False, dtype, heads, hkv, d)
