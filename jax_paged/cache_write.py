@@ -93,13 +93,13 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   if has_bias:
     bias_ref, *refs = refs
   _, _, q_ref, k_out_ref, v_out_ref = refs
-  n = pl.program_id(0)
-  acc = linear.matmul_tile(x_ref, w_ref, n=n, split=0, rows=rows,
+  n, m = pl.program_id(0), pl.program_id(1)
+  acc = linear.matmul_tile(x_ref, w_ref, m=m, n=n, split=0, rows=rows,
                            cols=q_width + 2 * kv_width, depth=depth, block_m=block_m,
                            block_n=block_n, block_k=block_k,
                            k_split=pl.cdiv(depth, block_k) * block_k)
-  r = jnp.arange(block_m)
-  c = n * block_n + jnp.arange(block_n)
+  r, c, _, _ = linear.tile_indices(m, n, rows=rows, cols=q_width + 2 * kv_width,
+                                   block_m=block_m, block_n=block_n)
   if has_bias:
     acc += plgpu.load(bias_ref.at[c]).astype(jnp.float32)[None, :]
   row_mask = r < rows
@@ -172,7 +172,7 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
     inputs.append(bias)
   q, k_out, v_out = pl.pallas_call(
       kernel_fn,
-      grid=(pl.cdiv(kernel.shape[1], block_n),),
+      grid=(pl.cdiv(kernel.shape[1], block_n), pl.cdiv(rows, block_m)),
       out_shape=(jax.ShapeDtypeStruct((rows, q_width), x.dtype),
                  jax.ShapeDtypeStruct(flat, k_pages.dtype),
                  jax.ShapeDtypeStruct(flat, v_pages.dtype)),

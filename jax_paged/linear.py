@@ -4,18 +4,18 @@ A decode step projects one row per sequence (tens to a few hundred rows): the pr
 bound by reading the weights and by latency, not by math. XLA runs it as a split-K GEMM
 plus a second kernel that reduces the splits and applies the bias and any activation. At
 GPT-2 124M's shapes and 128 rows on an H200, this kernel walks the whole K in each program
-instead (one program per `block_n` output columns, all rows, 3-4 loads in flight per
-program) and applies bias and activation to the f32 accumulator before the one store: 72
-to 96 programs, 5.3-5.5 µs per product with cold weights where XLA's GEMM + reduction took
-7.8-8.2 (benchmarks/RESULTS.md).
+instead (one program per `block_n` output columns and 64 rows, 3-4 loads in flight per
+program) and applies bias and activation to the f32 accumulator before the one store:
+5.3-5.5 µs per product with cold weights where XLA's GEMM + reduction took 7.8-8.2
+(benchmarks/RESULTS.md).
 
 `linear_partials` keeps K split and returns the f32 partial products, for a consumer that
 sums them anyway (`layer_norm.add_layer_norm` folds the sum into the residual add).
 
-Grid (N / block_n, splits). A program owns output columns [n * block_n, (n + 1) * block_n)
-for every row (padded to a power of two >= 16, the smallest tensor-core tile) and one
-contiguous K range; f32 accumulation. Rows, columns and K are masked where they do not
-fill a block.
+Grid (N / block_n, splits, row blocks). A program owns output columns [n * block_n,
+(n + 1) * block_n) of up to 64 rows (padded to a power of two >= 16, the smallest
+tensor-core tile) and one contiguous K range; f32 accumulation. Rows, columns and K are
+masked where they do not fill a block.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ MAX_ROWS = 256
 # columns, 128-deep K steps, 4 warps, 4 stages were the best or within 0.1 µs of it for
 # K = 768 (N = 2304, 3072).
 _BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 32, 128, 4, 4
+# Rows per program (H100, 128 rows, RESULTS.md 2026-11-22 08:05-08:08): 64-row blocks
+# made c_fc 0.4 µs faster than one 128-row block, and `linear_partials` splits rows before
+# K, since every K split adds a partial for the consumer to read and a row block does not
+# (attention out + add_layer_norm 4.9 vs 5.5 µs, c_proj 7.8 vs 8.9).
+_ROW_BLOCK = 64
 # Shared memory for the pipelined x and kernel tiles: an H100 / H200 SM has 227 KB, and
 # Triton buffers num_stages - 1 copies of each (f32 at 128 rows, 128-deep K, 4 stages asked
 # for 240 KB = 3 x 80 KB and failed to launch).
@@ -58,15 +63,21 @@ def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = N
   return y.astype(x.dtype if out_dtype is None else out_dtype)
 
 
-def matmul_tile(x_ref, w_ref, *, n, split, rows: int, cols: int, depth: int, block_m: int,
-                block_n: int, block_k: int, k_split: int) -> jax.Array:
-  """Inside a kernel: f32 [block_m, block_n] = x[:, K range] @ kernel[K range, columns of
-  block n], for K range `split` (k_split wide). Rows, columns and K masked where they do
-  not fill a block; the kernel's weights streamed (evict_first)."""
-  r = jnp.arange(block_m)
+def tile_indices(m, n, *, rows: int, cols: int, block_m: int, block_n: int):
+  """Inside a kernel: (row indices [block_m], column indices [block_n], row mask, column
+  mask) of the output tile (m, n); a mask is None where the block is full."""
+  r = m * block_m + jnp.arange(block_m)
   c = n * block_n + jnp.arange(block_n)
-  row_mask = r < rows if block_m != rows else None
-  col_mask = c < cols if cols % block_n else None
+  return r, c, (r < rows if rows % block_m else None), (c < cols if cols % block_n else None)
+
+
+def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, block_m: int,
+                block_n: int, block_k: int, k_split: int) -> jax.Array:
+  """Inside a kernel: f32 [block_m, block_n] = x[rows of block m, K range] @ kernel[K range,
+  columns of block n], for K range `split` (k_split wide). Rows, columns and K masked
+  where they do not fill a block; the kernel's weights streamed (evict_first)."""
+  r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
+                                          block_n=block_n)
   lo = split * k_split
   hi = jnp.minimum(lo + k_split, depth)
 
@@ -98,13 +109,11 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
   x_ref, w_ref, *refs = refs
   bias_ref = refs.pop(0) if has_bias else None
   o_refs = refs
-  n, split = pl.program_id(0), pl.program_id(1)
-  acc = matmul_tile(x_ref, w_ref, n=n, split=split, rows=rows, cols=cols, depth=depth,
+  n, split, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  acc = matmul_tile(x_ref, w_ref, m=m, n=n, split=split, rows=rows, cols=cols, depth=depth,
                     block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
-  r = jnp.arange(block_m)
-  c = n * block_n + jnp.arange(block_n)
-  row_mask = r < rows if block_m != rows else None
-  col_mask = c < cols if cols % block_n else None
+  r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
+                                          block_n=block_n)
   mask = triton_backend.and_masks(row_mask, col_mask)
   if partials:
     plgpu.store(o_refs[0].at[split, r[:, None], c[None, :]], acc, mask=mask)
@@ -128,9 +137,11 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
 
 
 @functools.partial(jax.jit, static_argnames=[
-    "activation", "out_dtype", "k_split", "sections", "block_n", "block_k", "interpret"])
+    "activation", "out_dtype", "k_split", "sections", "block_m", "block_n", "block_k",
+    "interpret"])
 def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | None,
-                   sections: tuple[int, ...], block_n: int, block_k: int, interpret: bool):
+                   sections: tuple[int, ...], block_m: int, block_n: int, block_k: int,
+                   interpret: bool):
   """x [rows, K] -> a tuple of [rows, section] for `sections` of N (k_split None:
   whole-K programs), or f32 partials [cdiv(K, k_split), rows, N] (k_split a multiple of
   block_k)."""
@@ -141,14 +152,14 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
     k_split = pl.cdiv(depth, block_k) * block_k
   splits = pl.cdiv(depth, k_split)
   kernel_fn = functools.partial(
-      _linear_kernel, rows=rows, cols=cols, depth=depth, block_m=_block_m(rows),
+      _linear_kernel, rows=rows, cols=cols, depth=depth, block_m=block_m,
       block_n=block_n, block_k=block_k, k_split=k_split, has_bias=bias is not None,
       activation=activation, partials=partials, sections=sections)
   out_shape = ((jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),) if partials
                else tuple(jax.ShapeDtypeStruct((rows, w), out_dtype) for w in sections))
   return pl.pallas_call(
       kernel_fn,
-      grid=(pl.cdiv(cols, block_n), splits),
+      grid=(pl.cdiv(cols, block_n), splits, pl.cdiv(rows, block_m)),
       out_shape=out_shape,
       compiler_params=compiler_params(),
       interpret=interpret,
@@ -159,7 +170,8 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
 def whole_k_tiles(rows: int, depth: int, itemsize: int) -> tuple[int, int, int]:
   """(block_m, block_n, block_k) of whole-K programs (`linear`, or a kernel built on
   `matmul_tile`) for `rows` x `depth` inputs of `itemsize` bytes."""
-  return _block_m(rows), _BLOCK_N, _block_k(rows, depth, _BLOCK_N, itemsize)
+  block_m = _block_m(rows)
+  return block_m, _BLOCK_N, _block_k(block_m, depth, _BLOCK_N, itemsize)
 
 
 def compiler_params():
@@ -168,16 +180,17 @@ def compiler_params():
 
 
 def _block_m(rows: int) -> int:
-  """Rows padded to a power of two >= 16 (the smallest tensor-core tile)."""
-  return max(16, pl.next_power_of_2(rows))
+  """Rows per program: the rows padded to a power of two >= 16 (the smallest tensor-core
+  tile), at most _ROW_BLOCK."""
+  return min(_ROW_BLOCK, max(16, pl.next_power_of_2(rows)))
 
 
-def _block_k(rows: int, depth: int, block_n: int, itemsize: int) -> int:
+def _block_k(block_m: int, depth: int, block_n: int, itemsize: int) -> int:
   """K per step: 128, halved until every stage's x and kernel tiles fit the shared-memory
   budget (64 for bf16 at 256 rows, or for f32 at 128), never much deeper than K."""
   block_k = min(_BLOCK_K, max(16, pl.next_power_of_2(depth)))
   while (block_k > 16 and
-         (_NUM_STAGES - 1) * (_block_m(rows) + block_n) * block_k * itemsize > _SMEM_BYTES):
+         (_NUM_STAGES - 1) * (block_m + block_n) * block_k * itemsize > _SMEM_BYTES):
     block_k //= 2
   return block_k
 
@@ -245,10 +258,11 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
-  _, block_n, block_k = whole_k_tiles(*x2.shape, x.dtype.itemsize)
+  block_m, block_n, block_k = whole_k_tiles(*x2.shape, x.dtype.itemsize)
   ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
-                      sections=widths, block_n=block_n, block_k=block_k, interpret=mode)
+                      sections=widths, block_m=block_m, block_n=block_n,
+                      block_k=block_k, interpret=mode)
   if not fused:  # XLA applies it to the f32 output, fused with the cast.
     ys = tuple(activation(y).astype(out_dtype) for y in ys)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
@@ -280,10 +294,12 @@ def lowers_in_kernel(activation: Callable[[jax.Array], jax.Array]) -> bool:
   return True
 
 
-def default_splits(depth: int) -> int:
-  """K splits of `linear_partials` for a K of `depth`: 4 up to 1024, else 8 (~100
-  programs at GPT-2's widths; fewer and each walks a longer serial K loop)."""
-  return 4 if depth <= 1024 else 8
+def default_splits(depth: int, rows: int) -> int:
+  """K splits of `linear_partials` for `rows` x `depth` inputs: 4 (K <= 1024) or 8 work
+  units per column block (~100 programs at GPT-2's widths; fewer and each walks a longer
+  serial K loop), made of row blocks first, K splits for the rest."""
+  row_blocks = pl.cdiv(rows, _block_m(rows))
+  return max(1, (4 if depth <= 1024 else 8) // row_blocks)
 
 
 def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
@@ -294,7 +310,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
     x: [..., K] f32 / bf16 / f16 (any number of rows; over MAX_ROWS, plain XLA).
     kernel: [K, N], x's dtype.
     splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
-      None = `default_splits(K)`.
+      None = `default_splits(K, rows)`.
     interpret: as `linear`.
 
   Returns:
@@ -303,13 +319,14 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   """
   _check_args(x, kernel, None)
   depth = x.shape[-1]
-  splits = default_splits(depth) if splits is None else splits
+  rows = math.prod(x.shape[:-1])
+  splits = default_splits(depth, rows) if splits is None else splits
   if not (isinstance(splits, int) and splits > 0):
     raise ValueError(f"splits must be a positive int or None, got {splits!r}")
-  rows = math.prod(x.shape[:-1])
   # Fewer, wider programs when K is long: about the same program count, fewer partials.
   block_n = _BLOCK_N if depth <= 1024 else 2 * _BLOCK_N
-  block_k = _block_k(rows, depth, block_n, x.dtype.itemsize)
+  block_m = _block_m(rows)
+  block_k = _block_k(block_m, depth, block_n, x.dtype.itemsize)
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64
     block_k //= 2
   k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
@@ -322,5 +339,6 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
                       for a, b in zip(bounds[:-1], bounds[1:])])
   parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, activation=None,
                           out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
-                          block_n=block_n, block_k=block_k, interpret=mode)
+                          block_m=block_m, block_n=block_n, block_k=block_k,
+                          interpret=mode)
   return parts.reshape((parts.shape[0],) + x.shape[:-1] + kernel.shape[1:])

@@ -48,9 +48,10 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias, activation):
   np.testing.assert_allclose(y64, _numpy_linear(x, w, b, activation), **_TOL[dtype])
 
 
+# Default splits: 4 (K <= 1024) or 8 work units per column block, 64-row blocks first.
 @pytest.mark.parametrize("rows,depth,cols,splits,want_splits", [
-    (7, 768, 96, None, 4), (128, 3072, 128, None, 8), (3, 100, 40, 4, 4), (16, 48, 32, 2, 2),
-    (9, 40, 16, 8, 3)])
+    (7, 768, 96, None, 4), (128, 3072, 128, None, 4), (200, 768, 64, None, 1),
+    (3, 100, 40, 4, 4), (16, 48, 32, 2, 2), (9, 40, 16, 8, 3), (130, 96, 32, 2, 2)])
 def test_linear_partials_sum_to_product(rows, depth, cols, splits, want_splits):
   x, w, _ = _inputs(rows, depth, cols, jnp.float32, depth)
   parts = linear.linear_partials(x, w, splits=splits, interpret=True)
