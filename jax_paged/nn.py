@@ -2,7 +2,8 @@
 
 `PagedAttention` is a multi-head (MHA / GQA / MQA) self-attention layer that a model drops
 in place of its usual attention: it projects q/k/v for the new tokens, writes k/v into its
-layer's pages of the pool (`pool.write_kv`) and attends
+layer's pages of the pool (`pool.write_kv`; at decode's few rows on a GPU the projection
+kernel stores them itself, `cache_write.project_write_kv_pallas`) and attends
 
 * over the new tokens with a causal mask for a prompt (`prefill`), and
 * over the sequence's pages with the paged decode kernel for one new token (`decode`).
@@ -299,9 +300,11 @@ class PagedAttention(nnx.Module):
     mode, x_c, kernel = _kernel_mode(self.qkv, x, None)
     if mode is not None and cache_write.can_project_write(b, d, kv.num_layers):
       # One kernel: the projection, K and V stored straight into the pages.
+      slots = jnp.asarray(slots)
+      pool_lib.check_write(kv, layer, slots)
       q, k_pages, v_pages = cache_write.project_write_kv_pallas(
           x_c, kernel, None if self.qkv.bias is None else self.qkv.bias[...], kv.k_pages,
-          kv.v_pages, jnp.asarray(layer, jnp.int32), jnp.asarray(slots, jnp.int32),
+          kv.v_pages, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
           q_width=self.num_heads * d, interpret=mode)
       kv = kv.replace(k_pages=k_pages, v_pages=v_pages)
     else:

@@ -305,6 +305,22 @@ def release(pool: KVPool, seq_ids) -> KVPool:
                       lengths=lengths)
 
 
+def check_write(pool: KVPool, layer, slots: jax.Array) -> None:
+  """Raises ValueError for slots that are not integers, and, where they are concrete
+  (outside jit), for slots past the pool or a layer outside [0, num_layers): the checks of
+  `write_kv`, for a kernel that writes the pool itself (`nn.PagedAttention.decode`)."""
+  if not jnp.issubdtype(slots.dtype, jnp.integer):
+    raise ValueError(f"slots must be an integer array, got dtype {slots.dtype}")
+  total = pool.num_pages * pool.page_size
+  concrete_slots = _concrete(slots)
+  if concrete_slots is not None and concrete_slots.size and concrete_slots.max() >= total:
+    raise ValueError(f"slots must be < num_pages * page_size = {total} (negative = padding), "
+                     f"got max {concrete_slots.max()}")
+  concrete_layer = _concrete(layer)
+  if concrete_layer is not None and not 0 <= int(concrete_layer) < pool.num_layers:
+    raise ValueError(f"layer must be in [0, {pool.num_layers}), got {int(concrete_layer)}")
+
+
 def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
              interpret: bool | None = None) -> KVPool:
   """Scatters new tokens' K/V into one layer's pages (vLLM's reshape_and_cache).
@@ -330,16 +346,9 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
     if tuple(x.shape) != expected:
       raise ValueError(f"{name} must have shape slots.shape + (num_kv_heads, head_dim) = "
                        f"{expected}, got {tuple(x.shape)}")
-  if not jnp.issubdtype(slots.dtype, jnp.integer):
-    raise ValueError(f"slots must be an integer array, got dtype {slots.dtype}")
+  check_write(pool, layer, slots)
   total = pool.num_pages * pool.page_size
-  concrete_slots = _concrete(slots)
-  if concrete_slots is not None and concrete_slots.size and concrete_slots.max() >= total:
-    raise ValueError(f"slots must be < num_pages * page_size = {total} (negative = padding), "
-                     f"got max {concrete_slots.max()}")
   concrete_layer = _concrete(layer)
-  if concrete_layer is not None and not 0 <= int(concrete_layer) < pool.num_layers:
-    raise ValueError(f"layer must be in [0, {pool.num_layers}), got {int(concrete_layer)}")
   flat = slots.reshape(-1).astype(jnp.int32)
   # [N, Hkv, D] in the pool's dtype, for either path.
   k, v = (x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pool.k_pages.dtype)
