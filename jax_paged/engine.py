@@ -171,8 +171,11 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
 
   def body(carry):
     step, kv, tokens, active, index, budget, out = carry
-    logits, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active)
-    new = _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=greedy)
+    if greedy:  # the argmax without the [B, vocab] logits
+      new, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active, greedy=True)
+    else:
+      logits, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active)
+      new = _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=False)
     out = out.at[step].set(jnp.where(active, new, -1))
     index += active
     budget -= active

@@ -11,6 +11,8 @@ program) and applies bias and activation to the f32 accumulator before the one s
 
 `linear_partials` keeps K split and returns the f32 partial products, for a consumer that
 sums them anyway (`layer_norm.add_layer_norm` folds the sum into the residual add).
+`argmax_attend` is a tied LM head's greedy token (argmax of x @ embedding.T) with the
+argmax as the GEMM's epilogue, so the [rows, vocab] logits are never written.
 
 Grid (N / block_n, splits, row blocks). A program owns output columns [n * block_n,
 (n + 1) * block_n) of up to 64 rows (padded to a power of two >= 16, the smallest
@@ -72,10 +74,12 @@ def tile_indices(m, n, *, rows: int, cols: int, block_m: int, block_n: int):
 
 
 def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, block_m: int,
-                block_n: int, block_k: int, k_split: int) -> jax.Array:
+                block_n: int, block_k: int, k_split: int, transposed: bool = False
+                ) -> jax.Array:
   """Inside a kernel: f32 [block_m, block_n] = x[rows of block m, K range] @ kernel[K range,
-  columns of block n], for K range `split` (k_split wide). Rows, columns and K masked
-  where they do not fill a block; the kernel's weights streamed (evict_first)."""
+  columns of block n], for K range `split` (k_split wide); with `transposed` the kernel is
+  stored [cols, depth] (an embedding table used as a tied LM head). Rows, columns and K
+  masked where they do not fill a block; the kernel's weights streamed (evict_first)."""
   r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
                                           block_n=block_n)
   lo = split * k_split
@@ -85,13 +89,16 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
     k = lo + i * block_k + jnp.arange(block_k)
     k_mask = k < hi if depth % k_split else None
     x_mask = triton_backend.and_masks(row_mask, k_mask)
-    w_mask = triton_backend.and_masks(k_mask, col_mask)
+    if transposed:
+      w_idx, w_mask = (c[:, None], k[None, :]), triton_backend.and_masks(col_mask, k_mask)
+    else:
+      w_idx, w_mask = (k[:, None], c[None, :]), triton_backend.and_masks(k_mask, col_mask)
     xb = plgpu.load(x_ref.at[r[:, None], k[None, :]], mask=x_mask,
                     other=None if x_mask is None else 0.0)
     # Weights are read once per step: stream them, keep L2 for the activations.
-    wb = plgpu.load(w_ref.at[k[:, None], c[None, :]], mask=w_mask,
-                    other=None if w_mask is None else 0.0, eviction_policy="evict_first")
-    return acc + lax.dot_general(xb, wb, (((1,), (0,)), ((), ())),
+    wb = plgpu.load(w_ref.at[w_idx], mask=w_mask, other=None if w_mask is None else 0.0,
+                    eviction_policy="evict_first")
+    return acc + lax.dot_general(xb, wb, (((1,), (1 if transposed else 0,)), ((), ())),
                                  precision=lax.Precision.HIGHEST,
                                  preferred_element_type=jnp.float32)
 
@@ -342,3 +349,89 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
                           block_m=block_m, block_n=block_n, block_k=block_k,
                           interpret=mode)
   return parts.reshape((parts.shape[0],) + x.shape[:-1] + kernel.shape[1:])
+
+
+# The tied LM head's greedy argmax (`argmax_attend`): the vocabulary is wide (GPT-2: 50257
+# columns, 77 MB of bf16 weights), so programs take all rows (up to 128) to read each
+# weight tile once, and 128 columns each (393 programs for GPT-2).
+_ARGMAX_BLOCK_M, _ARGMAX_BLOCK_N, _ARGMAX_BLOCK_K = 128, 128, 64
+
+
+def _argmax_kernel(x_ref, e_ref, val_ref, idx_ref, *, rows: int, vocab: int, depth: int,
+                   block_m: int, block_n: int, block_k: int, logits_dtype):
+  """Refs: x [rows, depth], embedding [vocab, depth]; outputs: the max [blocks, rows] f32
+  and its first column [blocks, rows] int32 of each row over this program's columns."""
+  m, n = pl.program_id(0), pl.program_id(1)
+  acc = matmul_tile(x_ref, e_ref, m=m, n=n, split=0, rows=rows, cols=vocab, depth=depth,
+                    block_m=block_m, block_n=block_n, block_k=block_k,
+                    k_split=pl.cdiv(depth, block_k) * block_k, transposed=True)
+  r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=vocab, block_m=block_m,
+                                          block_n=block_n)
+  # The logits a plain head computes are rounded to its dtype: ties broken the same way.
+  logits = acc.astype(logits_dtype).astype(jnp.float32)
+  if col_mask is not None:
+    logits = jnp.where(col_mask[None, :], logits, -jnp.inf)
+  plgpu.store(val_ref.at[n, r], jnp.max(logits, axis=1), mask=row_mask)
+  plgpu.store(idx_ref.at[n, r], n * block_n + jnp.argmax(logits, axis=1).astype(jnp.int32),
+              mask=row_mask)
+
+
+@functools.partial(jax.jit, static_argnames=["interpret"])
+def _argmax_pallas(x: jax.Array, embedding: jax.Array, *, interpret: bool) -> jax.Array:
+  """x [rows, E], embedding [V, E] -> int32 [rows]."""
+  rows, depth = x.shape
+  vocab = embedding.shape[0]
+  block_m = min(_ARGMAX_BLOCK_M, max(16, pl.next_power_of_2(rows)))
+  block_k = min(_ARGMAX_BLOCK_K, max(16, pl.next_power_of_2(depth)))
+  blocks = pl.cdiv(vocab, _ARGMAX_BLOCK_N)
+  kernel_fn = functools.partial(
+      _argmax_kernel, rows=rows, vocab=vocab, depth=depth, block_m=block_m,
+      block_n=_ARGMAX_BLOCK_N, block_k=block_k, logits_dtype=x.dtype)
+  values, indices = pl.pallas_call(
+      kernel_fn,
+      # Row blocks fastest: a second row block reads each weight tile right after the first.
+      grid=(pl.cdiv(rows, block_m), blocks),
+      out_shape=(jax.ShapeDtypeStruct((blocks, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((blocks, rows), jnp.int32)),
+      compiler_params=compiler_params(),
+      interpret=interpret,
+      name="argmax_attend",
+  )(x, embedding)
+  # The first block holding the row max: the lowest column among equal maxima, as argmax.
+  best = jnp.argmax(values, axis=0)
+  return jnp.take_along_axis(indices, best[None, :], axis=0)[0]
+
+
+def argmax_attend(x: jax.Array, embedding: jax.Array, *,
+                  interpret: bool | None = None) -> jax.Array:
+  """Greedy tokens of a tied LM head, argmax over V of x @ embedding.T, without the logits.
+
+  A decode step's LM head writes [rows, V] f32 logits (25.7 MB for GPT-2 at 128 rows)
+  that greedy decoding reads once more for their argmax. Here one kernel computes each
+  [rows, 128-column] tile of logits and keeps only its row maxima and their columns; a
+  small reduction over the [V / 128, rows] maxima finishes.
+
+  Args:
+    x: [..., E] f32 / bf16 / f16 (over MAX_ROWS rows, or without a GPU: plain XLA).
+    embedding: [V, E], x's dtype (`nnx.Embed.embedding`).
+    interpret: as `linear`.
+
+  Returns:
+    int32 [...]: for each row, the first index of the maximum of the logits rounded to x's
+    dtype, as `jnp.argmax(x @ embedding.T, -1)` computed in that dtype (f32 accumulation;
+    near-ties may break differently from another GEMM's summation order).
+  """
+  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating array [..., E], got {x.dtype}{list(x.shape)}")
+  if embedding.ndim != 2 or embedding.shape[1] != x.shape[-1] or embedding.shape[0] < 1:
+    raise ValueError(f"embedding must have shape [V, E] with V >= 1 and E = x.shape[-1] = "
+                     f"{x.shape[-1]}, got {embedding.shape}")
+  if embedding.dtype != x.dtype:
+    raise ValueError(f"embedding must have x's dtype {x.dtype}, got {embedding.dtype}")
+  mode = _kernel_mode(x, embedding, interpret)
+  if mode is None:
+    logits = jnp.einsum("...k,vk->...v", x, embedding, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  tokens = _argmax_pallas(x.reshape(-1, x.shape[-1]), embedding, interpret=mode)
+  return tokens.reshape(x.shape[:-1])

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged import linear
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 
@@ -188,6 +189,12 @@ class GPT2LMHeadModel(nnx.Module):
   def _logits(self, h: jax.Array) -> jax.Array:
     return self.wte.attend(h).astype(jnp.float32)
 
+  def _greedy(self, h: jax.Array) -> jax.Array:
+    """int32 argmax of `_logits(h)` without writing the logits (`linear.argmax_attend`)."""
+    embedding = self.wte.embedding[...]
+    dtype = self.wte.dtype or jnp.result_type(h, embedding)  # as nnx.Embed.attend promotes
+    return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
+
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
     """Prompts of fresh sequences (see `prefill` below for the step).
@@ -209,8 +216,8 @@ class GPT2LMHeadModel(nnx.Module):
     return self._logits(last), kv
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
-             slots: jax.Array, page_table: jax.Array,
-             lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+             slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
+             greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
     """One token per sequence (see `decode` below for the step).
 
     Args:
@@ -219,15 +226,16 @@ class GPT2LMHeadModel(nnx.Module):
       slots: int32 [B] from `reserve`, -1 for inactive rows.
       page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
       lengths: int32 [B], tokens to attend to including the new one (0 = inactive).
+      greedy: return the argmax tokens instead of the logits.
 
     Returns:
-      (float32 logits [B, vocab], pool).
+      (float32 logits [B, vocab], or with `greedy` their int32 argmax [B], pool).
     """
     h, kv = self._forward(
         tokens, positions, kv,
         lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
                                                project=False))
-    return self._logits(h), kv
+    return (self._greedy(h) if greedy else self._logits(h)), kv
 
 
 def prefill(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
@@ -253,8 +261,8 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
 
 
 def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
-           tokens: jax.Array, seq_ids: jax.Array,
-           active: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+           tokens: jax.Array, seq_ids: jax.Array, active: jax.Array | None = None, *,
+           greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
   """The decode step: appends one token to each active sequence and returns its logits.
 
   Args:
@@ -265,17 +273,20 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
     seq_ids: int32 [B] distinct pool sequence ids (B is the batch capacity).
     active: bool [B], rows to run (default all); inactive rows write nothing and their
       logits are meaningless, so a fixed-capacity batch can carry empty rows.
+    greedy: (static) return each row's argmax token instead of the logits, computed
+      without writing them (a decoding loop that samples greedily).
 
   Returns:
-    (float32 logits [B, vocab], the new pool). A row that found no free page is treated
-    as inactive and its length does not advance.
+    (float32 logits [B, vocab], or with `greedy` int32 tokens [B]; the new pool). A row
+    that found no free page is treated as inactive and its length does not advance.
   """
   model = nnx.merge(graphdef, params)
   active = jnp.ones(seq_ids.shape, bool) if active is None else active
   positions = kv.lengths[seq_ids]
   kv, slots, ok = pool_lib.reserve(kv, seq_ids, active.astype(jnp.int32), max_new_tokens=1)
   lengths = jnp.where(active & ok, kv.lengths[seq_ids], 0)
-  return model.decode(tokens, positions, kv, slots[:, 0], kv.page_table[seq_ids], lengths)
+  return model.decode(tokens, positions, kv, slots[:, 0], kv.page_table[seq_ids], lengths,
+                      greedy=greedy)
 
 
 class Steps(NamedTuple):

@@ -9,8 +9,10 @@ in summation order (fused qkv, softmax, paged vs contiguous keys); the observed 
 order the logits themselves.
 """
 
+import functools
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,24 @@ def test_prefill_and_decode_logits_match_hf(checkpoint):
     seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
     logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32), seq_ids)
   np.testing.assert_array_equal(kv.lengths[seq_ids], [len(s) for s in seqs])
+
+
+def test_greedy_decode_step_is_the_logits_argmax(checkpoint):
+  _, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng(5)
+  kv = model.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  seq_ids = jnp.array([1, 3, 0], jnp.int32)
+  tokens, lengths = _padded(_prompts(rng, [4, 9, 16]))
+  _, kv = gpt2.jit_steps(graphdef).prefill(params, kv, tokens, lengths, seq_ids)
+  step = jax.jit(functools.partial(gpt2.decode, graphdef), static_argnames="greedy")
+  nxt = jnp.asarray(rng.integers(1, HF_CONFIG["vocab_size"], 3), jnp.int32)
+  logits, kv_logits = step(params, kv, nxt, seq_ids)
+  greedy, kv_greedy = step(params, kv, nxt, seq_ids, greedy=True)
+  assert greedy.dtype == jnp.int32
+  np.testing.assert_array_equal(greedy, np.argmax(np.asarray(logits), -1))
+  chex.assert_trees_all_equal(kv_greedy, kv_logits)
 
 
 def test_greedy_generate_matches_hf(checkpoint):

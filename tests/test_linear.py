@@ -115,6 +115,50 @@ def test_bad_inputs_raise(args, name):
     linear.linear(jnp.ones((4, 8)), jnp.ones((8, 16)), sections=(8, 4))
 
 
+def _check_argmax_attend(rows, vocab, depth, dtype, interpret):
+  x, _, _ = _inputs(rows, depth, 8, dtype, rows + vocab)
+  rng = np.random.default_rng(vocab)
+  embedding = jnp.asarray(rng.standard_normal((vocab, depth)) / np.sqrt(depth), dtype)
+  # Exact ties: row 3 of the table duplicated at the end; the first index must win.
+  embedding = embedding.at[vocab - 1].set(embedding[3])
+  x = x.at[0].set(embedding[3] * 4)  # row 0's maximum is at 3 and at vocab - 1
+  got = np.asarray(linear.argmax_attend(x, embedding, interpret=interpret))
+  assert got.shape == (rows,) and got.dtype == np.int32
+  assert got[0] == 3
+  # Every pick is a maximum of the exact logits, to the logits' rounding.
+  logits = np.asarray(x, np.float64) @ np.asarray(embedding, np.float64).T
+  picked = logits[np.arange(rows), got]
+  np.testing.assert_allclose(picked, logits.max(-1), rtol=_TOL[dtype]["rtol"], atol=1e-6)
+  return got, x, embedding
+
+
+# vocab: ragged and whole 128-column blocks; rows: one, a few, two row blocks (> 128).
+@pytest.mark.parametrize("rows,vocab,depth,dtype", [
+    (1, 97, 64, jnp.float32), (5, 300, 48, jnp.float32), (130, 1000, 64, jnp.bfloat16),
+    (16, 256, 96, jnp.float16)])
+def test_argmax_attend_matches_xla(rows, vocab, depth, dtype):
+  got, x, embedding = _check_argmax_attend(rows, vocab, depth, dtype, interpret=True)
+  np.testing.assert_array_equal(got, np.asarray(linear.argmax_attend(x, embedding)))
+  x3 = x.reshape(1, rows, depth)
+  chex.assert_shape(linear.argmax_attend(x3, embedding, interpret=True), (1, rows))
+
+
+@pytest.mark.parametrize("x,embedding,name", [
+    (jnp.ones((4, 8), jnp.int32), jnp.ones((16, 8), jnp.int32), "x"),
+    (jnp.ones((4, 8)), jnp.ones((16, 9)), "embedding must have shape"),
+    (jnp.ones((4, 8)), jnp.ones((16, 8), jnp.bfloat16), "embedding must have x's dtype")])
+def test_argmax_attend_bad_inputs_raise(x, embedding, name):
+  with pytest.raises(ValueError, match=name):
+    linear.argmax_attend(x, embedding, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,vocab,depth,dtype", [
+    (128, 50257, 768, jnp.bfloat16), (256, 1000, 256, jnp.float32), (3, 500, 64, jnp.float16)])
+def test_argmax_attend_compiled_gpu(rows, vocab, depth, dtype):
+  _check_argmax_attend(rows, vocab, depth, dtype, interpret=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,depth,cols,dtype", [
     (128, 768, 2304, jnp.bfloat16), (128, 768, 3072, jnp.float16), (37, 3072, 768, jnp.bfloat16),
