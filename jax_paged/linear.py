@@ -194,7 +194,8 @@ def _block_m(rows: int) -> int:
 
 def _block_k(block_m: int, depth: int, block_n: int, itemsize: int) -> int:
   """K per step: 128, halved until every stage's x and kernel tiles fit the shared-memory
-  budget (64 for bf16 at 256 rows, or for f32 at 128), never much deeper than K."""
+  budget (at 64-row blocks 128 fits every dtype at block_n 32 and 64; the budget guards
+  other tile constants), never much deeper than K."""
   block_k = min(_BLOCK_K, max(16, pl.next_power_of_2(depth)))
   while (block_k > 16 and
          (_NUM_STAGES - 1) * (block_m + block_n) * block_k * itemsize > _SMEM_BYTES):
