@@ -25,6 +25,12 @@ from jax_paged import linear
 from jax_paged import triton_backend
 
 
+def _writable(slot, layer, *, slots_per_head: int, num_layers: int):
+  """Inside a kernel: whether a token's slot and the layer address the pool (padding and
+  out-of-range slots or layers are not written)."""
+  return (slot >= 0) & (slot < slots_per_head) & (layer >= 0) & (layer < num_layers)
+
+
 def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, k_in_ref, v_in_ref, k_out_ref,
                   v_out_ref, *, num_layers: int, num_kv_heads: int, head_dim: int,
                   slots_per_head: int, block_h: int, block_d: int):
@@ -36,7 +42,7 @@ def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, k_in_ref, v_in_ref, k_out_
   layer = layer_ref[0]
   heads = jnp.arange(block_h)
   cols = jnp.arange(block_d)
-  valid = (slot >= 0) & (slot < slots_per_head) & (layer >= 0) & (layer < num_layers)
+  valid = _writable(slot, layer, slots_per_head=slots_per_head, num_layers=num_layers)
   mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < head_dim) & valid
   src = (n, heads[:, None], cols[None, :])
   rows = (layer * num_kv_heads + heads) * slots_per_head + jnp.maximum(slot, 0)
@@ -94,12 +100,12 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
     bias_ref, *refs = refs
   _, _, q_ref, k_out_ref, v_out_ref = refs
   n, m = pl.program_id(0), pl.program_id(1)
-  acc = linear.matmul_tile(x_ref, w_ref, m=m, n=n, split=0, rows=rows,
-                           cols=q_width + 2 * kv_width, depth=depth, block_m=block_m,
-                           block_n=block_n, block_k=block_k,
+  cols = q_width + 2 * kv_width
+  acc = linear.matmul_tile(x_ref, w_ref, m=m, n=n, split=0, rows=rows, cols=cols,
+                           depth=depth, block_m=block_m, block_n=block_n, block_k=block_k,
                            k_split=pl.cdiv(depth, block_k) * block_k)
-  r, c, _, _ = linear.tile_indices(m, n, rows=rows, cols=q_width + 2 * kv_width,
-                                   block_m=block_m, block_n=block_n)
+  r, c, _, _ = linear.tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
+                                   block_n=block_n)
   if has_bias:
     acc += plgpu.load(bias_ref.at[c]).astype(jnp.float32)[None, :]
   row_mask = r < rows
@@ -113,8 +119,8 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   # row goes to its token's slot in that head's pages of `layer`.
   layer = layer_ref[0]
   slot = plgpu.load(slots_ref.at[r], mask=row_mask, other=-1)
-  valid = (row_mask & (slot >= 0) & (slot < slots_per_head) & (layer >= 0)
-           & (layer < num_layers))
+  valid = row_mask & _writable(slot, layer, slots_per_head=slots_per_head,
+                              num_layers=num_layers)
   for out_ref, start in ((k_out_ref, q_width), (v_out_ref, q_width + kv_width)):
     @pl.when((n * block_n >= start) & (n * block_n < start + kv_width))
     def _(out_ref=out_ref, start=start):

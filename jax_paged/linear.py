@@ -186,17 +186,22 @@ def compiler_params():
   return triton_backend.compiler_params(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
 
 
+def _tile(size: int, limit: int) -> int:
+  """A block covering `size`: a power of two >= 16 (the smallest tensor-core tile), at
+  most `limit`."""
+  return min(limit, max(16, pl.next_power_of_2(size)))
+
+
 def _block_m(rows: int) -> int:
-  """Rows per program: the rows padded to a power of two >= 16 (the smallest tensor-core
-  tile), at most _ROW_BLOCK."""
-  return min(_ROW_BLOCK, max(16, pl.next_power_of_2(rows)))
+  """Rows per program: the rows padded to a tile, at most _ROW_BLOCK."""
+  return _tile(rows, _ROW_BLOCK)
 
 
 def _block_k(block_m: int, depth: int, block_n: int, itemsize: int) -> int:
   """K per step: 128, halved until every stage's x and kernel tiles fit the shared-memory
   budget (at 64-row blocks 128 fits every dtype at block_n 32 and 64; the budget guards
   other tile constants), never much deeper than K."""
-  block_k = min(_BLOCK_K, max(16, pl.next_power_of_2(depth)))
+  block_k = _tile(depth, _BLOCK_K)
   while (block_k > 16 and
          (_NUM_STAGES - 1) * (block_m + block_n) * block_k * itemsize > _SMEM_BYTES):
     block_k //= 2
@@ -382,8 +387,8 @@ def _argmax_pallas(x: jax.Array, embedding: jax.Array, *, interpret: bool) -> ja
   """x [rows, E], embedding [V, E] -> int32 [rows]."""
   rows, depth = x.shape
   vocab = embedding.shape[0]
-  block_m = min(_ARGMAX_BLOCK_M, max(16, pl.next_power_of_2(rows)))
-  block_k = min(_ARGMAX_BLOCK_K, max(16, pl.next_power_of_2(depth)))
+  block_m = _tile(rows, _ARGMAX_BLOCK_M)
+  block_k = _tile(depth, _ARGMAX_BLOCK_K)
   blocks = pl.cdiv(vocab, _ARGMAX_BLOCK_N)
   kernel_fn = functools.partial(
       _argmax_kernel, rows=rows, vocab=vocab, depth=depth, block_m=block_m,
