@@ -4,19 +4,22 @@ A decode step reads every weight once and every live K/V byte once, so its floor
 (weight bytes + live KV bytes) / read bandwidth, with the read ceiling measured in the same
 run as `jnp.sum(x, dtype=f32)` over 4 GiB of bf16. All sequences start at `context` tokens
 (pages randomly permuted over the pool). The step is timed inside the engine's device loop
-(`iters` steps per jitted call, how `jax_paged.Engine` decodes) and as one jitted call per
+(`iters` steps per jitted call, how `jax_paged.Engine` decodes; each timed call from a
+fresh pool at `context`, the floor at the mean context of its steps) and as one jitted call per
 step (`gpt2.jit_steps(...).decode`, where the host's dispatch shows), then again with a
 pool twice as large: nothing in the step may scale with the pool (no copy of the donated
 pool), so the time must not change.
 
     PYTHONPATH=. python benchmarks/bench_decode_step.py [--batches 1 32 128]
-        [--contexts 512 1024] [--iters 50]
+        [--contexts 512 1024] [--iters 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,14 +95,18 @@ def decode_chunk(graphdef, params, kv, batch: int, steps: int):
             max_steps=steps, greedy=True)
 
 
-def time_device_loop(graphdef, params, kv, batch: int, iters: int, calls: int = 3
-                     ) -> tuple[float, pool_lib.KVPool]:
+def time_device_loop(graphdef, params, make_pool: Callable[[], pool_lib.KVPool], batch: int,
+                     iters: int, calls: int = 7) -> tuple[float, pool_lib.KVPool]:
   """Seconds per decode step inside the engine's device loop (`iters` steps per call):
-  the median over `calls` timed calls after one warm-up call, and the pool after them."""
-  out, kv = decode_chunk(graphdef, params, kv, batch, iters)  # compile + warm up
+  the median over `calls` timed calls, each from a fresh pool of `make_pool()` (the same
+  contexts every call, so the calls differ only by noise), after one warm-up call; and the
+  pool after the last call."""
+  out, kv = decode_chunk(graphdef, params, make_pool(), batch, iters)  # compile + warm up
   out.block_until_ready()
   times = []
   for _ in range(calls):
+    del kv  # the old pool's memory, before the next is made
+    kv = jax.block_until_ready(make_pool())
     start = time.perf_counter()
     out, kv = decode_chunk(graphdef, params, kv, batch, iters)
     out.block_until_ready()
@@ -130,10 +137,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
   parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024])
-  parser.add_argument("--iters", type=int, default=50)
+  parser.add_argument("--iters", type=int, default=64,
+                      help="steps per device call, a multiple of engine.STEPS_PER_CHECK (the "
+                           "loop's last group would otherwise run partly idle)")
   parser.add_argument("--double-pool-batch", type=int, default=128,
                       help="batch at which the 2x pool is also timed")
   args = parser.parse_args()
+  if args.iters < 1 or args.iters % engine.STEPS_PER_CHECK:
+    parser.error(f"--iters must be a positive multiple of {engine.STEPS_PER_CHECK}, got "
+                 f"{args.iters}")
 
   ceiling = common.read_ceiling_gbs()
   config = gpt2.GPT2Config()
@@ -141,7 +153,9 @@ def main():
   graphdef, params = nnx.split(model)
   steps = gpt2.jit_steps(graphdef)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  headroom = 5 * args.iters + 3  # tokens added by every timed and warm-up step
+  # Tokens added to a pool: a device loop call, then the one-call-per-step warm-up and
+  # timed steps.
+  headroom = 2 * args.iters + 3
 
   print(f"# GPT-2 124M decode step, bf16, page {PAGE_SIZE}: {common.header()}")
   print(f"read ceiling (jnp.sum over 4 GiB bf16): {ceiling:.0f} GB/s; "
@@ -158,14 +172,14 @@ def main():
       # 1x, 2x, 1x, 2x: the repeat shows the run-to-run spread next to any pool effect.
       sizes = [pages, 2 * pages] * 2 if batch == args.double_pool_batch else [pages]
       for num_pages in sizes:
-        kv = filled_pool(model, batch, context, num_pages, pages_per_seq, seed=batch + context)
-        # The device loop runs first, from `context`: its timed calls cover tokens
-        # context + iters .. context + 4 * iters.
-        loop_step, kv = time_device_loop(graphdef, params, kv, batch, args.iters)
+        make_pool = functools.partial(filled_pool, model, batch, context, num_pages,
+                                      pages_per_seq, seed=batch + context)
+        # Each timed call of the device loop covers tokens context .. context + iters.
+        loop_step, kv = time_device_loop(graphdef, params, make_pool, batch, args.iters)
         call_step, host, kv = time_decode(steps, params, kv, batch, args.iters)
         attention = time_attention(kv, config.n_layer, args.iters)
         del kv
-        live = context + 2.5 * args.iters
+        live = context + 0.5 * args.iters
         kv_bytes = (2 * batch * live * config.n_layer * config.n_embd
                     * jnp.dtype(jnp.bfloat16).itemsize)
         floor = (weight_bytes + kv_bytes) / (ceiling * 1e9)

@@ -25,6 +25,7 @@ from flax import nnx
 from benchmarks import bench_decode_step
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
+from jax_paged import engine
 from models import gpt2
 
 
@@ -32,11 +33,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--context", type=int, default=512)
-  parser.add_argument("--steps", type=int, default=32)
+  parser.add_argument("--steps", type=int, default=32,
+                      help="steps per device call, a multiple of engine.STEPS_PER_CHECK")
   parser.add_argument("--calls", type=int, default=3, help="profiled device calls")
   parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--hlo", help="also write the decode loop's optimized HLO here")
   args = parser.parse_args()
+  if args.steps < 1 or args.steps % engine.STEPS_PER_CHECK:
+    parser.error(f"--steps must be a positive multiple of {engine.STEPS_PER_CHECK}, got "
+                 f"{args.steps}")
 
   config = gpt2.GPT2Config()
   model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

@@ -151,9 +151,22 @@ def _prefill_and_sample(graphdef, params, kv, tokens, lengths, seq_ids, seeds, i
   return _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=greedy), kv
 
 
+# XLA runs a while loop from the host: each iteration copies the predicate to the host,
+# which then launches the next body while the GPU waits. So the decode loop checks only
+# between groups of this many steps, run as a fixed-trip inner loop that XLA launches
+# without a round trip (H200: 465 -> 432 µs per step at batch 1, ~1-2% at batch 128;
+# benchmarks/RESULTS.md). The price: when every row stops inside a group, the rest of the
+# group runs idle (no row active, nothing written).
+STEPS_PER_CHECK = 16
+
+
 def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget, stop_ids,
                  seeds, temperature, top_k, top_p, *, max_steps: int, greedy: bool):
   """Up to `num_steps` (<= max_steps) decode steps on device.
+
+  The loop checks every `min(STEPS_PER_CHECK, max_steps)` steps whether steps are left and
+  a row is still active; steps past `num_steps`, and those after every row has stopped in
+  a group under way, run with every row inactive: they write nothing.
 
   Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
@@ -169,23 +182,26 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
     step, _, _, active, *_ = carry
     return (step < num_steps) & jnp.any(active)
 
-  def body(carry):
+  def body(_, carry):
     step, kv, tokens, active, index, budget, out = carry
+    active &= step < num_steps
     if greedy:  # the argmax without the [B, vocab] logits
       new, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active)
       new = _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=False)
-    out = out.at[step].set(jnp.where(active, new, -1))
+    out = out.at[step].set(jnp.where(active, new, -1), mode="drop")
     index += active
     budget -= active
     stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
     tokens = jnp.where(active, new, tokens)
     return step + 1, kv, tokens, active & ~stopped, index, budget, out
 
+  per_check = min(STEPS_PER_CHECK, max_steps)
   out = jnp.full((max_steps, b), -1, jnp.int32)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
-  _, kv, *_, out = jax.lax.while_loop(cond, body, carry)
+  _, kv, *_, out = jax.lax.while_loop(
+      cond, lambda carry: jax.lax.fori_loop(0, per_check, body, carry), carry)
   return out, kv
 
 
@@ -213,7 +229,8 @@ class Engine:
     page_size: tokens per page.
     steps_per_call: the most decode steps per device call (one host round trip per
       chunk; streamed tokens arrive per chunk). 128 was the fastest measured (GPT-2 124M
-      on an H200: 112k vs 105k tokens/s at 32, benchmarks/RESULTS.md).
+      on an H200: 112k vs 105k tokens/s at 32, benchmarks/RESULTS.md). Above
+      `STEPS_PER_CHECK` (16), calls are rounded down to whole groups of it.
     max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
       prefill memory); more admissions go into further calls before the next chunk,
       grouped by length so that short prompts are not padded to long ones.
@@ -509,6 +526,10 @@ class Engine:
 
   def _decode(self, steps, slots, report, retire):
     b = self.max_batch
+    # Whole groups of checked steps: a partial group would run idle steps to its end.
+    per_check = min(STEPS_PER_CHECK, self.steps_per_call)
+    if steps > per_check:
+      steps -= steps % per_check
     stops = [([self.eos_token_id] if self.eos_token_id is not None else [])
              + list(s.request.stop_token_ids) if s is not None else [] for s in slots]
     stop_ids = np.full((b, _bucket(max(map(len, stops)), 1)), -1, np.int32)

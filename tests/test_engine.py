@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax_paged import engine
 from jax_paged.engine import Engine, Request
 from jax_paged.static_batch import generate
 from models import gpt2
@@ -29,15 +30,49 @@ def greedy_reference(model, prompts):
   return generate(model, prompts, 14, page_size=8)
 
 
-@pytest.mark.parametrize("max_batch,order_seed", [(1, 0), (3, 1), (16, 2)])
+# steps_per_call 20: calls rounded down to a group of STEPS_PER_CHECK = 16 checked steps,
+# in which every row stops (13 decode steps each) and the rest run idle.
+@pytest.mark.parametrize("max_batch,order_seed,steps_per_call",
+                         [(1, 0, 5), (3, 1, 5), (16, 2, 5), (3, 3, 20)])
 def test_greedy_matches_static_generate_whatever_order_and_capacity(
-    model, prompts, greedy_reference, max_batch, order_seed):
+    model, prompts, greedy_reference, max_batch, order_seed, steps_per_call):
   order = np.random.default_rng(order_seed).permutation(len(prompts))
-  eng = Engine(model, max_batch=max_batch, num_pages=64, page_size=8, steps_per_call=5)
+  eng = Engine(model, max_batch=max_batch, num_pages=64, page_size=8,
+               steps_per_call=steps_per_call)
   outputs, report = eng.generate([Request(prompts[i], 14) for i in order])
   assert [outputs[j] for j in np.argsort(order)] == greedy_reference
   assert report.generated_tokens == 14 * len(prompts) and report.preemptions == 0
   assert int(eng.kv.num_free_pages()) == 64
+
+
+def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
+  """The device loop checks every 16 steps: 37 steps asked of a 40-step call run as three
+  groups whose last steps past 37 stay idle (nothing written, lengths unchanged), and a row
+  that stops inside a group (budget 2) stays stopped."""
+  assert engine.STEPS_PER_CHECK == 16
+  reference = generate(model, prompts[:2], 38, page_size=8)
+  graphdef, params = nnx.split(model)
+  prefill, decode = engine._jitted(graphdef)  # pylint: disable=protected-access
+  kv = model.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
+  rows = np.arange(2, dtype=np.int32)
+  lengths = np.array([len(prompts[0]), len(prompts[1])], np.int32)
+  tokens = np.zeros((2, max(lengths)), np.int32)
+  for i in rows:
+    tokens[i, :lengths[i]] = prompts[i]
+  sampling = dict(seeds=np.zeros(2, np.uint32), temperature=np.zeros(2, np.float32),
+                  top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32))
+  first, kv = prefill(params, kv, tokens, lengths, rows, index=np.zeros(2, np.int32),
+                      greedy=True, **sampling)
+  out, kv = decode(params, kv, np.int32(37), tokens=np.asarray(first), active=np.ones(2, bool),
+                   index=np.ones(2, np.int32), budget=np.array([40, 2], np.int32),
+                   stop_ids=np.full((2, 1), -1, np.int32), max_steps=40, greedy=True,
+                   **sampling)
+  out = np.asarray(out)
+  np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
+  np.testing.assert_array_equal(out[:2, 1], reference[1][1:3])
+  assert (out[37:] == -1).all() and (out[2:, 1] == -1).all()
+  # Each decode step cached the previous newest token.
+  np.testing.assert_array_equal(np.asarray(kv.lengths), lengths + [37, 2])
 
 
 def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prompts,
