@@ -95,6 +95,14 @@ def decode_chunk(graphdef, params, kv, batch: int, steps: int):
             max_steps=steps, greedy=True)
 
 
+def check_steps_per_call(parser: argparse.ArgumentParser, flag: str, steps: int) -> None:
+  """Exits through `parser` unless `steps` (a device loop call's steps) is a positive
+  multiple of `engine.STEPS_PER_CHECK`: the loop's last group would run partly idle."""
+  if steps < 1 or steps % engine.STEPS_PER_CHECK:
+    parser.error(f"{flag} must be a positive multiple of {engine.STEPS_PER_CHECK}, got "
+                 f"{steps}")
+
+
 def time_device_loop(graphdef, params, make_pool: Callable[[], pool_lib.KVPool], batch: int,
                      iters: int, calls: int = 7) -> tuple[float, pool_lib.KVPool]:
   """Seconds per decode step inside the engine's device loop (`iters` steps per call):
@@ -143,9 +151,7 @@ def main():
   parser.add_argument("--double-pool-batch", type=int, default=128,
                       help="batch at which the 2x pool is also timed")
   args = parser.parse_args()
-  if args.iters < 1 or args.iters % engine.STEPS_PER_CHECK:
-    parser.error(f"--iters must be a positive multiple of {engine.STEPS_PER_CHECK}, got "
-                 f"{args.iters}")
+  check_steps_per_call(parser, "--iters", args.iters)
 
   ceiling = common.read_ceiling_gbs()
   config = gpt2.GPT2Config()

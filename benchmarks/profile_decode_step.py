@@ -25,7 +25,6 @@ from flax import nnx
 from benchmarks import bench_decode_step
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
-from jax_paged import engine
 from models import gpt2
 
 
@@ -39,9 +38,7 @@ def main():
   parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--hlo", help="also write the decode loop's optimized HLO here")
   args = parser.parse_args()
-  if args.steps < 1 or args.steps % engine.STEPS_PER_CHECK:
-    parser.error(f"--steps must be a positive multiple of {engine.STEPS_PER_CHECK}, got "
-                 f"{args.steps}")
+  bench_decode_step.check_steps_per_call(parser, "--steps", args.steps)
 
   config = gpt2.GPT2Config()
   model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

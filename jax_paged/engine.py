@@ -160,11 +160,16 @@ def _prefill_and_sample(graphdef, params, kv, tokens, lengths, seq_ids, seeds, i
 STEPS_PER_CHECK = 16
 
 
+def _steps_per_check(max_steps: int) -> int:
+  """Steps between the decode loop's checks for a call of at most `max_steps` steps."""
+  return min(STEPS_PER_CHECK, max_steps)
+
+
 def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget, stop_ids,
                  seeds, temperature, top_k, top_p, *, max_steps: int, greedy: bool):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
-  The loop checks every `min(STEPS_PER_CHECK, max_steps)` steps whether steps are left and
+  The loop checks every `_steps_per_check(max_steps)` steps whether steps are left and
   a row is still active; steps past `num_steps`, and those after every row has stopped in
   a group under way, run with every row inactive: they write nothing.
 
@@ -197,7 +202,7 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
     tokens = jnp.where(active, new, tokens)
     return step + 1, kv, tokens, active & ~stopped, index, budget, out
 
-  per_check = min(STEPS_PER_CHECK, max_steps)
+  per_check = _steps_per_check(max_steps)
   out = jnp.full((max_steps, b), -1, jnp.int32)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
   _, kv, *_, out = jax.lax.while_loop(
@@ -527,7 +532,7 @@ class Engine:
   def _decode(self, steps, slots, report, retire):
     b = self.max_batch
     # Whole groups of checked steps: a partial group would run idle steps to its end.
-    per_check = min(STEPS_PER_CHECK, self.steps_per_call)
+    per_check = _steps_per_check(self.steps_per_call)
     if steps > per_check:
       steps -= steps % per_check
     stops = [([self.eos_token_id] if self.eos_token_id is not None else [])
