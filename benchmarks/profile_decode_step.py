@@ -25,6 +25,7 @@ from flax import nnx
 from benchmarks import bench_decode_step
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
+from jax_paged import engine
 from models import gpt2
 
 
@@ -49,19 +50,20 @@ def main():
   fresh_pool = lambda: bench_decode_step.filled_pool(
       model, args.batch, args.context, args.batch * pages_per_seq, pages_per_seq, seed=0)
   kv = fresh_pool()
+  loop = engine._jitted(graphdef)[1]
   if args.hlo:
     with open(args.hlo, "w") as f:
-      f.write(jax.jit(lambda p, kv: decode_chunk(graphdef, p, kv, args.batch, args.steps))
+      f.write(jax.jit(lambda p, kv: decode_chunk(loop, p, kv, args.batch, args.steps))
               .lower(params, kv).compile().as_text())
   for _ in range(2):  # compile, warm up
-    out, kv = decode_chunk(graphdef, params, kv, args.batch, args.steps)
+    out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
   out.block_until_ready()
   # Time and profile from `context` tokens, so the mean context is context + calls * steps / 2.
   kv = fresh_pool()
   times = []
   for _ in range(args.calls):
     start = time.perf_counter()
-    out, kv = decode_chunk(graphdef, params, kv, args.batch, args.steps)
+    out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
     out.block_until_ready()
     times.append((time.perf_counter() - start) / args.steps)
   wall = float(np.median(times))
@@ -70,7 +72,7 @@ def main():
   trace_dir = tempfile.mkdtemp(dir=common.out_dir())
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(args.calls):
-      out, kv = decode_chunk(graphdef, params, kv, args.batch, args.steps)
+      out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
     out.block_until_ready()
   events = common.gpu_kernel_events(trace_dir)
   steps = args.calls * args.steps
