@@ -101,14 +101,19 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   _, _, q_ref, k_out_ref, v_out_ref = refs
   n, m = pl.program_id(0), pl.program_id(1)
   cols = q_width + 2 * kv_width
+  r, c, _, _ = linear.tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
+                                   block_n=block_n)
+  row_mask = r < rows
+  # The epilogue's operands are loaded before the K loop, so their memory latency hides
+  # under the loop's loads instead of adding to the program's tail.
+  bias = plgpu.load(bias_ref.at[c]) if has_bias else None
+  layer = layer_ref[0]
+  slot = plgpu.load(slots_ref.at[r], mask=row_mask, other=-1)
   acc = linear.matmul_tile(x_ref, w_ref, m=m, n=n, split=0, rows=rows, cols=cols,
                            depth=depth, block_m=block_m, block_n=block_n, block_k=block_k,
                            k_split=pl.cdiv(depth, block_k) * block_k)
-  r, c, _, _ = linear.tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
-                                   block_n=block_n)
   if has_bias:
-    acc += plgpu.load(bias_ref.at[c]).astype(jnp.float32)[None, :]
-  row_mask = r < rows
+    acc += bias.astype(jnp.float32)[None, :]
 
   @pl.when(n * block_n < q_width)
   def _():
@@ -117,8 +122,6 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
 
   # K and V columns: head (col // D) is one per program (D is a multiple of block_n); each
   # row goes to its token's slot in that head's pages of `layer`.
-  layer = layer_ref[0]
-  slot = plgpu.load(slots_ref.at[r], mask=row_mask, other=-1)
   valid = row_mask & _writable(slot, layer, slots_per_head=slots_per_head,
                               num_layers=num_layers)
   for out_ref, start in ((k_out_ref, q_width), (v_out_ref, q_width + kv_width)):
@@ -138,7 +141,7 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
 def can_project_write(rows: int, head_dim: int, num_layers: int) -> bool:
   """Whether `project_write_kv_pallas` takes these shapes: decode's few rows, heads made
   of whole column blocks (so each program writes one head), more than one layer."""
-  _, block_n, _ = linear.whole_k_tiles(rows, 1, 2)
+  _, block_n, _ = linear.whole_k_tiles(rows, 1, 2, (head_dim,))
   return 0 < rows <= linear.MAX_ROWS and head_dim % block_n == 0 and num_layers > 1
 
 
@@ -168,7 +171,8 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
   rows, depth = x.shape
   slots_per_head = pages * page_size
   flat = (layers * hkv * slots_per_head, d)
-  block_m, block_n, block_k = linear.whole_k_tiles(rows, depth, x.dtype.itemsize)
+  block_m, block_n, block_k = linear.whole_k_tiles(rows, depth, x.dtype.itemsize,
+                                                   (q_width, d))
   kernel_fn = functools.partial(
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
       head_dim=d, num_layers=layers, num_kv_heads=hkv, slots_per_head=slots_per_head,

@@ -37,10 +37,14 @@ from jax_paged import triton_backend
 
 # Rows the kernel takes; more (a prompt) go to XLA, whose GEMMs are then compute-bound.
 MAX_ROWS = 256
-# Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): whole-K programs of 32
-# columns, 128-deep K steps, 4 warps, 4 stages were the best or within 0.1 µs of it for
-# K = 768 (N = 2304, 3072).
-_BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 32, 128, 4, 4
+# Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): 128-deep K steps, 4
+# warps, 4 stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072).
+_BLOCK_K, _NUM_WARPS, _NUM_STAGES = 128, 4, 4
+# Columns per whole-K program: 64 (qkv and c_fc of GPT-2 at 128 rows on an H200: 4.9 / 5.2
+# µs vs 5.4 / 5.7 at 32, RESULTS.md 2026-11-22 11:10), or 32 where the output's sections
+# (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32 (64 when K is
+# long): its consumer reads every partial, and fewer, wider programs were slower there.
+_BLOCK_N, _NARROW_BLOCK_N = 64, 32
 # Rows per program (H100, 128 rows, RESULTS.md 2026-11-22 08:05-08:08): 64-row blocks
 # made c_fc 0.4 µs faster than one 128-row block, and `linear_partials` splits rows before
 # K, since every K split adds a partial for the consumer to read and a row block does not
@@ -117,16 +121,19 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
   bias_ref = refs.pop(0) if has_bias else None
   o_refs = refs
   n, split, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  acc = matmul_tile(x_ref, w_ref, m=m, n=n, split=split, rows=rows, cols=cols, depth=depth,
-                    block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
   r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
                                           block_n=block_n)
+  # Loaded before the K loop, so its memory latency hides under the loop's loads instead
+  # of adding to the program's tail.
+  if has_bias and not partials:
+    bias = plgpu.load(bias_ref.at[c], mask=col_mask, other=None if col_mask is None else 0.0)
+  acc = matmul_tile(x_ref, w_ref, m=m, n=n, split=split, rows=rows, cols=cols, depth=depth,
+                    block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
   mask = triton_backend.and_masks(row_mask, col_mask)
   if partials:
     plgpu.store(o_refs[0].at[split, r[:, None], c[None, :]], acc, mask=mask)
     return
   if has_bias:
-    bias = plgpu.load(bias_ref.at[c], mask=col_mask, other=None if col_mask is None else 0.0)
     acc += bias.astype(jnp.float32)[None, :]
   if activation is not None:
     acc = activation(acc)
@@ -174,11 +181,15 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
   )(x, kernel, *(() if bias is None else (bias,)))
 
 
-def whole_k_tiles(rows: int, depth: int, itemsize: int) -> tuple[int, int, int]:
+def whole_k_tiles(rows: int, depth: int, itemsize: int, sections: Sequence[int] = ()
+                  ) -> tuple[int, int, int]:
   """(block_m, block_n, block_k) of whole-K programs (`linear`, or a kernel built on
-  `matmul_tile`) for `rows` x `depth` inputs of `itemsize` bytes."""
+  `matmul_tile`) for `rows` x `depth` inputs of `itemsize` bytes, whose column blocks
+  must each lie inside one of `sections` (widths; block_n divides each where 64 or 32
+  does)."""
   block_m = _block_m(rows)
-  return block_m, _BLOCK_N, _block_k(block_m, depth, _BLOCK_N, itemsize)
+  block_n = _BLOCK_N if all(w % _BLOCK_N == 0 for w in sections) else _NARROW_BLOCK_N
+  return block_m, block_n, _block_k(block_m, depth, block_n, itemsize)
 
 
 def compiler_params():
@@ -246,7 +257,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     sections: column widths summing to N: return the output split into that many arrays
       (a fused q/k/v projection's q, k, v), each written by the kernel itself, where
       slicing one output would copy each part. Widths that are multiples of 32 keep it one
-      kernel; others are sliced from the whole output.
+      kernel (of 64-column programs where all are multiples of 64); others are sliced from
+      the whole output.
     interpret: None = the Triton kernel on a GPU, plain XLA elsewhere; True = the kernel
       in Pallas interpret mode (tests); False = the kernel.
 
@@ -262,7 +274,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                      f"{sections!r}")
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
   mode = _kernel_mode(x, kernel, interpret)
-  if mode is None or (len(widths) > 1 and any(w % _BLOCK_N for w in widths)):
+  if mode is None or (len(widths) > 1 and any(w % _NARROW_BLOCK_N for w in widths)):
     if mode is None:
       y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype)
     else:
@@ -271,7 +283,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
-  block_m, block_n, block_k = whole_k_tiles(*x2.shape, x.dtype.itemsize)
+  block_m, block_n, block_k = whole_k_tiles(*x2.shape, x.dtype.itemsize,
+                                            widths if len(widths) > 1 else ())
   ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
                       sections=widths, block_m=block_m, block_n=block_n,
@@ -337,7 +350,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   if not (isinstance(splits, int) and splits > 0):
     raise ValueError(f"splits must be a positive int or None, got {splits!r}")
   # Fewer, wider programs when K is long: about the same program count, fewer partials.
-  block_n = _BLOCK_N if depth <= 1024 else 2 * _BLOCK_N
+  block_n = _NARROW_BLOCK_N if depth <= 1024 else 2 * _NARROW_BLOCK_N
   block_m = _block_m(rows)
   block_k = _block_k(block_m, depth, block_n, x.dtype.itemsize)
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64

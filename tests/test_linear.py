@@ -64,9 +64,10 @@ def test_linear_partials_sum_to_product(rows, depth, cols, splits, want_splits):
                               rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sections", [(64, 32, 32), (40, 50, 38)])
+@pytest.mark.parametrize("sections", [(64, 64), (64, 32, 32), (40, 50, 38)])
 def test_sections(sections):
-  # Multiples of 32: one kernel storing each section; otherwise sliced from the output.
+  # Multiples of 64 / 32: one kernel of 64- / 32-column programs storing each section;
+  # otherwise sliced from the output.
   x, w, b = _inputs(9, 80, 128, jnp.float32, 3)
   parts = linear.linear(x, w, b, activation=_GELU, sections=sections, interpret=True)
   assert [p.shape for p in parts] == [(9, n) for n in sections]
