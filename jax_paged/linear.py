@@ -378,8 +378,8 @@ _ARGMAX_BLOCK_M, _ARGMAX_BLOCK_N, _ARGMAX_BLOCK_K = 128, 128, 64
 
 def _argmax_kernel(x_ref, e_ref, val_ref, idx_ref, *, rows: int, vocab: int, depth: int,
                    block_m: int, block_n: int, block_k: int, logits_dtype):
-  """Refs: x [rows, depth], embedding [vocab, depth]; outputs: the max [blocks, rows] f32
-  and its first column [blocks, rows] int32 of each row over this program's columns."""
+  """Refs: x [rows, depth], embedding [vocab, depth]; outputs: the max [rows, blocks] f32
+  and its first column [rows, blocks] int32 of each row over this program's columns."""
   m, n = pl.program_id(0), pl.program_id(1)
   acc = matmul_tile(x_ref, e_ref, m=m, n=n, split=0, rows=rows, cols=vocab, depth=depth,
                     block_m=block_m, block_n=block_n, block_k=block_k,
@@ -390,8 +390,8 @@ def _argmax_kernel(x_ref, e_ref, val_ref, idx_ref, *, rows: int, vocab: int, dep
   logits = acc.astype(logits_dtype).astype(jnp.float32)
   if col_mask is not None:
     logits = jnp.where(col_mask[None, :], logits, -jnp.inf)
-  plgpu.store(val_ref.at[n, r], jnp.max(logits, axis=1), mask=row_mask)
-  plgpu.store(idx_ref.at[n, r], n * block_n + jnp.argmax(logits, axis=1).astype(jnp.int32),
+  plgpu.store(val_ref.at[r, n], jnp.max(logits, axis=1), mask=row_mask)
+  plgpu.store(idx_ref.at[r, n], n * block_n + jnp.argmax(logits, axis=1).astype(jnp.int32),
               mask=row_mask)
 
 
@@ -410,15 +410,17 @@ def _argmax_pallas(x: jax.Array, embedding: jax.Array, *, interpret: bool) -> ja
       kernel_fn,
       # Row blocks fastest: a second row block reads each weight tile right after the first.
       grid=(pl.cdiv(rows, block_m), blocks),
-      out_shape=(jax.ShapeDtypeStruct((blocks, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((blocks, rows), jnp.int32)),
+      # [rows, blocks]: XLA reduces each row's blocks in 2.2 µs where the [blocks, rows]
+      # column reduction took 3.8 (GPT-2's 393 blocks at 128 rows, H200).
+      out_shape=(jax.ShapeDtypeStruct((rows, blocks), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, blocks), jnp.int32)),
       compiler_params=compiler_params(),
       interpret=interpret,
       name="argmax_attend",
   )(x, embedding)
   # The first block holding the row max: the lowest column among equal maxima, as argmax.
-  best = jnp.argmax(values, axis=0)
-  return jnp.take_along_axis(indices, best[None, :], axis=0)[0]
+  best = jnp.argmax(values, axis=1)
+  return jnp.take_along_axis(indices, best[:, None], axis=1)[:, 0]
 
 
 def argmax_attend(x: jax.Array, embedding: jax.Array, *,
@@ -428,7 +430,7 @@ def argmax_attend(x: jax.Array, embedding: jax.Array, *,
   A decode step's LM head writes [rows, V] f32 logits (25.7 MB for GPT-2 at 128 rows)
   that greedy decoding reads once more for their argmax. Here one kernel computes each
   [rows, 128-column] tile of logits and keeps only its row maxima and their columns; a
-  small reduction over the [V / 128, rows] maxima finishes.
+  small reduction over the [rows, V / 128] maxima finishes.
 
   Args:
     x: [..., E] f32 / bf16 / f16 (over MAX_ROWS rows, or without a GPU: plain XLA).
