@@ -28,7 +28,6 @@ from flax import nnx
 
 from benchmarks import common
 from jax_paged import engine
-from jax_paged import nn
 from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
 from models import gpt2
@@ -128,13 +127,13 @@ def time_device_loop(graphdef, params, make_pool: Callable[[], pool_lib.KVPool],
 
 
 def time_attention(kv, num_layers: int, iters: int) -> float:
-  """Seconds per step spent in decode attention alone: the kernel on layer 0's view of
-  the same pool (as the step calls it), times the number of layers."""
+  """Seconds per step spent in decode attention alone: the kernel on layer 0 of the same
+  pool (as the step calls it), times the number of layers."""
   batch = kv.max_seqs
-  q = jax.random.normal(jax.random.key(0), (batch * kv.num_kv_heads, 1, kv.head_dim),
+  q = jax.random.normal(jax.random.key(0), (batch, kv.num_kv_heads, kv.head_dim),
                         kv.k_pages.dtype)
   attend = jax.jit(lambda q, kv: paged_attention.paged_decode_attention(
-      q, *nn.layer_view(kv, 0, kv.page_table, kv.lengths)))
+      q, kv.k_pages, kv.v_pages, kv.page_table, kv.lengths, layer=0))
   out = attend(q, kv)
   out.block_until_ready()
   start = time.perf_counter()

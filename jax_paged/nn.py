@@ -39,38 +39,6 @@ from jax_paged import validation
 DecodeImpl = Literal["auto", "kernel", "reference"]
 
 
-def layer_view(kv: pool_lib.KVPool, layer: int, page_table: jax.Array, lengths: jax.Array
-               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """One layer of the pool as `paged_decode_attention` arguments, without copying it.
-
-  Slicing a layer out of the pool (`kv.k_pages[layer]`) would hand the kernel a copy of
-  that layer's pages every step: a custom call cannot take a view. The whole pool reshaped
-  to [1, layers * Hkv * pages, page_size, D] is a free bitcast instead: each (layer, kv head)
-  owns a range of `num_pages` pages, and each (sequence, kv head) becomes one row of the
-  batch, with its kv head's group of q heads and page ids offset into that range.
-  Pools past 4 GiB are fine: Pallas-Triton computes offsets into such an array in 64 bits
-  (`_compute_offsets_from_indices` in jax's Pallas-Triton lowering), and row indices stay
-  far below 2**31 (elements / head_dim).
-
-  Args:
-    kv: the pool.
-    layer: the layer index.
-    page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
-    lengths: int32 [B].
-
-  Returns:
-    (k_pages, v_pages [1, L * Hkv * num_pages, page_size, D], page_table int32
-    [B * Hkv, max_pages_per_seq], lengths int32 [B * Hkv]); q [B, H, D] goes with them
-    reshaped to [B * Hkv, H // Hkv, D].
-  """
-  layers, hkv, num_pages = kv.k_pages.shape[:3]
-  flat = (1, layers * hkv * num_pages) + kv.k_pages.shape[3:]
-  heads = layer * hkv + jnp.arange(hkv, dtype=jnp.int32)
-  table = page_table[:, None, :] + heads[None, :, None] * num_pages
-  return (kv.k_pages.reshape(flat), kv.v_pages.reshape(flat),
-          table.reshape(-1, page_table.shape[1]), jnp.repeat(lengths, hkv))
-
-
 def _cudnn_supports(q: jax.Array) -> bool:
   """Whether cuDNN's fused attention takes q [B, T, H, D] here (a GPU, 16-bit, D <= 128
   and a multiple of 8: its flash-attention kernels' limits)."""
@@ -296,7 +264,7 @@ class PagedAttention(nnx.Module):
       (y [B, in_features], pool with the new tokens' K/V written).
     """
     b = x.shape[0]
-    hkv, d = self.num_kv_heads, self.head_dim
+    d = self.head_dim
     mode, x_c, kernel = _kernel_mode(self.qkv, x, None)
     if mode is not None and cache_write.can_project_write(b, d, kv.num_layers):
       # One kernel: the projection, K and V stored straight into the pages.
@@ -310,13 +278,12 @@ class PagedAttention(nnx.Module):
     else:
       q, k, v = self._project(x)
       kv = pool_lib.write_kv(kv, layer, slots, k, v)
-    k_pages, v_pages, table, kv_lengths = layer_view(kv, layer, page_table, lengths)
     use_kernel = self.decode_impl == "kernel" or (
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
-    y = attend(
-        q.reshape(b * hkv, -1, d).astype(kv.k_pages.dtype), k_pages, v_pages, table,
-        kv_lengths, scale=self.scale)
+    # The whole pool with `layer`: the kernel reads the layer in place.
+    y = attend(q.reshape(b, -1, d).astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages,
+               page_table, lengths, layer=layer, scale=self.scale)
     y = y.reshape(b, -1).astype(x.dtype)
     return (self.out(y) if project else y), kv

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from jax_paged import merge_attention
 from jax_paged import reference
@@ -66,17 +67,20 @@ def default_config(num_programs: int, group: int, head_dim: int) -> tuple[int, i
           _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
 
 
-def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                   scale: float, logits_soft_cap: float | None, sliding_window: int | None,
+def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                   *, scale: float, logits_soft_cap: float | None,
+                   sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                    block_n: int, num_splits: int):
   """One (sequence b, kv head, split) program.
 
-  Refs are whole arrays: lengths [B], page_table [B, max_pages], q [B, H, D],
-  k/v [Hkv, num_pages * page_size, D], o [S, B, H, D], lse [S, B, H].
+  Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
+  k/v [L * Hkv * num_pages * page_size, D], o [S, B, H, D], lse [S, B, H].
   """
   b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lengths_ref[b]
+  # The first K/V row of this (layer, kv head): the pool is [L, Hkv, pages, page_size, D].
+  head_base = (layer_ref[0] * num_kv_heads + kv_head) * (num_pages * page_size)
   first = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
   # Split the live tokens evenly (rounded to whole blocks) over the splits.
   per_split = pl.cdiv(pl.cdiv(length - first, num_splits), block_n) * block_n
@@ -98,8 +102,8 @@ def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_
     tok = lo + i * block_n + jnp.arange(block_n)
     live = tok < hi
     pages = plgpu.load(page_table_ref.at[b, tok // page_size], mask=live, other=0)
-    rows = pages * page_size + tok % page_size
-    kv_idx = (kv_head, rows[:, None], cols[None, :])
+    rows = head_base + pages * page_size + tok % page_size
+    kv_idx = (rows[:, None], cols[None, :])
     kv_mask = triton_backend.and_masks(live, col_mask)
     # K/V are read once: evict them first, so they do not push out what the model's other
     # kernels left in L2 (their dirty outputs would be written back to HBM meanwhile, at
@@ -133,21 +137,29 @@ def _decode_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_
 @functools.partial(jax.jit, static_argnames=[
     "scale", "logits_soft_cap", "sliding_window", "num_splits", "return_lse", "interpret",
     "block_n", "num_warps", "num_stages"])
-def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, *, scale: float,
+def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, *, scale: float,
                          logits_soft_cap: float | None, sliding_window: int | None,
                          num_splits: int, return_lse: bool, interpret: bool, block_n: int,
                          num_warps: int, num_stages: int):
+  """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
+  num_pages, page_size, D]; layer: int32 scalar."""
+  if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
+    k_pages, v_pages = k_pages[None], v_pages[None]
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   # tl.dot needs >= 16 rows: pad the group (one q head for MHA) with masked rows.
   block_g = max(16, pl.next_power_of_2(group))
-  # Token-major views of the pools (free reshapes): row = page * page_size + offset.
-  k_rows = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-  v_rows = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+  # Token-major views of the pools (free reshapes): row = ((layer * Hkv + head) * pages +
+  # page) * page_size + offset. Pallas-Triton forms the offsets into these in 64 bits
+  # (`_compute_offsets_from_indices`), so pools past 4 GiB are fine.
+  rows = num_layers * num_kv_heads * num_pages * page_size
+  k_rows = k_pages.reshape(rows, head_dim)
+  v_rows = v_pages.reshape(rows, head_dim)
   kernel = functools.partial(
       _decode_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
-      sliding_window=sliding_window, page_size=page_size, head_dim=head_dim,
+      sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
+      page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
       num_splits=num_splits)
   # One split writes the final output directly; partials stay f32 for the merge.
@@ -161,7 +173,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, *, scale: flo
                                                      num_stages=num_stages),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths, page_table, q, k_rows, v_rows)
+  )(lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows)
   if num_splits == 1:
     o, lse = o[0], lse[0]
   else:
@@ -195,6 +207,7 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
+                           layer: int | jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            return_lse: bool = False, interpret: bool | None = None,
@@ -205,10 +218,14 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   Args:
     q: [B, H, D] float32 / bfloat16 / float16; D in (64, 80, 96, 128, 256).
     k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype; H % Hkv == 0; page_size
-      a power of two in [8, 128].
+      a power of two in [8, 128]. With `layer`: a whole pool's [num_layers, Hkv,
+      num_pages, page_size, D] (`KVPool.k_pages`), of which layer `layer` is read in place
+      (slicing `k_pages[layer]` would hand the kernel a copy of that layer every call).
     page_table: int32 [B, max_pages_per_seq], physical page ids; entries past a
       sequence's last page are never read.
     lengths: int32 [B], tokens in each sequence's cache (0 = empty).
+    layer: None, or the layer of 5-D pools to attend to: a Python int in [0, num_layers),
+      or a traced int32 scalar (clamped into that range).
     scale: logits = scale * q.k; defaults to D ** -0.5.
     logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
     sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
@@ -224,7 +241,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
     A sequence of length 0 gives out 0 and lse -inf.
   """
-  validation.check_decode_args(q, k_pages, v_pages, page_table, lengths, scale=scale,
+  k_layer, v_layer = validation.check_layer(k_pages, v_pages, layer)
+  validation.check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                                strict_kernel_shapes=True)
   for name, knob in (("num_splits", num_splits), ("block_n", block_n),
@@ -237,11 +255,15 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
   mode = triton_backend.resolve_interpret(interpret)
   if mode is None or q.size == 0:
-    return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, scale=scale,
-                                   logits_soft_cap=logits_soft_cap,
+    return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, layer=layer,
+                                   scale=scale, logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window, return_lse=return_lse)
+  if layer is None:
+    layer = 0
+  elif not isinstance(layer, (int, np.integer)):  # traced: keep the reads inside the pool
+    layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_pages.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
   if num_splits is None:
     max_tokens = page_table.shape[1] * page_size
     if sliding_window is not None:
@@ -250,7 +272,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   default_n, default_warps, default_stages = default_config(
       batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim)
   return _paged_decode_pallas(
-      q, k_pages, v_pages, page_table, lengths, scale=scale, logits_soft_cap=logits_soft_cap,
+      q, k_pages, v_pages, page_table, lengths, layer, scale=scale,
+      logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
       interpret=mode, block_n=block_n or default_n, num_warps=num_warps or default_warps,
       num_stages=num_stages or default_stages)

@@ -39,15 +39,19 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) ->
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
+                           layer: int | jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None, return_lse: bool = False):
   """One query token per sequence attending to its paged K/V cache.
 
   Args:
     q: [B, H, D] float32 / bfloat16 / float16.
-    k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0.
+    k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0; with `layer`, whole
+      pools [num_layers, Hkv, num_pages, page_size, D].
     page_table: int32 [B, max_pages_per_seq], physical page ids.
     lengths: int32 [B], tokens in each sequence's cache (0 = empty).
+    layer: None, or the pools' layer to attend to (an int, or an integer scalar array,
+      clamped into [0, num_layers)).
     scale: logits = scale * q.k; defaults to D ** -0.5.
     logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
     sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
@@ -57,9 +61,14 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
     A sequence of length 0 gives out 0 and lse -inf.
   """
-  validation.check_decode_args(q, k_pages, v_pages, page_table, lengths, scale=scale,
+  k_layer, v_layer = validation.check_layer(k_pages, v_pages, layer)
+  validation.check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                                strict_kernel_shapes=False)
+  if layer is not None:
+    layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
+    k_pages = jax.lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
+    v_pages = jax.lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
   b, h, d = q.shape
   hkv = k_pages.shape[0]
   scale = d ** -0.5 if scale is None else scale

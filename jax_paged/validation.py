@@ -7,7 +7,9 @@ offending argument and say what is allowed.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -26,6 +28,34 @@ def kernel_page_size_ok(page_size: int) -> bool:
 def kernel_supports(head_dim: int, page_size: int) -> bool:
   """Whether the Pallas kernels support this head dim and page size."""
   return head_dim in SUPPORTED_HEAD_DIMS and kernel_page_size_ok(page_size)
+
+
+def check_layer(k_pages, v_pages, layer):
+  """Validates `paged_decode_attention`'s `layer` against the pools' rank: None for pools of
+  one layer [Hkv, num_pages, page_size, D], an int in [0, num_layers) or an integer scalar
+  array for whole pools [num_layers, Hkv, num_pages, page_size, D].
+
+  Returns the shape-and-dtype of one layer of k_pages and of v_pages (for
+  `check_decode_args`).
+  """
+  rank = len(_shape(k_pages))
+  if layer is None:
+    if rank == 5:
+      raise ValueError(f"k_pages of shape {_shape(k_pages)} is a whole pool [num_layers, "
+                       "num_kv_heads, num_pages, page_size, head_dim]: pass layer=")
+    return k_pages, v_pages
+  if rank != 5 or _shape(v_pages) != _shape(k_pages):
+    raise ValueError("with layer, k_pages and v_pages must be pools of shape [num_layers, "
+                     f"num_kv_heads, num_pages, page_size, head_dim], got shapes "
+                     f"{_shape(k_pages)} and {_shape(v_pages)}")
+  if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+    if not 0 <= layer < k_pages.shape[0]:
+      raise ValueError(f"layer must be in [0, num_layers={k_pages.shape[0]}), got {layer}")
+  elif not (_shape(layer) == () and hasattr(layer, "dtype")
+            and jnp.issubdtype(layer.dtype, jnp.integer)):
+    raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+  one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  return one(k_pages), one(v_pages)
 
 
 def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits_soft_cap,

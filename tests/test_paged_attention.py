@@ -142,6 +142,52 @@ def test_default_config(monkeypatch):
   assert pa.default_config(64, 1, 256) == (64, 4, 2)  # D = 256 keeps 4 warps
 
 
+def _pool_of_layers(num_layers, *args_kwargs):
+  """make_inputs for one layer, plus a [num_layers, ...] pool of fresh random layers whose
+  layer i is the one-layer k/v of `layers[i]`."""
+  layers = [make_inputs(*args_kwargs) for _ in range(num_layers)]
+  q, _, _, table, lengths = layers[0]
+  k_pool = jnp.stack([l[1] for l in layers])
+  v_pool = jnp.stack([l[2] for l in layers])
+  return q, k_pool, v_pool, table, lengths, layers
+
+
+def check_layers(interpret, num_heads, num_kv_heads, dtype, **kwargs):
+  """Each layer of a 3-layer pool, by int and by traced index, vs the one-layer call."""
+  q, k_pool, v_pool, table, lengths, layers = _pool_of_layers(
+      3, 4, num_heads, num_kv_heads, 64, 16, 6, dtype, [0, 17, 96, 64])
+  traced = jax.jit(functools.partial(jax_paged.paged_decode_attention, interpret=interpret,
+                                     **kwargs))
+  for layer in range(3):
+    want = reference.paged_decode_attention(q, layers[layer][1], layers[layer][2], table,
+                                            lengths)
+    for got in (jax_paged.paged_decode_attention(q, k_pool, v_pool, table, lengths,
+                                                 layer=layer, interpret=interpret, **kwargs),
+                traced(q, k_pool, v_pool, table, lengths, layer=jnp.int32(layer)),
+                reference.paged_decode_attention(q, k_pool, v_pool, table, lengths,
+                                                 layer=layer)):
+      chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32),
+                                  **_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_layer_of_pool_interpret(num_heads, num_kv_heads):
+  check_layers(True, num_heads, num_kv_heads, jnp.float32, num_splits=2)
+
+
+@pytest.mark.parametrize("pool_shape,layer,match", [
+    ((3, 4, 5, 8, 64), None, "pass layer"), ((3, 4, 5, 8, 64), 3, "layer must be in"),
+    ((3, 4, 5, 8, 64), -1, "layer must be in"), ((3, 4, 5, 8, 64), 1.0, "layer must be"),
+    ((3, 4, 5, 8, 64), jnp.zeros(2, jnp.int32), "layer must be"),
+    ((4, 5, 8, 64), 0, "pools of shape")])  # one layer's pages with layer=
+def test_bad_layer_raises(pool_shape, layer, match):
+  pool = jnp.zeros(pool_shape)
+  with pytest.raises(ValueError, match=match):
+    jax_paged.paged_decode_attention(jnp.zeros((2, 4, 64)), pool, pool,
+                                     jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32),
+                                     layer=layer)
+
+
 @pytest.mark.parametrize("change,name", [
     (dict(q=jnp.zeros((2, 4, 64, 1))), "q"),
     (dict(k_pages=jnp.zeros((3, 5, 8, 64)), v_pages=jnp.zeros((3, 5, 8, 64))), "num_kv_heads"),
@@ -200,6 +246,13 @@ def test_mha_many_programs_gpu(dtype):
   args = make_inputs(batch, 8, 8, 64, 16, 20, dtype, lengths)
   assert pa.default_config(batch * 8, 1, 64)[0] == 32
   check_against_reference(args, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(12, 12, jnp.bfloat16),
+                                                          (32, 8, jnp.float16)])
+def test_layer_of_pool_gpu(num_heads, num_kv_heads, dtype):
+  check_layers(False, num_heads, num_kv_heads, dtype)
 
 
 @pytest.mark.gpu
