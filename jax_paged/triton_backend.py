@@ -42,7 +42,13 @@ def resolve_interpret(interpret: bool | None) -> bool | None:
   and the plain-XLA path elsewhere, so CPU users get XLA's speed, not the interpreter's.
   """
   if interpret is None:
-    return False if jax.default_backend() == "gpu" else None
+    interpret = False if jax.default_backend() == "gpu" else None
+  if interpret is None:
+    return None
+  # Here too, not only in `compiler_params`: a kernel traced before (jit's cache) does not
+  # call that again, and a `catch_warnings` block since (pytest's, per test) may have
+  # dropped the filter before this call's lowering.
+  _silence_triton_deprecation()
   return bool(interpret)
 
 
