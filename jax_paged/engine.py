@@ -181,7 +181,8 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool).
   """
   b = tokens.shape[0]
-  seq_ids = jnp.arange(b, dtype=jnp.int32)
+  # Known when tracing (not traced): `reserve` then takes its one-kernel decode path.
+  seq_ids = np.arange(b, dtype=np.int32)
 
   def cond(carry):
     step, _, _, active, *_ = carry

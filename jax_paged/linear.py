@@ -41,9 +41,9 @@ MAX_ROWS = 256
 # warps, 4 stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072).
 _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 128, 4, 4
 # Columns per whole-K program: 64 (qkv and c_fc of GPT-2 at 128 rows on an H200: 4.9 / 5.2
-# µs vs 5.4 / 5.7 at 32, RESULTS.md 2026-11-22 11:10), or 32 where the output's sections
-# (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32 (64 when K is
-# long): its consumer reads every partial, and fewer, wider programs were slower there.
+# µs vs 5.4 / 5.7 at 32; RESULTS.md 2026-11-22 10:45-11:34), or 32 where the output's
+# sections (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32 (64
+# when K is long): 64 was slower for the attention's out projection there (3.1 vs 2.7 µs).
 _BLOCK_N, _NARROW_BLOCK_N = 64, 32
 # Rows per program (H100, 128 rows, RESULTS.md 2026-11-22 08:05-08:08): 64-row blocks
 # made c_fc 0.4 µs faster than one 128-row block, and `linear_partials` splits rows before

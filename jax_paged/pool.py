@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 
 from jax_paged import cache_write
+from jax_paged import decode_reserve
 from jax_paged import triton_backend
 
 
@@ -165,11 +166,11 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def _check_seq_ids(pool: KVPool, seq_ids) -> jax.Array:
+  ids = _concrete(seq_ids)  # before jnp.asarray, which traces even numpy ids under jit
   seq_ids = jnp.asarray(seq_ids)
   if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
     raise ValueError(f"seq_ids must be a 1-D integer array, got shape {seq_ids.shape} "
                      f"dtype {seq_ids.dtype}")
-  ids = _concrete(seq_ids)
   if ids is not None:
     if ids.size and (ids.min() < 0 or ids.max() >= pool.max_seqs):
       raise ValueError(f"seq_ids must be in [0, max_seqs={pool.max_seqs}), got {ids.tolist()}")
@@ -186,8 +187,8 @@ def _first_valid_occurrence(pool: KVPool, seq_ids: jax.Array) -> jax.Array:
   return (seq_ids >= 0) & (seq_ids < pool.max_seqs) & ~earlier if n else jnp.zeros(0, bool)
 
 
-def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
-            max_new_tokens: int | None = None) -> tuple[KVPool, jax.Array, jax.Array]:
+def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None = None,
+            interpret: bool | None = None) -> tuple[KVPool, jax.Array, jax.Array]:
   """Makes room for `num_new_tokens` more tokens of each listed sequence.
 
   Sequences are served in the order given. One that does not fit (not enough free pages,
@@ -200,6 +201,10 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
     num_new_tokens: a non-negative int, or int [n] per sequence.
     max_new_tokens: the width of `slots`. Defaults to max(num_new_tokens), which must then
       be known outside of tracing (a Python int or a concrete array).
+    interpret: None = on a GPU, one Pallas-Triton kernel where max_new_tokens is 1 and
+      seq_ids are known when tracing (a decode step; `jax_paged.decode_reserve`), XLA
+      otherwise and elsewhere; True = that kernel in Pallas interpret mode (tests); False
+      = the kernel.
 
   Returns:
     (pool, slots, ok): the new pool with pages allocated and `lengths` advanced; int32
@@ -207,6 +212,7 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
     of sequence i's new tokens in order and -1 elsewhere (the whole row when not ok); and
     bool ok [n].
   """
+  concrete_ids = _concrete(seq_ids)
   seq_ids = _check_seq_ids(pool, seq_ids)
   n = seq_ids.shape[0]
   counts = jnp.asarray(num_new_tokens)
@@ -226,6 +232,14 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *,
     max_new_tokens = int(concrete_counts.max()) if n else 0
   counts = counts.astype(jnp.int32)
   ps = pool.page_size
+  mode = triton_backend.resolve_interpret(interpret)
+  # The kernel needs the ids distinct and in range: concrete ones were checked above.
+  if mode is not None and max_new_tokens == 1 and n and concrete_ids is not None:
+    in_order = np.array_equal(concrete_ids, np.arange(n))
+    page_table, lengths, num_free, slots, ok = decode_reserve.reserve_one_pallas(
+        pool.page_table, pool.lengths, pool.free_pages, pool.num_free,
+        None if in_order else seq_ids, counts, page_size=ps, interpret=mode)
+    return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free), slots, ok
 
   valid = _first_valid_occurrence(pool, seq_ids)
   safe_ids = jnp.where(valid, seq_ids, 0)

@@ -282,11 +282,14 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
   """
   model = nnx.merge(graphdef, params)
   active = jnp.ones(seq_ids.shape, bool) if active is None else active
-  positions = kv.lengths[seq_ids]
   kv, slots, ok = pool_lib.reserve(kv, seq_ids, active.astype(jnp.int32), max_new_tokens=1)
-  lengths = jnp.where(active & ok, kv.lengths[seq_ids], 0)
-  return model.decode(tokens, positions, kv, slots[:, 0], kv.page_table[seq_ids], lengths,
-                      greedy=greedy)
+  lengths = kv.lengths[seq_ids]
+  # A row that got its slot is one token longer: the new token sits at the old length.
+  # (From the new lengths only, so no reader of the old ones keeps them alive past the
+  # in-place reserve kernel.) Other rows' positions are unused.
+  positions = jnp.maximum(lengths - 1, 0)
+  return model.decode(tokens, positions, kv, slots[:, 0], kv.page_table[seq_ids],
+                      jnp.where(active & ok, lengths, 0), greedy=greedy)
 
 
 class Steps(NamedTuple):

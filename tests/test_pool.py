@@ -195,6 +195,43 @@ def test_one_token_reserve_is_greedy_in_order_when_pages_run_short(seed):
   check_page_ownership(new)
 
 
+def _check_decode_reserve_kernel(interpret: bool, seed: int) -> None:
+  """`reserve`'s one-kernel decode path (concrete ids, max_new_tokens=1) vs its XLA path
+  (traced ids): random lengths, a short free stack, counts in -1..2 (traced; the invalid
+  ones refused); then concrete counts in {0, 1} outside jit."""
+  rng = np.random.default_rng(seed)
+  p = make_pool(num_pages=24, max_seqs=8, max_pages_per_seq=3)
+  p, _, _ = kvpool.reserve(p, jnp.arange(8), jnp.asarray(rng.integers(0, 13, 8)))
+  p = p.replace(num_free=jnp.asarray(rng.integers(0, int(p.num_free) + 1), jnp.int32))
+  # Some seeds take every sequence in order (the kernel then makes the ids itself).
+  ids = (np.arange(8) if seed % 3 == 0 else rng.permutation(8)[:rng.integers(1, 9)]
+         ).astype(np.int32)
+  xla = jax.jit(lambda p, i, c: kvpool.reserve(p, i, c, max_new_tokens=1))
+  kernel = jax.jit(lambda p, c: kvpool.reserve(p, ids, c, max_new_tokens=1,
+                                               interpret=interpret))
+  counts = jnp.asarray(rng.integers(-1, 3, ids.size), jnp.int32)
+  chex.assert_trees_all_equal(kernel(p, counts), xla(p, jnp.asarray(ids), counts))
+  counts = rng.integers(0, 2, ids.size)
+  chex.assert_trees_all_equal(kvpool.reserve(p, ids, counts, interpret=interpret),
+                              xla(p, jnp.asarray(ids), jnp.asarray(counts)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_reserve_kernel_interpret_matches_xla(seed):
+  _check_decode_reserve_kernel(True, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_reserve_kernel_on_gpu_matches_xla(seed):
+  _check_decode_reserve_kernel(False, seed)
+
+
+def test_numpy_ids_are_checked_under_jit():
+  with pytest.raises(ValueError, match="distinct"):
+    jax.jit(lambda p: kvpool.reserve(p, np.array([1, 1]), 1))(make_pool())
+
+
 def test_reserve_past_max_pages_per_seq_fails_cleanly():
   p = make_pool()
   limit = MAX_PAGES_PER_SEQ * PAGE_SIZE

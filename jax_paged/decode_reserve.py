@@ -1,0 +1,119 @@
+"""`pool.reserve` for a decode step (at most one new token per sequence) as one kernel.
+
+XLA runs `reserve`'s vectorised form as about eight small kernels (the duplicate check, two
+prefix sums, the free-stack pops, the page-table and lengths scatters, the slots, the
+stack height), each 1-2 µs, on a decode step's critical path; this kernel takes 2.2 µs
+(GPT-2 at batch 128 on an H200: 6-9 µs less per step, benchmarks/RESULTS.md). With at most one new token per sequence and the sequence ids
+known when tracing (so already checked distinct and in range), everything fits one
+program: a [n] vector per quantity, the prefix sums as Triton scans, the page pops, and the
+page-table and lengths updates as masked gathers and scatters into the pool's arrays,
+aliased to the outputs (in place when the pool is donated).
+
+Semantics are exactly `pool.reserve`'s with `max_new_tokens=1`: sequences are served in
+order; one fits if its new page (when it needs one) is left on the free stack after the
+earlier ones, and its length stays within `max_pages_per_seq` pages; counts outside
+{0, 1} are not served.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jax_paged import triton_backend
+
+
+def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages: int,
+            page_size: int, ids_given: bool):
+  """Refs: (ids_given) seq_ids [n] (distinct, in [0, max_seqs)), counts [n], num_free [],
+  free_pages [num_pages], page_table [max_seqs, max_pages] and lengths [max_seqs] (inputs
+  unused: their buffers are the aliased outputs `table_ref`, `lengths_ref`); outputs
+  num_free [] (num_free's buffer: read before written), slots [n], ok [n] (bool)."""
+  ids_ref, *refs = refs if ids_given else (None,) + refs
+  (counts_ref, num_free_ref, free_pages_ref, _, _, table_ref, lengths_ref, new_free_ref,
+   slots_ref, ok_ref) = refs
+  i = jnp.arange(block)
+  live = i < n
+  # Distinct ids: each lane reads and writes only its own sequence's entries, and the
+  # lanes past n address nothing (out of range), so no two lanes store to one address
+  # (Pallas interpret mode stores masked lanes too, with the values they read).
+  if ids_ref is None:  # sequences 0 .. n - 1
+    ids = jnp.where(live, i, max_seqs)
+  else:
+    ids = plgpu.load(ids_ref.at[i], mask=live, other=max_seqs)
+  counts = plgpu.load(counts_ref.at[i], mask=live, other=0)
+  old_len = plgpu.load(lengths_ref.at[ids], mask=live, other=0)
+  new_len = old_len + counts
+  have = (old_len + page_size - 1) // page_size
+  need = (new_len + page_size - 1) // page_size - have  # 0 or 1
+  valid = live & (counts >= 0) & (counts <= 1) & (have + need <= max_pages)
+  num_free = num_free_ref[...]
+  wanted = jnp.where(valid, need, 0)
+  ok = valid & ((need == 0) | (jnp.cumsum(wanted) <= num_free))
+  taken = jnp.where(ok, need, 0)
+  # Sequence i pops free_pages[free_before - 1], the top of what earlier ones left.
+  free_before = num_free - jnp.cumsum(taken) + taken
+  pops = taken > 0
+  popped = plgpu.load(free_pages_ref.at[jnp.clip(free_before - 1, 0, num_pages - 1)],
+                      mask=pops, other=0)
+  # A token within the last page goes to that page; a new page's first token to it.
+  appends = ok & (counts > 0) & ~pops
+  last = plgpu.load(table_ref.at[ids, jnp.clip(old_len // page_size, 0, max_pages - 1)],
+                    mask=appends, other=0)
+  page = jnp.where(pops, popped, last)
+  plgpu.store(table_ref.at[ids, jnp.clip(have, 0, max_pages - 1)], popped, mask=pops)
+  plgpu.store(lengths_ref.at[ids], new_len, mask=ok)
+  plgpu.store(slots_ref.at[i], jnp.where(ok & (counts > 0),
+                                         page * page_size + old_len % page_size, -1),
+              mask=live)
+  plgpu.store(ok_ref.at[i], ok, mask=live)
+  new_free_ref[...] = num_free - jnp.sum(taken)
+
+
+@functools.partial(jax.jit, static_argnames=["page_size", "interpret"])
+def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: jax.Array,
+                       num_free: jax.Array, seq_ids: jax.Array | None, counts: jax.Array, *,
+                       page_size: int, interpret: bool
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The kernel behind `pool.reserve(..., max_new_tokens=1)` on a GPU.
+
+  Args:
+    page_table: int32 [max_seqs, max_pages_per_seq]; lengths: int32 [max_seqs];
+      free_pages: int32 [num_pages]; num_free: int32 [] (the pool's fields; all but
+      free_pages are updated in place when donated).
+    seq_ids: int32 [n], distinct ids in [0, max_seqs) (the caller checks: they are known
+      when tracing); or None for sequences 0 .. n - 1 (a decode loop's whole batch: no
+      ids array to materialise and load).
+    counts: int32 [n], new tokens per sequence (0 or 1 are served).
+    page_size: the pool's page size.
+
+  Returns:
+    (page_table, lengths, num_free, slots int32 [n, 1], ok bool [n]).
+  """
+  n = counts.shape[0]
+  max_seqs, max_pages = page_table.shape
+  kernel = functools.partial(
+      _kernel, n=n, block=max(16, pl.next_power_of_2(n)), max_seqs=max_seqs,
+      max_pages=max_pages, num_pages=free_pages.shape[0], page_size=page_size,
+      ids_given=seq_ids is not None)
+  ids = () if seq_ids is None else (seq_ids,)
+  table, new_lengths, new_free, slots, ok = pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
+                 jax.ShapeDtypeStruct(lengths.shape, jnp.int32),
+                 jax.ShapeDtypeStruct((), jnp.int32),
+                 jax.ShapeDtypeStruct((n,), jnp.int32),
+                 jax.ShapeDtypeStruct((n,), jnp.bool_)),
+      # In place: the page table, the lengths, and the stack height too (as its own output
+      # XLA would copy it into the pool's buffer: a memcpy and a break in the step's
+      # command buffer, ~7 µs of GPU time per step).
+      input_output_aliases={len(ids) + 3: 0, len(ids) + 4: 1, len(ids) + 1: 2},
+      compiler_params=triton_backend.compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="decode_reserve",
+  )(*ids, counts, num_free, free_pages, page_table, lengths)
+  return table, new_lengths, new_free, slots[:, None], ok
