@@ -46,7 +46,7 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
     ids = jnp.where(live, i, max_seqs)
   else:
     ids = plgpu.load(ids_ref.at[i], mask=live, other=max_seqs)
-  counts = plgpu.load(counts_ref.at[i], mask=live, other=0)
+  counts = plgpu.load(counts_ref.at[i], mask=live, other=0).astype(jnp.int32)
   old_len = plgpu.load(lengths_ref.at[ids], mask=live, other=0)
   new_len = old_len + counts
   have = (old_len + page_size - 1) // page_size
@@ -89,7 +89,8 @@ def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: ja
     seq_ids: int32 [n], distinct ids in [0, max_seqs) (the caller checks: they are known
       when tracing); or None for sequences 0 .. n - 1 (a decode loop's whole batch: no
       ids array to materialise and load).
-    counts: int32 [n], new tokens per sequence (0 or 1 are served).
+    counts: int [n] or bool [n], new tokens per sequence (0 or 1 are served; converted in
+      the kernel, where XLA would run the conversion as a kernel of its own).
     page_size: the pool's page size.
 
   Returns:

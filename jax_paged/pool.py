@@ -198,7 +198,8 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
   Args:
     pool: the pool.
     seq_ids: int [n] distinct sequence ids in [0, max_seqs).
-    num_new_tokens: a non-negative int, or int [n] per sequence.
+    num_new_tokens: a non-negative int, or int [n] per sequence (bool [n]: 0 or 1, e.g. a
+      decode step's active rows).
     max_new_tokens: the width of `slots`. Defaults to max(num_new_tokens), which must then
       be known outside of tracing (a Python int or a concrete array).
     interpret: None = on a GPU, one Pallas-Triton kernel where max_new_tokens is 1 and
@@ -216,9 +217,10 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
   seq_ids = _check_seq_ids(pool, seq_ids)
   n = seq_ids.shape[0]
   counts = jnp.asarray(num_new_tokens)
-  if counts.shape not in ((), (n,)) or not jnp.issubdtype(counts.dtype, jnp.integer):
-    raise ValueError(f"num_new_tokens must be an int or an int array of shape [{n}], got "
-                     f"shape {counts.shape} dtype {counts.dtype}")
+  if counts.shape not in ((), (n,)) or not (jnp.issubdtype(counts.dtype, jnp.integer)
+                                           or counts.dtype == jnp.bool_):
+    raise ValueError(f"num_new_tokens must be an int or an int (or bool: 0 / 1) array of "
+                     f"shape [{n}], got shape {counts.shape} dtype {counts.dtype}")
   concrete_counts = _concrete(num_new_tokens)
   counts = jnp.broadcast_to(counts, (n,))
   if concrete_counts is not None:
@@ -230,7 +232,6 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
       raise ValueError("num_new_tokens is traced: pass a static max_new_tokens for the width "
                        "of slots")
     max_new_tokens = int(concrete_counts.max()) if n else 0
-  counts = counts.astype(jnp.int32)
   ps = pool.page_size
   mode = triton_backend.resolve_interpret(interpret)
   # The kernel needs the ids distinct and in range: concrete ones were checked above.
@@ -240,6 +241,7 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
         pool.page_table, pool.lengths, pool.free_pages, pool.num_free,
         None if in_order else seq_ids, counts, page_size=ps, interpret=mode)
     return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free), slots, ok
+  counts = counts.astype(jnp.int32)
 
   valid = _first_valid_occurrence(pool, seq_ids)
   safe_ids = jnp.where(valid, seq_ids, 0)

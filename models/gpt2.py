@@ -260,6 +260,14 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
   return model.prefill(tokens, kv, slots, prompt_lengths)
 
 
+def _rows(x: jax.Array, seq_ids) -> jax.Array:
+  """x[seq_ids] of a per-sequence pool array; x itself when seq_ids are numpy ids of every
+  row in order (the engine's decode loop): no gather kernel per step."""
+  if isinstance(seq_ids, np.ndarray) and np.array_equal(seq_ids, np.arange(x.shape[0])):
+    return x
+  return x[seq_ids]
+
+
 def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
            tokens: jax.Array, seq_ids: jax.Array, active: jax.Array | None = None, *,
            greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
@@ -282,13 +290,13 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
   """
   model = nnx.merge(graphdef, params)
   active = jnp.ones(seq_ids.shape, bool) if active is None else active
-  kv, slots, ok = pool_lib.reserve(kv, seq_ids, active.astype(jnp.int32), max_new_tokens=1)
-  lengths = kv.lengths[seq_ids]
+  kv, slots, ok = pool_lib.reserve(kv, seq_ids, active, max_new_tokens=1)
+  lengths = _rows(kv.lengths, seq_ids)
   # A row that got its slot is one token longer: the new token sits at the old length.
   # (From the new lengths only, so no reader of the old ones keeps them alive past the
   # in-place reserve kernel.) Other rows' positions are unused.
   positions = jnp.maximum(lengths - 1, 0)
-  return model.decode(tokens, positions, kv, slots[:, 0], kv.page_table[seq_ids],
+  return model.decode(tokens, positions, kv, slots[:, 0], _rows(kv.page_table, seq_ids),
                       jnp.where(active & ok, lengths, 0), greedy=greedy)
 
 

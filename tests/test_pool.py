@@ -198,7 +198,7 @@ def test_one_token_reserve_is_greedy_in_order_when_pages_run_short(seed):
 def _check_decode_reserve_kernel(interpret: bool, seed: int) -> None:
   """`reserve`'s one-kernel decode path (concrete ids, max_new_tokens=1) vs its XLA path
   (traced ids): random lengths, a short free stack, counts in -1..2 (traced; the invalid
-  ones refused); then concrete counts in {0, 1} outside jit."""
+  ones refused) and bool; then concrete counts in {0, 1} outside jit."""
   rng = np.random.default_rng(seed)
   p = make_pool(num_pages=24, max_seqs=8, max_pages_per_seq=3)
   p, _, _ = kvpool.reserve(p, jnp.arange(8), jnp.asarray(rng.integers(0, 13, 8)))
@@ -211,7 +211,10 @@ def _check_decode_reserve_kernel(interpret: bool, seed: int) -> None:
                                                interpret=interpret))
   counts = jnp.asarray(rng.integers(-1, 3, ids.size), jnp.int32)
   chex.assert_trees_all_equal(kernel(p, counts), xla(p, jnp.asarray(ids), counts))
+  active = jnp.asarray(rng.integers(0, 2, ids.size), bool)  # bool counts: a decode step's
+  chex.assert_trees_all_equal(kernel(p, active), xla(p, jnp.asarray(ids), active))
   counts = rng.integers(0, 2, ids.size)
+  counts[0] = 1  # max_new_tokens defaults to max(counts): 1
   chex.assert_trees_all_equal(kvpool.reserve(p, ids, counts, interpret=interpret),
                               xla(p, jnp.asarray(ids), jnp.asarray(counts)))
 
