@@ -52,9 +52,10 @@ def main():
   kv = fresh_pool()
   loop = engine._jitted(graphdef)[1]
   if args.hlo:
+    # The call itself, lowered (`loop.lower` in place of `loop`): wrapping it in another
+    # jit would not donate the pool, and that HLO would copy it.
     with open(args.hlo, "w") as f:
-      f.write(jax.jit(lambda p, kv: decode_chunk(loop, p, kv, args.batch, args.steps))
-              .lower(params, kv).compile().as_text())
+      f.write(decode_chunk(loop.lower, params, kv, args.batch, args.steps).compile().as_text())
   for _ in range(2):  # compile, warm up
     out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
   out.block_until_ready()

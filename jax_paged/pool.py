@@ -165,7 +165,9 @@ def _concrete(x) -> np.ndarray | None:
     return None
 
 
-def _check_seq_ids(pool: KVPool, seq_ids) -> jax.Array:
+def _check_seq_ids(pool: KVPool, seq_ids) -> tuple[jax.Array, np.ndarray | None]:
+  """(int32 seq_ids, their values where known when tracing); raises for bad shapes and
+  dtypes, and for known ids out of range or repeated."""
   ids = _concrete(seq_ids)  # before jnp.asarray, which traces even numpy ids under jit
   seq_ids = jnp.asarray(seq_ids)
   if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
@@ -176,7 +178,7 @@ def _check_seq_ids(pool: KVPool, seq_ids) -> jax.Array:
       raise ValueError(f"seq_ids must be in [0, max_seqs={pool.max_seqs}), got {ids.tolist()}")
     if len(np.unique(ids)) != ids.size:
       raise ValueError(f"seq_ids must be distinct, got {ids.tolist()}")
-  return seq_ids.astype(jnp.int32)
+  return seq_ids.astype(jnp.int32), ids
 
 
 def _first_valid_occurrence(pool: KVPool, seq_ids: jax.Array) -> jax.Array:
@@ -213,8 +215,7 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
     of sequence i's new tokens in order and -1 elsewhere (the whole row when not ok); and
     bool ok [n].
   """
-  concrete_ids = _concrete(seq_ids)
-  seq_ids = _check_seq_ids(pool, seq_ids)
+  seq_ids, concrete_ids = _check_seq_ids(pool, seq_ids)
   n = seq_ids.shape[0]
   counts = jnp.asarray(num_new_tokens)
   if counts.shape not in ((), (n,)) or not (jnp.issubdtype(counts.dtype, jnp.integer)
@@ -307,7 +308,7 @@ def release(pool: KVPool, seq_ids) -> KVPool:
 
   Under jit, out-of-range or repeated ids are ignored (so a page is never freed twice).
   """
-  seq_ids = _check_seq_ids(pool, seq_ids)
+  seq_ids, _ = _check_seq_ids(pool, seq_ids)
   valid = _first_valid_occurrence(pool, seq_ids)
   safe_ids = jnp.where(valid, seq_ids, 0)
   count = jnp.where(valid, pool.pages_used()[safe_ids], 0)
