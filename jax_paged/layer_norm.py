@@ -112,8 +112,10 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
   # About four programs per SM before rows are packed together.
   block_rows = min(_MAX_BLOCK_ROWS, _MAX_BLOCK_VALUES // block_f,
                    pl.next_power_of_2(max(1, rows // (4 * triton_backend.sm_count()))))
-  # One warp per 256 values (8 per thread: 16-byte bf16 vectors), 1..8 warps.
-  num_warps = max(1, min(8, block_rows * block_f // 256))
+  # One warp per 128 values (4 per thread), 1..8 warps. A decode step's 768-value rows
+  # (GPT-2, one row per program) took 2.3 µs per add_layer_norm at 8 warps, 2.7 at 4, 2.3
+  # at 16, 3.2 at 1 and 4.7 at 2 (H200, RESULTS.md 2026-11-22 14:50-15:21).
+  num_warps = max(1, min(8, block_rows * block_f // 128))
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,
                              block_rows=block_rows, block_f=block_f, epsilon=epsilon,
                              num_parts=num_parts, has_parts_bias=parts_bias is not None)

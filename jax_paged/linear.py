@@ -37,9 +37,13 @@ from jax_paged import triton_backend
 
 # Rows the kernel takes; more (a prompt) go to XLA, whose GEMMs are then compute-bound.
 MAX_ROWS = 256
-# Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): 128-deep K steps, 4
-# warps, 4 stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072).
-_BLOCK_K, _NUM_WARPS, _NUM_STAGES = 128, 4, 4
+# Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): 128-deep K steps and 4
+# stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072). Warps, in the
+# decode step (RESULTS.md 2026-11-22 14:50-15:21): 8 for whole-K programs (64-column tiles; qkv
+# + K/V write and c_fc 0.15 µs faster each than at 4), 4 for `linear_partials` (32
+# columns; 0.3 µs slower each at 8).
+_BLOCK_K, _NUM_STAGES = 128, 4
+_NUM_WARPS, _PARTIALS_NUM_WARPS = 8, 4
 # Columns per whole-K program: 64 (qkv and c_fc of GPT-2 at 128 rows on an H200: 4.9 / 5.2
 # µs vs 5.4 / 5.7 at 32; RESULTS.md 2026-11-22 10:45-11:34), or 32 where the output's
 # sections (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32 (64
@@ -175,7 +179,7 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
       kernel_fn,
       grid=(pl.cdiv(cols, block_n), splits, pl.cdiv(rows, block_m)),
       out_shape=out_shape,
-      compiler_params=compiler_params(),
+      compiler_params=compiler_params(_PARTIALS_NUM_WARPS if partials else _NUM_WARPS),
       interpret=interpret,
       name="linear_partials" if partials else "linear",
   )(x, kernel, *(() if bias is None else (bias,)))
@@ -192,9 +196,10 @@ def whole_k_tiles(rows: int, depth: int, itemsize: int, sections: Sequence[int] 
   return block_m, block_n, _block_k(block_m, depth, block_n, itemsize)
 
 
-def compiler_params():
-  """The Triton warps / stages the tiles above are sized for."""
-  return triton_backend.compiler_params(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+def compiler_params(num_warps: int = _NUM_WARPS):
+  """The Triton warps (default: a whole-K program's) and stages the tiles above are sized
+  for."""
+  return triton_backend.compiler_params(num_warps=num_warps, num_stages=_NUM_STAGES)
 
 
 def _tile(size: int, limit: int) -> int:
