@@ -189,26 +189,31 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
     return (step < num_steps) & jnp.any(active)
 
   def body(_, carry):
+    # `active` rows are active at `step`, which is below num_steps for any active row.
     step, kv, tokens, active, index, budget, out = carry
-    active &= step < num_steps
     if greedy:  # the argmax without the [B, vocab] logits
       new, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = gpt2.decode(graphdef, params, kv, tokens, seq_ids, active)
       new = _sample_rows(logits, seeds, index, temperature, top_k, top_p, greedy=False)
-    out = out.at[step].set(jnp.where(active, new, -1), mode="drop")
+    # `out` has a row for every step a group can run: no bounds check (an XLA reduction
+    # kernel per step for `.at[step].set(..., mode="drop")`).
+    out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
     index += active
     budget -= active
     stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
     tokens = jnp.where(active, new, tokens)
-    return step + 1, kv, tokens, active & ~stopped, index, budget, out
+    # Masked for the next step here, in this fusion, rather than by a kernel of its own at
+    # the start of the next.
+    active &= ~stopped & (step + 1 < num_steps)
+    return step + 1, kv, tokens, active, index, budget, out
 
   per_check = _steps_per_check(max_steps)
-  out = jnp.full((max_steps, b), -1, jnp.int32)
-  carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
+  out = jnp.full((-(-max_steps // per_check) * per_check, b), -1, jnp.int32)
+  carry = (jnp.int32(0), kv, tokens, active & (num_steps > 0), index, budget, out)
   _, kv, *_, out = jax.lax.while_loop(
       cond, lambda carry: jax.lax.fori_loop(0, per_check, body, carry), carry)
-  return out, kv
+  return out[:max_steps], kv
 
 
 @functools.lru_cache(maxsize=8)

@@ -68,6 +68,7 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
                    stop_ids=np.full((2, 1), -1, np.int32), max_steps=40, greedy=True,
                    **sampling)
   out = np.asarray(out)
+  assert out.shape == (40, 2)  # max_steps rows, though 3 groups of 16 ran
   np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
   np.testing.assert_array_equal(out[:2, 1], reference[1][1:3])
   assert (out[37:] == -1).all() and (out[2:, 1] == -1).all()
