@@ -39,9 +39,9 @@ from jax_paged import triton_backend
 MAX_ROWS = 256
 # Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): 128-deep K steps and 4
 # stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072). Warps, in the
-# decode step (RESULTS.md 2026-11-22 14:50-15:21): 8 for whole-K programs (64-column tiles; qkv
-# + K/V write and c_fc 0.15 µs faster each than at 4), 4 for `linear_partials` (32
-# columns; 0.3 µs slower each at 8).
+# decode step (RESULTS.md 2026-11-22 14:50-15:21): 8 for whole-K programs (64-column
+# tiles; qkv + K/V write and c_fc 0.15 µs faster each than at 4), 4 for
+# `linear_partials` (32 columns; 0.3 µs slower each at 8).
 _BLOCK_K, _NUM_STAGES = 128, 4
 _NUM_WARPS, _PARTIALS_NUM_WARPS = 8, 4
 # Columns per whole-K program: 64 (qkv and c_fc of GPT-2 at 128 rows on an H200: 4.9 / 5.2
