@@ -210,7 +210,7 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
 
   per_check = _steps_per_check(max_steps)
   out = jnp.full((-(-max_steps // per_check) * per_check, b), -1, jnp.int32)
-  carry = (jnp.int32(0), kv, tokens, active & (num_steps > 0), index, budget, out)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
   _, kv, *_, out = jax.lax.while_loop(
       cond, lambda carry: jax.lax.fori_loop(0, per_check, body, carry), carry)
   return out[:max_steps], kv
