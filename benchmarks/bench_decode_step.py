@@ -78,22 +78,30 @@ def time_decode(steps: gpt2.Steps, params, kv, batch: int,
   return seconds, host, kv
 
 
-def decode_chunk(loop: Callable, params, kv, batch: int, steps: int):
+def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   """One device call of the engine's decode loop: `steps` greedy steps for every row.
 
-  `loop` is `engine._jitted(graphdef)[1]`, looked up once by the caller as `Engine` does:
-  the lookup hashes the graphdef, ~2 ms per call during which the GPU would sit idle (30
-  µs per step at 64 steps per call, measured on an H200). The per-call arrays are numpy,
-  as `Engine` passes them: the call transfers them as it dispatches, where a `jnp` array
-  each would cost a separate dispatch (the GPU waits).
+  `loop` is `engine._jitted(graphdef, treedef)[1]`, looked up once by the caller as
+  `Engine` does: the lookup hashes the graphdef, ~2 ms per call during which the GPU would
+  sit idle (30 µs per step at 64 steps per call, measured on an H200). It takes the
+  parameters as `jax.tree.leaves(params)` and the per-row arguments packed into one numpy
+  array (`engine.pack_decode_rows`), as `Engine` passes them: one host-to-device copy as
+  the call dispatches.
   """
-  return loop(params, kv, np.int32(steps), tokens=np.zeros((batch,), np.int32),
-            active=np.ones((batch,), bool), index=np.zeros((batch,), np.int32),
-            budget=np.full((batch,), 1 << 30, np.int32),
-            stop_ids=np.full((batch, 1), -1, np.int32),
-            seeds=np.zeros((batch,), np.uint32), temperature=np.zeros((batch,), np.float32),
-            top_k=np.zeros((batch,), np.int32), top_p=np.ones((batch,), np.float32),
-            max_steps=steps, greedy=True)
+  rows = engine.pack_decode_rows(
+      tokens=np.zeros((batch,), np.int32), active=np.ones((batch,), bool),
+      index=np.zeros((batch,), np.int32), budget=np.full((batch,), 1 << 30, np.int32),
+      stop_ids=np.full((batch, 1), -1, np.int32), seeds=np.zeros((batch,), np.uint32),
+      temperature=np.zeros((batch,), np.float32), top_k=np.zeros((batch,), np.int32),
+      top_p=np.ones((batch,), np.float32))
+  return loop(leaves, kv, np.int32(steps), rows, max_steps=steps, greedy=True)
+
+
+def engine_loop(graphdef, params) -> tuple[Callable, list]:
+  """The engine's jitted decode loop for `nnx.split(model)` and the parameters as it takes
+  them (`decode_chunk`'s first two arguments)."""
+  # pylint: disable-next=protected-access
+  return engine._jitted(graphdef, jax.tree.structure(params))[1], jax.tree.leaves(params)
 
 
 def check_steps_per_call(parser: argparse.ArgumentParser, flag: str, steps: int) -> None:
@@ -110,15 +118,15 @@ def time_device_loop(graphdef, params, make_pool: Callable[[], pool_lib.KVPool],
   the median over `calls` timed calls, each from a fresh pool of `make_pool()` (the same
   contexts every call, so the calls differ only by noise), after one warm-up call; and the
   pool after the last call."""
-  loop = engine._jitted(graphdef)[1]
-  out, kv = decode_chunk(loop, params, make_pool(), batch, iters)  # compile + warm up
+  loop, leaves = engine_loop(graphdef, params)
+  out, kv = decode_chunk(loop, leaves, make_pool(), batch, iters)  # compile + warm up
   out.block_until_ready()
   times = []
   for _ in range(calls):
     del kv  # the old pool's memory, before the next is made
     kv = jax.block_until_ready(make_pool())
     start = time.perf_counter()
-    out, kv = decode_chunk(loop, params, kv, batch, iters)
+    out, kv = decode_chunk(loop, leaves, kv, batch, iters)
     out.block_until_ready()
     times.append((time.perf_counter() - start) / iters)
     if (np.asarray(out) < 0).any():

@@ -50,21 +50,21 @@ def main():
   fresh_pool = lambda: bench_decode_step.filled_pool(
       model, args.batch, args.context, args.batch * pages_per_seq, pages_per_seq, seed=0)
   kv = fresh_pool()
-  loop = engine._jitted(graphdef)[1]
+  loop, leaves = bench_decode_step.engine_loop(graphdef, params)
   if args.hlo:
     # The call itself, lowered (`loop.lower` in place of `loop`): wrapping it in another
     # jit would not donate the pool, and that HLO would copy it.
     with open(args.hlo, "w") as f:
-      f.write(decode_chunk(loop.lower, params, kv, args.batch, args.steps).compile().as_text())
+      f.write(decode_chunk(loop.lower, leaves, kv, args.batch, args.steps).compile().as_text())
   for _ in range(2):  # compile, warm up
-    out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
+    out, kv = decode_chunk(loop, leaves, kv, args.batch, args.steps)
   out.block_until_ready()
   # Time and profile from `context` tokens, so the mean context is context + calls * steps / 2.
   kv = fresh_pool()
   times = []
   for _ in range(args.calls):
     start = time.perf_counter()
-    out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
+    out, kv = decode_chunk(loop, leaves, kv, args.batch, args.steps)
     out.block_until_ready()
     times.append((time.perf_counter() - start) / args.steps)
   wall = float(np.median(times))
@@ -73,7 +73,7 @@ def main():
   trace_dir = tempfile.mkdtemp(dir=common.out_dir())
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(args.calls):
-      out, kv = decode_chunk(loop, params, kv, args.batch, args.steps)
+      out, kv = decode_chunk(loop, leaves, kv, args.batch, args.steps)
     out.block_until_ready()
   events = common.gpu_kernel_events(trace_dir)
   steps = args.calls * args.steps

@@ -216,14 +216,60 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
   return out[:max_steps], kv
 
 
+# The decode loop's per-row arguments travel as one int32 array [8 + S, B]: a call
+# with nine numpy arrays spent ~215 µs of its ~840 µs of fixed cost copying them to the
+# device one by one (H200, benchmarks/RESULTS.md), while the GPU waited.
+_ROW_FIELDS = (("tokens", np.int32), ("active", np.int32), ("index", np.int32),
+               ("budget", np.int32), ("seeds", np.uint32), ("top_k", np.int32),
+               ("temperature", np.float32), ("top_p", np.float32))
+
+
+def pack_decode_rows(*, tokens, active, index, budget, stop_ids, seeds, temperature,
+                     top_k, top_p) -> np.ndarray:
+  """The decode loop's per-row arguments (see `_decode_loop`) as int32 [8 + S, B]: the
+  fields of `_ROW_FIELDS` in order (uint32 seeds and float32 temperature / top_p by their
+  bits), then stop_ids [B, S] transposed."""
+  fields = dict(tokens=tokens, active=active, index=index, budget=budget, seeds=seeds,
+                top_k=top_k, temperature=temperature, top_p=top_p)
+  rows = [np.asarray(fields[name]).astype(dtype).view(np.int32)
+          for name, dtype in _ROW_FIELDS]
+  return np.concatenate([np.stack(rows), np.asarray(stop_ids, np.int32).T])
+
+
+def _unpack_decode_rows(rows: jax.Array) -> dict[str, jax.Array]:
+  """On device: `pack_decode_rows`' array back to the keyword arguments of `_decode_loop`."""
+  args = {name: jax.lax.bitcast_convert_type(row, dtype)
+          for (name, dtype), row in zip(_ROW_FIELDS, rows)}
+  args["active"] = args["active"] != 0
+  args["stop_ids"] = rows[len(_ROW_FIELDS):].T
+  return args
+
+
 @functools.lru_cache(maxsize=8)
-def _jitted(graphdef: nnx.GraphDef) -> tuple[Callable, Callable]:
-  """The engine's device functions for one model structure, pool donated. The graphdef is
-  bound rather than static, as in `gpt2.jit_steps`: hashing it per call costs ~1 ms."""
-  return (jax.jit(functools.partial(_prefill_and_sample, graphdef), donate_argnums=1,
-                  static_argnames="greedy"),
-          jax.jit(functools.partial(_decode_loop, graphdef), donate_argnums=1,
-                  static_argnames=("max_steps", "greedy")))
+def _jitted(graphdef: nnx.GraphDef, treedef) -> tuple[Callable, Callable]:
+  """The engine's device functions for one model structure, pool donated.
+
+  They take the parameters as the list `jax.tree.leaves(params)` (`treedef` = their
+  `jax.tree.structure`): flattening an `nnx.State` of GPT-2 124M's 148 arrays costs
+  ~130-190 µs per call, paid on the host while the GPU waits between decode chunks. The
+  graphdef is bound rather than static, as in `gpt2.jit_steps`: hashing it per call costs
+  ~1 ms.
+
+    prefill(leaves, kv, tokens, lengths, seq_ids, seeds, index, temperature, top_k, top_p,
+            greedy=...) -> (int32 [B] next tokens, pool)
+    decode(leaves, kv, num_steps, pack_decode_rows(...), max_steps=..., greedy=...)
+        -> (int32 [max_steps, B] new tokens, pool)
+  """
+  def prefill(leaves, kv, *args, **kwargs):
+    return _prefill_and_sample(graphdef, jax.tree.unflatten(treedef, leaves), kv, *args,
+                               **kwargs)
+
+  def decode(leaves, kv, num_steps, rows, *, max_steps: int, greedy: bool):
+    return _decode_loop(graphdef, jax.tree.unflatten(treedef, leaves), kv, num_steps,
+                        max_steps=max_steps, greedy=greedy, **_unpack_decode_rows(rows))
+
+  return (jax.jit(prefill, donate_argnums=1, static_argnames="greedy"),
+          jax.jit(decode, donate_argnums=1, static_argnames=("max_steps", "greedy")))
 
 
 _release = jax.jit(pool_lib.release, donate_argnums=0)
@@ -284,8 +330,9 @@ class Engine:
     self.kv = model.create_pool(num_pages=num_pages, page_size=page_size, max_seqs=max_batch,
                                 max_pages_per_seq=self.max_pages_per_seq, dtype=cache_dtype)
     self.num_pages = num_pages
-    graphdef, self.params = nnx.split(model)
-    self._prefill_fn, self._decode_fn = _jitted(graphdef)
+    graphdef, params = nnx.split(model)
+    self._params = jax.tree.leaves(params)  # flattened once (see `_jitted`)
+    self._prefill_fn, self._decode_fn = _jitted(graphdef, jax.tree.structure(params))
 
   def _pages(self, tokens: int) -> int:
     return -(-tokens // self.page_size)
@@ -512,7 +559,7 @@ class Engine:
     rows_padded = rows + [None] * (n - len(rows))
     called = time.perf_counter()
     new, self.kv = self._prefill_fn(
-        self.params, self.kv, tokens, lengths, seq_ids,
+        self._params, self.kv, tokens, lengths, seq_ids,
         index=np.asarray([len(s.tokens) if s else 0 for s in rows_padded], np.int32),
         **self._sampling_arrays(rows_padded))
     new = np.asarray(new)
@@ -547,15 +594,15 @@ class Engine:
     for i, ids in enumerate(stops):
       stop_ids[i, :len(ids)] = ids
     called = time.perf_counter()
-    out, self.kv = self._decode_fn(
-        self.params, self.kv, np.int32(steps),
-        tokens=np.asarray([s.tokens[-1] if s else 0 for s in slots], np.int32),
-        active=np.asarray([s is not None for s in slots]),
-        index=np.asarray([len(s.tokens) if s else 0 for s in slots], np.int32),
-        budget=np.asarray([s.request.max_new_tokens - len(s.tokens) if s else 0
-                           for s in slots], np.int32),
-        stop_ids=stop_ids, max_steps=self.steps_per_call,
-        **self._sampling_arrays(slots))
+    sampling = self._sampling_arrays(slots)
+    greedy = sampling.pop("greedy")
+    rows = pack_decode_rows(
+        tokens=[s.tokens[-1] if s else 0 for s in slots], active=[s is not None for s in slots],
+        index=[len(s.tokens) if s else 0 for s in slots],
+        budget=[s.request.max_new_tokens - len(s.tokens) if s else 0 for s in slots],
+        stop_ids=stop_ids, **sampling)
+    out, self.kv = self._decode_fn(self._params, self.kv, np.int32(steps), rows,
+                                   max_steps=self.steps_per_call, greedy=greedy)
     out = np.asarray(out)
     report.decode_s += time.perf_counter() - called
     report.decode_calls += 1

@@ -45,6 +45,28 @@ def test_greedy_matches_static_generate_whatever_order_and_capacity(
   assert int(eng.kv.num_free_pages()) == 64
 
 
+def test_decode_rows_pack_round_trips_every_field():
+  """The decode loop's per-row arguments survive the one-array transfer bit for bit: uint32
+  seeds past 2**31, float temperatures and top-p, bools and stop ids."""
+  rng = np.random.default_rng(0)
+  b, s = 5, 3
+  rows = dict(tokens=rng.integers(0, 50257, b, np.int32), active=rng.random(b) < 0.5,
+              index=rng.integers(0, 1000, b, np.int32),
+              budget=rng.integers(-3, 1000, b, np.int32),
+              stop_ids=rng.integers(-1, 50257, (b, s), np.int32),
+              seeds=rng.integers(0, 2**32, b, np.uint32),
+              temperature=rng.random(b).astype(np.float32) * 2,
+              top_k=rng.integers(0, 100, b, np.int32),
+              top_p=rng.random(b).astype(np.float32))
+  packed = engine.pack_decode_rows(**rows)
+  assert packed.dtype == np.int32 and packed.shape == (8 + s, b)
+  unpacked = jax.jit(engine._unpack_decode_rows)(packed)  # pylint: disable=protected-access
+  assert sorted(unpacked) == sorted(rows)
+  for name, value in rows.items():
+    assert unpacked[name].dtype == value.dtype, name
+    np.testing.assert_array_equal(np.asarray(unpacked[name]), value, err_msg=name)
+
+
 def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   """The device loop checks every 16 steps: 37 steps asked of a 40-step call run as three
   groups whose last steps past 37 stay idle (nothing written, lengths unchanged), and a row
@@ -52,7 +74,9 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   assert engine.STEPS_PER_CHECK == 16
   reference = generate(model, prompts[:2], 38, page_size=8)
   graphdef, params = nnx.split(model)
-  prefill, decode = engine._jitted(graphdef)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  prefill, decode = engine._jitted(graphdef, jax.tree.structure(params))
+  leaves = jax.tree.leaves(params)
   kv = model.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
   rows = np.arange(2, dtype=np.int32)
   lengths = np.array([len(prompts[0]), len(prompts[1])], np.int32)
@@ -61,12 +85,12 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
     tokens[i, :lengths[i]] = prompts[i]
   sampling = dict(seeds=np.zeros(2, np.uint32), temperature=np.zeros(2, np.float32),
                   top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32))
-  first, kv = prefill(params, kv, tokens, lengths, rows, index=np.zeros(2, np.int32),
+  first, kv = prefill(leaves, kv, tokens, lengths, rows, index=np.zeros(2, np.int32),
                       greedy=True, **sampling)
-  out, kv = decode(params, kv, np.int32(37), tokens=np.asarray(first), active=np.ones(2, bool),
-                   index=np.ones(2, np.int32), budget=np.array([40, 2], np.int32),
-                   stop_ids=np.full((2, 1), -1, np.int32), max_steps=40, greedy=True,
-                   **sampling)
+  packed = engine.pack_decode_rows(
+      tokens=np.asarray(first), active=np.ones(2, bool), index=np.ones(2, np.int32),
+      budget=np.array([40, 2], np.int32), stop_ids=np.full((2, 1), -1, np.int32), **sampling)
+  out, kv = decode(leaves, kv, np.int32(37), packed, max_steps=40, greedy=True)
   out = np.asarray(out)
   assert out.shape == (40, 2)  # max_steps rows, though 3 groups of 16 ran
   np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
