@@ -77,6 +77,10 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
   col_mask = cols < features
   mask = (r[:, None] < rows) & col_mask[None, :]
   idx = (r[:, None], cols[None, :])
+  # Loaded first: Triton keeps loads in program order around the reductions' barriers, so
+  # loaded where they are used they added a memory latency after the last barrier.
+  scale = plgpu.load(scale_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
+  bias = plgpu.load(bias_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
   x = plgpu.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
   if num_parts:
     sum_ref, o_ref = out_refs
@@ -94,8 +98,6 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
   mean = jnp.sum(x, axis=1) / features
   centred = jnp.where(mask, x - mean[:, None], 0.0)
   var = jnp.sum(centred * centred, axis=1) / features
-  scale = plgpu.load(scale_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
-  bias = plgpu.load(bias_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
   y = centred * jax.lax.rsqrt(var + epsilon)[:, None] * scale[None, :] + bias[None, :]
   plgpu.store(o_ref.at[idx], y.astype(o_ref.dtype), mask=mask)
 
