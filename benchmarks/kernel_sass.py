@@ -57,12 +57,13 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
     kv = jax.ShapeDtypeStruct((kv_heads, 4096, page_size, head_dim), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
     # pylint: disable-next=protected-access
     fn = jax.jit(lambda *a: paged_attention._paged_decode_pallas(
         *a, scale=head_dim ** -0.5, logits_soft_cap=None, sliding_window=None, num_splits=1,
         return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
         num_stages=stages))
-    fn.trace(q, kv, kv, table, lengths).lower(lowering_platforms=("cuda",))
+    fn.trace(q, kv, kv, table, lengths, layer).lower(lowering_platforms=("cuda",))
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
   return modules[0].module.operation.get_asm(enable_debug_info=False)
