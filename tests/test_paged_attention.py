@@ -96,6 +96,25 @@ def test_options_interpret(kwargs, num_heads, num_kv_heads):
   check_against_reference(args, interpret=True, block_n=16, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=3),
+                                    dict(num_splits=1, sliding_window=5)])
+def test_pages_of_no_live_token_never_leak_interpret(kwargs):
+  """Every page no live token uses holds NaN K and inf V (page 0 aside: the reference
+  reads it at dead positions): none of it may reach the output, whatever the kernel
+  loads for the masked tokens of a sequence's blocks or its garbage table entries."""
+  page_size, max_pages = 8, 4
+  q, k_pages, v_pages, table, lengths = make_inputs(4, 4, 4, 64, page_size, max_pages,
+                                                    jnp.float32, [0, 1, 9, 30])
+  used = (np.asarray(lengths)[:, None] + page_size - 1) // page_size > np.arange(max_pages)
+  live_pages = np.zeros(k_pages.shape[1], bool)
+  live_pages[np.asarray(table)[used]] = True
+  live_pages[0] = True
+  dead = jnp.asarray(~live_pages)[None, :, None, None]
+  args = (q, jnp.where(dead, jnp.nan, k_pages), jnp.where(dead, jnp.inf, v_pages), table,
+          lengths)
+  check_against_reference(args, interpret=True, block_n=16, **kwargs)
+
+
 def test_default_block_size_and_all_empty_interpret():
   args = make_inputs(2, 8, 2, 128, 16, 8, jnp.bfloat16, [0, 0])
   check_against_reference(args, interpret=True)
