@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from typing import Any, Callable, NamedTuple
 
@@ -39,9 +40,17 @@ from jax_paged import linear
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 
+def gelu_tanh(x: jax.Array) -> jax.Array:
+  """GELU's tanh approximation (HF's gelu_new, `jax.nn.gelu(approximate=True)`), written
+  as x * sigmoid(2u) for u = sqrt(2 / pi) * (x + 0.044715 x^3): the same function as
+  0.5 x (1 + tanh(u)), without the tanh that Pallas-Triton lowers to a branching libdevice
+  call per element in the MLP GEMM's epilogue."""
+  return x * jax.nn.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x))
+
+
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,

@@ -62,6 +62,21 @@ def _prompts(rng, lengths) -> list[list[int]]:
   return [rng.integers(1, HF_CONFIG["vocab_size"], n).tolist() for n in lengths]
 
 
+def test_gelu_tanh_is_hf_gelu_new():
+  """The sigmoid form equals HF's gelu_new (torch, f64) and jax's tanh GELU on fresh values
+  of every magnitude, keeps bf16 inputs bf16, and saturates to x / -0 far out."""
+  x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * np.logspace(
+      -3, 3, 4096, dtype=np.float32)
+  want = transformers.activations.NewGELUActivation()(torch.from_numpy(x).double()).numpy()
+  got = np.asarray(gpt2.gelu_tanh(jnp.asarray(x)), np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got, jax.nn.gelu(jnp.asarray(x), approximate=True),
+                             rtol=1e-5, atol=1e-6)
+  assert gpt2.gelu_tanh(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(gpt2.gelu_tanh(jnp.asarray([-1e4, 1e4], jnp.float32)),
+                                [0.0, 1e4])
+
+
 def test_prefill_and_decode_logits_match_hf(checkpoint):
   hf, path = checkpoint
   model = gpt2.from_pretrained(path)
