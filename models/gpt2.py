@@ -40,6 +40,7 @@ from jax_paged import linear
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 
+
 def gelu_tanh(x: jax.Array) -> jax.Array:
   """GELU's tanh approximation (HF's gelu_new, `jax.nn.gelu(approximate=True)`), written
   as x * sigmoid(2u) for u = sqrt(2 / pi) * (x + 0.044715 x^3): the same function as
