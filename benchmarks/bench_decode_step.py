@@ -81,7 +81,7 @@ def time_decode(steps: gpt2.Steps, params, kv, batch: int,
 def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   """One device call of the engine's decode loop: `steps` greedy steps for every row.
 
-  `loop` is `engine._jitted(graphdef, treedef)[1]`, looked up once by the caller as
+  `loop` is the engine's jitted decode loop (`engine_loop`), looked up once by the caller as
   `Engine` does: the lookup hashes the graphdef, ~2 ms per call during which the GPU would
   sit idle (30 µs per step at 64 steps per call, measured on an H200). It takes the
   parameters as `jax.tree.leaves(params)` and the per-row arguments packed into one numpy
@@ -100,8 +100,8 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
 def engine_loop(graphdef, params) -> tuple[Callable, list]:
   """The engine's jitted decode loop for `nnx.split(model)` and the parameters as it takes
   them (`decode_chunk`'s first two arguments)."""
-  # pylint: disable-next=protected-access
-  return engine._jitted(graphdef, jax.tree.structure(params))[1], jax.tree.leaves(params)
+  _, loop, leaves = engine._device_functions(graphdef, params)  # pylint: disable=protected-access
+  return loop, leaves
 
 
 def check_steps_per_call(parser: argparse.ArgumentParser, flag: str, steps: int) -> None:

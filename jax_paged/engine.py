@@ -272,6 +272,13 @@ def _jitted(graphdef: nnx.GraphDef, treedef) -> tuple[Callable, Callable]:
           jax.jit(decode, donate_argnums=1, static_argnames=("max_steps", "greedy")))
 
 
+def _device_functions(graphdef: nnx.GraphDef, params: nnx.State
+                      ) -> tuple[Callable, Callable, list[jax.Array]]:
+  """`_jitted`'s (prefill, decode) for `nnx.split(model)`, and the parameters as they take
+  them (flattened here, once)."""
+  return (*_jitted(graphdef, jax.tree.structure(params)), jax.tree.leaves(params))
+
+
 _release = jax.jit(pool_lib.release, donate_argnums=0)
 
 
@@ -330,9 +337,7 @@ class Engine:
     self.kv = model.create_pool(num_pages=num_pages, page_size=page_size, max_seqs=max_batch,
                                 max_pages_per_seq=self.max_pages_per_seq, dtype=cache_dtype)
     self.num_pages = num_pages
-    graphdef, params = nnx.split(model)
-    self._params = jax.tree.leaves(params)  # flattened once (see `_jitted`)
-    self._prefill_fn, self._decode_fn = _jitted(graphdef, jax.tree.structure(params))
+    self._prefill_fn, self._decode_fn, self._params = _device_functions(*nnx.split(model))
 
   def _pages(self, tokens: int) -> int:
     return -(-tokens // self.page_size)

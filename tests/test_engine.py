@@ -73,10 +73,8 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   that stops inside a group (budget 2) stays stopped."""
   assert engine.STEPS_PER_CHECK == 16
   reference = generate(model, prompts[:2], 38, page_size=8)
-  graphdef, params = nnx.split(model)
   # pylint: disable-next=protected-access
-  prefill, decode = engine._jitted(graphdef, jax.tree.structure(params))
-  leaves = jax.tree.leaves(params)
+  prefill, decode, leaves = engine._device_functions(*nnx.split(model))
   kv = model.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
   rows = np.arange(2, dtype=np.int32)
   lengths = np.array([len(prompts[0]), len(prompts[1])], np.int32)
