@@ -49,8 +49,9 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 3
 # a point of it on every MHA shape measured (H200, 2026-11-22 06:09 in RESULTS.md); D = 256
 # keeps 4 warps (2 would need 255 registers per thread).
 _MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
-# With at least this many MHA programs per SM, 32-token blocks: at 72 registers (vs 116 for
-# 64 tokens, D = 64) 14 programs fit on an SM instead of 8, so e.g. GPT-2's 1536 programs
+# With at least this many MHA programs per SM, 32-token blocks: far fewer registers than
+# 64 tokens' (116 at D = 64), so 12 programs fit on an H200 SM instead of 8 (measured: a
+# 13th per SM starts a second wave, RESULTS.md 2026-11-23) and e.g. GPT-2's 1536 programs
 # at batch 128 run as one wave (87 / 92% at context 512 / 1k vs 81 / 85%). Fewer programs
 # want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
 _MHA_MANY_PROGRAMS_PER_SM = 8
