@@ -85,8 +85,8 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   `Engine` does: the lookup hashes the graphdef, ~2 ms per call during which the GPU would
   sit idle (30 µs per step at 64 steps per call, measured on an H200). It takes the
   parameters as `jax.tree.leaves(params)` and the per-row arguments packed into one numpy
-  array (`engine.pack_decode_rows`), as `Engine` passes them: one host-to-device copy as
-  the call dispatches.
+  array (`engine.pack_decode_rows`), as `Engine` passes them: that array and `num_steps`
+  are the call's two host-to-device copies.
   """
   rows = engine.pack_decode_rows(
       tokens=np.zeros((batch,), np.int32), active=np.ones((batch,), bool),
