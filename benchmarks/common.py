@@ -84,7 +84,7 @@ def kernel_seconds(fn, *args, calls: int = 20) -> float:
 def read_ceiling_gbs(kernel: bool = False) -> float:
   """HBM read ceiling: jnp.sum(x, dtype=f32) over a 4 GiB bf16 array, in GB/s; timed by
   the host around back-to-back calls, or with `kernel` by its GPU kernel time (the
-  hardware's read rate: 4598 GB/s on an H200).
+  hardware's read rate: 4598-4677 GB/s on the H200s measured).
 
   Host timing spreads a block's start and end latency (~0.3 ms) over its calls: blocks of
   64 calls (~60 ms, as long as a decode-loop call). Blocks of 5 measured 4294 GB/s on the
