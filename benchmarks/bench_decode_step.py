@@ -1,16 +1,16 @@
 """GPT-2 124M decode step on the paged pool (GPU, bf16) against its bytes floor.
 
 A decode step reads every weight once and every live K/V byte once, so its floor is
-(weight bytes + live KV bytes) / read bandwidth, with the read ceiling measured in the same
-run as the GPU kernel time of `jnp.sum(x, dtype=f32)` over 4 GiB of bf16: the rate the
-hardware reads at (host timing charges each ~1 ms call its share of the dispatch latency;
-blocks of 5 calls read ~6.5% low, RESULTS.md 2026-11-23). All sequences start at `context`
-tokens (pages randomly permuted over the pool). The step is timed inside the engine's device loop
-(`iters` steps per jitted call, how `jax_paged.Engine` decodes; each timed call from a
-fresh pool at `context`, the floor at the mean context of its steps) and as one jitted call per
-step (`gpt2.jit_steps(...).decode`, where the host's dispatch shows), then again with a
-pool twice as large: nothing in the step may scale with the pool (no copy of the donated
-pool), so the time must not change.
+(weight bytes + live KV bytes) / read bandwidth, with the read ceiling measured in the
+same run as the GPU kernel time of `jnp.sum(x, dtype=f32)` over 4 GiB of bf16: the rate
+the hardware reads at (host timing charges each ~1 ms call its share of the dispatch
+latency; blocks of 5 calls read ~6.5% low, RESULTS.md 2026-11-23). All sequences start at
+`context` tokens (pages randomly permuted over the pool). The step is timed inside the
+engine's device loop (`iters` steps per jitted call, how `jax_paged.Engine` decodes; each
+timed call from a fresh pool at `context`, the floor at the mean context of its steps) and
+as one jitted call per step (`gpt2.jit_steps(...).decode`, where the host's dispatch
+shows), then again with a pool twice as large: nothing in the step may scale with the pool
+(no copy of the donated pool), so the time must not change.
 
     PYTHONPATH=. python benchmarks/bench_decode_step.py [--batches 1 32 128]
         [--contexts 512 1024] [--iters 64]
