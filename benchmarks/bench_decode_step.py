@@ -90,13 +90,17 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   array (`engine.pack_decode_rows`), as `Engine` passes them: that array and `num_steps`
   are the call's two host-to-device copies.
   """
+  active, budget = np.ones((batch,), bool), np.full((batch,), 1 << 30, np.int32)
+  stop_ids = np.full((batch, 1), -1, np.int32)
   rows = engine.pack_decode_rows(
-      tokens=np.zeros((batch,), np.int32), active=np.ones((batch,), bool),
-      index=np.zeros((batch,), np.int32), budget=np.full((batch,), 1 << 30, np.int32),
-      stop_ids=np.full((batch, 1), -1, np.int32), seeds=np.zeros((batch,), np.uint32),
+      tokens=np.zeros((batch,), np.int32), active=active, index=np.zeros((batch,), np.int32),
+      budget=budget, stop_ids=stop_ids, seeds=np.zeros((batch,), np.uint32),
       temperature=np.zeros((batch,), np.float32), top_k=np.zeros((batch,), np.int32),
       top_p=np.ones((batch,), np.float32))
-  return loop(leaves, kv, np.int32(steps), rows, max_steps=steps, greedy=True)
+  # As `Engine` decides: no row can stop early, so the call runs unchecked.
+  checked = engine.needs_checks(steps, steps, active, budget, stop_ids)
+  return loop(leaves, kv, np.int32(steps), rows, max_steps=steps, greedy=True,
+              checked=checked)
 
 
 def engine_loop(graphdef, params) -> tuple[Callable, list]:
@@ -107,11 +111,9 @@ def engine_loop(graphdef, params) -> tuple[Callable, list]:
 
 
 def check_steps_per_call(parser: argparse.ArgumentParser, flag: str, steps: int) -> None:
-  """Exits through `parser` unless `steps` (a device loop call's steps) is a positive
-  multiple of `engine.STEPS_PER_CHECK`: the loop's last group would run partly idle."""
-  if steps < 1 or steps % engine.STEPS_PER_CHECK:
-    parser.error(f"{flag} must be a positive multiple of {engine.STEPS_PER_CHECK}, got "
-                 f"{steps}")
+  """Exits through `parser` unless `steps` (a device loop call's steps) is positive."""
+  if steps < 1:
+    parser.error(f"{flag} must be a positive number of steps, got {steps}")
 
 
 def time_device_loop(graphdef, params, make_pool: Callable[[], pool_lib.KVPool], batch: int,
@@ -158,8 +160,7 @@ def main():
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
   parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024])
   parser.add_argument("--iters", type=int, default=64,
-                      help="steps per device call, a multiple of engine.STEPS_PER_CHECK (the "
-                           "loop's last group would otherwise run partly idle)")
+                      help="steps per device call")
   parser.add_argument("--double-pool-batch", type=int, default=128,
                       help="batch at which the 2x pool is also timed")
   args = parser.parse_args()

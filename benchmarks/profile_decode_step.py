@@ -34,7 +34,7 @@ def main():
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--steps", type=int, default=32,
-                      help="steps per device call, a multiple of engine.STEPS_PER_CHECK")
+                      help="steps per device call")
   parser.add_argument("--calls", type=int, default=3, help="profiled device calls")
   parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--hlo", help="also write the decode loop's optimized HLO here")

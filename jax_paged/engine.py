@@ -156,7 +156,9 @@ def _prefill_and_sample(graphdef, params, kv, tokens, lengths, seq_ids, seeds, i
 # between groups of this many steps, run as a fixed-trip inner loop that XLA launches
 # without a round trip (H200: 465 -> 432 µs per step at batch 1, ~1-2% at batch 128;
 # benchmarks/RESULTS.md). The price: when every row stops inside a group, the rest of the
-# group runs idle (no row active, nothing written).
+# group runs idle (no row active, nothing written). Each check still idles the GPU (~0.2 ms
+# at GPT-2 124M's batch 128 on an H200), so a call that cannot end early runs unchecked
+# (`needs_checks`).
 STEPS_PER_CHECK = 16
 
 
@@ -165,13 +167,31 @@ def _steps_per_check(max_steps: int) -> int:
   return min(STEPS_PER_CHECK, max_steps)
 
 
+def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.ndarray,
+                 stop_ids: np.ndarray) -> bool:
+  """Whether a decode call of `num_steps` steps (of at most `max_steps`) can end early, and
+  so needs the loop that checks between groups of steps.
+
+  It cannot when it runs every step a call can (num_steps == max_steps), no active row has
+  a stop token, and some active row's budget lasts all of them: the checked loop would
+  then run every group. Arguments as `_decode_loop`'s ([B] rows, stop_ids [B, S]).
+  """
+  active = np.asarray(active, bool)
+  return not (num_steps == max_steps and active.any()
+              and (np.asarray(stop_ids)[active] < 0).all()
+              and np.asarray(budget)[active].max() >= max_steps)
+
+
 def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget, stop_ids,
-                 seeds, temperature, top_k, top_p, *, max_steps: int, greedy: bool):
+                 seeds, temperature, top_k, top_p, *, max_steps: int, greedy: bool,
+                 checked: bool):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
-  The loop checks every `_steps_per_check(max_steps)` steps whether steps are left and
-  a row is still active; steps past `num_steps`, and those after every row has stopped in
-  a group under way, run with every row inactive: they write nothing.
+  With `checked`, the loop checks every `_steps_per_check(max_steps)` steps whether steps
+  are left and a row is still active; steps past `num_steps`, and those after every row
+  has stopped in a group under way, run with every row inactive: they write nothing.
+  Unchecked, it runs all `max_steps` steps with no host round trip (for calls that cannot
+  end early, `needs_checks`).
 
   Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
@@ -208,11 +228,11 @@ def _decode_loop(graphdef, params, kv, num_steps, tokens, active, index, budget,
     active &= ~stopped & (step + 1 < num_steps)
     return step + 1, kv, tokens, active, index, budget, out
 
-  per_check = _steps_per_check(max_steps)
+  per_check = _steps_per_check(max_steps) if checked else max_steps
   out = jnp.full((-(-max_steps // per_check) * per_check, b), -1, jnp.int32)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
-  _, kv, *_, out = jax.lax.while_loop(
-      cond, lambda carry: jax.lax.fori_loop(0, per_check, body, carry), carry)
+  group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
+  _, kv, *_, out = jax.lax.while_loop(cond, group, carry) if checked else group(carry)
   return out[:max_steps], kv
 
 
@@ -257,19 +277,21 @@ def _jitted(graphdef: nnx.GraphDef, treedef) -> tuple[Callable, Callable]:
 
     prefill(leaves, kv, tokens, lengths, seq_ids, seeds, index, temperature, top_k, top_p,
             greedy=...) -> (int32 [B] next tokens, pool)
-    decode(leaves, kv, num_steps, pack_decode_rows(...), max_steps=..., greedy=...)
-        -> (int32 [max_steps, B] new tokens, pool)
+    decode(leaves, kv, num_steps, pack_decode_rows(...), max_steps=..., greedy=...,
+           checked=...) -> (int32 [max_steps, B] new tokens, pool)
   """
   def prefill(leaves, kv, *args, **kwargs):
     return _prefill_and_sample(graphdef, jax.tree.unflatten(treedef, leaves), kv, *args,
                                **kwargs)
 
-  def decode(leaves, kv, num_steps, rows, *, max_steps: int, greedy: bool):
+  def decode(leaves, kv, num_steps, rows, *, max_steps: int, greedy: bool, checked: bool):
     return _decode_loop(graphdef, jax.tree.unflatten(treedef, leaves), kv, num_steps,
-                        max_steps=max_steps, greedy=greedy, **_unpack_decode_rows(rows))
+                        max_steps=max_steps, greedy=greedy, checked=checked,
+                        **_unpack_decode_rows(rows))
 
   return (jax.jit(prefill, donate_argnums=1, static_argnames="greedy"),
-          jax.jit(decode, donate_argnums=1, static_argnames=("max_steps", "greedy")))
+          jax.jit(decode, donate_argnums=1,
+                  static_argnames=("max_steps", "greedy", "checked")))
 
 
 def _device_functions(graphdef: nnx.GraphDef, params: nnx.State
@@ -294,7 +316,8 @@ class Engine:
     steps_per_call: the most decode steps per device call (one host round trip per
       chunk; streamed tokens arrive per chunk). 128 was the fastest measured (GPT-2 124M
       on an H200: 112k vs 105k tokens/s at 32, benchmarks/RESULTS.md). Above
-      `STEPS_PER_CHECK` (16), calls are rounded down to whole groups of it.
+      `STEPS_PER_CHECK` (16), calls that can end early (`needs_checks`) are rounded down
+      to whole groups of it.
     max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
       prefill memory); more admissions go into further calls before the next chunk,
       grouped by length so that short prompts are not padded to long ones.
@@ -589,25 +612,29 @@ class Engine:
 
   def _decode(self, steps, slots, report, retire):
     b = self.max_batch
-    # Whole groups of checked steps: a partial group would run idle steps to its end.
-    per_check = _steps_per_check(self.steps_per_call)
-    if steps > per_check:
-      steps -= steps % per_check
     stops = [([self.eos_token_id] if self.eos_token_id is not None else [])
              + list(s.request.stop_token_ids) if s is not None else [] for s in slots]
     stop_ids = np.full((b, _bucket(max(map(len, stops)), 1)), -1, np.int32)
     for i, ids in enumerate(stops):
       stop_ids[i, :len(ids)] = ids
     called = time.perf_counter()
+    active = np.array([s is not None for s in slots])
+    budget = np.array([s.request.max_new_tokens - len(s.tokens) if s else 0 for s in slots],
+                      np.int32)
+    checked = needs_checks(steps, self.steps_per_call, active, budget, stop_ids)
+    # Whole groups of checked steps: a partial group would run idle steps to its end.
+    per_check = _steps_per_check(self.steps_per_call)
+    if checked and steps > per_check:
+      steps -= steps % per_check
     sampling = self._sampling_arrays(slots)
     greedy = sampling.pop("greedy")
     rows = pack_decode_rows(
-        tokens=[s.tokens[-1] if s else 0 for s in slots], active=[s is not None for s in slots],
-        index=[len(s.tokens) if s else 0 for s in slots],
-        budget=[s.request.max_new_tokens - len(s.tokens) if s else 0 for s in slots],
-        stop_ids=stop_ids, **sampling)
+        tokens=[s.tokens[-1] if s else 0 for s in slots], active=active,
+        index=[len(s.tokens) if s else 0 for s in slots], budget=budget, stop_ids=stop_ids,
+        **sampling)
     out, self.kv = self._decode_fn(self._params, self.kv, np.int32(steps), rows,
-                                   max_steps=self.steps_per_call, greedy=greedy)
+                                   max_steps=self.steps_per_call, greedy=greedy,
+                                   checked=checked)
     out = np.asarray(out)
     report.decode_s += time.perf_counter() - called
     report.decode_calls += 1

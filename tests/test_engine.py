@@ -67,12 +67,10 @@ def test_decode_rows_pack_round_trips_every_field():
     np.testing.assert_array_equal(np.asarray(unpacked[name]), value, err_msg=name)
 
 
-def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
-  """The device loop checks every 16 steps: 37 steps asked of a 40-step call run as three
-  groups whose last steps past 37 stay idle (nothing written, lengths unchanged), and a row
-  that stops inside a group (budget 2) stays stopped."""
-  assert engine.STEPS_PER_CHECK == 16
-  reference = generate(model, prompts[:2], 38, page_size=8)
+def _prefilled(model, prompts):
+  """The engine's device decode loop, its parameter leaves, a pool holding prompts[0] and
+  prompts[1] after prefill, their lengths, and decode rows packed for both (greedy; budget
+  to be filled in by the caller)."""
   # pylint: disable-next=protected-access
   prefill, decode, leaves = engine._device_functions(*nnx.split(model))
   kv = model.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
@@ -85,10 +83,21 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
                   top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32))
   first, kv = prefill(leaves, kv, tokens, lengths, rows, index=np.zeros(2, np.int32),
                       greedy=True, **sampling)
-  packed = engine.pack_decode_rows(
+  pack = lambda budget: engine.pack_decode_rows(
       tokens=np.asarray(first), active=np.ones(2, bool), index=np.ones(2, np.int32),
-      budget=np.array([40, 2], np.int32), stop_ids=np.full((2, 1), -1, np.int32), **sampling)
-  out, kv = decode(leaves, kv, np.int32(37), packed, max_steps=40, greedy=True)
+      budget=np.asarray(budget, np.int32), stop_ids=np.full((2, 1), -1, np.int32), **sampling)
+  return decode, leaves, kv, lengths, pack
+
+
+def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
+  """The device loop checks every 16 steps: 37 steps asked of a 40-step call run as three
+  groups whose last steps past 37 stay idle (nothing written, lengths unchanged), and a row
+  that stops inside a group (budget 2) stays stopped."""
+  assert engine.STEPS_PER_CHECK == 16
+  reference = generate(model, prompts[:2], 38, page_size=8)
+  decode, leaves, kv, lengths, pack = _prefilled(model, prompts)
+  out, kv = decode(leaves, kv, np.int32(37), pack([40, 2]), max_steps=40, greedy=True,
+                   checked=True)
   out = np.asarray(out)
   assert out.shape == (40, 2)  # max_steps rows, though 3 groups of 16 ran
   np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
@@ -96,6 +105,41 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   assert (out[37:] == -1).all() and (out[2:, 1] == -1).all()
   # Each decode step cached the previous newest token.
   np.testing.assert_array_equal(np.asarray(kv.lengths), lengths + [37, 2])
+
+
+def test_unchecked_decode_loop_matches_the_checked_one(model, prompts):
+  """A call that cannot end early gives the same tokens and pool unchecked (no round trip
+  between groups) as checked: 40 of 40 steps, one row stopping on its budget (5) after a
+  group boundary would have come, the other running all steps."""
+  budget = np.array([1 << 30, 5], np.int32)
+  active, stop_ids = np.ones(2, bool), np.full((2, 1), -1, np.int32)
+  assert not engine.needs_checks(40, 40, active, budget, stop_ids)
+  results = []
+  for checked in (True, False):
+    decode, leaves, kv, lengths, pack = _prefilled(model, prompts)
+    out, kv = decode(leaves, kv, np.int32(40), pack(budget), max_steps=40, greedy=True,
+                     checked=checked)
+    results.append((np.asarray(out), kv))
+  (out_c, kv_c), (out_u, kv_u) = results
+  assert out_u.shape == (40, 2) and (out_u[:, 0] >= 0).all() and (out_u[5:, 1] == -1).all()
+  np.testing.assert_array_equal(out_u, out_c)
+  np.testing.assert_array_equal(np.asarray(kv_u.lengths), lengths + [40, 5])
+  for a, b in zip(jax.tree.leaves(kv_u), jax.tree.leaves(kv_c)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("num_steps,active,budget,stop_ids,expected", [
+    (40, [1, 1], [40, 3], [[-1], [-1]], False),    # row 0 runs all 40 steps
+    (40, [1, 0], [50, 0], [[-1], [7]], False),     # a stop token on an inactive row only
+    (32, [1, 1], [40, 40], [[-1], [-1]], True),    # fewer steps than the call can run
+    (40, [1, 1], [39, 3], [[-1], [-1]], True),     # every row ends before step 40
+    (40, [1, 1], [40, 40], [[-1], [7]], True),     # a row may stop on a token
+    (40, [0, 0], [40, 40], [[-1], [-1]], True),    # no row at all
+])
+def test_needs_checks_only_where_a_call_can_end_early(num_steps, active, budget, stop_ids,
+                                                       expected):
+  assert engine.needs_checks(num_steps, 40, np.array(active, bool), np.array(budget),
+                             np.array(stop_ids)) is expected
 
 
 def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prompts,
