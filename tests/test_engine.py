@@ -109,8 +109,8 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
 
 def test_unchecked_decode_loop_matches_the_checked_one(model, prompts):
   """A call that cannot end early gives the same tokens and pool unchecked (no round trip
-  between groups) as checked: 40 of 40 steps, one row stopping on its budget (5) after a
-  group boundary would have come, the other running all steps."""
+  between groups) as checked: 40 of 40 steps, one row stopping on its budget (5) inside
+  the first group, the other running past the checked loop's group ends (16, 32)."""
   budget = np.array([1 << 30, 5], np.int32)
   active, stop_ids = np.ones(2, bool), np.full((2, 1), -1, np.int32)
   assert not engine.needs_checks(40, 40, active, budget, stop_ids)
