@@ -4,11 +4,12 @@ A decode step reads every weight once and every live K/V byte once, so its floor
 (weight bytes + live KV bytes) / read bandwidth, with the read ceiling measured in the
 same run as the GPU kernel time of `jnp.sum(x, dtype=f32)` over 4 GiB of bf16: the rate
 the hardware reads at (host timing charges each ~1 ms call its share of the dispatch
-latency; blocks of 5 calls read ~6.5% low, RESULTS.md 2026-11-23). All sequences start at
+latency; blocks of 5 calls read ~6.5% low, benchmarks/LOG.md, "Measurement method"). All
+sequences start at
 `context` tokens (pages randomly permuted over the pool). The step is timed inside the
 engine's device loop (`iters` steps per jitted call, how `jax_paged.Engine` decodes; each
 timed call from a fresh pool at `context`, the floor at the mean context of its steps) and
-as one jitted call per step (`gpt2.jit_steps(...).decode`, where the host's dispatch
+as one jitted call per step (`ModelRunner.decode`, where the host's dispatch
 shows), then again with a pool twice as large: nothing in the step may scale with the pool
 (no copy of the donated pool), so the time must not change.
 
@@ -29,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from jax_paged import engine
-from jax_paged import paged_attention
 from jax_paged import pool as pool_lib
+from jax_paged.kernels import paged_attention
+from jax_paged.serving import runner as runner_lib
 from models import gpt2
 
 PAGE_SIZE = 16
@@ -43,8 +44,8 @@ def filled_pool(model: gpt2.GPT2LMHeadModel, batch: int, context: int, num_pages
 
   K/V values are zeros: the step's time does not depend on them.
   """
-  kv = model.create_pool(num_pages=num_pages, page_size=PAGE_SIZE, max_seqs=batch,
-                         max_pages_per_seq=max_pages_per_seq)
+  kv = model.spec.create_pool(num_pages=num_pages, page_size=PAGE_SIZE, max_seqs=batch,
+                              max_pages_per_seq=max_pages_per_seq)
   used = -(-context // PAGE_SIZE)
   perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
   table = np.zeros((batch, max_pages_per_seq), np.int32)
@@ -56,7 +57,7 @@ def filled_pool(model: gpt2.GPT2LMHeadModel, batch: int, context: int, num_pages
                     num_free=jnp.asarray(len(free), jnp.int32))
 
 
-def time_decode(steps: gpt2.Steps, params, kv, batch: int,
+def time_decode(runner: runner_lib.ModelRunner, kv, batch: int,
                 iters: int) -> tuple[float, float, pool_lib.KVPool]:
   """Seconds per decode step (back-to-back steps, one block at the end), the host's
   seconds per call (dispatch), and the pool after the steps.
@@ -66,11 +67,11 @@ def time_decode(steps: gpt2.Steps, params, kv, batch: int,
   tokens = jnp.zeros((batch,), jnp.int32)
   ids = jnp.arange(batch, dtype=jnp.int32)
   for _ in range(3):  # compile and warm up
-    logits, kv = steps.decode(params, kv, tokens, ids)
+    logits, kv = runner.decode(kv, tokens, ids)
   logits.block_until_ready()
   start = time.perf_counter()
   for _ in range(iters):
-    logits, kv = steps.decode(params, kv, tokens, ids)
+    logits, kv = runner.decode(kv, tokens, ids)
   host = (time.perf_counter() - start) / iters
   logits.block_until_ready()
   seconds = (time.perf_counter() - start) / iters
@@ -83,31 +84,30 @@ def time_decode(steps: gpt2.Steps, params, kv, batch: int,
 def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   """One device call of the engine's decode loop: `steps` greedy steps for every row.
 
-  `loop` is the engine's jitted decode loop (`engine_loop`), looked up once by the caller as
-  `Engine` does: the lookup hashes the graphdef, ~2 ms per call during which the GPU would
-  sit idle (30 µs per step at 64 steps per call, measured on an H200). It takes the
-  parameters as `jax.tree.leaves(params)` and the per-row arguments packed into one numpy
-  array (`engine.pack_decode_rows`), as `Engine` passes them: that array and `num_steps`
-  are the call's two host-to-device copies.
+  `loop` is the engine's jitted decode loop (`ModelRunner.jitted.decode_loop`), looked up
+  once by the caller as `Engine` does: the lookup hashes the graphdef, ~2 ms per call
+  during which the GPU would sit idle (30 µs per step at 64 steps per call, measured on an
+  H200). It takes the parameters as `jax.tree.leaves(params)` and the per-row arguments
+  packed into one numpy array (`runner.pack_decode_rows`), as `Engine` passes them: that
+  array and `num_steps` are the call's two host-to-device copies.
   """
   active, budget = np.ones((batch,), bool), np.full((batch,), 1 << 30, np.int32)
   stop_ids = np.full((batch, 1), -1, np.int32)
-  rows = engine.pack_decode_rows(
+  rows = runner_lib.pack_decode_rows(
       tokens=np.zeros((batch,), np.int32), active=active, index=np.zeros((batch,), np.int32),
       budget=budget, stop_ids=stop_ids, seeds=np.zeros((batch,), np.uint32),
       temperature=np.zeros((batch,), np.float32), top_k=np.zeros((batch,), np.int32),
       top_p=np.ones((batch,), np.float32))
   # As `Engine` decides: no row can stop early, so the call runs unchecked.
-  checked = engine.needs_checks(steps, steps, active, budget, stop_ids)
+  checked = runner_lib.needs_checks(steps, steps, active, budget, stop_ids)
   return loop(leaves, kv, np.int32(steps), rows, max_steps=steps, greedy=True,
               checked=checked)
 
 
-def engine_loop(graphdef, params) -> tuple[Callable, list]:
-  """The engine's jitted decode loop for `nnx.split(model)` and the parameters as it takes
-  them (`decode_chunk`'s first two arguments)."""
-  _, loop, leaves = engine._device_functions(graphdef, params)  # pylint: disable=protected-access
-  return loop, leaves
+def engine_loop(runner: runner_lib.ModelRunner) -> tuple[Callable, list]:
+  """The engine's jitted decode loop and the parameters as it takes them (`decode_chunk`'s
+  first two arguments)."""
+  return runner.jitted.decode_loop, runner.leaves
 
 
 def check_steps_per_call(parser: argparse.ArgumentParser, flag: str, steps: int) -> None:
@@ -116,13 +116,14 @@ def check_steps_per_call(parser: argparse.ArgumentParser, flag: str, steps: int)
     parser.error(f"{flag} must be a positive number of steps, got {steps}")
 
 
-def time_device_loop(graphdef, params, make_pool: Callable[[], pool_lib.KVPool], batch: int,
-                     iters: int, calls: int = 7) -> tuple[float, pool_lib.KVPool]:
+def time_device_loop(runner: runner_lib.ModelRunner,
+                     make_pool: Callable[[], pool_lib.KVPool], batch: int, iters: int,
+                     calls: int = 7) -> tuple[float, pool_lib.KVPool]:
   """Seconds per decode step inside the engine's device loop (`iters` steps per call):
   the median over `calls` timed calls, each from a fresh pool of `make_pool()` (the same
   contexts every call, so the calls differ only by noise), after one warm-up call; and the
   pool after the last call."""
-  loop, leaves = engine_loop(graphdef, params)
+  loop, leaves = engine_loop(runner)
   out, kv = decode_chunk(loop, leaves, make_pool(), batch, iters)  # compile + warm up
   out.block_until_ready()
   times = []
@@ -169,9 +170,8 @@ def main():
   ceiling = common.read_ceiling_gbs(kernel=True)
   config = gpt2.GPT2Config()
   model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model)
-  steps = gpt2.jit_steps(graphdef)
-  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  runner = runner_lib.ModelRunner(model)
+  weight_bytes = sum(x.nbytes for x in runner.leaves)
   # Tokens added to a pool: a device loop call, then the one-call-per-step warm-up and
   # timed steps.
   headroom = 2 * args.iters + 3
@@ -194,8 +194,8 @@ def main():
         make_pool = functools.partial(filled_pool, model, batch, context, num_pages,
                                       pages_per_seq, seed=batch + context)
         # Each timed call of the device loop covers tokens context .. context + iters.
-        loop_step, kv = time_device_loop(graphdef, params, make_pool, batch, args.iters)
-        call_step, host, kv = time_decode(steps, params, kv, batch, args.iters)
+        loop_step, kv = time_device_loop(runner, make_pool, batch, args.iters)
+        call_step, host, kv = time_decode(runner, kv, batch, args.iters)
         attention = time_attention(kv, config.n_layer, args.iters)
         del kv
         live = context + 0.5 * args.iters

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from jax_paged.engine import Engine, Request
+from jax_paged import Engine, Request
 from models import gpt2
 
 

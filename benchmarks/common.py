@@ -88,8 +88,8 @@ def read_ceiling_gbs(kernel: bool = False) -> float:
 
   Host timing spreads a block's start and end latency (~0.3 ms) over its calls: blocks of
   64 calls (~60 ms, as long as a decode-loop call). Blocks of 5 measured 4294 GB/s on the
-  same H200 where the trace showed the sums running back to back at 4580 (RESULTS.md,
-  2026-11-23 08:10-08:40)."""
+  same H200 where the trace showed the sums running back to back at 4580
+  (benchmarks/LOG.md, "Measurement method")."""
   x = jax.random.normal(jax.random.key(0), (1 << 31,), jnp.bfloat16)
   total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
   seconds = (kernel_seconds(total, x, calls=10) if kernel

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import pallas_call_registration
 
-from jax_paged import paged_attention
+from jax_paged.kernels import paged_attention
+from jax_paged.kernels import triton_backend
 
 _COMPILE = """
 import sys, triton
@@ -63,7 +64,8 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
         *a, scale=head_dim ** -0.5, logits_soft_cap=None, sliding_window=None, num_splits=1,
         return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
         num_stages=stages))
-    fn.trace(q, kv, kv, table, lengths, layer).lower(lowering_platforms=("cuda",))
+    with triton_backend.cuda_lowering_context():
+      fn.trace(q, kv, kv, table, lengths, layer).lower(lowering_platforms=("cuda",))
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
   return modules[0].module.operation.get_asm(enable_debug_info=False)

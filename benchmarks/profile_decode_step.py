@@ -25,7 +25,7 @@ from flax import nnx
 from benchmarks import bench_decode_step
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
-from jax_paged import engine
+from jax_paged.serving import runner as runner_lib
 from models import gpt2
 
 
@@ -43,14 +43,13 @@ def main():
 
   config = gpt2.GPT2Config()
   model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model)
   ps = bench_decode_step.PAGE_SIZE
   total_steps = (args.calls + 2) * args.steps
   pages_per_seq = -(-(args.context + total_steps) // ps)
   fresh_pool = lambda: bench_decode_step.filled_pool(
       model, args.batch, args.context, args.batch * pages_per_seq, pages_per_seq, seed=0)
   kv = fresh_pool()
-  loop, leaves = bench_decode_step.engine_loop(graphdef, params)
+  loop, leaves = bench_decode_step.engine_loop(runner_lib.ModelRunner(model))
   if args.hlo:
     # The call itself, lowered (`loop.lower` in place of `loop`): wrapping it in another
     # jit would not donate the pool, and that HLO would copy it.

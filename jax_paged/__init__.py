@@ -1,29 +1,33 @@
 """jax_paged: paged-KV-cache LLM decoding for Flax models on NVIDIA GPUs.
 
-Kernels (Pallas, lowered through Triton on GPU; plain XLA on CPU):
-  paged_decode_attention, merge_attention_states, merge_attention_states_n
-Ground truth in plain jax.numpy: `jax_paged.reference`.
-The functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv, release, ...).
-Flax NNX layers: `jax_paged.nn.PagedAttention` (paged KV cache), `jax_paged.nn.LayerNorm`
-(one-kernel layer norm, `jax_paged.layer_norm`), `jax_paged.nn.project_add_norm` (a
-projection's residual add fused with the next layer norm), `jax_paged.nn.dense` (a linear
-layer + activation as one GEMM-with-epilogue kernel at decode's few rows,
-`jax_paged.linear`).
-Generation: generate (one static batch), Engine / Request / TokenEvent (continuous
-batching); the CLI is `jax-paged-generate` (`python -m jax_paged.generate`).
+Layers, each using only those before it:
+  kernels   Pallas kernels (lowered through Triton on a GPU; plain XLA on CPU) with their
+            references: paged_decode_attention, merge_attention_states(_n); ground truth
+            in plain jax.numpy in `jax_paged.reference`
+  pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
+            release, ...)
+  nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
+  PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
+  serving   scheduler, runner, engine: Engine / Request / TokenEvent (continuous
+            batching) and generate (one static batch)
+  cli       `jax-paged-generate` (`python -m jax_paged.cli`)
+Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 """
 
-from jax_paged import reference
+from jax_paged.kernels import reference
 from jax_paged import pool
 from jax_paged.pool import KVPool, PoolExhausted
 from jax_paged import nn
-from jax_paged.static_batch import generate
-from jax_paged.paged_attention import paged_decode_attention
-from jax_paged.merge_attention import merge_attention_states, merge_attention_states_n
-from jax_paged.engine import Engine, Request, TokenEvent
+from jax_paged.kernels.paged_attention import paged_decode_attention
+from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
+from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
+from jax_paged.serving.engine import Engine
+from jax_paged.serving.report import Report
+from jax_paged.serving.request import Request, TokenEvent
+from jax_paged.serving.static_batch import generate
 
 __all__ = [
-    "Engine", "KVPool", "PoolExhausted", "Request", "TokenEvent", "generate",
-    "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
-    "pool", "reference",
+    "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted", "Report",
+    "Request", "TokenEvent", "generate", "merge_attention_states", "merge_attention_states_n",
+    "nn", "paged_decode_attention", "pool", "reference",
 ]

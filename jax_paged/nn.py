@@ -2,8 +2,8 @@
 
 `PagedAttention` is a multi-head (MHA / GQA / MQA) self-attention layer that a model drops
 in place of its usual attention: it projects q/k/v for the new tokens, writes k/v into its
-layer's pages of the pool (`pool.write_kv`; at decode's few rows on a GPU the projection
-kernel stores them itself, `cache_write.project_write_kv_pallas`) and attends
+layer's pages of the pool (`pool.write_kv`; at decode `pool.project_write_kv`, where on a
+GPU the projection kernel stores them itself) and attends
 
 * over the new tokens with a causal mask for a prompt (`prefill`), and
 * over the sequence's pages with the paged decode kernel for one new token (`decode`).
@@ -15,26 +15,24 @@ them in; the layer never allocates.
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
 few rows (the attention layer's `project=False` leaves its output projection to it), and
 `dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
-(`jax_paged.linear`).
+(`jax_paged.kernels.linear`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_paged import cache_write
-from jax_paged import layer_norm
-from jax_paged import linear
-from jax_paged import paged_attention
+from jax_paged.kernels import layer_norm
+from jax_paged.kernels import linear
+from jax_paged.kernels import paged_attention
 from jax_paged import pool as pool_lib
-from jax_paged import reference
-from jax_paged import triton_backend
-from jax_paged import validation
+from jax_paged.kernels import reference
+from jax_paged.kernels import triton_backend
+from jax_paged.kernels import validation
 
 DecodeImpl = Literal["auto", "kernel", "reference"]
 
@@ -101,17 +99,11 @@ class LayerNorm(nnx.Module):
                                  out_dtype=self.dtype or x.dtype)
 
 
-def _kernel_mode(proj: nnx.Linear, h: jax.Array, interpret: bool | None
-                 ) -> tuple[bool | None, jax.Array, jax.Array]:
-  """How `proj(h)` runs: (False / True: `jax_paged.linear` compiled / interpreted, or None:
-  the plain module), with h and proj's kernel in the module's compute dtype (nnx.Linear
-  computes in its dtype, or the inputs' common dtype). The kernels take decode's few rows;
-  a prompt's thousands take XLA's GEMM with its fused epilogue."""
+def _operands(proj: nnx.Linear, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """h and proj's kernel in the module's compute dtype (nnx.Linear computes in its dtype,
+  or the inputs' common dtype), as the kernels take them."""
   dtype = proj.dtype or jnp.result_type(h, proj.kernel[...])
-  mode = triton_backend.resolve_interpret(interpret)
-  if math.prod(h.shape[:-1]) > linear.MAX_ROWS or h.size == 0:
-    mode = None
-  return mode, h.astype(dtype), proj.kernel[...].astype(dtype)
+  return h.astype(dtype), proj.kernel[...].astype(dtype)
 
 
 def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
@@ -135,7 +127,8 @@ def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
   Returns:
     [..., N] in the module's compute dtype, or with `sections` a tuple of [..., width].
   """
-  mode, h_c, kernel = _kernel_mode(proj, h, interpret)
+  h_c, kernel = _operands(proj, h)
+  mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is not None:
     return linear.linear(h_c, kernel, None if proj.bias is None else proj.bias[...],
                          activation=activation, sections=sections, interpret=mode)
@@ -165,7 +158,8 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
   Returns:
     (x [..., N] in the stream's dtype, norm(x)).
   """
-  mode, h_c, kernel = _kernel_mode(proj, h, interpret)
+  h_c, kernel = _operands(proj, h)
+  mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     x = residual + proj(h)
     return x, norm(x)
@@ -265,19 +259,11 @@ class PagedAttention(nnx.Module):
     """
     b = x.shape[0]
     d = self.head_dim
-    mode, x_c, kernel = _kernel_mode(self.qkv, x, None)
-    if mode is not None and cache_write.can_project_write(b, d, kv.num_layers):
-      # One kernel: the projection, K and V stored straight into the pages.
-      slots = jnp.asarray(slots)
-      pool_lib.check_write(kv, layer, slots)
-      q, k_pages, v_pages = cache_write.project_write_kv_pallas(
-          x_c, kernel, None if self.qkv.bias is None else self.qkv.bias[...], kv.k_pages,
-          kv.v_pages, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
-          q_width=self.num_heads * d, interpret=mode)
-      kv = kv.replace(k_pages=k_pages, v_pages=v_pages)
-    else:
-      q, k, v = self._project(x)
-      kv = pool_lib.write_kv(kv, layer, slots, k, v)
+    x_c, kernel = _operands(self.qkv, x)
+    # On a GPU one kernel: the projection, K and V stored straight into the pages.
+    q, kv = pool_lib.project_write_kv(
+        kv, layer, slots, x_c, kernel, None if self.qkv.bias is None else self.qkv.bias[...],
+        q_width=self.num_heads * d)
     use_kernel = self.decode_impl == "kernel" or (
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
     attend = (paged_attention.paged_decode_attention if use_kernel

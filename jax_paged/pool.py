@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_paged import cache_write
-from jax_paged import decode_reserve
-from jax_paged import triton_backend
+from jax_paged.kernels import cache_write
+from jax_paged.kernels import decode_reserve
+from jax_paged.kernels import linear
+from jax_paged.kernels import triton_backend
 
 
 class PoolExhausted(RuntimeError):
@@ -234,7 +235,7 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
                        "of slots")
     max_new_tokens = int(concrete_counts.max()) if n else 0
   ps = pool.page_size
-  mode = triton_backend.resolve_interpret(interpret)
+  mode = triton_backend.kernel_mode(interpret)
   # The kernel needs the ids distinct and in range: concrete ones were checked above.
   if mode is not None and max_new_tokens == 1 and n and concrete_ids is not None:
     in_order = np.array_equal(concrete_ids, np.arange(n))
@@ -370,7 +371,7 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
   # [N, Hkv, D] in the pool's dtype, for either path.
   k, v = (x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pool.k_pages.dtype)
           for x in (k, v))
-  mode = triton_backend.resolve_interpret(interpret)
+  mode = triton_backend.kernel_mode(interpret)
   if mode is not None:
     if flat.size == 0:
       return pool
@@ -390,6 +391,54 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
     return pages.reshape(shape)
 
   return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v))
+
+
+def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array,
+                     bias: jax.Array | None, *, q_width: int, interpret: bool | None = None
+                     ) -> tuple[jax.Array, KVPool]:
+  """A fused q/k/v projection whose K/V columns go into one layer's pages, returning q.
+
+  y = x @ kernel + bias is split into q [N, q_width], then K and V [N, Hkv * D] (each
+  head-major), and K/V are written at `slots` as `write_kv` writes them. On a GPU, at
+  decode's few rows, one kernel computes the projection and stores K and V straight into
+  the pages (`cache_write.project_write_kv_pallas`: they never round-trip through HBM as
+  arrays); elsewhere `linear.linear` and then `write_kv`.
+
+  Args:
+    pool: the pool.
+    layer: int (or int32 scalar under jit), the layer index.
+    slots: int32 [N] flat slots from `reserve`; negative = padding, never written.
+    x: [N, in_features] f32 / bf16 / f16.
+    kernel: [in_features, q_width + 2 * Hkv * D] in x's dtype; bias: its [columns] or None.
+    q_width: q's columns.
+    interpret: None = the kernel on a GPU where it takes the shapes, XLA elsewhere; True =
+      the kernel in Pallas interpret mode (tests).
+
+  Returns:
+    (q [N, q_width] in x's dtype, the pool with the tokens' K/V written).
+  """
+  slots = jnp.asarray(slots)
+  kv_width = pool.num_kv_heads * pool.head_dim
+  if x.ndim != 2 or slots.shape != x.shape[:1]:
+    raise ValueError(f"x must have shape [N, in_features] with N = len(slots), got x "
+                     f"{tuple(x.shape)} and slots {tuple(slots.shape)}")
+  if kernel.ndim != 2 or kernel.shape[1] != q_width + 2 * kv_width:
+    raise ValueError(f"kernel must have q_width + 2 * num_kv_heads * head_dim = "
+                     f"{q_width + 2 * kv_width} columns, got shape {tuple(kernel.shape)}")
+  check_write(pool, layer, slots)
+  fused = linear.takes(x, kernel) and cache_write.can_project_write(
+      x.shape[0], pool.head_dim, pool.num_layers)
+  mode = triton_backend.kernel_mode(interpret, supported=fused)
+  if mode is None:
+    q, k, v = linear.linear(x, kernel, bias, sections=(q_width, kv_width, kv_width),
+                            interpret=interpret)
+    heads = (x.shape[0], pool.num_kv_heads, pool.head_dim)
+    return q, write_kv(pool, layer, slots, k.reshape(heads), v.reshape(heads),
+                       interpret=interpret)
+  q, k_pages, v_pages = cache_write.project_write_kv_pallas(
+      x, kernel, bias, pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32),
+      slots.astype(jnp.int32), q_width=q_width, interpret=mode)
+  return q, pool.replace(k_pages=k_pages, v_pages=v_pages)
 
 
 def reserve_or_raise(pool: KVPool, seq_ids, num_new_tokens) -> tuple[KVPool, jax.Array]:

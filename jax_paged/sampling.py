@@ -56,3 +56,22 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
   sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy(logits))
 
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperature: jax.Array,
+                top_k: jax.Array, top_p: jax.Array, *, all_greedy: bool = False) -> jax.Array:
+  """The serving layer's sampling entry: int32 [B], row b drawn with its own key
+  `fold_in(key(seeds[b]), index[b])`, so a request's draws depend only on its seed and
+  how many tokens it has generated (not on the batch, its row or preemption).
+
+  Args:
+    logits: float [B, V].
+    seeds: uint32 [B]; index: int32 [B] (the request's own token count).
+    temperature, top_k, top_p: [B] per-row settings, as `sample` takes them.
+    all_greedy: (static) every row is greedy: the argmax, with no sort.
+  """
+  if all_greedy:
+    return greedy(logits)
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
+  row = lambda l, k, t, tk, tp: sample(l[None], k, temperature=t, top_k=tk, top_p=tp)[0]
+  return jax.vmap(row)(logits, keys, temperature, top_k, top_p)

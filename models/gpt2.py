@@ -4,17 +4,10 @@ The model is nanoGPT's: learned positions, pre-LayerNorm blocks, a gelu_new MLP 
 head tied to the token embedding. Its attention is `jax_paged.nn.PagedAttention`, so the
 K/V cache lives in the pool's pages.
 
-The serving entry points are two pure step functions over (params, pool, tokens), which
-`jit_steps` compiles with the pool donated:
-
-    graphdef, params = nnx.split(model)
-    steps = jit_steps(graphdef)
-    logits, pool = steps.prefill(params, pool, tokens, prompt_lengths, seq_ids)
-    logits, pool = steps.decode(params, pool, next_tokens, seq_ids)
-
-Each reserves its slots inside the step (`pool.reserve`, once for all layers) and writes
-every layer's K/V into the pool, which is donated so XLA updates it in place. The decode
-step's shapes depend only on the batch capacity, so it compiles once per capacity.
+It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode`
+are the forwards over the pool that `jax_paged`'s runner jits, reserving the new tokens'
+slots and donating the pool; the model only computes. Serve it with `jax_paged.Engine` or
+`jax_paged.generate`; `FAMILY` is how the CLI finds it (the `jax_paged.models` entry point).
 
 `from_pretrained` loads Hugging Face GPT-2 checkpoints (config.json + model.safetensors or
 pytorch_model.bin). HF's Conv1D stores weights as [in, out], which is already the layout
@@ -29,16 +22,17 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_paged import linear
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
+from jax_paged.kernels import linear
+from jax_paged.paged_model import ModelFamily, ModelSpec
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -176,15 +170,13 @@ class GPT2LMHeadModel(nnx.Module):
     self.ln_f = paged_nn.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon,
                                    dtype=dtype, param_dtype=param_dtype)
 
-  def create_pool(self, *, num_pages: int, page_size: int, max_seqs: int,
-                  max_pages_per_seq: int, dtype=None) -> pool_lib.KVPool:
-    """An empty pool shaped for this model (dtype defaults to the compute dtype)."""
+  @property
+  def spec(self) -> ModelSpec:
+    """The pool's shape, the vocabulary and the context limit (`jax_paged.PagedModel`)."""
     c = self.config
-    return pool_lib.KVPool.create(num_layers=c.n_layer, num_kv_heads=c.n_head,
-                                  head_dim=c.head_dim, num_pages=num_pages,
-                                  page_size=page_size, max_seqs=max_seqs,
-                                  max_pages_per_seq=max_pages_per_seq,
-                                  dtype=self.dtype if dtype is None else dtype)
+    return ModelSpec(num_layers=c.n_layer, num_kv_heads=c.n_head, head_dim=c.head_dim,
+                     vocab_size=c.vocab_size, max_positions=c.n_positions, dtype=self.dtype,
+                     eos_token_id=c.eos_token_id)
 
   def _forward(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
                attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:
@@ -207,7 +199,7 @@ class GPT2LMHeadModel(nnx.Module):
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
-    """Prompts of fresh sequences (see `prefill` below for the step).
+    """Prompts of fresh sequences (`jax_paged.PagedModel.prefill`).
 
     Args:
       tokens: int32 [B, T], right-padded.
@@ -228,7 +220,7 @@ class GPT2LMHeadModel(nnx.Module):
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
              slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
              greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
-    """One token per sequence (see `decode` below for the step).
+    """One token per sequence (`jax_paged.PagedModel.decode`).
 
     Args:
       tokens, positions: int32 [B].
@@ -246,88 +238,6 @@ class GPT2LMHeadModel(nnx.Module):
         lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
                                                project=False))
     return (self._greedy(h) if greedy else self._logits(h)), kv
-
-
-def prefill(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
-            tokens: jax.Array, prompt_lengths: jax.Array,
-            seq_ids: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
-  """The prefill step: reserves and fills the pages of fresh sequences' prompts.
-
-  Args:
-    graphdef, params: `nnx.split(model)` of a `GPT2LMHeadModel`.
-    kv: the pool (donated by `jit_steps`). The sequences must be empty.
-    tokens: int32 [B, T], prompts right-padded to T (the padding value does not matter).
-    prompt_lengths: int32 [B] in [1, T].
-    seq_ids: int32 [B], distinct pool sequence ids.
-
-  Returns:
-    (float32 logits [B, vocab] of each prompt's last token, the new pool). A sequence
-    that did not fit in the pool is left empty (its length stays 0); check
-    `pool.lengths[seq_ids]` if the pool may run out.
-  """
-  model = nnx.merge(graphdef, params)
-  kv, slots, _ = pool_lib.reserve(kv, seq_ids, prompt_lengths, max_new_tokens=tokens.shape[1])
-  return model.prefill(tokens, kv, slots, prompt_lengths)
-
-
-def _rows(x: jax.Array, seq_ids) -> jax.Array:
-  """x[seq_ids] of a per-sequence pool array; x itself when seq_ids are numpy ids of every
-  row in order (the engine's decode loop): no gather kernel per step."""
-  if isinstance(seq_ids, np.ndarray) and np.array_equal(seq_ids, np.arange(x.shape[0])):
-    return x
-  return x[seq_ids]
-
-
-def decode(graphdef: nnx.GraphDef, params: nnx.State, kv: pool_lib.KVPool,
-           tokens: jax.Array, seq_ids: jax.Array, active: jax.Array | None = None, *,
-           greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
-  """The decode step: appends one token to each active sequence and returns its logits.
-
-  Args:
-    graphdef, params: `nnx.split(model)` of a `GPT2LMHeadModel`.
-    kv: the pool (donated by `jit_steps`). Its position for the token is the sequence's
-      current length.
-    tokens: int32 [B] the newest token of each sequence.
-    seq_ids: int32 [B] distinct pool sequence ids (B is the batch capacity).
-    active: bool [B], rows to run (default all); inactive rows write nothing and their
-      logits are meaningless, so a fixed-capacity batch can carry empty rows.
-    greedy: (static) return each row's argmax token instead of the logits, computed
-      without writing them (a decoding loop that samples greedily).
-
-  Returns:
-    (float32 logits [B, vocab], or with `greedy` int32 tokens [B]; the new pool). A row
-    that found no free page is treated as inactive and its length does not advance.
-  """
-  model = nnx.merge(graphdef, params)
-  active = jnp.ones(seq_ids.shape, bool) if active is None else active
-  kv, slots, ok = pool_lib.reserve(kv, seq_ids, active, max_new_tokens=1)
-  lengths = _rows(kv.lengths, seq_ids)
-  # A row that got its slot is one token longer: the new token sits at the old length.
-  # (From the new lengths only, so no reader of the old ones keeps them alive past the
-  # in-place reserve kernel.) Other rows' positions are unused.
-  positions = jnp.maximum(lengths - 1, 0)
-  return model.decode(tokens, positions, kv, slots[:, 0], _rows(kv.page_table, seq_ids),
-                      jnp.where(active & ok, lengths, 0), greedy=greedy)
-
-
-class Steps(NamedTuple):
-  """`prefill` and `decode` jitted for one model structure, graphdef bound, pool donated:
-  `steps.prefill(params, pool, tokens, prompt_lengths, seq_ids)` and
-  `steps.decode(params, pool, tokens, seq_ids, active=None)`."""
-
-  prefill: Callable[..., tuple[jax.Array, pool_lib.KVPool]]
-  decode: Callable[..., tuple[jax.Array, pool_lib.KVPool]]
-
-
-@functools.lru_cache(maxsize=8)
-def jit_steps(graphdef: nnx.GraphDef) -> Steps:
-  """The jitted steps of a model structure (`nnx.split(model)[0]`), cached per structure.
-
-  The graphdef is bound here rather than passed as a static argument because hashing it
-  costs about 1 ms for GPT-2 124M, as long as a whole decode step.
-  """
-  return Steps(prefill=jax.jit(functools.partial(prefill, graphdef), donate_argnums=1),
-               decode=jax.jit(functools.partial(decode, graphdef), donate_argnums=1))
 
 
 def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
@@ -395,3 +305,23 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     return jnp.asarray(value, spec.dtype)
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, state))
+
+
+# Random-weight configurations for runs without a checkpoint (the CLI's --model).
+PRESETS = {
+    "gpt2": GPT2Config(),
+    "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
+    "tiny": GPT2Config(vocab_size=256, n_positions=512, n_embd=64, n_layer=2, n_head=4,
+                       bos_token_id=None, eos_token_id=None),
+}
+
+def _random_model(config: GPT2Config, dtype, seed: int) -> GPT2LMHeadModel:
+  return GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+FAMILY = ModelFamily(
+    name="gpt2",
+    model_types=("gpt2",),
+    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    presets={name: functools.partial(_random_model, config) for name, config in PRESETS.items()},
+)

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_cli(*args, timeout=120):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "jax_paged.generate", *args], env=env,
+  return subprocess.run([sys.executable, "-m", "jax_paged.cli", *args], env=env,
                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -36,6 +36,7 @@ def test_tiny_model_end_to_end():
 def test_checkpoint_with_tokenizer(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   transformers = pytest.importorskip("transformers")
+  pytest.importorskip("torch")  # GPT2LMHeadModel, the checkpoint's writer, needs it
   tok = tokenizers.ByteLevelBPETokenizer()
   tok.train_from_iterator(["the paged cache holds the pages of every sequence"] * 20,
                           vocab_size=300, min_frequency=1)
@@ -52,7 +53,7 @@ def test_checkpoint_with_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--checkpoint", "/no/such/dir", "--prompt", "x"], "not a directory"),
-    (["--model", "tiny", "--prompt", "x" * 600], "n_positions is 512"),
+    (["--model", "tiny", "--prompt", "x" * 600], "n_positions=512"),
     (["--model", "tiny", "--num-pages", "2", "--max-new-tokens", "40", "--prompt", "x" * 20],
      "pool is too small"),
     (["--model", "tiny"], "at least one --prompt"),

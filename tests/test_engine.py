@@ -1,13 +1,16 @@
-"""The continuous-batching engine against static-batch `generate`, under pressure."""
+"""The serving layer: the continuous-batching engine against static-batch `generate`
+under pressure, and its scheduler and runner on their own."""
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from jax_paged import engine
-from jax_paged.engine import Engine, Request
-from jax_paged.static_batch import generate
+from jax_paged import Engine, Request, generate
+from jax_paged.serving import admission
+from jax_paged.serving import runner as runner_lib
+from jax_paged.serving.kv_cache_manager import KVCacheManager
+from jax_paged.serving.scheduler import Scheduler
 from models import gpt2
 
 CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=32, n_layer=2, n_head=4,
@@ -58,9 +61,9 @@ def test_decode_rows_pack_round_trips_every_field():
               temperature=rng.random(b).astype(np.float32) * 2,
               top_k=rng.integers(0, 100, b, np.int32),
               top_p=rng.random(b).astype(np.float32))
-  packed = engine.pack_decode_rows(**rows)
+  packed = runner_lib.pack_decode_rows(**rows)
   assert packed.dtype == np.int32 and packed.shape == (8 + s, b)
-  unpacked = jax.jit(engine._unpack_decode_rows)(packed)  # pylint: disable=protected-access
+  unpacked = jax.jit(runner_lib.unpack_decode_rows)(packed)
   assert sorted(unpacked) == sorted(rows)
   for name, value in rows.items():
     assert unpacked[name].dtype == value.dtype, name
@@ -68,12 +71,10 @@ def test_decode_rows_pack_round_trips_every_field():
 
 
 def _prefilled(model, prompts):
-  """The engine's device decode loop, its parameter leaves, a pool holding prompts[0] and
-  prompts[1] after prefill, their lengths, and decode rows packed for both (greedy; budget
-  to be filled in by the caller)."""
-  # pylint: disable-next=protected-access
-  prefill, decode, leaves = engine._device_functions(*nnx.split(model))
-  kv = model.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
+  """The model's runner, a pool holding prompts[0] and prompts[1] after prefill, their
+  lengths, and decode rows packed for both (greedy; budget to be filled in by the caller)."""
+  runner = runner_lib.ModelRunner(model)
+  kv = runner.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
   rows = np.arange(2, dtype=np.int32)
   lengths = np.array([len(prompts[0]), len(prompts[1])], np.int32)
   tokens = np.zeros((2, max(lengths)), np.int32)
@@ -81,23 +82,22 @@ def _prefilled(model, prompts):
     tokens[i, :lengths[i]] = prompts[i]
   sampling = dict(seeds=np.zeros(2, np.uint32), temperature=np.zeros(2, np.float32),
                   top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32))
-  first, kv = prefill(leaves, kv, tokens, lengths, rows, index=np.zeros(2, np.int32),
-                      greedy=True, **sampling)
-  pack = lambda budget: engine.pack_decode_rows(
+  logits, kv = runner.prefill(kv, tokens, lengths, rows)
+  first = np.argmax(np.asarray(logits), axis=-1)
+  pack = lambda budget: runner_lib.pack_decode_rows(
       tokens=np.asarray(first), active=np.ones(2, bool), index=np.ones(2, np.int32),
       budget=np.asarray(budget, np.int32), stop_ids=np.full((2, 1), -1, np.int32), **sampling)
-  return decode, leaves, kv, lengths, pack
+  return runner, kv, lengths, pack
 
 
 def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   """The device loop checks every 16 steps: 37 steps asked of a 40-step call run as three
   groups whose last steps past 37 stay idle (nothing written, lengths unchanged), and a row
   that stops inside a group (budget 2) stays stopped."""
-  assert engine.STEPS_PER_CHECK == 16
+  assert runner_lib.STEPS_PER_CHECK == 16
   reference = generate(model, prompts[:2], 38, page_size=8)
-  decode, leaves, kv, lengths, pack = _prefilled(model, prompts)
-  out, kv = decode(leaves, kv, np.int32(37), pack([40, 2]), max_steps=40, greedy=True,
-                   checked=True)
+  runner, kv, lengths, pack = _prefilled(model, prompts)
+  out, kv = runner.decode_loop(kv, 37, pack([40, 2]), max_steps=40, greedy=True, checked=True)
   out = np.asarray(out)
   assert out.shape == (40, 2)  # max_steps rows, though 3 groups of 16 ran
   np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
@@ -113,12 +113,12 @@ def test_unchecked_decode_loop_matches_the_checked_one(model, prompts):
   the first group, the other running past the checked loop's group ends (16, 32)."""
   budget = np.array([1 << 30, 5], np.int32)
   active, stop_ids = np.ones(2, bool), np.full((2, 1), -1, np.int32)
-  assert not engine.needs_checks(40, 40, active, budget, stop_ids)
+  assert not runner_lib.needs_checks(40, 40, active, budget, stop_ids)
   results = []
   for checked in (True, False):
-    decode, leaves, kv, lengths, pack = _prefilled(model, prompts)
-    out, kv = decode(leaves, kv, np.int32(40), pack(budget), max_steps=40, greedy=True,
-                     checked=checked)
+    runner, kv, lengths, pack = _prefilled(model, prompts)
+    out, kv = runner.decode_loop(kv, 40, pack(budget), max_steps=40, greedy=True,
+                                 checked=checked)
     results.append((np.asarray(out), kv))
   (out_c, kv_c), (out_u, kv_u) = results
   assert out_u.shape == (40, 2) and (out_u[:, 0] >= 0).all() and (out_u[5:, 1] == -1).all()
@@ -138,22 +138,72 @@ def test_unchecked_decode_loop_matches_the_checked_one(model, prompts):
 ])
 def test_needs_checks_only_where_a_call_can_end_early(num_steps, active, budget, stop_ids,
                                                        expected):
-  assert engine.needs_checks(num_steps, 40, np.array(active, bool), np.array(budget),
+  assert runner_lib.needs_checks(num_steps, 40, np.array(active, bool), np.array(budget),
                              np.array(stop_ids)) is expected
 
 
 def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prompts,
                                                                      greedy_reference):
-  eng = Engine(model, max_batch=16, num_pages=64, page_size=8, max_prefill_tokens=64)
-  contexts = [(0, 5), (1, 30), (2, 9), (3, 17), (4, 3), (5, 8), (6, 70)]
-  calls = eng._prefill_calls(contexts)  # pylint: disable=protected-access
+  lengths = [5, 30, 9, 17, 3, 8, 70]
+  cache = KVCacheManager(num_pages=64, page_size=8, max_seqs=16)
+  scheduler = Scheduler([Request([1] * n, 4) for n in lengths], max_batch=16, cache=cache,
+                        admission=admission.OptimisticAdmission(cache), steps_per_call=8,
+                        max_prefill_tokens=64)
+  calls = [scheduler.schedule() for _ in range(3)]
   # Longest first; a call holds bucket(rows) x bucket(longest) <= 64 padded tokens, and
-  # the 70-token prompt (bucket 128 > 64) runs alone.
-  assert calls == [[6], [1, 3], [2, 5, 0, 4]]
-  assert sorted(sum(calls, [])) == list(range(7))
+  # the 70-token prompt (bucket 128 > 64) runs alone. Slots follow arrival order.
+  assert [c.prefill for c in calls] == [(6,), (1, 3), (2, 5, 0, 4)]
+  assert all(c.decode_steps == 0 and not c.release for c in calls)
   # Many small calls still give static generate's tokens.
+  eng = Engine(model, max_batch=16, num_pages=64, page_size=8, max_prefill_tokens=64)
   outputs, report = eng.generate([Request(p, 14) for p in prompts])
   assert outputs == greedy_reference and report.prefill_calls > 2
+
+
+def _simulate(scheduler, plan, token=7):
+  """What the runner would return for `plan` (every row produces `token` while its budget
+  and the plan's steps last) and the pool's lengths after it; fed to `update`."""
+  lengths = scheduler.cache.cached.copy()
+  if plan.prefill:
+    out = np.full(len(plan.prefill), token)
+    for slot in plan.prefill:
+      lengths[slot] += len(plan.rows[slot].context)
+  else:
+    out = np.full((plan.max_steps, len(plan.rows)), -1)
+    for i, s in enumerate(plan.rows):
+      if s is not None:
+        n = min(plan.decode_steps, s.budget)
+        out[:n, i] = token
+        lengths[i] += n
+  return scheduler.update(plan, out, lengths)
+
+
+def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
+  """Two requests of up to 3 pages each in a 4-page pool: when not one more decode step
+  fits, the newer one is preempted, its slot freed in the next plan's `release`; it comes
+  back once the first finishes, recomputed from its prompt and the tokens it had."""
+  cache = KVCacheManager(num_pages=4, page_size=4, max_seqs=2)
+  scheduler = Scheduler([Request([1, 2, 3], 10), Request([4, 5, 6], 10)], max_batch=2,
+                        cache=cache, admission=admission.OptimisticAdmission(cache),
+                        steps_per_call=4, max_prefill_tokens=64)
+  plan = scheduler.schedule()
+  assert plan.prefill == (0, 1)
+  assert _simulate(scheduler, plan) == [(0, [7], None), (1, [7], None)]
+  for steps in (4, 1):  # 7 then 8 tokens cached each: the 9th needs a third page each
+    plan = scheduler.schedule()
+    assert plan.decode_steps == steps and not plan.release
+    _simulate(scheduler, plan)
+  assert cache.num_free_pages == 0
+  plan = scheduler.schedule()
+  assert plan.release == (1,) and plan.rows[1] is None and plan.decode_steps == 4
+  assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [1]
+  assert _simulate(scheduler, plan) == [(0, [7] * 4, "length")]
+  assert cache.peak_used_pages == 4
+  plan = scheduler.schedule()
+  assert plan.release == (0,) and plan.prefill == (0,)
+  assert plan.rows[0].context == [4, 5, 6] + [7] * 6  # prompt + the tokens it had
+  with pytest.raises(RuntimeError, match="scheduler bug"):
+    scheduler.update(plan, np.array([8]), np.array([3, 0]))
 
 
 def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, greedy_reference):
@@ -242,7 +292,7 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
 
 @pytest.mark.parametrize("request_,match", [
     (Request([], 3), "prompt is empty"),
-    (Request([1], 0), "max_new_tokens must be >= 1"),
+    (Request([1], 0), "max_new_tokens must be an int >= 1"),
     (Request([1] * 90, 10), "exceeds the model's n_positions"),
     (Request([1], 3, top_p=0.0), "top_p"),
     (Request([1], 3, seed=-1), "seed must be"),

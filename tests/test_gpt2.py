@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jax_paged
+from jax_paged.serving.runner import ModelRunner, decode_step
 from models import gpt2
 
 PAGE = 8
@@ -80,14 +81,14 @@ def test_gelu_tanh_is_hf_gelu_new():
 def test_prefill_and_decode_logits_match_hf(checkpoint):
   hf, path = checkpoint
   model = gpt2.from_pretrained(path)
-  graphdef, params = nnx.split(model)
-  steps = gpt2.jit_steps(graphdef)
+  assert isinstance(model, jax_paged.PagedModel)
+  steps = ModelRunner(model)
   rng = np.random.default_rng(0)
   seqs = _prompts(rng, [3, 8, 13])  # ends inside, at and past a page boundary
-  kv = model.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
   seq_ids = jnp.array([2, 0, 3], jnp.int32)
   tokens, lengths = _padded(seqs)
-  logits, kv = steps.prefill(params, kv, tokens, lengths, seq_ids)
+  logits, kv = steps.prefill(kv, tokens, lengths, seq_ids)
   for step in range(12):
     for i, seq in enumerate(seqs):
       np.testing.assert_allclose(logits[i], _hf_last_logits(hf, seq), atol=1e-4,
@@ -95,23 +96,25 @@ def test_prefill_and_decode_logits_match_hf(checkpoint):
     # Random next tokens, not argmax: every step sees fresh inputs.
     nxt = rng.integers(1, HF_CONFIG["vocab_size"], len(seqs))
     seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+    logits, kv = steps.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
   np.testing.assert_array_equal(kv.lengths[seq_ids], [len(s) for s in seqs])
 
 
 def test_greedy_decode_step_is_the_logits_argmax(checkpoint):
   _, path = checkpoint
   model = gpt2.from_pretrained(path)
-  graphdef, params = nnx.split(model)
+  runner = ModelRunner(model)
   rng = np.random.default_rng(5)
-  kv = model.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
   seq_ids = jnp.array([1, 3, 0], jnp.int32)
   tokens, lengths = _padded(_prompts(rng, [4, 9, 16]))
-  _, kv = gpt2.jit_steps(graphdef).prefill(params, kv, tokens, lengths, seq_ids)
-  step = jax.jit(functools.partial(gpt2.decode, graphdef), static_argnames="greedy")
+  _, kv = runner.prefill(kv, tokens, lengths, seq_ids)
   nxt = jnp.asarray(rng.integers(1, HF_CONFIG["vocab_size"], 3), jnp.int32)
-  logits, kv_logits = step(params, kv, nxt, seq_ids)
-  greedy, kv_greedy = step(params, kv, nxt, seq_ids, greedy=True)
+  # Not donated away: the same pool feeds both steps.
+  step = jax.jit(functools.partial(decode_step, model),
+                 static_argnames="greedy")
+  logits, kv_logits = step(kv, nxt, seq_ids)
+  greedy, kv_greedy = step(kv, nxt, seq_ids, greedy=True)
   assert greedy.dtype == jnp.int32
   np.testing.assert_array_equal(greedy, np.argmax(np.asarray(logits), -1))
   chex.assert_trees_all_equal(kv_greedy, kv_logits)
@@ -144,19 +147,18 @@ def _check_pool_consistent(kv: jax_paged.KVPool) -> set[int]:
 def test_pool_consistent_after_decoding_and_released_pages_reused(checkpoint):
   hf, path = checkpoint
   model = gpt2.from_pretrained(path)
-  graphdef, params = nnx.split(model)
-  steps = gpt2.jit_steps(graphdef)
+  steps = ModelRunner(model)
   rng = np.random.default_rng(2)
   seqs = _prompts(rng, [6, 11, 2])
   # Exactly enough pages (2 + 2 + 1), so the second round must reuse the released ones.
-  kv = model.create_pool(num_pages=5, page_size=PAGE, max_seqs=3, max_pages_per_seq=3)
+  kv = model.spec.create_pool(num_pages=5, page_size=PAGE, max_seqs=3, max_pages_per_seq=3)
   ids = jnp.arange(3, dtype=jnp.int32)
   tokens, lengths = _padded(seqs)
-  logits, kv = steps.prefill(params, kv, tokens, lengths, ids)
+  logits, kv = steps.prefill(kv, tokens, lengths, ids)
   for _ in range(5):
     nxt = np.asarray(jnp.argmax(logits, -1))
     seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32), ids)
+    logits, kv = steps.decode(kv, jnp.asarray(nxt, jnp.int32), ids)
   np.testing.assert_array_equal(kv.lengths, [11, 16, 7])
   before = _check_pool_consistent(kv)
   assert len(before) == 5
@@ -166,13 +168,13 @@ def test_pool_consistent_after_decoding_and_released_pages_reused(checkpoint):
   _check_pool_consistent(kv)
   fresh = _prompts(rng, [15, 9])
   tokens, lengths = _padded(fresh)
-  logits, kv = steps.prefill(params, kv, tokens, lengths, jnp.array([1, 0], jnp.int32))
+  logits, kv = steps.prefill(kv, tokens, lengths, jnp.array([1, 0], jnp.int32))
   assert released <= _check_pool_consistent(kv)
   # Stale K/V in the reused pages must not leak into the new sequences.
   for i, seq in enumerate(fresh):
     np.testing.assert_allclose(logits[i], _hf_last_logits(hf, seq), atol=1e-4)
   nxt = np.asarray(jnp.argmax(logits, -1))
-  logits, kv = steps.decode(params, kv, jnp.asarray(nxt, jnp.int32),
+  logits, kv = steps.decode(kv, jnp.asarray(nxt, jnp.int32),
                             jnp.array([1, 0], jnp.int32))
   for i, seq in enumerate(fresh):
     np.testing.assert_allclose(logits[i], _hf_last_logits(hf, seq + [int(nxt[i])]),
@@ -186,19 +188,19 @@ def test_decode_compiles_once_per_batch_capacity(checkpoint):
   _, path = checkpoint
   # A structure of its own, so that other tests' calls do not touch this jit cache.
   model = gpt2.from_pretrained(path, decode_impl="reference")
-  graphdef, params = nnx.split(model)
-  steps = gpt2.jit_steps(graphdef)
-  kv = model.create_pool(num_pages=32, page_size=PAGE, max_seqs=4, max_pages_per_seq=8)
+  steps = ModelRunner(model)
+  jitted = steps.jitted
+  kv = model.spec.create_pool(num_pages=32, page_size=PAGE, max_seqs=4, max_pages_per_seq=8)
   ids = jnp.arange(4, dtype=jnp.int32)
   tokens, lengths = _padded(_prompts(np.random.default_rng(3), [4, 9, 1, 16]))
-  _, kv = steps.prefill(params, kv, tokens, lengths, ids)
+  _, kv = steps.prefill(kv, tokens, lengths, ids)
   rng = np.random.default_rng(4)
   for step in range(20):  # lengths grow across pages; rows drop in and out
     active = jnp.asarray(rng.random(4) < 0.7)
-    _, kv = steps.decode(params, kv, jnp.asarray(rng.integers(1, 300, 4), jnp.int32), ids,
+    _, kv = steps.decode(kv, jnp.asarray(rng.integers(1, 300, 4), jnp.int32), ids,
                          active)
-    assert steps.decode._cache_size() == 1, f"recompiled at step {step}"
-  assert steps.prefill._cache_size() == 1
+    assert jitted.decode._cache_size() == 1, f"recompiled at step {step}"
+  assert jitted.prefill._cache_size() == 1
 
 
 def test_from_pretrained_pytorch_bin_and_bf16(checkpoint, tmp_path):
@@ -208,9 +210,8 @@ def test_from_pretrained_pytorch_bin_and_bf16(checkpoint, tmp_path):
   model = gpt2.from_pretrained(tmp_path)
   prompt = _prompts(np.random.default_rng(5), [7])[0]
   tokens, lengths = _padded([prompt])
-  kv = model.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
-  graphdef, params = nnx.split(model)
-  logits, _ = gpt2.jit_steps(graphdef).prefill(params, kv, tokens, lengths, jnp.array([0]))
+  kv = model.spec.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
+  logits, _ = ModelRunner(model).prefill(kv, tokens, lengths, jnp.array([0]))
   np.testing.assert_allclose(logits[0], _hf_last_logits(hf, prompt), atol=1e-4)
 
   half = gpt2.from_pretrained(tmp_path, dtype=jnp.bfloat16)

@@ -1,4 +1,5 @@
-"""`jax_paged.layer_norm` (Pallas kernel, interpret mode on CPU) against plain XLA and flax."""
+"""`jax_paged.kernels.layer_norm` (Pallas kernel, interpret mode on CPU) against plain XLA and
+flax."""
 
 import chex
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_paged import layer_norm as ln
+from jax_paged.kernels import layer_norm as ln
 from jax_paged import nn
 
 _TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}

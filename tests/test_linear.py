@@ -1,4 +1,4 @@
-"""`jax_paged.linear`: the GEMM-with-epilogue and split-K kernels vs plain jnp."""
+"""`jax_paged.kernels.linear`: the GEMM-with-epilogue and split-K kernels vs plain jnp."""
 
 import functools
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_paged import linear
+from jax_paged.kernels import linear
 
 _GELU = functools.partial(jax.nn.gelu, approximate=True)
 _GELU_EXACT = functools.partial(jax.nn.gelu, approximate=False)  # erf: not in the kernel

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_paged
-from jax_paged import paged_attention as pa
+from jax_paged.kernels import paged_attention as pa
 from jax_paged import reference
 
 _TOL = {jnp.float32: dict(atol=2e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2),

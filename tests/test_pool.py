@@ -11,8 +11,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from jax_paged import cache_write
-from jax_paged import linear
+from jax_paged.kernels import linear
 from jax_paged import pool as kvpool
 from jax_paged.pool import KVPool, PoolExhausted
 
@@ -413,8 +412,9 @@ def test_write_kernel_on_gpu_matches_scatter(dtype, hkv, d):
 
 
 def _check_project_write_matches_unfused(interpret, dtype, heads: int, hkv: int, d: int):
-  """`cache_write.project_write_kv_pallas` vs `linear.linear` + `write_kv`: the same q and
-  pool, padding (-1) and out-of-range slots dropped, every other element untouched."""
+  """`pool.project_write_kv` (one kernel, `cache_write.project_write_kv_pallas`) vs
+  `linear.linear` + `write_kv`: the same q and pool, padding (-1) and out-of-range slots
+  dropped, every other element untouched."""
   rng = np.random.default_rng(heads * 10 + d)
   p = _random_pool(d, num_kv_heads=hkv, head_dim=d, num_layers=3, dtype=dtype)
   total = NUM_PAGES * PAGE_SIZE
@@ -425,9 +425,9 @@ def _check_project_write_matches_unfused(interpret, dtype, heads: int, hkv: int,
   x = jnp.asarray(rng.standard_normal((9, 48)), dtype)
   w = jnp.asarray(rng.standard_normal((48, width)) / 7, dtype)
   b = jnp.asarray(rng.standard_normal(width), dtype)
-  q, k_pages, v_pages = cache_write.project_write_kv_pallas(
-      x, w, b, p.k_pages, p.v_pages, jnp.int32(2), jnp.asarray(slots), q_width=heads * d,
-      interpret=interpret)
+  q, fused = jax.jit(functools.partial(kvpool.project_write_kv, q_width=heads * d,
+                                       interpret=interpret))(p, jnp.int32(2), slots, x, w, b)
+  k_pages, v_pages = fused.k_pages, fused.v_pages
   # The same GEMM as `linear` (bitwise equal on the same backend).
   want_q, k, v = linear.linear(x, w, b, sections=(heads * d, hkv * d, hkv * d),
                                interpret=interpret)
@@ -451,3 +451,24 @@ def test_project_write_kernel_interpret(dtype, heads, hkv, d):
                                                (jnp.float16, 32, 8, 128)])
 def test_project_write_kernel_on_gpu(dtype, heads, hkv, d):
   _check_project_write_matches_unfused(False, dtype, heads, hkv, d)
+
+
+def test_project_write_kv_on_cpu_is_linear_then_write_and_checks_shapes():
+  """Without a GPU (or interpret), `project_write_kv` is `linear` + `write_kv`; bad shapes
+  and concrete out-of-range slots raise, naming the argument."""
+  rng = np.random.default_rng(3)
+  p = _random_pool(4, num_kv_heads=2, head_dim=16, num_layers=2, dtype=jnp.float32)
+  slots = jnp.asarray(rng.permutation(NUM_PAGES * PAGE_SIZE)[:5], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((5, 24)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((24, 3 * 32)), jnp.float32)
+  q, got = kvpool.project_write_kv(p, 1, slots, x, w, None, q_width=32)
+  want_q, k, v = linear.linear(x, w, sections=(32, 32, 32))
+  want = kvpool.write_kv(p, 1, slots, k.reshape(5, 2, 16), v.reshape(5, 2, 16))
+  chex.assert_trees_all_equal((q, got), (want_q, want))
+  with pytest.raises(ValueError, match="kernel must have q_width"):
+    kvpool.project_write_kv(p, 1, slots, x, w, None, q_width=16)
+  with pytest.raises(ValueError, match="x must have shape"):
+    kvpool.project_write_kv(p, 1, slots[:4], x, w, None, q_width=32)
+  with pytest.raises(ValueError, match="slots must be <"):
+    kvpool.project_write_kv(p, 1, slots.at[0].set(NUM_PAGES * PAGE_SIZE), x, w, None,
+                            q_width=32)

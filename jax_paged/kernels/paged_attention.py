@@ -30,10 +30,10 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from jax_paged import merge_attention
-from jax_paged import reference
-from jax_paged import triton_backend
-from jax_paged import validation
+from jax_paged.kernels import merge_attention
+from jax_paged.kernels import reference
+from jax_paged.kernels import triton_backend
+from jax_paged.kernels import validation
 
 # Auto split heuristic: aim for this many programs per SM so every SM has work and the
 # ragged tail of the last wave is small.
@@ -43,15 +43,15 @@ _PROGRAMS_PER_SM = 4
 _MIN_BLOCKS_PER_SPLIT = 4
 _MAX_SPLITS = 128
 # Default tokens per step, warps and pipeline stages for GQA / MQA: the best or within noise
-# of the best on every benchmark shape (H200 sweeps in benchmarks/RESULTS.md).
+# of the best on every benchmark shape (H200 sweeps: benchmarks/LOG.md, "Attention kernel").
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 3
 # MHA (a 16 x D tile of which one row is real): 2 warps and 2 stages were the best or within
-# a point of it on every MHA shape measured (H200, 2026-11-22 06:09 in RESULTS.md); D = 256
+# a point of it on every MHA shape measured (H200, LOG.md "Attention kernel"); D = 256
 # keeps 4 warps (2 would need 255 registers per thread).
 _MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
 # With at least this many MHA programs per SM, 32-token blocks: far fewer registers than
 # 64 tokens' (116 at D = 64), so 12 programs fit on an H200 SM instead of 8 (measured: a
-# 13th per SM starts a second wave, RESULTS.md 2026-11-23) and e.g. GPT-2's 1536 programs
+# 13th per SM starts a second wave, LOG.md "Attention kernel") and e.g. GPT-2's 1536 programs
 # at batch 128 run as one wave (87 / 92% at context 512 / 1k vs 81 / 85%). Fewer programs
 # want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
 _MHA_MANY_PROGRAMS_PER_SM = 8
@@ -254,7 +254,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     raise ValueError(f"block_n must be a power of two, got {block_n}")
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
-  mode = triton_backend.resolve_interpret(interpret)
+  mode = triton_backend.kernel_mode(interpret)
   if mode is None or q.size == 0:
     return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, layer=layer,
                                    scale=scale, logits_soft_cap=logits_soft_cap,

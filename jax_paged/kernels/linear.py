@@ -7,7 +7,7 @@ GPT-2 124M's shapes and 128 rows on an H200, this kernel walks the whole K in ea
 instead (one program per `block_n` output columns and 64 rows, 3-4 loads in flight per
 program) and applies bias and activation to the f32 accumulator before the one store:
 5.3-5.5 µs per product with cold weights where XLA's GEMM + reduction took 7.8-8.2
-(benchmarks/RESULTS.md).
+(benchmarks/LOG.md, "GEMMs / linear").
 
 `linear_partials` keeps K split and returns the f32 partial products, for a consumer that
 sums them anyway (`layer_norm.add_layer_norm` folds the sum into the residual add).
@@ -33,23 +33,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jax_paged import triton_backend
+from jax_paged.kernels import triton_backend
 
 # Rows the kernel takes; more (a prompt) go to XLA, whose GEMMs are then compute-bound.
 MAX_ROWS = 256
-# Measured on an H200 at 128 rows (RESULTS.md, 2026-11-22 06:41): 128-deep K steps and 4
+# Measured on an H200 at 128 rows (benchmarks/LOG.md, "GEMMs / linear"): 128-deep K steps and 4
 # stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072). Warps, in the
-# decode step (RESULTS.md 2026-11-22 14:50-15:21): 8 for whole-K programs (64-column
+# decode step (LOG.md, "GEMMs / linear"): 8 for whole-K programs (64-column
 # tiles; qkv + K/V write and c_fc 0.15 µs faster each than at 4), 4 for
 # `linear_partials` (32 columns; 0.3 µs slower each at 8).
 _BLOCK_K, _NUM_STAGES = 128, 4
 _NUM_WARPS, _PARTIALS_NUM_WARPS = 8, 4
 # Columns per whole-K program: 64 (qkv and c_fc of GPT-2 at 128 rows on an H200: 4.9 / 5.2
-# µs vs 5.4 / 5.7 at 32; RESULTS.md 2026-11-22 10:45-11:34), or 32 where the output's
+# µs vs 5.4 / 5.7 at 32; LOG.md, "GEMMs / linear"), or 32 where the output's
 # sections (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32 (64
 # when K is long): 64 was slower for the attention's out projection there (3.1 vs 2.7 µs).
 _BLOCK_N, _NARROW_BLOCK_N = 64, 32
-# Rows per program (H100, 128 rows, RESULTS.md 2026-11-22 08:05-08:08): 64-row blocks
+# Rows per program (H100, 128 rows, LOG.md "GEMMs / linear"): 64-row blocks
 # made c_fc 0.4 µs faster than one 128-row block, and `linear_partials` splits rows before
 # K, since every K split adds a partial for the consumer to read and a row block does not
 # (attention out + add_layer_norm 4.9 vs 5.5 µs, c_proj 7.8 vs 8.9).
@@ -236,12 +236,11 @@ def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> None
     raise ValueError(f"bias must have shape [N] = {kernel.shape[1:]}, got {bias.shape}")
 
 
-def _kernel_mode(x: jax.Array, kernel: jax.Array, interpret: bool | None) -> bool | None:
-  """False / True: the kernel compiled / in interpret mode; None: plain XLA (no GPU and no
-  interpret, more than MAX_ROWS rows, or an empty operand)."""
-  if x.size == 0 or kernel.size == 0 or math.prod(x.shape[:-1]) > MAX_ROWS:
-    return None
-  return triton_backend.resolve_interpret(interpret)
+def takes(x: jax.Array, kernel: jax.Array) -> bool:
+  """Whether the kernels take x [..., K] @ kernel [K, N]: decode's few rows (at most
+  MAX_ROWS) of non-empty operands. More rows (a prompt) go to XLA, whose GEMMs are then
+  compute-bound."""
+  return x.size > 0 and kernel.size > 0 and math.prod(x.shape[:-1]) <= MAX_ROWS
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -278,7 +277,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"sections must be positive widths summing to N = {cols}, got "
                      f"{sections!r}")
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = _kernel_mode(x, kernel, interpret)
+  mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None or (len(widths) > 1 and any(w % _NARROW_BLOCK_N for w in widths)):
     if mode is None:
       y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype)
@@ -318,8 +317,9 @@ def lowers_in_kernel(activation: Callable[[jax.Array], jax.Array]) -> bool:
                          compiler_params=triton_backend.compiler_params(num_warps=1,
                                                                         num_stages=1))
   try:
-    jax.jit(probe).trace(jax.ShapeDtypeStruct((16, 16), jnp.float32)).lower(
-        lowering_platforms=("cuda",))
+    with triton_backend.cuda_lowering_context():
+      jax.jit(probe).trace(jax.ShapeDtypeStruct((16, 16), jnp.float32)).lower(
+          lowering_platforms=("cuda",))
   except NotImplementedError:
     return False
   return True
@@ -361,7 +361,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64
     block_k //= 2
   k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
-  mode = _kernel_mode(x, kernel, interpret)
+  mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None:
     bounds = list(range(0, depth, k_split)) + [depth]
     return jnp.stack([jnp.einsum("...k,kn->...n", x[..., a:b], kernel[a:b],
@@ -454,7 +454,7 @@ def argmax_attend(x: jax.Array, embedding: jax.Array, *,
                      f"{x.shape[-1]}, got {embedding.shape}")
   if embedding.dtype != x.dtype:
     raise ValueError(f"embedding must have x's dtype {x.dtype}, got {embedding.dtype}")
-  mode = _kernel_mode(x, embedding, interpret)
+  mode = triton_backend.kernel_mode(interpret, supported=takes(x, embedding))
   if mode is None:
     logits = jnp.einsum("...k,vk->...v", x, embedding, precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32).astype(x.dtype)

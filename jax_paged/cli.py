@@ -1,15 +1,20 @@
-"""The generation command line: `jax-paged-generate` / `python -m jax_paged.generate`.
+"""The generation command line: `jax-paged-generate` / `python -m jax_paged.cli`.
 
-Runs the continuous-batching engine over a Hugging Face GPT-2 checkpoint (with its
-tokenizer) or over an embedded GPT-2 configuration with random weights, whose text is
-encoded as UTF-8 bytes (ids 0-255). Shows a progress bar with live tokens/s on stderr,
-prints each completion to stdout and ends with a report whose last line holds tokens/s.
+Runs the continuous-batching engine over a Hugging Face checkpoint (with its tokenizer) or
+over a preset configuration with random weights, whose text is encoded as UTF-8 bytes (ids
+0-255). Shows a progress bar with live tokens/s on stderr, prints each completion to stdout
+and ends with a report whose last line holds tokens/s.
+
+Models are not imported here: installed packages register model families
+(`jax_paged.ModelFamily`) under the entry point group `jax_paged.models`; this project
+registers `models.gpt2:FAMILY`. A checkpoint's `config.json` `model_type` picks the family.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import sys
@@ -18,18 +23,13 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jax_paged import engine as engine_lib
-from models import gpt2
+from jax_paged.paged_model import ModelFamily, PagedModel
+from jax_paged.serving.admission import ADMISSION_POLICIES
+from jax_paged.serving.engine import Engine
+from jax_paged.serving.request import Request
 
-# Embedded configurations for runs without a checkpoint (random weights).
-MODELS = {
-    "gpt2": gpt2.GPT2Config(),
-    "gpt2-medium": gpt2.GPT2Config(n_embd=1024, n_layer=24, n_head=16),
-    "tiny": gpt2.GPT2Config(vocab_size=256, n_positions=512, n_embd=64, n_layer=2, n_head=4,
-                            bos_token_id=None, eos_token_id=None),
-}
+ENTRY_POINT_GROUP = "jax_paged.models"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -70,16 +70,38 @@ def load_tokenizer(directory: str) -> Codec:
                decode=lambda ids: tok.decode(list(ids)), name=f"tokenizer of {directory}")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def model_families() -> list[ModelFamily]:
+  """The model families registered under the `jax_paged.models` entry point group."""
+  families = []
+  for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    family = entry.load()
+    if not isinstance(family, ModelFamily):
+      raise CLIError(f"entry point {entry.name} = {entry.value} in group {ENTRY_POINT_GROUP} "
+                     f"is a {type(family).__name__}, not a jax_paged.ModelFamily")
+    families.append(family)
+  return families
+
+
+def presets(families: Sequence[ModelFamily]) -> dict[str, Callable[..., PagedModel]]:
+  """Every family's random-weight presets by name."""
+  return {name: make for family in families for name, make in family.presets.items()}
+
+
+def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
+               ) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       prog="jax-paged-generate",
-      description="Generate text with GPT-2 over a paged KV cache (continuous batching).")
+      description="Generate text with a language model over a paged KV cache (continuous "
+                  "batching).")
   src = p.add_argument_group("model")
+  model_types = sorted(t for f in families for t in f.model_types)
   src.add_argument("--checkpoint", metavar="DIR",
-                   help="a Hugging Face GPT-2 directory (config.json + model.safetensors or "
-                        "pytorch_model.bin; tokenizer.json or vocab.json + merges.txt)")
-  src.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                   help="an embedded configuration with RANDOM weights, used when no "
+                   help="a Hugging Face checkpoint directory (config.json whose model_type is "
+                        f"one of {', '.join(model_types) or 'none installed'}, its weights, and "
+                        "tokenizer.json or vocab.json + merges.txt)")
+  choices = sorted(presets(families))
+  src.add_argument("--model", choices=choices, default="tiny" if "tiny" in choices else None,
+                   help="a preset configuration with RANDOM weights, used when no "
                         "--checkpoint is given; text is encoded as UTF-8 bytes (default: tiny)")
   src.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute and KV-cache dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -101,7 +123,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
   eng.add_argument("--steps-per-call", type=int, default=128,
                    help="the most decode steps per device call (default 128)")
-  eng.add_argument("--admission", choices=("optimistic", "peak"), default="optimistic",
+  eng.add_argument("--admission", choices=ADMISSION_POLICIES, default="optimistic",
                    help="optimistic: admit when the prompt fits, preempt and recompute when "
                         "the pool runs out (vLLM); peak: admit only while the projected "
                         "page use stays within the pool until every request reaches "
@@ -113,20 +135,45 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "(default 0.9 on GPU; on CPU the default is enough pages for every "
                          "slot to reach n_positions)")
   eng.add_argument("--no-progress", action="store_true", help="no progress bar")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if not args.checkpoint and args.model is None:
+    p.error(f"no model: give --checkpoint or --model (no preset is installed: the "
+            f"{ENTRY_POINT_GROUP} entry points come with `pip install -e .`)")
+  return args
 
 
-def build_model(args: argparse.Namespace, dtype) -> tuple[gpt2.GPT2LMHeadModel, Codec, str]:
+def read_model_type(directory: str) -> str:
+  """The `model_type` of a checkpoint directory's config.json."""
+  config_file = os.path.join(directory, "config.json")
+  try:
+    with open(config_file, encoding="utf-8") as f:
+      config = json.load(f)
+  except FileNotFoundError as e:
+    raise CLIError(f"--checkpoint {directory}: no config.json") from e
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CLIError(f"{config_file}: not a readable JSON file ({e})") from e
+  if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+    raise CLIError(f"{config_file}: has no \"model_type\" string")
+  return config["model_type"]
+
+
+def build_model(args: argparse.Namespace, families: Sequence[ModelFamily], dtype
+                ) -> tuple[PagedModel, Codec, str]:
   if args.checkpoint:
     if not os.path.isdir(args.checkpoint):
       raise CLIError(f"--checkpoint {args.checkpoint}: not a directory")
+    model_type = read_model_type(args.checkpoint)
+    family = next((f for f in families if model_type in f.model_types), None)
+    if family is None:
+      known = sorted(t for f in families for t in f.model_types)
+      raise CLIError(f"--checkpoint {args.checkpoint}: model_type {model_type!r} is not "
+                     f"supported (supported: {', '.join(known) or 'none installed'})")
     try:
-      model = gpt2.from_pretrained(args.checkpoint, dtype=dtype)
+      model = family.from_pretrained(args.checkpoint, dtype)
     except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
       raise CLIError(f"--checkpoint {args.checkpoint}: {e}") from e
     return model, load_tokenizer(args.checkpoint), f"checkpoint {args.checkpoint}"
-  config = MODELS[args.model]
-  model = gpt2.GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(args.seed))
+  model = presets(families)[args.model](dtype, args.seed)
   return model, BYTES, f"{args.model} with RANDOM weights (no checkpoint)"
 
 
@@ -167,35 +214,31 @@ class Progress:
       sys.stderr.write("\n")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   on_gpu = jax.default_backend() == "gpu"
   dtype = DTYPES[args.dtype] if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
-  model, codec, label = build_model(args, dtype)
+  model, codec, label = build_model(args, families, dtype)
+  spec = model.spec
   texts = read_prompts(args)
   prompts = [codec.encode(t) for t in texts]
-  config = model.config
-  for i, ids in enumerate(prompts):
-    if not ids:
-      raise CLIError(f"prompt {i} encodes to no tokens")
-    if len(ids) >= config.n_positions:
-      raise CLIError(f"prompt {i} has {len(ids)} tokens; the model's n_positions is "
-                     f"{config.n_positions}")
   num_pages = args.num_pages
   if num_pages is None and (args.memory_fraction is None and not on_gpu):
-    num_pages = args.max_batch * -(-config.n_positions // args.page_size)
-  eos = None if args.ignore_eos else config.eos_token_id
+    num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
+  eos = None if args.ignore_eos else spec.eos_token_id
   try:
-    eng = engine_lib.Engine(model, max_batch=args.max_batch, num_pages=num_pages,
-                            memory_fraction=args.memory_fraction or 0.9,
-                            page_size=args.page_size, steps_per_call=args.steps_per_call,
-                            admission=args.admission,
-                            eos_token_id=eos)
-    requests = [engine_lib.Request(
-        ids, min(args.max_new_tokens, config.n_positions - len(ids) + 1),
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)
-        for i, ids in enumerate(prompts)]
-    print(f"model: {label}; {config.n_layer} layers, {config.n_embd} wide; {jnp.dtype(dtype).name}"
-          f" on {jax.devices()[0].platform}; text as {codec.name}", file=sys.stderr)
+    eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
+                 memory_fraction=args.memory_fraction or 0.9, page_size=args.page_size,
+                 steps_per_call=args.steps_per_call, admission=args.admission,
+                 eos_token_id=eos)
+    # New tokens clamped to what fits the model's context (at least one, so that a prompt
+    # too long by itself is reported as such).
+    requests = [Request(ids, max(1, min(args.max_new_tokens, spec.max_positions - len(ids) + 1)),
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed + i)
+                for i, ids in enumerate(prompts)]
+    print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
+          f"{spec.head_dim}; {jnp.dtype(dtype).name} on {jax.devices()[0].platform}; text as "
+          f"{codec.name}", file=sys.stderr)
     print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens",
           file=sys.stderr)
     progress = Progress(sum(r.max_new_tokens for r in requests),
@@ -212,9 +255,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = parse_args(argv)
   try:
-    return run(args)
+    families = model_families()
+    return run(parse_args(argv, families), families)
   except CLIError as e:
     print(f"jax-paged-generate: error: {e}", file=sys.stderr)
     return 2

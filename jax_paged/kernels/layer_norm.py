@@ -2,8 +2,8 @@
 
 XLA runs a layer norm as two kernels: a reduction for the row statistics, then an
 elementwise kernel that normalises. In a GPT-2 124M decode step at batch 128 those are 24
-pairs of ~1.4 + ~1.6 µs on an H200 (benchmarks/RESULTS.md), for 196 KB of activations each:
-launch-bound work. This kernel reads each row once, keeps it in registers for both
+pairs of ~1.4 + ~1.6 µs on an H200 (benchmarks/LOG.md, "Layer norm"), for 196 KB of
+activations each: launch-bound work. This kernel reads each row once, keeps it in registers for both
 statistics and writes the normalised row: one launch per layer norm.
 
 `add_layer_norm` also adds the partial sums of a split-K projection (and its bias) to the
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_paged import triton_backend
+from jax_paged.kernels import triton_backend
 
 # Rows per program at most: a decode step has few rows (one per sequence) and wants one
 # program per row to spread them over the SMs; a prompt of thousands of rows wants fewer,
@@ -116,7 +116,7 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
                    pl.next_power_of_2(max(1, rows // (4 * triton_backend.sm_count()))))
   # One warp per 128 values (4 per thread), 1..8 warps. A decode step's 768-value rows
   # (GPT-2, one row per program) took 2.3 µs per add_layer_norm at 8 warps, 2.7 at 4, 2.3
-  # at 16, 3.2 at 1 and 4.7 at 2 (H200, RESULTS.md 2026-11-22 14:50-15:21).
+  # at 16, 3.2 at 1 and 4.7 at 2 (H200, LOG.md "Layer norm").
   num_warps = max(1, min(8, block_rows * block_f // 128))
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,
                              block_rows=block_rows, block_f=block_f, epsilon=epsilon,
@@ -157,7 +157,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: floa
   """
   _check_norm_args(x, scale, bias)
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = _kernel_mode(x, interpret)
+  mode = triton_backend.kernel_mode(interpret, supported=_takes(x))
   if mode is None:
     return layer_norm_reference(x, scale, bias, epsilon=epsilon, out_dtype=out_dtype)
   return _layer_norm_pallas(x, scale, bias, epsilon=float(epsilon), out_dtype=out_dtype,
@@ -198,7 +198,7 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
     raise ValueError(f"parts_bias must have shape {x.shape[-1:]} (x's last axis), got "
                      f"{parts_bias.shape}")
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = _kernel_mode(x, interpret)
+  mode = triton_backend.kernel_mode(interpret, supported=_takes(x))
   if mode is None:
     return add_layer_norm_reference(x, parts, scale, bias, parts_bias=parts_bias,
                                     epsilon=epsilon, out_dtype=out_dtype)
@@ -206,12 +206,9 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
                             out_dtype=out_dtype, interpret=mode)
 
 
-def _kernel_mode(x: jax.Array, interpret: bool | None) -> bool | None:
-  """How the kernel runs on x: False (compiled) / True (interpret mode), or None for plain
-  XLA (no GPU and no interpret, empty x, or rows over 16384 features)."""
-  if x.size == 0 or x.shape[-1] > _MAX_FEATURES:
-    return None
-  return triton_backend.resolve_interpret(interpret)
+def _takes(x: jax.Array) -> bool:
+  """Whether the kernel takes x: non-empty, rows of at most 16384 features."""
+  return x.size > 0 and x.shape[-1] <= _MAX_FEATURES
 
 
 def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array) -> None:

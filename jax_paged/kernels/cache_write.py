@@ -3,7 +3,8 @@ reshape_and_cache).
 
 XLA writes K and V with one scatter each, and in a decode step each scatter also
 re-reduces the split-K partial sums of the qkv projection it reads from: 2 kernels of
-~3.7 µs per layer at GPT-2 124M, batch 128, on an H200 (benchmarks/RESULTS.md). This kernel
+~3.7 µs per layer at GPT-2 124M, batch 128, on an H200 (benchmarks/LOG.md,
+"K/V write and reserve"). This kernel
 writes both in one launch, in place: the pool arrays are aliased to its outputs, so a
 caller that donates the pool (a jitted decode step) moves only the new tokens' bytes.
 
@@ -21,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_paged import linear
-from jax_paged import triton_backend
+from jax_paged.kernels import linear
+from jax_paged.kernels import triton_backend
 
 
 def _writable(slot, layer, *, slots_per_head: int, num_layers: int):

@@ -3,9 +3,9 @@
 XLA runs `reserve`'s vectorised form as about eight small kernels (the duplicate check, two
 prefix sums, the free-stack pops, the page-table and lengths scatters, the slots, the
 stack height), each 1-2 µs, on a decode step's critical path; this kernel takes 2.2 µs
-(GPT-2 at batch 128 on an H200: 6-9 µs less per step, benchmarks/RESULTS.md). With at
-most one new token per sequence and the sequence ids known when tracing (so already
-checked distinct and in range), everything fits one program: a [n] vector per quantity,
+(GPT-2 at batch 128 on an H200: 6-9 µs less per step; benchmarks/LOG.md, "K/V write and
+reserve"). With at most one new token per sequence and the sequence ids known when tracing
+(so already checked distinct and in range), everything fits one program: a [n] vector per quantity,
 the prefix sums as Triton scans, the page pops, and the page-table and lengths updates as
 masked gathers and scatters into the pool's arrays, aliased to the outputs (in place when
 the pool is donated).
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jax_paged import triton_backend
+from jax_paged.kernels import triton_backend
 
 
 def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages: int,

@@ -8,6 +8,7 @@ filter below is process-wide but matches only that exact message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -34,13 +35,16 @@ def compiler_params(*, num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def resolve_interpret(interpret: bool | None) -> bool | None:
-  """Maps the public `interpret` knob to how a kernel runs.
+def kernel_mode(interpret: bool | None, *, supported: bool = True) -> bool | None:
+  """How a kernel runs: False (compile the Triton kernel), True (Pallas interpret mode) or
+  None (no kernel: the caller uses its plain-XLA path).
 
-  Returns False (compile the Triton kernel), True (Pallas interpret mode) or None (no
-  kernel: the caller uses its plain-XLA reference). `None` picks the kernel on a GPU
-  and the plain-XLA path elsewhere, so CPU users get XLA's speed, not the interpreter's.
+  `interpret` is the public knob: None picks the kernel on a GPU and plain XLA elsewhere,
+  so CPU users get XLA's speed, not the interpreter's. `supported` is the caller's verdict
+  on the operands (shapes the kernel takes, a non-empty array): False always gives None.
   """
+  if not supported:
+    return None
   if interpret is None:
     interpret = False if jax.default_backend() == "gpu" else None
   if interpret is None:
@@ -50,6 +54,21 @@ def resolve_interpret(interpret: bool | None) -> bool | None:
   # dropped the filter before this call's lowering.
   _silence_triton_deprecation()
   return bool(interpret)
+
+
+def cuda_lowering_context():
+  """A context in which `.lower(lowering_platforms=("cuda",))` lowers a Triton kernel on a
+  machine without a GPU. jax 0.10 falls back to compute capability 9.0 by itself; jax >=
+  0.11 asks the device and, with no GPU, needs an abstract GPU device on the abstract mesh
+  (an H100: 9.0 again). On a GPU this changes nothing."""
+  if jax.default_backend() == "gpu":
+    return contextlib.nullcontext()
+  gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=_DEFAULT_SM_COUNT,
+                                    platform="gpu")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    mesh = jax.sharding.AbstractMesh((1,), ("_triton_probe",))
+  return jax.sharding.use_abstract_mesh(mesh.update(abstract_device=gpu))
 
 
 @functools.cache

@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jax_paged import reference
-from jax_paged import triton_backend
-from jax_paged import validation
+from jax_paged.kernels import reference
+from jax_paged.kernels import triton_backend
+from jax_paged.kernels import validation
 
 # Elements (states x rows x head_dim) loaded per program and step: enough bytes in flight
 # to hide latency, few enough registers for 4 warps.
@@ -144,7 +144,7 @@ def merge_attention_states_n(o: jax.Array, lse: jax.Array, *,
     (o [..., D] in o's dtype, lse float32 [...]).
   """
   validation.check_merge_n_args(o, lse)
-  mode = triton_backend.resolve_interpret(interpret)
+  mode = triton_backend.kernel_mode(interpret)
   if mode is None or o.size == 0:
     return reference.merge_attention_states_n(o, lse)
   return _merge_n(o, lse, interpret=mode)
@@ -165,7 +165,7 @@ def merge_attention_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse
     -inf (empty); two empty states give o = 0, lse = -inf.
   """
   validation.check_merge_args(o_a, lse_a, o_b, lse_b)
-  mode = triton_backend.resolve_interpret(interpret)
+  mode = triton_backend.kernel_mode(interpret)
   if mode is None or o_a.size == 0:
     return reference.merge_attention_states(o_a, lse_a, o_b, lse_b)
   return _merge_2(o_a, lse_a, o_b, lse_b, interpret=mode)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_paged import validation
+from jax_paged.kernels import validation
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) -> jax.Array:

@@ -1,0 +1,16 @@
+"""The Pallas kernels (lowered through Triton on a GPU) with their plain-XLA references.
+
+One kernel per module, in the style of jax's `jax.experimental.pallas.ops.gpu`: the kernel
+body, a wrapper that builds the grid, a public entry that validates its arguments and picks
+the compiled kernel (GPU), interpret mode (`interpret=True`, tests) or plain XLA (CPU).
+
+  paged_attention   paged decode attention, split-KV (flash-decoding), MHA / GQA / MQA
+  merge_attention   merging attention states by their log-sum-exp
+  reference         the plain-jnp ground truth of those two
+  linear            GEMMs with fused epilogues at decode's few rows; a tied LM head's argmax
+  layer_norm        layer norm, and the residual add + layer norm of a pre-LN block
+  cache_write       K/V into the pool's pages (and the q/k/v projection that stores them)
+  decode_reserve    a decode step's page reservation
+  triton_backend    backend choice, compiler params, the kernel-or-XLA decision
+  validation        argument checks shared by kernels and references
+"""

@@ -1,0 +1,125 @@
+"""The model protocol: what a model gives the serving layer, and how the CLI finds models.
+
+The runner (`jax_paged.serving.runner`) owns paging: it reserves the new tokens' slots in
+the pool (`pool.reserve`), calls the model's forward over the pool, samples, and releases
+finished sequences. A model owns only the network: it embeds, runs its layers (attending
+through `jax_paged.nn.PagedAttention`, which writes K/V at the slots it is given and reads
+the pages) and returns logits. Any Flax NNX module meeting `PagedModel` can be served by
+`jax_paged.Engine`, `jax_paged.generate` and the CLI; `models/gpt2.py` is one.
+
+A model *family* (`ModelFamily`) is how the CLI builds models it does not import: a
+package registers one under the entry point group `jax_paged.models` (this project's
+`pyproject.toml` registers `models.gpt2:FAMILY`), naming the `config.json` `model_type`
+values it loads and the random-weight presets it offers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+import jax
+
+from jax_paged import pool as pool_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The numbers the serving layer needs about a model.
+
+  Attributes:
+    num_layers, num_kv_heads, head_dim: the shape of the model's KV pool
+      (`KVPool.create(num_layers=..., num_kv_heads=..., head_dim=...)`).
+    vocab_size: token ids are in [0, vocab_size).
+    max_positions: the longest sequence (prompt + generated tokens) the model can attend
+      over (GPT-2's n_positions).
+    dtype: the compute dtype, the pool's default dtype.
+    eos_token_id: the end-of-sequence token, if the model has one (the CLI stops on it).
+  """
+
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  max_positions: int
+  dtype: Any
+  eos_token_id: int | None = None
+
+  def create_pool(self, *, num_pages: int, page_size: int, max_seqs: int,
+                  max_pages_per_seq: int, dtype=None) -> pool_lib.KVPool:
+    """An empty pool shaped for the model (dtype defaults to the compute dtype)."""
+    return pool_lib.KVPool.create(
+        num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+        max_pages_per_seq=max_pages_per_seq, dtype=self.dtype if dtype is None else dtype)
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+  """A Flax NNX causal LM whose KV cache is a `KVPool`.
+
+  Both forwards are traced inside the runner's `jax.jit` (the module split into graph and
+  parameters, the pool donated), so they must be pure functions of their arguments and
+  the module's parameters. Neither reserves nor releases pages: the slots are given.
+  """
+
+  @property
+  def spec(self) -> ModelSpec:
+    """The pool's shape, the vocabulary and the context limit."""
+
+  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+              lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
+    """Prompts of sequences that hold no tokens yet.
+
+    Args:
+      tokens: int32 [B, T], right-padded (the padding value does not matter).
+      kv: the pool, with the prompts' slots reserved.
+      slots: int32 [B, T] from `pool.reserve`: token t of row b goes to flat slot
+        slots[b, t] of every layer; -1 at padding (never written).
+      lengths: int32 [B] in [1, T], the prompt lengths.
+
+    Returns:
+      (float32 logits [B, vocab_size] of each prompt's last token, the pool with every
+      layer's K/V of the prompts written).
+    """
+
+  def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
+             slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
+             greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
+    """One new token per sequence, attending to everything in its pages.
+
+    Args:
+      tokens: int32 [B], the newest token of each sequence (not yet cached).
+      positions: int32 [B], its position (the sequence's length before this step).
+      kv: the pool, with the new tokens' slots reserved.
+      slots: int32 [B] from `pool.reserve`; -1 for an inactive row (never written).
+      page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
+      lengths: int32 [B], tokens to attend to, the new one included (0 = inactive row,
+        whose output is meaningless).
+      greedy: (static) return each row's argmax token instead of the logits; the fast
+        path of all-greedy batches, which may skip writing the logits.
+
+    Returns:
+      (float32 logits [B, vocab_size], or with `greedy` int32 tokens [B]; the pool with
+      the new tokens' K/V written).
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+  """How the CLI builds the models of one architecture without importing them.
+
+  Attributes:
+    name: the family's name (e.g. "gpt2").
+    model_types: the `model_type` values of Hugging Face `config.json` files it loads.
+    from_pretrained: (checkpoint directory, dtype) -> a `PagedModel`; raises
+      FileNotFoundError / ValueError naming the file for a missing or bad checkpoint.
+    presets: name -> (dtype, seed) -> a `PagedModel` with random weights, for runs without
+      a checkpoint (their text is encoded as UTF-8 bytes, so their vocabulary should hold
+      ids 0-255).
+  """
+
+  name: str
+  model_types: tuple[str, ...]
+  from_pretrained: Callable[[str, Any], PagedModel]
+  presets: Mapping[str, Callable[[Any, int], PagedModel]]

@@ -1,0 +1,161 @@
+"""A continuous-batching generation engine over the paged KV pool (vLLM v1's engine loop).
+
+Each iteration the scheduler plans one device call (`jax_paged.serving.scheduler`), the
+runner executes it over the pool (`jax_paged.serving.runner`), and the scheduler takes
+the new tokens, which the engine streams and counts in its `Report`:
+
+    plan = scheduler.schedule()            # admit + prefill, or a decode chunk
+    kv, tokens = runner.execute(kv, plan)  # one jitted call, pool donated
+    events = scheduler.update(plan, tokens, kv.lengths)
+
+Each token is drawn with the key `fold_in(key(seed), index)` where index counts the
+request's own tokens, so results do not depend on batching, arrival order or preemption.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from jax_paged import pool as pool_lib
+from jax_paged.paged_model import PagedModel
+from jax_paged.serving import admission as admission_lib
+from jax_paged.serving.kv_cache_manager import KVCacheManager
+from jax_paged.serving.report import Report
+from jax_paged.serving.request import Request, TokenEvent, validate_requests
+from jax_paged.serving.runner import ModelRunner
+from jax_paged.serving.scheduler import Scheduler
+
+
+def _positive_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+class Engine:
+  """Continuous batching for any model meeting `jax_paged.PagedModel`.
+
+  Args:
+    model: the model (its `spec` gives the context limit and the pool's shapes).
+    max_batch: decode slots (pool sequences) run together.
+    num_pages: pages in the pool; or None to size it from `memory_fraction` of the
+      device's free memory (`pool.size_pool`, accelerators only).
+    memory_fraction: the fraction of free device memory for the pool, in (0, 1].
+    page_size: tokens per page.
+    steps_per_call: the most decode steps per device call (one host round trip per
+      chunk; streamed tokens arrive per chunk). 128 was the fastest measured (GPT-2 124M
+      on an H200: benchmarks/RESULTS.md, "Generation throughput (bench_generate)"). Above
+      `runner.STEPS_PER_CHECK` (16), calls that can end early are rounded down to whole
+      groups of it.
+    max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
+      prefill memory); more admissions go into further calls before the next chunk,
+      grouped by length so that short prompts are not padded to long ones.
+    admission: "optimistic" (vLLM's policy: admit when the prompt's pages are free, and
+      preempt the newest request when the pool runs out mid-decode) or "peak" (admit only
+      while every running request can still reach its max_new_tokens; never preempts;
+      best when requests rarely stop early). See `jax_paged.serving.admission`.
+    eos_token_id: ends every request when generated (optional).
+    cache_dtype: the pool dtype (default: the model's compute dtype).
+  """
+
+  def __init__(self, model: PagedModel, *, max_batch: int = 32,
+               num_pages: int | None = None, memory_fraction: float = 0.9,
+               page_size: int = 16, steps_per_call: int = 128,
+               max_prefill_tokens: int = 16384, admission: str = "optimistic",
+               eos_token_id: int | None = None, cache_dtype=None):
+    self.max_batch = _positive_int("max_batch", max_batch)
+    self.page_size = _positive_int("page_size", page_size)
+    self.steps_per_call = _positive_int("steps_per_call", steps_per_call)
+    self.max_prefill_tokens = _positive_int("max_prefill_tokens", max_prefill_tokens)
+    if admission not in admission_lib.ADMISSION_POLICIES:
+      raise ValueError(f"admission must be one of {admission_lib.ADMISSION_POLICIES}, got "
+                       f"{admission!r}")
+    self.admission = admission
+    self.eos_token_id = eos_token_id
+    self.runner = ModelRunner(model)
+    self.spec = spec = self.runner.spec
+    cache_dtype = spec.dtype if cache_dtype is None else cache_dtype
+    if num_pages is None:
+      self.sizing = pool_lib.size_pool(num_layers=spec.num_layers,
+                                       num_kv_heads=spec.num_kv_heads,
+                                       head_dim=spec.head_dim, page_size=page_size,
+                                       dtype=cache_dtype, utilization=memory_fraction)
+      num_pages = self.sizing.num_pages
+    else:
+      self.sizing = None
+    self.num_pages = _positive_int("num_pages", num_pages)
+    self.max_pages_per_seq = -(-spec.max_positions // page_size)
+    self.kv = self.runner.create_pool(num_pages=num_pages, page_size=page_size,
+                                      max_seqs=max_batch,
+                                      max_pages_per_seq=self.max_pages_per_seq,
+                                      dtype=cache_dtype)
+    self.report = Report(num_pages=self.num_pages)
+
+  def generate(self, requests: Sequence[Request],
+               on_token: Callable[[TokenEvent], None] | None = None
+               ) -> tuple[list[list[int]], Report]:
+    """Runs every request to completion; returns (new tokens per request, report)."""
+    outputs: list[list[int]] = [[] for _ in requests]
+    for rid, tokens, reason in self._run(requests):
+      outputs[rid] += tokens
+      if on_token is not None:
+        for j, token in enumerate(tokens):
+          on_token(TokenEvent(rid, token, reason if j == len(tokens) - 1 else None))
+    return outputs, self.report
+
+  def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+    """Yields each token as soon as the host has it. `self.report` is complete once the
+    iterator is exhausted."""
+    for rid, tokens, reason in self._run(requests):
+      for j, token in enumerate(tokens):
+        yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None)
+
+  def _run(self, requests: Sequence[Request]) -> Iterator[tuple[int, list[int], str | None]]:
+    """schedule -> execute -> update until every request has finished. Yields (request
+    id, new tokens, finish reason) per request per device call."""
+    validate_requests(requests, self.spec, page_size=self.page_size,
+                      max_pages=min(self.num_pages, self.max_pages_per_seq))
+    cache = KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
+                           max_seqs=self.max_batch)
+    policy = admission_lib.make_policy(self.admission, cache,
+                                       max_positions=self.spec.max_positions,
+                                       steps_per_call=self.steps_per_call)
+    scheduler = Scheduler(requests, max_batch=self.max_batch, cache=cache, admission=policy,
+                          steps_per_call=self.steps_per_call,
+                          max_prefill_tokens=self.max_prefill_tokens,
+                          eos_token_id=self.eos_token_id)
+    self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
+    start = time.perf_counter()
+    started: set[int] = set()
+    efficiency = []
+    while (plan := scheduler.schedule()) is not None:
+      if not plan.prefill:
+        efficiency.append(cache.efficiency)
+      called = time.perf_counter()
+      self.kv, tokens = self.runner.execute(self.kv, plan)
+      seconds = time.perf_counter() - called
+      if plan.prefill:
+        report.prefill_s += seconds
+        report.prefill_calls += 1
+      else:
+        report.decode_s += seconds
+        report.decode_calls += 1
+        produced = (tokens >= 0).sum(axis=0)
+        report.decode_steps += int(produced.max())
+        report.decode_tokens += int(produced.sum())
+      events = scheduler.update(plan, tokens, np.asarray(self.kv.lengths))
+      report.peak_pages_in_use = cache.peak_used_pages
+      now = time.perf_counter()
+      for rid, new, reason in events:
+        if rid not in started:
+          started.add(rid)
+          report.ttft_s.append(now - start)
+        report.generated_tokens += len(new)
+        yield rid, new, reason
+    self.kv = self.runner.release(self.kv, scheduler.pending_release())
+    report.preemptions = scheduler.num_preemptions
+    report.elapsed_s = time.perf_counter() - start
+    report.kv_efficiency = float(np.mean(efficiency)) if efficiency else 1.0

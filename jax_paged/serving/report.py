@@ -1,0 +1,49 @@
+"""What an engine run did: tokens, timings, page use."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Report:
+  """What a run did. `kv_efficiency` is live tokens / reserved token slots (pages in use x
+  page_size), averaged over decode chunks: the fraction of reserved KV memory holding data."""
+
+  num_requests: int = 0
+  generated_tokens: int = 0
+  elapsed_s: float = 0.0
+  ttft_s: list[float] = dataclasses.field(default_factory=list)
+  peak_pages_in_use: int = 0
+  num_pages: int = 0
+  kv_efficiency: float = 0.0
+  preemptions: int = 0
+  decode_calls: int = 0
+  prefill_calls: int = 0
+  decode_steps: int = 0       # device decode steps run (a step decodes every running row)
+  decode_tokens: int = 0      # tokens those steps produced
+  decode_s: float = 0.0       # wall time of the decode calls (until their tokens are back)
+  prefill_s: float = 0.0      # wall time of the prefill calls
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+  def __str__(self) -> str:
+    ttft = np.asarray(self.ttft_s) * 1e3 if self.ttft_s else np.zeros(1)
+    return "\n".join([
+        f"requests: {self.num_requests}  generated tokens: {self.generated_tokens}  "
+        f"time: {self.elapsed_s:.2f} s",
+        f"time to first token: mean {ttft.mean():.1f} ms, p50 {np.median(ttft):.1f} ms, "
+        f"max {ttft.max():.1f} ms",
+        f"KV pages: peak {self.peak_pages_in_use} of {self.num_pages} in use; memory "
+        f"efficiency {self.kv_efficiency:.1%} (live tokens / reserved slots)",
+        f"preemptions: {self.preemptions}  prefill calls: {self.prefill_calls} "
+        f"({self.prefill_s:.2f} s)  decode calls: {self.decode_calls} ({self.decode_s:.2f} s, "
+        f"{self.decode_steps} steps, {self.decode_tokens / max(1, self.decode_steps):.1f} "
+        f"sequences per step, {1e3 * self.decode_s / max(1, self.decode_steps):.2f} ms per "
+        f"step)",
+        f"throughput: {self.tokens_per_s:.1f} tokens/s",
+    ])

@@ -1,0 +1,385 @@
+"""The model runner: executes the scheduler's plans on device (vLLM v1's model runner).
+
+It owns the paging policy inside a step and the one jit wrapper of the serving layer:
+
+* `prefill_step` / `decode_step`: the pure step functions over (model, pool, tokens). Each
+  reserves its new tokens' slots once for all layers (`pool.reserve`) and runs the
+  model's forward over the pool (`PagedModel.prefill` / `.decode`), which writes every
+  layer's K/V at those slots.
+* the decode loop: up to `max_steps` decode steps in one device call, sampling on device
+  and stopping rows on stop tokens and budgets, so Python dispatch is paid once per chunk.
+* `ModelRunner`: those functions jitted once per model structure (pool donated, so XLA
+  updates its buffers in place), the parameters held as a flat list of leaves, and
+  `execute(pool, plan)` for a scheduler's `Plan`: release, then prefill or decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged import pool as pool_lib
+from jax_paged import sampling
+from jax_paged.paged_model import ModelSpec, PagedModel
+
+
+def bucket(n: int, lo: int) -> int:
+  """n rounded up to a power of two times lo, so shapes (and compilations) stay few."""
+  return lo * 2 ** max(0, math.ceil(math.log2(max(n, 1) / lo)))
+
+
+def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
+                 lengths: jax.Array, seq_ids: jax.Array
+                 ) -> tuple[jax.Array, pool_lib.KVPool]:
+  """Reserves and fills the pages of fresh sequences' prompts.
+
+  Args:
+    model: the model.
+    kv: the pool. The sequences must be empty.
+    tokens: int32 [B, T], prompts right-padded to T (the padding value does not matter).
+    lengths: int32 [B] in [1, T].
+    seq_ids: int32 [B], distinct pool sequence ids; -1 for a padding row (reserves nothing).
+
+  Returns:
+    (float32 logits [B, vocab] of each prompt's last token, the new pool). A sequence that
+    did not fit in the pool is left empty (its length stays 0).
+  """
+  kv, slots, _ = pool_lib.reserve(kv, seq_ids, lengths, max_new_tokens=tokens.shape[1])
+  return model.prefill(tokens, kv, slots, lengths)
+
+
+def _rows(x: jax.Array, seq_ids) -> jax.Array:
+  """x[seq_ids] of a per-sequence pool array; x itself when seq_ids are numpy ids of every
+  row in order (the decode loop): no gather kernel per step."""
+  if isinstance(seq_ids, np.ndarray) and np.array_equal(seq_ids, np.arange(x.shape[0])):
+    return x
+  return x[seq_ids]
+
+
+def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_ids,
+                active: jax.Array | None = None, *, greedy: bool = False
+                ) -> tuple[jax.Array, pool_lib.KVPool]:
+  """Appends one token to each active sequence and returns its logits.
+
+  Args:
+    model: the model.
+    kv: the pool. The token's position is the sequence's current length.
+    tokens: int32 [B], the newest token of each sequence.
+    seq_ids: int32 [B] distinct pool sequence ids (B is the batch capacity); numpy ids
+      known when tracing take the one-kernel reservation on a GPU.
+    active: bool [B], rows to run (default all); inactive rows write nothing and their
+      logits are meaningless, so a fixed-capacity batch can carry empty rows.
+    greedy: (static) return each row's argmax token instead of the logits (the model may
+      compute it without writing them).
+
+  Returns:
+    (float32 logits [B, vocab], or with `greedy` int32 tokens [B]; the new pool). A row
+    that found no free page is treated as inactive and its length does not advance.
+  """
+  active = jnp.ones(np.shape(seq_ids), bool) if active is None else active
+  kv, slots, ok = pool_lib.reserve(kv, seq_ids, active, max_new_tokens=1)
+  lengths = _rows(kv.lengths, seq_ids)
+  # A row that got its slot is one token longer: the new token sits at the old length.
+  # (From the new lengths only, so no reader of the old ones keeps them alive past the
+  # in-place reserve kernel.) Other rows' positions are unused.
+  positions = jnp.maximum(lengths - 1, 0)
+  return model.decode(tokens, positions, kv, slots[:, 0], _rows(kv.page_table, seq_ids),
+                      jnp.where(active & ok, lengths, 0), greedy=greedy)
+
+
+# XLA runs a while loop from the host: each iteration copies the predicate to the host,
+# which then launches the next body while the GPU waits. So the decode loop checks only
+# between groups of this many steps, run as a fixed-trip inner loop that XLA launches
+# without a round trip (H200: 465 -> 432 µs per step at batch 1, ~1-2% at batch 128;
+# benchmarks/LOG.md, "Engine / decode loop"). The price: when every row stops inside a
+# group, the rest of the group runs idle (no row active, nothing written). Each check still
+# idles the GPU (~0.2 ms at GPT-2 124M's batch 128 on an H200), so a call that cannot end
+# early runs unchecked (`needs_checks`).
+STEPS_PER_CHECK = 16
+
+
+def steps_per_check(max_steps: int) -> int:
+  """Steps between the decode loop's checks for a call of at most `max_steps` steps."""
+  return min(STEPS_PER_CHECK, max_steps)
+
+
+def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.ndarray,
+                 stop_ids: np.ndarray) -> bool:
+  """Whether a decode call of `num_steps` steps (of at most `max_steps`) can end early, and
+  so needs the loop that checks between groups of steps.
+
+  It cannot when it runs every step a call can (num_steps == max_steps), no active row has
+  a stop token, and some active row's budget lasts all of them: the checked loop would
+  then run every group. Arguments as `decode_loop`'s ([B] rows, stop_ids [B, S]).
+  """
+  active = np.asarray(active, bool)
+  return not (num_steps == max_steps and active.any()
+              and (np.asarray(stop_ids)[active] < 0).all()
+              and np.asarray(budget)[active].max() >= max_steps)
+
+
+def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
+                budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
+                greedy: bool, checked: bool):
+  """Up to `num_steps` (<= max_steps) decode steps on device.
+
+  With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
+  are left and a row is still active; steps past `num_steps`, and those after every row
+  has stopped in a group under way, run with every row inactive: they write nothing.
+  Unchecked, it runs all `max_steps` steps with no host round trip (for calls that cannot
+  end early, `needs_checks`).
+
+  Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
+  generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
+  (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy.
+
+  Returns:
+    (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool).
+  """
+  b = tokens.shape[0]
+  # Known when tracing (not traced): `reserve` then takes its one-kernel decode path.
+  seq_ids = np.arange(b, dtype=np.int32)
+
+  def cond(carry):
+    step, _, _, active, *_ = carry
+    return (step < num_steps) & jnp.any(active)
+
+  def body(_, carry):
+    # `active` rows are active at `step`, which is below num_steps for any active row.
+    step, kv, tokens, active, index, budget, out = carry
+    if greedy:  # the argmax without the [B, vocab] logits
+      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
+    else:
+      logits, kv = decode_step(model, kv, tokens, seq_ids, active)
+      new = sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p)
+    # `out` has a row for every step a group can run: no bounds check (an XLA reduction
+    # kernel per step for `.at[step].set(..., mode="drop")`).
+    out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
+    index += active
+    budget -= active
+    stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
+    tokens = jnp.where(active, new, tokens)
+    # Masked for the next step here, in this fusion, rather than by a kernel of its own at
+    # the start of the next.
+    active &= ~stopped & (step + 1 < num_steps)
+    return step + 1, kv, tokens, active, index, budget, out
+
+  per_check = steps_per_check(max_steps) if checked else max_steps
+  out = jnp.full((-(-max_steps // per_check) * per_check, b), -1, jnp.int32)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
+  group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
+  _, kv, *_, out = jax.lax.while_loop(cond, group, carry) if checked else group(carry)
+  return out[:max_steps], kv
+
+
+# The decode loop's per-row arguments travel as one int32 array [8 + S, B]: a call
+# with nine numpy arrays spent ~215 µs of its ~840 µs of fixed cost copying them to the
+# device one by one (H200, benchmarks/LOG.md, "Engine / decode loop"), while the GPU waited.
+_ROW_FIELDS = (("tokens", np.int32), ("active", np.int32), ("index", np.int32),
+               ("budget", np.int32), ("seeds", np.uint32), ("top_k", np.int32),
+               ("temperature", np.float32), ("top_p", np.float32))
+
+
+def pack_decode_rows(*, tokens, active, index, budget, stop_ids, seeds, temperature,
+                     top_k, top_p) -> np.ndarray:
+  """The decode loop's per-row arguments (see `decode_loop`) as int32 [8 + S, B]: the
+  fields of `_ROW_FIELDS` in order (uint32 seeds and float32 temperature / top_p by their
+  bits), then stop_ids [B, S] transposed."""
+  fields = dict(tokens=tokens, active=active, index=index, budget=budget, seeds=seeds,
+                top_k=top_k, temperature=temperature, top_p=top_p)
+  rows = [np.asarray(fields[name]).astype(dtype).view(np.int32)
+          for name, dtype in _ROW_FIELDS]
+  return np.concatenate([np.stack(rows), np.asarray(stop_ids, np.int32).T])
+
+
+def unpack_decode_rows(rows: jax.Array) -> dict[str, jax.Array]:
+  """On device: `pack_decode_rows`' array back to the keyword arguments of `decode_loop`."""
+  args = {name: jax.lax.bitcast_convert_type(row, dtype)
+          for (name, dtype), row in zip(_ROW_FIELDS, rows)}
+  args["active"] = args["active"] != 0
+  args["stop_ids"] = rows[len(_ROW_FIELDS):].T
+  return args
+
+
+class JittedSteps:
+  """The jitted device functions of one model structure, pool donated: `prefill` and
+  `decode` (`prefill_step` / `decode_step`), `prefill_sample` (prefill, then sample each
+  row's first token) and `decode_loop` (its rows packed by `pack_decode_rows`).
+
+  They take the parameters as the list `jax.tree.leaves(params)` (`treedef` = their
+  `jax.tree.structure`): flattening an `nnx.State` of GPT-2 124M's 148 arrays costs
+  ~130-190 µs per call, paid on the host while the GPU waits between decode chunks. The
+  graphdef is bound rather than static: hashing it per call costs ~1 ms.
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, treedef):
+    model = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def prefill(leaves, kv, tokens, lengths, seq_ids):
+      return prefill_step(model(leaves), kv, tokens, lengths, seq_ids)
+
+    def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
+      return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
+
+    def prefill_sample(leaves, kv, tokens, lengths, seq_ids, seeds, index, temperature,
+                       top_k, top_p, *, greedy: bool):
+      logits, kv = prefill_step(model(leaves), kv, tokens, lengths, seq_ids)
+      return sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p,
+                                  all_greedy=greedy), kv
+
+    def loop(leaves, kv, num_steps, rows, *, max_steps: int, greedy: bool, checked: bool):
+      return decode_loop(model(leaves), kv, num_steps, max_steps=max_steps, greedy=greedy,
+                         checked=checked, **unpack_decode_rows(rows))
+
+    self.prefill = jax.jit(prefill, donate_argnums=1)
+    self.decode = jax.jit(decode, donate_argnums=1, static_argnames="greedy")
+    self.prefill_sample = jax.jit(prefill_sample, donate_argnums=1,
+                                  static_argnames="greedy")
+    self.decode_loop = jax.jit(loop, donate_argnums=1,
+                               static_argnames=("max_steps", "greedy", "checked"))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_steps(graphdef: nnx.GraphDef, treedef) -> JittedSteps:
+  return JittedSteps(graphdef, treedef)
+
+
+_release = jax.jit(pool_lib.release, donate_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+  """Per-row sampling settings of a batch (numpy, transferred as the call dispatches)."""
+
+  seeds: np.ndarray
+  temperature: np.ndarray
+  top_k: np.ndarray
+  top_p: np.ndarray
+  greedy: bool
+
+  @classmethod
+  def of(cls, requests: Sequence) -> "_Sampling":
+    """From each row's `Request` (None for an empty row: greedy defaults).
+
+    Numpy throughout: the jitted call transfers the arrays as it dispatches, where
+    `jnp.asarray` of a list cost ~1 ms each on the device's host.
+    """
+    column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
+                                          dtype)
+    return cls(seeds=column(lambda r: r.seed, np.uint32),
+               temperature=column(lambda r: r.temperature, np.float32),
+               top_k=column(lambda r: r.top_k or 0, np.int32),
+               top_p=np.asarray([1.0 if r is None or r.top_p is None else r.top_p
+                                 for r in requests], np.float32),
+               greedy=all(r is None or r.temperature == 0 for r in requests))
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
+                top_p=self.top_p)
+
+
+class ModelRunner:
+  """Runs a `PagedModel` over a pool: the step functions jitted once per model structure.
+
+  Every method takes the pool and returns the new one (donated: the old one is consumed).
+
+    prefill(kv, tokens, lengths, seq_ids) -> (logits, kv)          `prefill_step`
+    decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
+    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=) -> (tokens, kv)
+    release(kv, seq_ids) -> kv
+    execute(kv, plan) -> (kv, new tokens)                         a scheduler's `Plan`
+  """
+
+  def __init__(self, model: PagedModel):
+    if not isinstance(model, PagedModel):
+      raise TypeError(f"{type(model).__name__} does not meet jax_paged.PagedModel: it needs "
+                      "a `spec` and `prefill` / `decode` forwards over the pool")
+    self.spec: ModelSpec = model.spec
+    graphdef, params = nnx.split(model)
+    self.leaves = jax.tree.leaves(params)
+    self.jitted = _jitted_steps(graphdef, jax.tree.structure(params))
+
+  def create_pool(self, **kwargs) -> pool_lib.KVPool:
+    """An empty pool shaped for the model (`ModelSpec.create_pool`)."""
+    return self.spec.create_pool(**kwargs)
+
+  def prefill(self, kv, tokens, lengths, seq_ids):
+    return self.jitted.prefill(self.leaves, kv, tokens, lengths, seq_ids)
+
+  def decode(self, kv, tokens, seq_ids, active=None, *, greedy: bool = False):
+    return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
+
+  def decode_loop(self, kv, num_steps, rows, *, max_steps: int, greedy: bool,
+                  checked: bool):
+    """`decode_loop` with the rows packed by `pack_decode_rows`: that array and num_steps
+    are the call's only host-to-device copies."""
+    return self.jitted.decode_loop(self.leaves, kv, np.int32(num_steps), rows,
+                                 max_steps=max_steps, greedy=greedy, checked=checked)
+
+  def release(self, kv: pool_lib.KVPool, seq_ids: Sequence[int]) -> pool_lib.KVPool:
+    """Frees these sequences' pages, in one call whose shape is the pool's max_seqs."""
+    if not len(seq_ids):
+      return kv
+    ids = np.full((kv.max_seqs,), -1, np.int32)  # -1 pads: ignored under jit
+    ids[:len(seq_ids)] = seq_ids
+    return _release(kv, ids)
+
+  def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, np.ndarray]:
+    """Runs a scheduler's `Plan`: frees `plan.release`, then prefills `plan.prefill` (->
+    int32 [len(prefill)] first tokens) or decodes every running row for up to
+    `plan.decode_steps` steps (-> int32 [max_steps, max_batch], -1 where a row produced
+    nothing)."""
+    kv = self.release(kv, plan.release)
+    if plan.prefill:
+      return self._prefill_plan(kv, plan)
+    return self._decode_plan(kv, plan)
+
+  def _prefill_plan(self, kv, plan):
+    rows = [plan.rows[i] for i in plan.prefill]
+    contexts = [s.context for s in rows]
+    n = bucket(len(rows), 1)
+    width = bucket(max(map(len, contexts)), kv.page_size)
+    tokens = np.zeros((n, width), np.int32)
+    lengths = np.ones((n,), np.int32)
+    seq_ids = np.full((n,), -1, np.int32)  # padding rows: invalid ids reserve nothing
+    for j, (slot, ctx) in enumerate(zip(plan.prefill, contexts)):
+      tokens[j, :len(ctx)] = ctx
+      lengths[j] = len(ctx)
+      seq_ids[j] = slot
+    padded = rows + [None] * (n - len(rows))
+    sampling_ = _Sampling.of([s.request if s else None for s in padded])
+    new, kv = self.jitted.prefill_sample(
+        self.leaves, kv, tokens, lengths, seq_ids,
+        index=np.asarray([len(s.tokens) if s else 0 for s in padded], np.int32),
+        greedy=sampling_.greedy, **sampling_.arrays())
+    return kv, np.asarray(new)[:len(rows)]
+
+  def _decode_plan(self, kv, plan):
+    rows, max_steps = plan.rows, plan.max_steps
+    stops = [list(s.stop_token_ids) if s is not None else [] for s in rows]
+    stop_ids = np.full((len(rows), bucket(max(map(len, stops)), 1)), -1, np.int32)
+    for i, ids in enumerate(stops):
+      stop_ids[i, :len(ids)] = ids
+    active = np.array([s is not None for s in rows])
+    budget = np.array([s.budget if s else 0 for s in rows], np.int32)
+    steps = plan.decode_steps
+    checked = needs_checks(steps, max_steps, active, budget, stop_ids)
+    # Whole groups of checked steps: a partial group would run idle steps to its end.
+    per_check = steps_per_check(max_steps)
+    if checked and steps > per_check:
+      steps -= steps % per_check
+    sampling_ = _Sampling.of([s.request if s else None for s in rows])
+    packed = pack_decode_rows(
+        tokens=[s.tokens[-1] if s else 0 for s in rows], active=active,
+        index=[len(s.tokens) if s else 0 for s in rows], budget=budget, stop_ids=stop_ids,
+        **sampling_.arrays())
+    out, kv = self.decode_loop(kv, steps, packed, max_steps=max_steps,
+                               greedy=sampling_.greedy, checked=checked)
+    return kv, np.asarray(out)
