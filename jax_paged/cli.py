@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
 from jax_paged.serving.admission import ADMISSION_POLICIES
 from jax_paged.serving.engine import Engine
@@ -39,20 +40,65 @@ class CLIError(Exception):
 
 @dataclasses.dataclass
 class Codec:
-  """Text <-> token ids."""
+  """Text <-> token ids; ids are in [0, vocab_size)."""
 
   encode: Callable[[str], list[int]]
   decode: Callable[[Sequence[int]], str]
   name: str
+  vocab_size: int
 
 
 BYTES = Codec(encode=lambda text: list(text.encode("utf-8")),
               decode=lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
-              name="UTF-8 bytes (ids 0-255)")
+              name="UTF-8 bytes (ids 0-255)", vocab_size=256)
 
 
-def load_tokenizer(directory: str) -> Codec:
-  """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt)."""
+# argparse types: a bad value exits with status 2 and "argument --flag: <message>".
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+  return value
+
+
+def _non_negative_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+  return value
+
+
+def _float_in(lo: float, hi: float, *, lo_open: bool, what: str) -> Callable[[str], float]:
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ((lo < value if lo_open else lo <= value) and value <= hi):
+      raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+  return parse
+
+
+def _token_ids(text: str) -> list[int]:
+  try:
+    ids = [int(t) for t in text.split(",") if t.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+  if not ids or min(ids) < 0:
+    raise argparse.ArgumentTypeError(f"expected comma-separated token ids >= 0, got {text!r}")
+  return ids
+
+
+def load_tokenizer(directory: str) -> Codec | None:
+  """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), or
+  None if it has none."""
   try:
     import tokenizers
   except ImportError as e:
@@ -60,14 +106,18 @@ def load_tokenizer(directory: str) -> Codec:
                    "(pip install tokenizers)") from e
   tokenizer_json = os.path.join(directory, "tokenizer.json")
   vocab, merges = (os.path.join(directory, f) for f in ("vocab.json", "merges.txt"))
-  if os.path.exists(tokenizer_json):
-    tok = tokenizers.Tokenizer.from_file(tokenizer_json)
-  elif os.path.exists(vocab) and os.path.exists(merges):
-    tok = tokenizers.ByteLevelBPETokenizer(vocab, merges)
-  else:
-    raise CLIError(f"{directory} has no tokenizer.json nor vocab.json + merges.txt")
+  try:
+    if os.path.exists(tokenizer_json):
+      tok = tokenizers.Tokenizer.from_file(tokenizer_json)
+    elif os.path.exists(vocab) and os.path.exists(merges):
+      tok = tokenizers.ByteLevelBPETokenizer(vocab, merges)
+    else:
+      return None
+  except Exception as e:  # tokenizers raises bare Exceptions for unreadable files
+    raise CLIError(f"{directory}: its tokenizer files cannot be read ({e})") from e
   return Codec(encode=lambda text: tok.encode(text).ids,
-               decode=lambda ids: tok.decode(list(ids)), name=f"tokenizer of {directory}")
+               decode=lambda ids: tok.decode(list(ids)), name=f"tokenizer of {directory}",
+               vocab_size=tok.get_vocab_size())
 
 
 def model_families() -> list[ModelFamily]:
@@ -107,21 +157,32 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                    help="compute and KV-cache dtype (default: bfloat16 on GPU, float32 on CPU)")
   prompts = p.add_argument_group("prompts")
   prompts.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+  prompts.add_argument("--prompt-ids", action="append", default=[], type=_token_ids,
+                       metavar="IDS", help="a prompt as comma-separated token ids (repeatable; "
+                                           "for checkpoints without a tokenizer)")
   prompts.add_argument("--prompts-file", metavar="FILE",
                        help="a file with one prompt per line (empty lines are skipped)")
   gen = p.add_argument_group("generation")
-  gen.add_argument("--max-new-tokens", type=int, default=64)
-  gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-  gen.add_argument("--top-k", type=int, default=None)
-  gen.add_argument("--top-p", type=float, default=None)
-  gen.add_argument("--seed", type=int, default=0,
+  gen.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                   help="lowered, with a notice, where a prompt leaves less room in the "
+                        "model's context (default 64)")
+  gen.add_argument("--temperature", type=_float_in(0.0, float("inf"), lo_open=False,
+                                                   what="a number >= 0"),
+                   default=0.0, help="0 is greedy (default)")
+  gen.add_argument("--top-k", type=_positive_int, default=None)
+  gen.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True, what="in (0, 1]"),
+                   default=None)
+  gen.add_argument("--seed", type=_non_negative_int, default=0,
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's eos token")
   eng = p.add_argument_group("engine")
-  eng.add_argument("--max-batch", type=int, default=32, help="decode slots (default 32)")
-  eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-  eng.add_argument("--steps-per-call", type=int, default=128,
+  eng.add_argument("--max-batch", type=_positive_int, default=32,
+                   help="decode slots (default 32)")
+  eng.add_argument("--page-size", type=_positive_int, default=16,
+                   help="tokens per KV page (default 16; the GPU kernels take powers of two "
+                        "in [8, 128])")
+  eng.add_argument("--steps-per-call", type=_positive_int, default=128,
                    help="the most decode steps per device call (default 128)")
   eng.add_argument("--admission", choices=ADMISSION_POLICIES, default="optimistic",
                    help="optimistic: admit when the prompt fits, preempt and recompute when "
@@ -129,8 +190,10 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                         "page use stays within the pool until every request reaches "
                         "max_new_tokens, never preempting (default optimistic)")
   size = eng.add_mutually_exclusive_group()
-  size.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool")
-  size.add_argument("--memory-fraction", type=float, default=None,
+  size.add_argument("--num-pages", type=_positive_int, default=None,
+                    help="KV pages in the pool")
+  size.add_argument("--memory-fraction", default=None,
+                    type=_float_in(0.0, 1.0, lo_open=True, what="a fraction in (0, 1]"),
                     help="size the pool from this fraction of the accelerator's free memory "
                          "(default 0.9 on GPU; on CPU the default is enough pages for every "
                          "slot to reach n_positions)")
@@ -158,7 +221,7 @@ def read_model_type(directory: str) -> str:
 
 
 def build_model(args: argparse.Namespace, families: Sequence[ModelFamily], dtype
-                ) -> tuple[PagedModel, Codec, str]:
+                ) -> tuple[PagedModel, Codec | None, str]:
   if args.checkpoint:
     if not os.path.isdir(args.checkpoint):
       raise CLIError(f"--checkpoint {args.checkpoint}: not a directory")
@@ -170,23 +233,41 @@ def build_model(args: argparse.Namespace, families: Sequence[ModelFamily], dtype
                      f"supported (supported: {', '.join(known) or 'none installed'})")
     try:
       model = family.from_pretrained(args.checkpoint, dtype)
-    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, ValueError, KeyError) as e:
       raise CLIError(f"--checkpoint {args.checkpoint}: {e}") from e
-    return model, load_tokenizer(args.checkpoint), f"checkpoint {args.checkpoint}"
+    codec = load_tokenizer(args.checkpoint)
+    if codec is not None and codec.vocab_size > model.spec.vocab_size:
+      raise CLIError(f"--checkpoint {args.checkpoint}: its tokenizer has {codec.vocab_size} "
+                     f"tokens but the model's vocabulary has {model.spec.vocab_size}")
+    return model, codec, f"checkpoint {args.checkpoint}"
   model = presets(families)[args.model](dtype, args.seed)
+  if model.spec.vocab_size < BYTES.vocab_size:
+    raise CLIError(f"--model {args.model}: its vocabulary of {model.spec.vocab_size} tokens "
+                   f"cannot hold the UTF-8 byte ids of its text (0-255)")
   return model, BYTES, f"{args.model} with RANDOM weights (no checkpoint)"
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-  prompts = list(args.prompt)
+def read_prompts(args: argparse.Namespace, codec: Codec | None
+                 ) -> list[tuple[str, list[int]]]:
+  """(label, token ids) per prompt: --prompt and --prompts-file text, encoded by `codec`,
+  then --prompt-ids."""
+  texts = list(args.prompt)
   if args.prompts_file:
     try:
       with open(args.prompts_file, encoding="utf-8") as f:
-        prompts += [line.rstrip("\n") for line in f if line.strip()]
+        texts += [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+      raise CLIError(f"--prompts-file {args.prompts_file}: not UTF-8 text (byte "
+                     f"{e.start})") from e
     except OSError as e:
       raise CLIError(f"--prompts-file: {e}") from e
+  if texts and codec is None:
+    raise CLIError("the checkpoint has no tokenizer (tokenizer.json or vocab.json + "
+                   "merges.txt): give prompts as --prompt-ids")
+  prompts = [(repr(t), codec.encode(t)) for t in texts]
+  prompts += [(f"ids {','.join(map(str, ids))}", ids) for ids in args.prompt_ids]
   if not prompts:
-    raise CLIError("give at least one --prompt or a --prompts-file")
+    raise CLIError("give at least one --prompt, --prompt-ids or a --prompts-file")
   return prompts
 
 
@@ -214,31 +295,47 @@ class Progress:
       sys.stderr.write("\n")
 
 
+def _notice(message: str) -> None:
+  print(f"jax-paged-generate: note: {message}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   on_gpu = jax.default_backend() == "gpu"
   dtype = DTYPES[args.dtype] if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
   model, codec, label = build_model(args, families, dtype)
   spec = model.spec
-  texts = read_prompts(args)
-  prompts = [codec.encode(t) for t in texts]
+  prompts = read_prompts(args, codec)
+  if on_gpu and not validation.kernel_supports(spec.head_dim, args.page_size):
+    _notice(f"--page-size {args.page_size} with head dim {spec.head_dim}: the Triton decode "
+            f"kernel takes head dims {validation.SUPPORTED_HEAD_DIMS} and power-of-two pages "
+            f"in [{validation.MIN_PAGE_SIZE}, {validation.MAX_PAGE_SIZE}]; attention runs "
+            "on XLA's slower gather path")
+  if args.memory_fraction is not None and not on_gpu:
+    raise CLIError("--memory-fraction sizes the pool from an accelerator's free memory; "
+                   f"on {jax.default_backend()} give --num-pages")
   num_pages = args.num_pages
-  if num_pages is None and (args.memory_fraction is None and not on_gpu):
+  if num_pages is None and not on_gpu:
     num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
   eos = None if args.ignore_eos else spec.eos_token_id
+  requests = []
+  for i, (_, ids) in enumerate(prompts):
+    # New tokens lowered to what fits the model's context (at least one, so that a prompt
+    # too long by itself is reported as such).
+    new = max(1, min(args.max_new_tokens, spec.max_positions - len(ids) + 1))
+    if new < args.max_new_tokens and len(ids) <= spec.max_positions:
+      _notice(f"prompt {i}: --max-new-tokens {args.max_new_tokens} lowered to {new}: its "
+              f"{len(ids)} tokens leave that much of the model's n_positions="
+              f"{spec.max_positions}")
+    requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed + i))
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
-                 memory_fraction=args.memory_fraction or 0.9, page_size=args.page_size,
-                 steps_per_call=args.steps_per_call, admission=args.admission,
-                 eos_token_id=eos)
-    # New tokens clamped to what fits the model's context (at least one, so that a prompt
-    # too long by itself is reported as such).
-    requests = [Request(ids, max(1, min(args.max_new_tokens, spec.max_positions - len(ids) + 1)),
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed + i)
-                for i, ids in enumerate(prompts)]
+                 memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
+                 page_size=args.page_size, steps_per_call=args.steps_per_call,
+                 admission=args.admission, eos_token_id=eos)
     print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
           f"{spec.head_dim}; {jnp.dtype(dtype).name} on {jax.devices()[0].platform}; text as "
-          f"{codec.name}", file=sys.stderr)
+          f"{codec.name if codec else 'token ids'}", file=sys.stderr)
     print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens",
           file=sys.stderr)
     progress = Progress(sum(r.max_new_tokens for r in requests),
@@ -247,9 +344,9 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
     progress.close()
   except ValueError as e:
     raise CLIError(str(e)) from e
-  for i, (text, out) in enumerate(zip(texts, outputs)):
-    print(f"--- [{i}] {text!r} -> {len(out)} tokens")
-    print(codec.decode(out))
+  for i, ((prompt, _), out) in enumerate(zip(prompts, outputs)):
+    print(f"--- [{i}] {prompt} -> {len(out)} tokens")
+    print(codec.decode(out) if codec else ",".join(map(str, out)))
   print(report)
   return 0
 

@@ -26,6 +26,7 @@ from jax_paged.kernels import cache_write
 from jax_paged.kernels import decode_reserve
 from jax_paged.kernels import linear
 from jax_paged.kernels import triton_backend
+from jax_paged.kernels import validation
 
 
 class PoolExhausted(RuntimeError):
@@ -65,6 +66,10 @@ class KVPool:
                         ("max_pages_per_seq", max_pages_per_seq)):
       if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if jnp.dtype(dtype) not in validation.SUPPORTED_DTYPES:
+      names = ", ".join(d.name for d in validation.SUPPORTED_DTYPES)
+      raise ValueError(f"dtype must be a cache dtype the kernels read ({names}), got "
+                       f"{jnp.dtype(dtype).name}")
     if num_pages * page_size >= 2 ** 31:
       raise ValueError(f"num_pages * page_size must fit int32 slots, got {num_pages * page_size}")
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
@@ -158,18 +163,11 @@ def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: i
                     budget_bytes=int(available_bytes), utilization=utilization)
 
 
-def _concrete(x) -> np.ndarray | None:
-  """x as a numpy array if it is known outside of tracing, else None."""
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
-
-
 def _check_seq_ids(pool: KVPool, seq_ids) -> tuple[jax.Array, np.ndarray | None]:
   """(int32 seq_ids, their values where known when tracing); raises for bad shapes and
   dtypes, and for known ids out of range or repeated."""
-  ids = _concrete(seq_ids)  # before jnp.asarray, which traces even numpy ids under jit
+  # Before jnp.asarray, which traces even numpy ids under jit.
+  ids = validation.concrete(seq_ids)
   seq_ids = jnp.asarray(seq_ids)
   if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
     raise ValueError(f"seq_ids must be a 1-D integer array, got shape {seq_ids.shape} "
@@ -223,7 +221,7 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
                                            or counts.dtype == jnp.bool_):
     raise ValueError(f"num_new_tokens must be an int or an int (or bool: 0 / 1) array of "
                      f"shape [{n}], got shape {counts.shape} dtype {counts.dtype}")
-  concrete_counts = _concrete(num_new_tokens)
+  concrete_counts = validation.concrete(num_new_tokens)
   counts = jnp.broadcast_to(counts, (n,))
   if concrete_counts is not None:
     concrete_counts = np.broadcast_to(concrete_counts, (n,))
@@ -330,11 +328,11 @@ def check_write(pool: KVPool, layer, slots: jax.Array) -> None:
   if not jnp.issubdtype(slots.dtype, jnp.integer):
     raise ValueError(f"slots must be an integer array, got dtype {slots.dtype}")
   total = pool.num_pages * pool.page_size
-  concrete_slots = _concrete(slots)
+  concrete_slots = validation.concrete(slots)
   if concrete_slots is not None and concrete_slots.size and concrete_slots.max() >= total:
     raise ValueError(f"slots must be < num_pages * page_size = {total} (negative = padding), "
                      f"got max {concrete_slots.max()}")
-  concrete_layer = _concrete(layer)
+  concrete_layer = validation.concrete(layer)
   if concrete_layer is not None and not 0 <= int(concrete_layer) < pool.num_layers:
     raise ValueError(f"layer must be in [0, {pool.num_layers}), got {int(concrete_layer)}")
 
@@ -366,7 +364,7 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
                        f"{expected}, got {tuple(x.shape)}")
   check_write(pool, layer, slots)
   total = pool.num_pages * pool.page_size
-  concrete_layer = _concrete(layer)
+  concrete_layer = validation.concrete(layer)
   flat = slots.reshape(-1).astype(jnp.int32)
   # [N, Hkv, D] in the pool's dtype, for either path.
   k, v = (x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pool.k_pages.dtype)

@@ -246,10 +246,16 @@ def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
   torch_file = os.path.join(path, "pytorch_model.bin")
   if os.path.exists(safetensors_file):
     from safetensors.numpy import load_file  # optional dependencies: import only when used
-    return load_file(safetensors_file)
+    try:
+      return load_file(safetensors_file)
+    except Exception as e:  # SafetensorError and OSError: truncated, corrupt, unreadable
+      raise ValueError(f"{safetensors_file}: not a readable safetensors file ({e})") from e
   if os.path.exists(torch_file):
     import torch
-    state = torch.load(torch_file, map_location="cpu", weights_only=True)
+    try:
+      state = torch.load(torch_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and OS errors alike
+      raise ValueError(f"{torch_file}: not a readable PyTorch checkpoint ({e})") from e
     return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
             for k, v in state.items()}
   raise FileNotFoundError(f"no weights in {path}: expected model.safetensors or "
@@ -274,14 +280,22 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
   Raises:
     FileNotFoundError: the directory, its config.json or its weights file is missing.
-    ValueError: a weight is missing from the checkpoint or has the wrong shape.
+    ValueError: a file is unreadable (naming it), or a weight is missing from the
+      checkpoint or has the wrong shape.
   """
   path = os.fspath(path)
   config_file = os.path.join(path, "config.json")
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f"no config.json in {path}")
-  with open(config_file) as f:
-    config = GPT2Config.from_dict(json.load(f))
+  try:
+    with open(config_file, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{config_file}: not a readable JSON file ({e})") from e
+  try:
+    config = GPT2Config.from_dict(config)
+  except (TypeError, ValueError, AttributeError) as e:
+    raise ValueError(f"{config_file}: {e}") from e
   tensors = _load_checkpoint(path)
   # Both GPT2Model ("h.0...") and GPT2LMHeadModel ("transformer.h.0...") checkpoints.
   tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}

@@ -14,7 +14,7 @@ def _has_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
   if _has_gpu():
     return
-  skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with the device tool: pytest -m gpu)")
+  skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)

@@ -62,3 +62,62 @@ def test_clear_errors(args, message):
   proc = run_cli(*args, "--no-progress")
   assert proc.returncode == 2
   assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+  """`jax-paged-generate ARGS` in this process: (exit status, stdout, stderr)."""
+  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+  try:
+    status = cli.main(list(args))
+  except SystemExit as e:  # argparse's usage errors
+    status = e.code
+  captured = capsys.readouterr()
+  return status, captured.out, captured.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--page-size", "0"], "argument --page-size: must be a positive integer, got 0"),
+    (["--max-batch", "x"], "argument --max-batch: expected a positive integer, got 'x'"),
+    (["--memory-fraction", "0"], "argument --memory-fraction: must be a fraction in (0, 1]"),
+    (["--memory-fraction", "0.5"], "--memory-fraction sizes the pool from an accelerator"),
+    (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
+    (["--temperature", "-1"], "argument --temperature: must be a number >= 0"),
+    (["--prompt-ids", "1,x"], "argument --prompt-ids: expected comma-separated token ids"),
+    (["--prompt-ids", "300"], "token ids [300] outside [0, vocab_size=256)"),
+])
+def test_bad_arguments_are_one_line_errors(capsys, args, message):
+  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
+  assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_bad_files_are_named(capsys, tmp_path):
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_bytes(b"caf\xe9\n")
+  status, _, err = _main(capsys, "--model", "tiny", "--prompts-file", str(prompts))
+  assert status == 2 and f"--prompts-file {prompts}: not UTF-8 text" in err
+  (tmp_path / "config.json").write_text("{not json")
+  status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
+  assert status == 2 and f"{tmp_path / 'config.json'}: not a readable JSON file" in err
+  (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+  status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
+  assert status == 2 and "model_type 'bert' is not supported (supported: gpt2)" in err
+
+
+def test_prompt_ids_clamp_notice_and_truncated_weights(capsys, tmp_path):
+  """A checkpoint without a tokenizer runs from --prompt-ids (text prompts are refused),
+  a lowered --max-new-tokens is announced, and a truncated model.safetensors is named."""
+  transformers = pytest.importorskip("transformers")
+  pytest.importorskip("torch")
+  config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2,
+                                   n_head=2)
+  transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+  status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt", "hi")
+  assert status == 2 and "has no tokenizer" in err and "--prompt-ids" in err
+  status, out, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1,2,3",
+                           "--max-new-tokens", "20", "--ignore-eos", "--no-progress")
+  assert status == 0, err
+  assert "--max-new-tokens 20 lowered to 14" in err and "generated tokens: 14" in out
+  weights = tmp_path / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:100])
+  status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1")
+  assert status == 2 and f"{weights}: not a readable safetensors file" in err

@@ -318,3 +318,25 @@ def test_engine_on_gpu_matches_static_generate(prompts):
     eng = Engine(kernel, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
     outputs, _ = eng.generate([Request(p, 14) for p in prompts])
     assert outputs == generate(reference, prompts, 14, page_size=8)
+
+
+@pytest.mark.parametrize("admission_", ["optimistic", "peak"])
+def test_report_peak_and_efficiency_are_what_the_device_held(model, admission_):
+  """A lone request's peak pages and live / reserved ratio are the same at one step per
+  call and at 64 (they were sampled after releases: a run reported a peak of 1 page).
+  Beside another, a finished request holds its pages until its call returns: that is
+  counted too."""
+  def run(requests, steps):
+    eng = Engine(model, max_batch=2, num_pages=40, page_size=4, steps_per_call=steps,
+                 admission=admission_)
+    return eng.generate(requests)[1]
+
+  lone = [Request([3, 1, 4, 1, 5], 60)]  # ends holding 5 + 59 tokens: 16 pages
+  one, many = run(lone, 1), run(lone, 64)
+  assert one.peak_pages_in_use == many.peak_pages_in_use == 16
+  assert one.kv_efficiency == pytest.approx(many.kv_efficiency) and one.kv_efficiency > 0.8
+  pair = lone + [Request([9, 2, 6], 30)]  # ends at 3 + 29 tokens (8 pages) after 29 steps
+  # One step per call: released at once, beside request 0's 5 + 29 tokens (9 pages). In
+  # one 64-step call: held until request 0 ends with its 16.
+  assert run(pair, 1).peak_pages_in_use == 8 + 9
+  assert run(pair, 64).peak_pages_in_use == 8 + 16

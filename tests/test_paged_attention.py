@@ -287,3 +287,50 @@ def test_jit_vmap_gpu():
   chex.assert_trees_all_close(out[1].astype(jnp.float32),
                               reference.paged_decode_attention(q, v, k, table, lengths)
                               .astype(jnp.float32), atol=2e-2, rtol=2e-2)
+
+
+def _bad_value_inputs():
+  """q, pools of 6 pages of 8 tokens, a page table [2, 3] and lengths [2] of fresh random
+  values (capacity 24 tokens per sequence)."""
+  ks = jax.random.split(jax.random.key(21), 3)
+  q = jax.random.normal(ks[0], (2, 4, 64), jnp.float32)
+  k_pages = jax.random.normal(ks[1], (2, 6, 8, 64), jnp.float32)
+  v_pages = jax.random.normal(ks[2], (2, 6, 8, 64), jnp.float32)
+  table = jnp.array([[3, 1, 5], [0, 2, 4]], jnp.int32)
+  return q, k_pages, v_pages, table
+
+
+@pytest.mark.parametrize("lengths,table_fix,match", [
+    ([25, 3], None, r"lengths must be in \[0, max_pages_per_seq \* page_size = 24\], got 25"),
+    ([-1, 3], None, "got -1 for sequence 0"),
+    ([9, 3], ((0, 1), 6), r"page ids in \[0, num_pages=6\).*got 6 at \[0, 1\]"),
+    ([9, 3], ((1, 0), -2), r"got -2 at \[1, 0\]"),
+])
+@pytest.mark.parametrize("fn", [jax_paged.paged_decode_attention,
+                                reference.paged_decode_attention])
+def test_concrete_out_of_range_values_raise(fn, lengths, table_fix, match):
+  q, k_pages, v_pages, table = _bad_value_inputs()
+  bad = table if table_fix is None else table.at[table_fix[0]].set(table_fix[1])
+  with pytest.raises(ValueError, match=match):
+    fn(q, k_pages, v_pages, bad, jnp.asarray(lengths, jnp.int32))
+  # An out-of-range id past a sequence's used pages is garbage, never read: no error.
+  fn(q, k_pages, v_pages, table.at[1, 2].set(99), jnp.array([16, 3], jnp.int32))
+
+
+def test_traced_out_of_range_lengths_are_clamped_alike():
+  """Under jit the kernel (interpret mode) and the reference agree on lengths past the
+  capacity and negative lengths: both clamp. The reference also clamps page ids."""
+  q, k_pages, v_pages, table = _bad_value_inputs()
+  lengths = jnp.array([40, -3], jnp.int32)
+  kernel = jax.jit(lambda *a: jax_paged.paged_decode_attention(*a, interpret=True,
+                                                               return_lse=True))
+  ref = jax.jit(lambda *a: reference.paged_decode_attention(*a, return_lse=True))
+  got, want = kernel(q, k_pages, v_pages, table, lengths), ref(q, k_pages, v_pages, table,
+                                                                 lengths)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(want, ref(q, k_pages, v_pages, table, jnp.array([24, 0])),
+                              rtol=1e-6, atol=1e-6)
+  wild = jnp.array([[3, 9, 5], [-4, 2, 4]], jnp.int32)  # 9 -> 5, -4 -> 0
+  chex.assert_trees_all_close(ref(q, k_pages, v_pages, wild, lengths),
+                              ref(q, k_pages, v_pages, jnp.array([[3, 5, 5], [0, 2, 4]]),
+                                  lengths), rtol=1e-6, atol=1e-6)

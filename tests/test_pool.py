@@ -472,3 +472,9 @@ def test_project_write_kv_on_cpu_is_linear_then_write_and_checks_shapes():
   with pytest.raises(ValueError, match="slots must be <"):
     kvpool.project_write_kv(p, 1, slots.at[0].set(NUM_PAGES * PAGE_SIZE), x, w, None,
                             q_width=32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64, jnp.int8])
+def test_create_accepts_only_the_cache_dtypes_the_kernels_read(dtype):
+  with pytest.raises(ValueError, match="dtype must be a cache dtype the kernels read"):
+    make_pool(dtype=dtype)

@@ -19,7 +19,7 @@ ALLOWED = {
     "sampling": {"sampling"},
     "paged_model": {"pool", "paged_model"},
     "serving": {"kernels", "pool", "nn", "sampling", "paged_model", "serving"},
-    "cli": {"paged_model", "serving", "cli"},
+    "cli": {"kernels", "paged_model", "serving", "cli"},
 }
 
 

@@ -71,6 +71,7 @@ def default_config(num_programs: int, group: int, head_dim: int) -> tuple[int, i
 def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
                    *, scale: float, logits_soft_cap: float | None,
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
+                   max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                    block_n: int, num_splits: int):
   """One (sequence b, kv head, split) program.
@@ -79,7 +80,11 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   k/v [L * Hkv * num_pages * page_size, D], o [S, B, H, D], lse [S, B, H].
   """
   b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  length = lengths_ref[b]
+  # Clamped as the reference clamps: a traced length out of range never reads past the
+  # sequence's page table row and gives the reference's result. (Page ids are not clamped:
+  # two integer ops per token in the loop cost 3 points of the read ceiling at GPT-2's
+  # batch 256, H100.)
+  length = validation.clamp_lengths(lengths_ref[b], max_pages * page_size)
   # The first K/V row of this (layer, kv head): the pool is [L, Hkv, pages, page_size, D].
   head_base = (layer_ref[0] * num_kv_heads + kv_head) * (num_pages * page_size)
   first = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
@@ -160,7 +165,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, *, sca
   kernel = functools.partial(
       _decode_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
-      page_size=page_size, head_dim=head_dim,
+      max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
       num_splits=num_splits)
   # One split writes the final output directly; partials stay f32 for the merge.
@@ -222,9 +227,14 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       a power of two in [8, 128]. With `layer`: a whole pool's [num_layers, Hkv,
       num_pages, page_size, D] (`KVPool.k_pages`), of which layer `layer` is read in place
       (slicing `k_pages[layer]` would hand the kernel a copy of that layer every call).
-    page_table: int32 [B, max_pages_per_seq], physical page ids; entries past a
-      sequence's last page are never read.
-    lengths: int32 [B], tokens in each sequence's cache (0 = empty).
+    page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages); entries
+      past a sequence's last page are never read.
+    lengths: int32 [B] in [0, max_pages_per_seq * page_size], tokens in each sequence's
+      cache (0 = empty). Concrete lengths or used page ids out of range raise ValueError.
+      Under jit, lengths are clamped into range exactly as `reference.paged_decode_attention`
+      clamps them (the two agree, and no page table entry past a row is read); page ids
+      are the caller's contract there: the kernel reads whatever page an out-of-range id
+      addresses (`KVPool`'s tables only ever hold valid ids).
     layer: None, or the layer of 5-D pools to attend to: a Python int in [0, num_layers),
       or a traced int32 scalar (clamped into that range).
     scale: logits = scale * q.k; defaults to D ** -0.5.
@@ -246,6 +256,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   validation.check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                                strict_kernel_shapes=True)
+  validation.check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
+                                 page_size=k_layer.shape[2])
   for name, knob in (("num_splits", num_splits), ("block_n", block_n),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
     if knob is not None and not (isinstance(knob, int) and knob > 0):

@@ -28,6 +28,8 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) ->
   """
   page_size = pages.shape[2]
   max_pages = page_table.shape[1]
+  page_table = validation.clamp_page_ids(page_table, pages.shape[1])
+  lengths = validation.clamp_lengths(lengths, max_pages * page_size)
   used_pages = (lengths + page_size - 1) // page_size
   live = jnp.arange(max_pages)[None, :] < used_pages[:, None]
   safe_table = jnp.where(live, page_table, 0)
@@ -48,8 +50,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q: [B, H, D] float32 / bfloat16 / float16.
     k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0; with `layer`, whole
       pools [num_layers, Hkv, num_pages, page_size, D].
-    page_table: int32 [B, max_pages_per_seq], physical page ids.
-    lengths: int32 [B], tokens in each sequence's cache (0 = empty).
+    page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages) for the
+      pages a sequence uses (the rest is never read).
+    lengths: int32 [B] in [0, max_pages_per_seq * page_size], tokens in each sequence's
+      cache (0 = empty). Concrete values out of range raise ValueError; traced ones are
+      clamped (lengths into that range, as the kernel does; page ids into [0, num_pages)).
     layer: None, or the pools' layer to attend to (an int, or an integer scalar array,
       clamped into [0, num_layers)).
     scale: logits = scale * q.k; defaults to D ** -0.5.
@@ -65,6 +70,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   validation.check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                                strict_kernel_shapes=False)
+  validation.check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
+                                 page_size=k_layer.shape[2])
+  lengths = validation.clamp_lengths(lengths, page_table.shape[1] * k_layer.shape[2])
   if layer is not None:
     layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
     k_pages = jax.lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)

@@ -107,6 +107,51 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
                        f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
 
 
+def concrete(x) -> np.ndarray | None:
+  """x as a numpy array if it is known outside of tracing, else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def check_decode_values(page_table, lengths, *, num_pages: int, page_size: int) -> None:
+  """Where `paged_decode_attention`'s lengths and page table are concrete (outside jit),
+  raises ValueError for lengths outside [0, max_pages_per_seq * page_size] and for page
+  ids outside [0, num_pages) in any sequence's used pages. Under jit nothing can raise:
+  the kernel and the reference both clamp lengths into that range (`clamp_lengths`);
+  the reference also clamps page ids (`clamp_page_ids`), the kernel does not."""
+  lens = concrete(lengths)
+  if lens is None:
+    return
+  capacity = page_table.shape[1] * page_size
+  bad = np.flatnonzero((lens < 0) | (lens > capacity))
+  if bad.size:
+    raise ValueError(f"lengths must be in [0, max_pages_per_seq * page_size = {capacity}], "
+                     f"got {lens[bad[0]]} for sequence {bad[0]}")
+  table = concrete(page_table)
+  if table is None:
+    return
+  used = np.arange(table.shape[1])[None, :] < -(-lens // page_size)[:, None]
+  bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+  if bad.size:
+    b, j = bad[0]
+    raise ValueError(f"page_table must hold page ids in [0, num_pages={num_pages}) for the "
+                     f"pages a sequence uses, got {table[b, j]} at [{b}, {j}] (length "
+                     f"{lens[b]})")
+
+
+# The in-jit forms of `check_decode_values`.
+def clamp_page_ids(page_ids, num_pages: int):
+  """Page ids into [0, num_pages)."""
+  return jnp.clip(page_ids, 0, num_pages - 1)
+
+
+def clamp_lengths(lengths, capacity: int):
+  """Sequence lengths into [0, capacity] (capacity = max_pages_per_seq * page_size)."""
+  return jnp.clip(lengths, 0, capacity)
+
+
 def check_merge_args(o_a, lse_a, o_b, lse_b) -> None:
   """Validates the arguments of the two-way `merge_attention_states`."""
   if len(_shape(o_a)) < 1:

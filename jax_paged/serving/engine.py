@@ -79,10 +79,18 @@ class Engine:
     self.spec = spec = self.runner.spec
     cache_dtype = spec.dtype if cache_dtype is None else cache_dtype
     if num_pages is None:
-      self.sizing = pool_lib.size_pool(num_layers=spec.num_layers,
-                                       num_kv_heads=spec.num_kv_heads,
-                                       head_dim=spec.head_dim, page_size=page_size,
-                                       dtype=cache_dtype, utilization=memory_fraction)
+      if isinstance(memory_fraction, bool) or not (
+          isinstance(memory_fraction, (int, float)) and 0.0 < memory_fraction <= 1.0):
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+      try:
+        self.sizing = pool_lib.size_pool(num_layers=spec.num_layers,
+                                         num_kv_heads=spec.num_kv_heads,
+                                         head_dim=spec.head_dim, page_size=page_size,
+                                         dtype=cache_dtype, utilization=memory_fraction)
+      except ValueError as e:
+        raise ValueError(f"num_pages=None sizes the pool from memory_fraction="
+                         f"{memory_fraction} of the device's free memory, which failed ({e}): "
+                         "pass num_pages") from e
       num_pages = self.sizing.num_pages
     else:
       self.sizing = None
@@ -130,10 +138,7 @@ class Engine:
     self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
     start = time.perf_counter()
     started: set[int] = set()
-    efficiency = []
     while (plan := scheduler.schedule()) is not None:
-      if not plan.prefill:
-        efficiency.append(cache.efficiency)
       called = time.perf_counter()
       self.kv, tokens = self.runner.execute(self.kv, plan)
       seconds = time.perf_counter() - called
@@ -158,4 +163,4 @@ class Engine:
     self.kv = self.runner.release(self.kv, scheduler.pending_release())
     report.preemptions = scheduler.num_preemptions
     report.elapsed_s = time.perf_counter() - start
-    report.kv_efficiency = float(np.mean(efficiency)) if efficiency else 1.0
+    report.kv_efficiency = cache.efficiency

@@ -25,6 +25,8 @@ class KVCacheManager:
     # sequences are released at the next), so the high point is right after a call's
     # growth is recorded, before its finished sequences are freed.
     self.peak_used_pages = 0
+    self._live_steps = 0   # sum over decode steps of the live tokens
+    self._slot_steps = 0   # ... and of the token slots of the pages held
 
   def pages(self, tokens):
     """Pages that hold `tokens` tokens (an int or an integer array)."""
@@ -40,9 +42,9 @@ class KVCacheManager:
 
   @property
   def efficiency(self) -> float:
-    """Live tokens / token slots of the pages in use (1.0 when none is used)."""
-    used = self.num_used_pages
-    return float(self.cached.sum()) / (used * self.page_size) if used else 1.0
+    """Live tokens / token slots of the pages held, summed over every decode step recorded
+    by `grow_decode` (1.0 before any): the fraction of reserved KV memory holding data."""
+    return self._live_steps / self._slot_steps if self._slot_steps else 1.0
 
   def grow(self, slots, tokens) -> None:
     """Records `tokens[i]` more tokens cached for `slots[i]` (what one device call
@@ -53,6 +55,19 @@ class KVCacheManager:
     if used > self.num_pages:
       raise RuntimeError(f"slots {list(slots)} grew past the pool's {self.num_pages} pages: "
                          "scheduler bug")
+
+  def grow_decode(self, slots, produced) -> None:
+    """Records a decode call in which `slots[i]` cached `produced[i]` tokens, one per step,
+    and what each of its steps held: every slot of the call keeps its pages until the call
+    returns, a finished one too (as the device holds them), so the efficiency and the peak
+    do not depend on how many steps a call runs."""
+    cached = self.cached[np.asarray(slots, np.int64)]
+    produced = np.asarray(produced, np.int64)
+    if produced.size:
+      held = cached + np.minimum(np.arange(1, produced.max() + 1)[:, None], produced)
+      self._live_steps += int(held.sum())
+      self._slot_steps += int(self.pages(held).sum()) * self.page_size
+    self.grow(slots, produced)
 
   def free(self, slot: int) -> None:
     """Records that `slot`'s pages go back to the pool."""

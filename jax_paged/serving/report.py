@@ -9,8 +9,10 @@ import numpy as np
 
 @dataclasses.dataclass
 class Report:
-  """What a run did. `kv_efficiency` is live tokens / reserved token slots (pages in use x
-  page_size), averaged over decode chunks: the fraction of reserved KV memory holding data."""
+  """What a run did. `peak_pages_in_use` is the most pages the pool held at once (finished
+  sequences hold theirs until their device call returns); `kv_efficiency` is live tokens /
+  token slots of the pages held, summed over every decode step: the fraction of reserved
+  KV memory holding data. Neither depends on the steps per device call."""
 
   num_requests: int = 0
   generated_tokens: int = 0

@@ -235,7 +235,7 @@ class Scheduler:
       new = {i: tokens[:produced[i], i].tolist() for i, s in enumerate(self.slots)
              if s is not None and produced[i]}
       # Each step cached the previous newest token.
-      self.cache.grow(list(new), [len(t) for t in new.values()])
+      self.cache.grow_decode(list(new), [len(t) for t in new.values()])
     if not np.array_equal(lengths, self.cache.cached):
       raise RuntimeError(f"the pool holds {np.asarray(lengths).tolist()} tokens per sequence, "
                          f"the scheduler expected {self.cache.cached.tolist()}: a reservation "
