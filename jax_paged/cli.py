@@ -54,24 +54,20 @@ BYTES = Codec(encode=lambda text: list(text.encode("utf-8")),
 
 
 # argparse types: a bad value exits with status 2 and "argument --flag: <message>".
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-  return value
+def _int_at_least(lo: int, what: str) -> Callable[[str], int]:
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < lo:
+      raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+  return parse
 
 
-def _non_negative_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-  return value
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _float_in(lo: float, hi: float, *, lo_open: bool, what: str) -> Callable[[str], float]:

@@ -252,12 +252,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
     A sequence of length 0 gives out 0 and lse -inf.
   """
-  k_layer, v_layer = validation.check_layer(k_pages, v_pages, layer)
-  validation.check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
-                               logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                               strict_kernel_shapes=True)
-  validation.check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
-                                 page_size=k_layer.shape[2])
+  k_layer = validation.check_decode_call(
+      q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+      strict_kernel_shapes=True)
   for name, knob in (("num_splits", num_splits), ("block_n", block_n),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
     if knob is not None and not (isinstance(knob, int) and knob > 0):

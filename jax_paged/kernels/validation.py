@@ -107,6 +107,19 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
                        f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
 
 
+def check_decode_call(q, k_pages, v_pages, page_table, lengths, *, layer, scale,
+                      logits_soft_cap, sliding_window, strict_kernel_shapes: bool):
+  """All of `paged_decode_attention`'s checks (`check_layer`, `check_decode_args`,
+  `check_decode_values`); returns the shape-and-dtype of one layer of k_pages."""
+  k_layer, v_layer = check_layer(k_pages, v_pages, layer)
+  check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
+                    logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                    strict_kernel_shapes=strict_kernel_shapes)
+  check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
+                      page_size=k_layer.shape[2])
+  return k_layer
+
+
 def concrete(x) -> np.ndarray | None:
   """x as a numpy array if it is known outside of tracing, else None."""
   try:
