@@ -1,7 +1,6 @@
 """Any model meeting `jax_paged.PagedModel` is served: a small GQA model that is not GPT-2,
 its decode over the pool against recomputing every prefix from scratch."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -252,7 +252,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
     A sequence of length 0 gives out 0 and lse -inf.
   """
-  k_layer = validation.check_decode_call(
+  validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=True)
