@@ -334,8 +334,8 @@ class ModelRunner:
   def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, np.ndarray]:
     """Runs a scheduler's `Plan`: frees `plan.release`, then prefills `plan.prefill` (->
     int32 [len(prefill)] first tokens) or decodes every running row for up to
-    `plan.decode_steps` steps (-> int32 [max_steps, max_batch], -1 where a row produced
-    nothing)."""
+    `plan.decode_steps` steps (-> int32 [steps run, max_batch], -1 where a row produced
+    nothing; at most `plan.max_steps` rows)."""
     kv = self.release(kv, plan.release)
     if plan.prefill:
       return self._prefill_plan(kv, plan)
@@ -371,9 +371,14 @@ class ModelRunner:
     budget = np.array([s.budget if s else 0 for s in rows], np.int32)
     steps = plan.decode_steps
     checked = needs_checks(steps, max_steps, active, budget, stop_ids)
-    # Whole groups of checked steps: a partial group would run idle steps to its end.
     per_check = steps_per_check(max_steps)
-    if checked and steps > per_check:
+    if checked and steps < per_check:
+      # A chunk cut short (by the free pages) in a loop of its own length, rounded up to a
+      # power of two (a few more compilations): in a whole group the rest would run idle.
+      max_steps = bucket(steps, 1)
+      checked = needs_checks(steps, max_steps, active, budget, stop_ids)
+    elif checked and steps > per_check:
+      # Whole groups of checked steps: a partial group would run idle steps to its end.
       steps -= steps % per_check
     sampling_ = _Sampling.of([s.request if s else None for s in rows])
     packed = pack_decode_rows(
