@@ -64,8 +64,7 @@ class KVPool:
                         ("head_dim", head_dim), ("num_pages", num_pages),
                         ("page_size", page_size), ("max_seqs", max_seqs),
                         ("max_pages_per_seq", max_pages_per_seq)):
-      if not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+      validation.check_positive_int(name, value)
     if jnp.dtype(dtype) not in validation.SUPPORTED_DTYPES:
       names = ", ".join(d.name for d in validation.SUPPORTED_DTYPES)
       raise ValueError(f"dtype must be a cache dtype the kernels read ({names}), got "

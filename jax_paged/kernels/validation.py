@@ -20,6 +20,13 @@ def _shape(x) -> tuple[int, ...]:
   return tuple(getattr(x, "shape", ()))
 
 
+def check_positive_int(name: str, value) -> int:
+  """value as an int; ValueError naming `name` unless it is a (non-bool) integer >= 1."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
 def kernel_page_size_ok(page_size: int) -> bool:
   """Whether the kernels take this page size (a power of two in [8, 128])."""
   return MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0

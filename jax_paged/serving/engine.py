@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from jax_paged import pool as pool_lib
+from jax_paged.kernels.validation import check_positive_int
 from jax_paged.paged_model import PagedModel
 from jax_paged.serving import admission as admission_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
@@ -27,12 +28,6 @@ from jax_paged.serving.report import Report
 from jax_paged.serving.request import Request, TokenEvent, validate_requests
 from jax_paged.serving.runner import ModelRunner
 from jax_paged.serving.scheduler import Scheduler
-
-
-def _positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
-  return int(value)
 
 
 class Engine:
@@ -66,10 +61,10 @@ class Engine:
                page_size: int = 16, steps_per_call: int = 128,
                max_prefill_tokens: int = 16384, admission: str = "optimistic",
                eos_token_id: int | None = None, cache_dtype=None):
-    self.max_batch = _positive_int("max_batch", max_batch)
-    self.page_size = _positive_int("page_size", page_size)
-    self.steps_per_call = _positive_int("steps_per_call", steps_per_call)
-    self.max_prefill_tokens = _positive_int("max_prefill_tokens", max_prefill_tokens)
+    self.max_batch = check_positive_int("max_batch", max_batch)
+    self.page_size = check_positive_int("page_size", page_size)
+    self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
+    self.max_prefill_tokens = check_positive_int("max_prefill_tokens", max_prefill_tokens)
     if admission not in admission_lib.ADMISSION_POLICIES:
       raise ValueError(f"admission must be one of {admission_lib.ADMISSION_POLICIES}, got "
                        f"{admission!r}")
@@ -94,7 +89,7 @@ class Engine:
       num_pages = self.sizing.num_pages
     else:
       self.sizing = None
-    self.num_pages = _positive_int("num_pages", num_pages)
+    self.num_pages = check_positive_int("num_pages", num_pages)
     self.max_pages_per_seq = -(-spec.max_positions // page_size)
     self.kv = self.runner.create_pool(num_pages=num_pages, page_size=page_size,
                                       max_seqs=max_batch,

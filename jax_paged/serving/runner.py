@@ -321,7 +321,7 @@ class ModelRunner:
     """`decode_loop` with the rows packed by `pack_decode_rows`: that array and num_steps
     are the call's only host-to-device copies."""
     return self.jitted.decode_loop(self.leaves, kv, np.int32(num_steps), rows,
-                                 max_steps=max_steps, greedy=greedy, checked=checked)
+                                   max_steps=max_steps, greedy=greedy, checked=checked)
 
   def release(self, kv: pool_lib.KVPool, seq_ids: Sequence[int]) -> pool_lib.KVPool:
     """Frees these sequences' pages, in one call whose shape is the pool's max_seqs."""

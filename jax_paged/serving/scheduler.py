@@ -49,6 +49,11 @@ class RunningRequest:
     return list(self.request.prompt) + self.tokens
 
   @property
+  def context_length(self) -> int:
+    """len(context), without building it."""
+    return len(self.request.prompt) + len(self.tokens)
+
+  @property
   def budget(self) -> int:
     """Tokens it may still generate (decode steps it may still run)."""
     return self.request.max_new_tokens - len(self.tokens)
@@ -170,10 +175,10 @@ class Scheduler:
     calls: list[list[int]] = []
     width = 0  # the bucketed length of the current call's first (longest) row
     page_size = self.cache.page_size
-    for slot in sorted(slots, key=lambda i: -len(self.slots[i].context)):
+    for slot in sorted(slots, key=lambda i: -self.slots[i].context_length):
       if not calls or bucket(len(calls[-1]) + 1, 1) * width > self.max_prefill_tokens:
         calls.append([])
-        width = bucket(len(self.slots[slot].context), page_size)
+        width = bucket(self.slots[slot].context_length, page_size)
       calls[-1].append(slot)
     return [tuple(c) for c in calls]
 
@@ -227,7 +232,7 @@ class Scheduler:
     """
     if plan.prefill:
       new = {slot: [int(tokens[j])] for j, slot in enumerate(plan.prefill)}
-      self.cache.grow(plan.prefill, [len(self.slots[i].context) for i in plan.prefill])
+      self.cache.grow(plan.prefill, [self.slots[i].context_length for i in plan.prefill])
     else:
       # A row's tokens are a prefix of its column: the device loop stops a row for good on
       # its first stop token or when its budget runs out, so only the last one can end it.
