@@ -10,7 +10,7 @@ from jax_paged import Engine, Request, generate
 from jax_paged.serving import admission
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
-from jax_paged.serving.scheduler import Scheduler
+from jax_paged.serving.scheduler import Plan, RunningRequest, Scheduler
 from models import gpt2
 
 CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=32, n_layer=2, n_head=4,
@@ -340,3 +340,18 @@ def test_report_peak_and_efficiency_are_what_the_device_held(model, admission_):
   # one 64-step call: held until request 0 ends with its 16.
   assert run(pair, 1).peak_pages_in_use == 8 + 9
   assert run(pair, 64).peak_pages_in_use == 8 + 16
+
+
+def test_a_short_chunk_runs_a_loop_of_its_own_length(model, prompts):
+  """A decode chunk of 3 steps (cut short by the free pages) in a call of up to 16 runs a
+  4-step loop (3 rounded up to a power of two), not a whole 16-step checked group, and
+  gives static generate's tokens."""
+  reference = generate(model, prompts[:2], 5, page_size=8)
+  runner, kv, lengths, pack = _prefilled(model, prompts)
+  first = [r[0] for r in reference]
+  rows = tuple(RunningRequest(i, Request(prompts[i], 40), [first[i]], i, ()) for i in (0, 1))
+  kv, out = runner.execute(kv, Plan(rows=rows, decode_steps=3, max_steps=16))
+  assert out.shape == (4, 2)
+  np.testing.assert_array_equal(out[:3].T, [r[1:4] for r in reference])
+  assert (out[3] == -1).all()
+  np.testing.assert_array_equal(np.asarray(kv.lengths), lengths + 3)
