@@ -265,9 +265,10 @@ def test_reference_validates_too_and_skips_garbage_entries():
 
 
 def test_default_config():
-  assert pp.default_config(1, 64, 64, 2) == (64, 64, 4, 3)  # GPT-2, a 64-token chunk
-  assert pp.default_config(1, 64, 1000, 2) == (128, 64, 4, 3)
-  assert pp.default_config(4, 128, 256, 2) == (32, 64, 8, 3)
+  assert pp.default_config(1, 64, 64, 2) == (64, 64, 4, 2)  # GPT-2
+  assert pp.default_config(1, 64, 1000, 2) == (64, 64, 4, 2)
+  assert pp.default_config(4, 128, 256, 2) == (32, 64, 4, 2)  # GQA: 128 rows
+  assert pp.default_config(1, 128, 20, 2) == (32, 64, 4, 2)  # a short chunk: fewer rows
   assert pp.default_config(4, 128, 1, 2)[0] == 4  # a dot needs 16 rows
   assert pp.default_config(1, 256, 512, 4) == (64, 32, 8, 2)
 

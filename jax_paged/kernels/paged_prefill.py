@@ -42,15 +42,21 @@ def default_config(group: int, head_dim: int, num_tokens: int,
   """(block_q, block_n, num_warps, num_stages) for `group` q heads per kv head, head dim
   `head_dim`, `num_tokens` (T) query tokens per row and K/V of `itemsize` bytes."""
   block_g = pl.next_power_of_2(group)
-  # Rows (tokens x padded group) per tile: 128, as FlashAttention-2's forward kernels use;
-  # 64 where a 128-row f32 accumulator of a wide head would spill.
-  block_m = 128 if head_dim <= 128 else 64
+  # Measured on an H200, bf16, GPU kernel time (benchmarks/bench_prefill.py --sweep):
+  # rows (tokens x padded group) per tile: 64 at GPT-2's D = 64 (16 rows x 256 tokens after
+  # 0 / 512 cached: 15.2 / 46.1 µs vs 18.1 / 51.9 with 128 rows), 128 at D = 128 (32/8
+  # heads, same rows: 149.5 vs 166.7 µs after 512); 64 at D = 256 (not measured: a
+  # 128 x 256 f32 accumulator alone would take 128 KB of registers).
+  block_m = 128 if 64 < head_dim <= 128 else 64
   # A short chunk is not padded to a whole tile's tokens, but a dot needs 16 rows.
   block_q = min(max(1, block_m // block_g), pl.next_power_of_2(num_tokens))
   block_q = max(block_q, 16 // min(block_g, 16))
+  # 64 keys per step (32 and 128 were slower or within 1 µs on every shape but GQA's with no
+  # prefix: 32 keys x 16 tokens, 53 vs 64 µs), 4 warps (8 were never measurably faster and
+  # up to 1.8x slower), 2 stages (3: within 1 µs at D = 64, 7-27% slower at D = 128).
   block_n = 64 if head_dim * itemsize <= 256 else 32
-  num_warps = 4 if block_q * block_g * head_dim <= 128 * 64 else 8
-  return block_q, block_n, num_warps, 3 if itemsize <= 2 else 2
+  num_warps = 4 if head_dim <= 128 else 8
+  return block_q, block_n, num_warps, 2
 
 
 def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
