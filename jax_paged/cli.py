@@ -172,6 +172,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's eos token")
+  gen.add_argument("--n", type=_positive_int, default=1,
+                   help="samples per prompt, sharing the prompt's pages (default 1; at most "
+                        "--max-batch)")
   eng = p.add_argument_group("engine")
   eng.add_argument("--max-batch", type=_positive_int, default=32,
                    help="decode slots (default 32)")
@@ -193,6 +196,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                     help="size the pool from this fraction of the accelerator's free memory "
                          "(default 0.9 on GPU; on CPU the default is enough pages for every "
                          "slot to reach n_positions)")
+  eng.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share the pages of prompts that start alike (prefix caching "
+                        "is on by default; tokens are the same either way)")
   eng.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   if not args.checkpoint and args.model is None:
@@ -323,26 +329,29 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{len(ids)} tokens leave that much of the model's n_positions="
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed + i))
+                            top_p=args.top_p, seed=args.seed + i, n=args.n))
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
                  page_size=args.page_size, steps_per_call=args.steps_per_call,
-                 admission=args.admission, eos_token_id=eos)
+                 admission=args.admission, eos_token_id=eos,
+                 prefix_caching=not args.no_prefix_caching)
     print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
           f"{spec.head_dim}; {jnp.dtype(dtype).name} on {jax.devices()[0].platform}; text as "
           f"{codec.name if codec else 'token ids'}", file=sys.stderr)
     print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens",
           file=sys.stderr)
-    progress = Progress(sum(r.max_new_tokens for r in requests),
+    progress = Progress(sum(r.max_new_tokens * r.n for r in requests),
                         enabled=not args.no_progress)
     outputs, report = eng.generate(requests, on_token=lambda event: progress.update())
     progress.close()
   except ValueError as e:
     raise CLIError(str(e)) from e
   for i, ((prompt, _), out) in enumerate(zip(prompts, outputs)):
-    print(f"--- [{i}] {prompt} -> {len(out)} tokens")
-    print(codec.decode(out) if codec else ",".join(map(str, out)))
+    for j, sample in enumerate([out] if args.n == 1 else out):
+      label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
+      print(f"--- {label} {prompt} -> {len(sample)} tokens")
+      print(codec.decode(sample) if codec else ",".join(map(str, sample)))
   print(report)
   return 0
 

@@ -5,7 +5,9 @@ in place of its usual attention: it projects q/k/v for the new tokens, writes k/
 layer's pages of the pool (`pool.write_kv`; at decode `pool.project_write_kv`, where on a
 GPU the projection kernel stores them itself) and attends
 
-* over the new tokens with a causal mask for a prompt (`prefill`), and
+* over the new tokens with a causal mask for a prompt (`prefill`), or, for the rest of a
+  prompt after a cached prefix or earlier chunks, over its pages (`prefill(start=...)`),
+  and
 * over the sequence's pages with the paged decode kernel for one new token (`decode`).
 
 The caller reserves the slots (`pool.reserve`) once per step for all layers and passes
@@ -29,6 +31,7 @@ from flax import nnx
 from jax_paged.kernels import layer_norm
 from jax_paged.kernels import linear
 from jax_paged.kernels import paged_attention
+from jax_paged.kernels import paged_prefill
 from jax_paged import pool as pool_lib
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
@@ -215,17 +218,24 @@ class PagedAttention(nnx.Module):
     return (q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d)))
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
-              lengths: jax.Array, *, project: bool = True) -> tuple[jax.Array, pool_lib.KVPool]:
-    """A prompt of fresh sequences: causal attention over the new tokens only.
-
-    The sequences must hold no tokens before this step (their cache is not read).
+              lengths: jax.Array, *, start: jax.Array | None = None,
+              page_table: jax.Array | None = None, project: bool = True
+              ) -> tuple[jax.Array, pool_lib.KVPool]:
+    """New tokens of several sequences: a prompt, or the rest of one after a cached prefix
+    (prefix caching) or earlier chunks (chunked prefill).
 
     Args:
-      x: [B, T, in_features], prompts right-padded to T.
+      x: [B, T, in_features], the new tokens right-padded to T.
       kv: the pool.
       layer: this layer's index in the pool.
       slots: int32 [B, T] from `reserve`; -1 at padding, which is never written.
-      lengths: int32 [B], real tokens per row (the rest is padding).
+      lengths: int32 [B], real new tokens per row (the rest is padding).
+      start: None for fresh sequences (attention over the new tokens only: cuDNN's flash
+        attention on a GPU); or int32 [B], tokens each sequence already holds in its
+        pages, which the new ones (at positions start + t) attend to along with
+        themselves, read from the pages.
+      page_table: int32 [B, max_pages_per_seq], the rows of `kv.page_table` of the batch
+        (needed with `start`).
       project: False returns the attention output before the `out` projection, [B, T,
         num_heads * head_dim], for a caller that fuses it (`project_add_norm`).
 
@@ -235,7 +245,16 @@ class PagedAttention(nnx.Module):
     """
     q, k, v = self._project(x)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
-    y = prompt_attention(q, k, v, lengths, scale=self.scale).reshape(x.shape[:2] + (-1,))
+    if start is None:
+      y = prompt_attention(q, k, v, lengths, scale=self.scale)
+    else:
+      if page_table is None:
+        raise ValueError("prefill with start needs the batch's page_table rows")
+      # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place.
+      y = paged_prefill.paged_prefill_attention(
+          q.astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages, page_table, start, lengths,
+          layer=layer, scale=self.scale).astype(q.dtype)
+    y = y.reshape(x.shape[:2] + (-1,))
     return (self.out(y) if project else y), kv
 
   def decode(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,

@@ -68,19 +68,27 @@ class PagedModel(Protocol):
     """The pool's shape, the vocabulary and the context limit."""
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
-              lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
-    """Prompts of sequences that hold no tokens yet.
+              lengths: jax.Array, *, start: jax.Array | None = None,
+              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+    """Several new tokens per sequence: a prompt, or the rest of one whose first tokens
+    are already in the pool (a cached prefix, or earlier chunks of a long prompt).
 
     Args:
       tokens: int32 [B, T], right-padded (the padding value does not matter).
-      kv: the pool, with the prompts' slots reserved.
+      kv: the pool, with the new tokens' slots reserved.
       slots: int32 [B, T] from `pool.reserve`: token t of row b goes to flat slot
         slots[b, t] of every layer; -1 at padding (never written).
-      lengths: int32 [B] in [1, T], the prompt lengths.
+      lengths: int32 [B] in [1, T], the new tokens per row.
+      start: (static None or not) None when the sequences held no tokens before this
+        step (attention over the new tokens alone, `nn.PagedAttention.prefill`'s fast
+        path); else int32 [B], the tokens each already holds: new token t sits at
+        position start + t and attends to them too, through the pages.
+      page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`
+        (given with `start`).
 
     Returns:
-      (float32 logits [B, vocab_size] of each prompt's last token, the pool with every
-      layer's K/V of the prompts written).
+      (float32 logits [B, vocab_size] of each row's last new token, the pool with every
+      layer's K/V of the new tokens written).
     """
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,

@@ -475,36 +475,46 @@ def release_pages(pool: KVPool, page_ids) -> KVPool:
 
 
 def fork(pool: KVPool, src_seq, dst_seqs) -> KVPool:
-  """Makes each destination sequence a copy of `src_seq` that shares its pages.
+  """Makes each destination sequence a copy of its source that shares the source's pages.
 
-  No K/V is copied: the destinations' page-table rows point at the source's pages, whose
-  reference counts grow by one per destination, and their lengths become the source's.
+  No K/V is copied: a destination's page-table row points at its source's pages, whose
+  reference counts grow by one per destination, and its length becomes the source's.
   Whoever writes first into a shared, partly filled last page gets a copy of it
   (`reserve`'s copy-on-write), so the sequences diverge without seeing each other's
   tokens. A destination that held tokens drops its own pages first (`release`).
 
   Args:
     pool: the pool.
-    src_seq: int, the source sequence id in [0, max_seqs).
-    dst_seqs: int32 [n] distinct ids in [0, max_seqs), other than src_seq. Under jit,
-      out-of-range, repeated or source ids are ignored.
+    src_seq: int, the source sequence id in [0, max_seqs); or int32 [n], one source per
+      destination.
+    dst_seqs: int32 [n] distinct ids in [0, max_seqs), none of them a source. Under jit,
+      out-of-range (e.g. -1 padding), repeated or source ids are ignored.
   """
-  src = validation.concrete(src_seq)
-  if src is not None and not (src.ndim == 0 and 0 <= int(src) < pool.max_seqs):
-    raise ValueError(f"src_seq must be a sequence id in [0, max_seqs={pool.max_seqs}), got "
-                     f"{src.tolist()}")
-  dst_seqs, known = _check_seq_ids(pool, dst_seqs)
-  if src is not None and known is not None and int(src) in known.tolist():
-    raise ValueError(f"dst_seqs must not contain src_seq {int(src)}, got {known.tolist()}")
-  src_seq = jnp.clip(jnp.asarray(src_seq, jnp.int32), 0, pool.max_seqs - 1)
-  valid = _first_valid_occurrence(pool, dst_seqs) & (dst_seqs != src_seq)
+  dst_seqs, known_dst = _check_seq_ids(pool, dst_seqs)
+  n = dst_seqs.shape[0]
+  known_src = validation.concrete(src_seq)
+  src = jnp.asarray(src_seq)
+  if src.shape not in ((), (n,)) or not jnp.issubdtype(src.dtype, jnp.integer):
+    raise ValueError(f"src_seq must be an int or an int array of shape [{n}] (one per "
+                     f"destination), got shape {src.shape} dtype {src.dtype}")
+  if known_src is not None:
+    if known_src.size and (known_src.min() < 0 or known_src.max() >= pool.max_seqs):
+      raise ValueError(f"src_seq must be sequence ids in [0, max_seqs={pool.max_seqs}), got "
+                       f"{known_src.tolist()}")
+    if known_dst is not None and set(np.ravel(known_src).tolist()) & set(known_dst.tolist()):
+      raise ValueError(f"dst_seqs must not contain a source (src_seq "
+                       f"{np.ravel(known_src).tolist()}), got {known_dst.tolist()}")
+  src = jnp.clip(jnp.broadcast_to(src, (n,)).astype(jnp.int32), 0, pool.max_seqs - 1)
+  is_source = (dst_seqs[:, None] == src[None, :]).any(axis=1)
+  valid = _first_valid_occurrence(pool, dst_seqs) & ~is_source
   pool = _release(pool, dst_seqs, valid)
   rows = jnp.where(valid, dst_seqs, pool.max_seqs)  # out of range -> dropped
-  page_table = pool.page_table.at[rows].set(pool.page_table[src_seq], mode="drop")
-  lengths = pool.lengths.at[rows].set(pool.lengths[src_seq], mode="drop")
-  used = pool.pages_used()[src_seq]
-  shares = jnp.where(jnp.arange(pool.max_pages_per_seq) < used, jnp.sum(valid), 0)
-  refcounts = pool.refcounts.at[pool.page_table[src_seq]].add(shares, mode="drop")
+  page_table = pool.page_table.at[rows].set(pool.page_table[src], mode="drop")
+  lengths = pool.lengths.at[rows].set(pool.lengths[src], mode="drop")
+  shared = valid[:, None] & (jnp.arange(pool.max_pages_per_seq)[None, :]
+                             < pool.pages_used()[src][:, None])
+  refcounts = pool.refcounts.at[jnp.where(shared, pool.page_table[src], pool.num_pages)].add(
+      1, mode="drop")
   return pool.replace(page_table=page_table, lengths=lengths, refcounts=refcounts)
 
 

@@ -198,22 +198,30 @@ class GPT2LMHeadModel(nnx.Module):
     return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
-              lengths: jax.Array) -> tuple[jax.Array, pool_lib.KVPool]:
-    """Prompts of fresh sequences (`jax_paged.PagedModel.prefill`).
+              lengths: jax.Array, *, start: jax.Array | None = None,
+              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+    """New tokens of several sequences (`jax_paged.PagedModel.prefill`).
 
     Args:
       tokens: int32 [B, T], right-padded.
       kv: the pool, with slots reserved.
       slots: int32 [B, T] from `reserve`, -1 at padding.
-      lengths: int32 [B] >= 1, the prompt lengths.
+      lengths: int32 [B] >= 1, the new tokens per row.
+      start: None for fresh sequences, or int32 [B] tokens already in each sequence's
+        pages (a cached prefix, earlier chunks): the new tokens sit at positions start + t.
+      page_table: int32 [B, max_pages_per_seq], the batch's rows (with `start`).
 
     Returns:
-      (float32 logits [B, vocab] of each prompt's last token, pool).
+      (float32 logits [B, vocab] of each row's last new token, pool).
     """
     b, t = tokens.shape
+    positions = jnp.arange(t)[None, :] + (0 if start is None else start[:, None])
+    # Padding positions may run past n_positions: clamped (their outputs are unused).
+    positions = jnp.minimum(positions, self.config.n_positions - 1)
     h, kv = self._forward(
-        tokens, jnp.arange(t)[None, :], kv,
-        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, project=False))
+        tokens, positions, kv,
+        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, start=start,
+                                                page_table=page_table, project=False))
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     return self._logits(last), kv
 

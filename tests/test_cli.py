@@ -84,6 +84,8 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--temperature", "-1"], "argument --temperature: must be a number >= 0"),
     (["--prompt-ids", "1,x"], "argument --prompt-ids: expected comma-separated token ids"),
     (["--prompt-ids", "300"], "token ids [300] outside [0, vocab_size=256)"),
+    (["--n", "0"], "argument --n: must be a positive integer, got 0"),
+    (["--n", "40"], "n must be an int in [1, max_batch=32]"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
@@ -121,3 +123,17 @@ def test_prompt_ids_clamp_notice_and_truncated_weights(capsys, tmp_path):
   weights.write_bytes(weights.read_bytes()[:100])
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1")
   assert status == 2 and f"{weights}: not a readable safetensors file" in err
+
+
+def test_parallel_samples_and_no_prefix_caching(capsys):
+  args = ("--model", "tiny", "--prompt", "shared pages", "--max-new-tokens", "6",
+          "--temperature", "1.0", "--n", "3", "--no-progress")
+  status, out, _ = _main(capsys, *args)
+  assert status == 0 and "generated tokens: 18" in out
+  samples = [line for line in out.splitlines() if line.startswith("--- [0.")]
+  assert [line.split()[1] for line in samples] == ["[0.0]", "[0.1]", "[0.2]"]
+  status, again, _ = _main(capsys, *args, "--no-prefix-caching")
+  assert status == 0
+  texts = lambda out: out.split("requests:")[0]
+  assert texts(again) == texts(out)  # the same samples, pages shared or not
+  assert "0 of 12 prompt tokens" in again

@@ -1,12 +1,15 @@
 """The serving layer: the continuous-batching engine against static-batch `generate`
 under pressure, and its scheduler and runner on their own."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jax_paged import Engine, Request, generate
+from jax_paged import Engine, KVPool, Request, generate, pool
 from jax_paged.serving import admission
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
@@ -149,33 +152,84 @@ def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prom
   scheduler = Scheduler([Request([1] * n, 4) for n in lengths], max_batch=16, cache=cache,
                         admission=admission.OptimisticAdmission(cache), steps_per_call=8,
                         max_prefill_tokens=64)
-  calls = [scheduler.schedule() for _ in range(3)]
+  device = FakeDevice(cache)
+  calls = []
+  for _ in range(4):
+    calls.append(scheduler.schedule())
+    device.run(scheduler, calls[-1])
   # Longest first; a call holds bucket(rows) x bucket(longest) <= 64 padded tokens, and
-  # the 70-token prompt (bucket 128 > 64) runs alone. Slots follow arrival order.
-  assert [c.prefill for c in calls] == [(6,), (1, 3), (2, 5, 0, 4)]
-  assert all(c.decode_steps == 0 and not c.release for c in calls)
+  # the 70-token prompt is split into a 64-token chunk and the rest. Slots follow arrival
+  # order. Decoding rows run beside the prefills left.
+  assert [[(c.slot, c.start, len(c.tokens)) for c in call.prefill] for call in calls] == [
+      [(6, 0, 64)], [(6, 64, 6), (1, 0, 30)], [(3, 0, 17), (2, 0, 9)],
+      [(5, 0, 8), (0, 0, 5), (4, 0, 3)]]
+  assert [call.decode_steps for call in calls] == [0, 0, 8, 8]
   # Many small calls still give static generate's tokens.
   eng = Engine(model, max_batch=16, num_pages=64, page_size=8, max_prefill_tokens=64)
   outputs, report = eng.generate([Request(p, 14) for p in prompts])
   assert outputs == greedy_reference and report.prefill_calls > 2
 
 
-def _simulate(scheduler, plan, token=7):
-  """What the runner would return for `plan` (every row produces `token` while its budget
-  and the plan's steps last) and the pool's lengths after it; fed to `update`."""
-  lengths = scheduler.cache.cached.copy()
-  if plan.prefill:
-    out = np.full(len(plan.prefill), token)
-    for slot in plan.prefill:
-      lengths[slot] += len(plan.rows[slot].context)
-  else:
-    out = np.full((plan.max_steps, len(plan.rows)), -1)
-    for i, s in enumerate(plan.rows):
-      if s is not None:
-        n = min(plan.decode_steps, s.budget)
-        out[:n, i] = token
-        lengths[i] += n
-  return scheduler.update(plan, out, lengths)
+def _pad(values, n, fill=-1):
+  out = np.full((n,), fill, np.int32)
+  out[:len(values)] = values
+  return out
+
+
+class FakeDevice:
+  """The runner's pool work for a scheduler's plans, on a pool of 1-wide K/V (no model):
+  every sampled or decoded token is `token`; its results go to `scheduler.update`. Each
+  pool function is jitted at one padded shape (eager, a run of hundreds of plans would
+  take minutes)."""
+
+  MAX_PAGES = 16
+
+  def __init__(self, cache: KVCacheManager):
+    self.max_seqs = len(cache.cached)
+    self.width = 128  # tokens a prefill chunk may reserve
+    self.kv = KVPool.create(num_layers=1, num_kv_heads=1, head_dim=1,
+                            num_pages=cache.num_pages, page_size=cache.page_size,
+                            max_seqs=self.max_seqs, max_pages_per_seq=self.MAX_PAGES,
+                            dtype=jnp.float32)
+
+  def run(self, scheduler, plan, token=7, num_free=None):
+    n = self.max_seqs
+    attach_ids = _pad([a[0] for a in plan.attach], n)
+    attach_pages = np.full((n, self.MAX_PAGES), -1, np.int32)
+    for j, (_, pages, _) in enumerate(plan.attach):
+      attach_pages[j, :len(pages)] = pages
+    kv = _fake_update_pages(self.kv, _pad(plan.retain, 64), _pad(plan.release, n),
+                            _pad(plan.evict, 64), attach_ids, attach_pages,
+                            _pad([a[2] for a in plan.attach], n, 0))
+    first = []
+    for c in plan.prefill:
+      kv, ok = _fake_prefill(kv, np.int32(c.slot), np.int32(len(c.tokens)),
+                             _pad(c.forks, n), width=self.width)
+      assert bool(ok)
+      first += [token] * len(c.samples)
+    decoded = np.full((plan.decode_steps, len(plan.rows)), -1)
+    for step in range(plan.decode_steps):
+      active = np.array([s is not None and step < s.budget for s in plan.rows])
+      kv, ok = _fake_decode(kv, active)
+      decoded[step, np.asarray(ok) & active] = token
+    self.kv = kv
+    free = int(kv.num_free) if num_free is None else num_free
+    return scheduler.update(plan, np.asarray(first), decoded, np.asarray(kv.page_table), free)
+
+
+_fake_update_pages = jax.jit(runner_lib.update_pages)
+
+
+@functools.partial(jax.jit, static_argnames="width")
+def _fake_prefill(kv, slot, length, forks, *, width):
+  kv, _, ok = pool.reserve(kv, slot[None], length[None], max_new_tokens=width)
+  return pool.fork(kv, jnp.broadcast_to(slot, forks.shape), forks), ok[0]
+
+
+@jax.jit
+def _fake_decode(kv, active):
+  kv, _, ok = pool.reserve(kv, jnp.arange(active.shape[0]), active, max_new_tokens=1)
+  return kv, ok
 
 
 def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
@@ -186,24 +240,25 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
   scheduler = Scheduler([Request([1, 2, 3], 10), Request([4, 5, 6], 10)], max_batch=2,
                         cache=cache, admission=admission.OptimisticAdmission(cache),
                         steps_per_call=4, max_prefill_tokens=64)
+  device = FakeDevice(cache)
   plan = scheduler.schedule()
-  assert plan.prefill == (0, 1)
-  assert _simulate(scheduler, plan) == [(0, [7], None), (1, [7], None)]
+  assert [c.slot for c in plan.prefill] == [0, 1]
+  assert device.run(scheduler, plan) == [(0, 0, [7], None), (1, 0, [7], None)]
   for steps in (4, 1):  # 7 then 8 tokens cached each: the 9th needs a third page each
     plan = scheduler.schedule()
     assert plan.decode_steps == steps and not plan.release
-    _simulate(scheduler, plan)
+    device.run(scheduler, plan)
   assert cache.num_free_pages == 0
   plan = scheduler.schedule()
   assert plan.release == (1,) and plan.rows[1] is None and plan.decode_steps == 4
-  assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [1]
-  assert _simulate(scheduler, plan) == [(0, [7] * 4, "length")]
+  assert scheduler.num_preemptions == 1 and [w[0] for w in scheduler.waiting] == [1]
+  assert device.run(scheduler, plan) == [(0, 0, [7] * 4, "length")]
   assert cache.peak_used_pages == 4
   plan = scheduler.schedule()
-  assert plan.release == (0,) and plan.prefill == (0,)
-  assert plan.rows[0].context == [4, 5, 6] + [7] * 6  # prompt + the tokens it had
+  assert plan.release == (0,) and [c.slot for c in plan.prefill] == [0]
+  assert list(plan.prefill[0].tokens) == [4, 5, 6] + [7] * 6  # prompt + the tokens it had
   with pytest.raises(RuntimeError, match="scheduler bug"):
-    scheduler.update(plan, np.array([8]), np.array([3, 0]))
+    device.run(scheduler, plan, num_free=3)
 
 
 def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, greedy_reference):
@@ -350,7 +405,7 @@ def test_a_short_chunk_runs_a_loop_of_its_own_length(model, prompts):
   runner, kv, lengths, pack = _prefilled(model, prompts)
   first = [r[0] for r in reference]
   rows = tuple(RunningRequest(i, Request(prompts[i], 40), [first[i]], i, ()) for i in (0, 1))
-  kv, out = runner.execute(kv, Plan(rows=rows, decode_steps=3, max_steps=16))
+  kv, _, out = runner.execute(kv, Plan(rows=rows, decode_steps=3, max_steps=16))
   assert out.shape == (4, 2)
   np.testing.assert_array_equal(out[:3].T, [r[1:4] for r in reference])
   assert (out[3] == -1).all()

@@ -31,11 +31,12 @@ class TinyGQA(nnx.Module):
                                vocab_size=VOCAB, max_positions=MAX_POSITIONS,
                                dtype=jnp.float32)
 
-  def prefill(self, tokens, kv, slots, lengths):
+  def prefill(self, tokens, kv, slots, lengths, *, start=None, page_table=None):
     b, t = tokens.shape
-    x = self.embed(tokens) + self.positions(jnp.arange(t))[None]
+    offset = 0 if start is None else start[:, None]
+    x = self.embed(tokens) + self.positions(jnp.arange(t)[None] + offset)
     for layer, block in enumerate(self.blocks):
-      y, kv = block.prefill(x, kv, layer, slots, lengths)
+      y, kv = block.prefill(x, kv, layer, slots, lengths, start=start, page_table=page_table)
       x = x + y
     return self.head(x[jnp.arange(b), lengths - 1]), kv
 

@@ -277,6 +277,15 @@ def test_decode_reserve_kernel_copy_on_write_on_gpu_matches_xla(seed):
   _check_kernel_with_shared_pages(False, seed)
 
 
+def test_fork_with_one_source_per_destination():
+  p = make_pool()
+  p, _, _ = kvpool.reserve(p, jnp.array([0, 1]), jnp.array([5, 9]))
+  p = jax.jit(kvpool.fork)(p, jnp.array([0, 1, 1, 0]), jnp.array([2, 3, 4, 0]))
+  np.testing.assert_array_equal(p.lengths, [5, 9, 5, 9, 9, 0])  # dst 0 is a source: ignored
+  np.testing.assert_array_equal(p.page_table[3, :3], p.page_table[1, :3])
+  check_accounting(p, {})
+
+
 def test_release_frees_a_page_shared_by_two_released_sequences_once():
   p = make_pool()
   p, _, _ = kvpool.reserve(p, jnp.array([0]), 8)
@@ -305,8 +314,9 @@ def test_holds_keep_pages_past_their_sequences():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda p: kvpool.fork(p, MAX_SEQS, [1]), r"src_seq must be a sequence id in \[0, max_seqs"),
-    (lambda p: kvpool.fork(p, 0, [0, 1]), "must not contain src_seq 0"),
+    (lambda p: kvpool.fork(p, MAX_SEQS, [1]), r"src_seq must be sequence ids in \[0, max_seqs"),
+    (lambda p: kvpool.fork(p, 0, [0, 1]), r"must not contain a source \(src_seq \[0\]\)"),
+    (lambda p: kvpool.fork(p, [0, 1, 2], [3, 4]), r"src_seq must be an int or an int array of shape \[2\]"),
     (lambda p: kvpool.fork(p, 0, [1, 1]), "distinct"),
     (lambda p: kvpool.retain_pages(p, [NUM_PAGES]), "page_ids must be < num_pages"),
     (lambda p: kvpool.retain_pages(p, [3]), r"page_ids must be pages in use, got free pages \[3\]"),

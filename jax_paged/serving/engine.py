@@ -4,12 +4,13 @@ Each iteration the scheduler plans one device call (`jax_paged.serving.scheduler
 runner executes it over the pool (`jax_paged.serving.runner`), and the scheduler takes
 the new tokens, which the engine streams and counts in its `Report`:
 
-    plan = scheduler.schedule()            # admit + prefill, or a decode chunk
-    kv, tokens = runner.execute(kv, plan)  # one jitted call, pool donated
-    events = scheduler.update(plan, tokens, kv.lengths)
+    plan = scheduler.schedule(now)                 # bookkeeping, a prefill, a decode chunk
+    kv, first, decoded = runner.execute(kv, plan)  # jitted calls, pool donated
+    events = scheduler.update(plan, first, decoded, kv.page_table, kv.num_free)
 
 Each token is drawn with the key `fold_in(key(seed), index)` where index counts the
-request's own tokens, so results do not depend on batching, arrival order or preemption.
+sample's own tokens (and seed is the sample's, `request.sample_seed`), so results do not
+depend on batching, arrival order, preemption or the prefix cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 
 from jax_paged import pool as pool_lib
@@ -54,13 +56,19 @@ class Engine:
       best when requests rarely stop early). See `jax_paged.serving.admission`.
     eos_token_id: ends every request when generated (optional).
     cache_dtype: the pool dtype (default: the model's compute dtype).
+    prefix_caching: keep the full pages of prompts (and of preempted contexts) in a prefix
+      cache, so that a request starting with the same tokens shares those pages and
+      prefills only the rest; cached pages no sequence uses are evicted, least recently
+      used first, when the pool needs room (`jax_paged.serving.kv_cache_manager`). Tokens
+      are the same either way.
   """
 
   def __init__(self, model: PagedModel, *, max_batch: int = 32,
                num_pages: int | None = None, memory_fraction: float = 0.9,
                page_size: int = 16, steps_per_call: int = 128,
                max_prefill_tokens: int = 16384, admission: str = "optimistic",
-               eos_token_id: int | None = None, cache_dtype=None):
+               eos_token_id: int | None = None, cache_dtype=None,
+               prefix_caching: bool = True):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)
     self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -70,6 +78,7 @@ class Engine:
                        f"{admission!r}")
     self.admission = admission
     self.eos_token_id = eos_token_id
+    self.prefix_caching = bool(prefix_caching)
     self.runner = ModelRunner(model)
     self.spec = spec = self.runner.spec
     cache_dtype = spec.dtype if cache_dtype is None else cache_dtype
@@ -99,30 +108,33 @@ class Engine:
 
   def generate(self, requests: Sequence[Request],
                on_token: Callable[[TokenEvent], None] | None = None
-               ) -> tuple[list[list[int]], Report]:
-    """Runs every request to completion; returns (new tokens per request, report)."""
-    outputs: list[list[int]] = [[] for _ in requests]
-    for rid, tokens, reason in self._run(requests):
-      outputs[rid] += tokens
+               ) -> tuple[list, Report]:
+    """Runs every request to completion; returns (outputs, report). outputs[i] is the new
+    tokens of request i, or for a request with n > 1 samples a list of n such lists."""
+    outputs = [[[] for _ in range(r.n)] for r in requests]
+    for rid, sample, tokens, reason in self._run(requests):
+      outputs[rid][sample] += tokens
       if on_token is not None:
         for j, token in enumerate(tokens):
-          on_token(TokenEvent(rid, token, reason if j == len(tokens) - 1 else None))
-    return outputs, self.report
+          on_token(TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample))
+    return [o[0] if r.n == 1 else o for o, r in zip(outputs, requests)], self.report
 
   def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
     """Yields each token as soon as the host has it. `self.report` is complete once the
     iterator is exhausted."""
-    for rid, tokens, reason in self._run(requests):
+    for rid, sample, tokens, reason in self._run(requests):
       for j, token in enumerate(tokens):
-        yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None)
+        yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample)
 
-  def _run(self, requests: Sequence[Request]) -> Iterator[tuple[int, list[int], str | None]]:
+  def _run(self, requests: Sequence[Request]
+           ) -> Iterator[tuple[int, int, list[int], str | None]]:
     """schedule -> execute -> update until every request has finished. Yields (request
-    id, new tokens, finish reason) per request per device call."""
+    id, sample, new tokens, finish reason) per sequence per device call."""
     validate_requests(requests, self.spec, page_size=self.page_size,
-                      max_pages=min(self.num_pages, self.max_pages_per_seq))
+                      max_pages=min(self.num_pages, self.max_pages_per_seq),
+                      max_batch=self.max_batch)
     cache = KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
-                           max_seqs=self.max_batch)
+                           max_seqs=self.max_batch, prefix_caching=self.prefix_caching)
     policy = admission_lib.make_policy(self.admission, cache,
                                        max_positions=self.spec.max_positions,
                                        steps_per_call=self.steps_per_call)
@@ -133,29 +145,45 @@ class Engine:
     self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
     start = time.perf_counter()
     started: set[int] = set()
-    while (plan := scheduler.schedule()) is not None:
+    while not scheduler.finished:
+      plan = scheduler.schedule(time.perf_counter() - start)
+      if plan is None:  # the next request has not arrived yet
+        time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - start)))
+        continue
       called = time.perf_counter()
-      self.kv, tokens = self.runner.execute(self.kv, plan)
+      self.kv, first, decoded = self.runner.execute(self.kv, plan)
       seconds = time.perf_counter() - called
       if plan.prefill:
-        report.prefill_s += seconds
         report.prefill_calls += 1
-      else:
-        report.decode_s += seconds
+      if plan.decode_steps:
         report.decode_calls += 1
-        produced = (tokens >= 0).sum(axis=0)
+        produced = (decoded >= 0).sum(axis=0)
         report.decode_steps += int(produced.max())
         report.decode_tokens += int(produced.sum())
-      events = scheduler.update(plan, tokens, np.asarray(self.kv.lengths))
+      # A call with both is counted as decode time: its prefill interleaves.
+      if plan.decode_steps:
+        report.decode_s += seconds
+      else:
+        report.prefill_s += seconds
+      page_table, num_free = jax.device_get((self.kv.page_table, self.kv.num_free))
+      events = scheduler.update(plan, first, decoded, page_table, int(num_free))
       report.peak_pages_in_use = cache.peak_used_pages
       now = time.perf_counter()
-      for rid, new, reason in events:
+      for rid, sample, new, reason in events:
         if rid not in started:
           started.add(rid)
-          report.ttft_s.append(now - start)
+          report.ttft_s.append(now - start - requests[rid].arrival_s)
         report.generated_tokens += len(new)
-        yield rid, new, reason
-    self.kv = self.runner.release(self.kv, scheduler.pending_release())
+        yield rid, sample, new, reason
+    # Every page back: the prefix cache lives for one run.
+    evicted = cache.evicted_pages
+    self.kv = self.runner.update_pages(self.kv, release=scheduler.pending_release(),
+                                       evict=cache.evict_for(self.num_pages))
+    cache.evicted_pages = evicted  # emptying the cache at the end is not an eviction
     report.preemptions = scheduler.num_preemptions
     report.elapsed_s = time.perf_counter() - start
     report.kv_efficiency = cache.efficiency
+    report.prompt_tokens = cache.prompt_tokens
+    report.cached_prompt_tokens = cache.cached_prompt_tokens
+    report.pages_saved = cache.pages_saved
+    report.evicted_pages = cache.evicted_pages

@@ -1,30 +1,66 @@
-"""The host's page accounting of the KV pool (vLLM's KV-cache manager).
+"""The host's page accounting of the KV pool and its prefix cache (vLLM v1's KV-cache
+manager).
 
 The device pool allocates pages inside jitted calls (`pool.reserve`) and frees them in
 `pool.release`; a reservation that does not fit fails there silently (an `ok` flag), so
 the scheduler must know *before* it dispatches a call that every reservation in it will
 succeed. This manager keeps the exact host mirror: the tokens cached per sequence slot,
-and so the pages each holds (a sequence of n tokens holds ceil(n / page_size) pages, as
-`pool.reserve` allocates them) and the pages free. It answers the scheduler's questions:
-how many pages a context needs, how many decode steps fit in what is free.
+the pages each slot's page-table row holds (read back after each call: the device picks
+them) and every page's reference count (`KVPool.refcounts`), so that it knows the pages
+free and how many a plan needs, copies of shared pages included.
+
+The prefix cache (vLLM's automatic prefix caching): a full page is identified by a hash
+chain, the hash of (its parent page's hash, its token ids), so equal prompts' first pages
+get equal keys. After a prefill, each full page of the context is registered under its key
+and held (`pool.retain_pages`); a new request whose context starts with cached pages is
+attached to them (`pool.attach`) and prefills only the rest. A cached page that no
+sequence uses is evictable, least recently used first, when a plan needs room
+(`pool.release_pages`).
 """
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 
-class KVCacheManager:
-  """Page accounting for `max_seqs` sequence slots sharing `num_pages` pages."""
+def page_keys(tokens, page_size: int, num_pages: int) -> list[int]:
+  """The hash-chain keys of the first `num_pages` full pages of `tokens`."""
+  keys, parent = [], None
+  for j in range(num_pages):
+    parent = hash((parent, tuple(tokens[j * page_size:(j + 1) * page_size])))
+    keys.append(parent)
+  return keys
 
-  def __init__(self, *, num_pages: int, page_size: int, max_seqs: int):
+
+class KVCacheManager:
+  """Page accounting for `max_seqs` sequence slots sharing `num_pages` pages, with an
+  optional prefix cache."""
+
+  def __init__(self, *, num_pages: int, page_size: int, max_seqs: int,
+               prefix_caching: bool = False):
     self.num_pages = num_pages
     self.page_size = page_size
+    self.prefix_caching = prefix_caching
     self.cached = np.zeros((max_seqs,), np.int64)  # tokens in the pool per slot
-    # The most pages ever held at once. Pages only grow within a device call (finished
-    # sequences are released at the next), so the high point is right after a call's
-    # growth is recorded, before its finished sequences are freed.
+    self.slot_pages = [np.zeros(0, np.int64) for _ in range(max_seqs)]
+    self.refs = np.zeros((num_pages,), np.int64)   # the mirror of KVPool.refcounts
+    self._in_use = 0                               # pages with refs > 0
+    self._cache: dict[int, int] = {}               # key -> page
+    self._page_key: dict[int, int] = {}            # page -> key, for held pages
+    # Held pages that only the cache references, least recently used first.
+    self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+    self._grown: set[int] = set()                  # slots whose rows changed in this call
+    self._retain: list[int] = []                   # holds the device has not placed yet
+    # The most pages held at once by sequences (cached, evictable pages excluded). Pages
+    # only grow within a device call (finished sequences are released at the next), so
+    # the high point is right after a call's growth is recorded.
     self.peak_used_pages = 0
+    self.prompt_tokens = 0          # context tokens admitted (prefix cache lookups)
+    self.cached_prompt_tokens = 0   # ... of which served from the prefix cache
+    self.pages_saved = 0            # pages attached or forked instead of allocated
+    self.evicted_pages = 0          # cached pages dropped to make room
     self._live_steps = 0   # sum over decode steps of the live tokens
     self._slot_steps = 0   # ... and of the token slots of the pages held
 
@@ -34,27 +70,94 @@ class KVCacheManager:
 
   @property
   def num_used_pages(self) -> int:
-    return int(self.pages(self.cached).sum())
+    """Pages sequences hold (shared ones once); evictable cached pages are not counted."""
+    return self._in_use - len(self._evictable)
 
   @property
   def num_free_pages(self) -> int:
+    """Pages a plan may take: the free ones and the evictable cached ones."""
     return self.num_pages - self.num_used_pages
+
+  @property
+  def num_cached_pages(self) -> int:
+    return len(self._cache)
 
   @property
   def efficiency(self) -> float:
     """Live tokens / token slots of the pages held, summed over every decode step recorded
-    by `grow_decode` (1.0 before any): the fraction of reserved KV memory holding data."""
+    by `grow_decode` (1.0 before any): the fraction of reserved KV memory holding data
+    (above 1 when sequences share pages)."""
     return self._live_steps / self._slot_steps if self._slot_steps else 1.0
+
+  # Reference counts.
+
+  def _add_refs(self, pages, delta: int) -> None:
+    """refs[pages] += delta (pages may repeat), keeping `_in_use` and the evictable set."""
+    pages = np.asarray(pages, np.int64).reshape(-1)
+    if not pages.size:
+      return
+    unique, counts = np.unique(pages, return_counts=True)
+    before = self.refs[unique]
+    after = before + delta * counts
+    if (after < 0).any():
+      raise RuntimeError(f"pages {unique[after < 0].tolist()} lost more references than "
+                         "they had: scheduler bug")
+    self.refs[unique] = after
+    self._in_use += int(((after > 0) & (before == 0)).sum() - ((after == 0) & (before > 0)).sum())
+    for page, n in zip(unique.tolist(), after.tolist()):
+      if page in self._page_key:
+        if n == 1:
+          self._evictable[page] = None
+          self._evictable.move_to_end(page)
+        else:
+          self._evictable.pop(page, None)
+
+  def _record_peak(self) -> None:
+    self.peak_used_pages = max(self.peak_used_pages, self.num_used_pages)
+    if self.num_used_pages > self.num_pages:
+      raise RuntimeError(f"{self.num_used_pages} pages in use in a pool of {self.num_pages}: "
+                         "scheduler bug")
+
+  # What the scheduler records as it plans and as calls return.
+
+  def lookup(self, context) -> list[int]:
+    """The cached pages `context` starts with: its longest prefix of full pages in the
+    cache, leaving at least its last token to compute (its logits give the next token)."""
+    if not self.prefix_caching:
+      return []
+    pages = []
+    for key in page_keys(context, self.page_size, (len(context) - 1) // self.page_size):
+      page = self._cache.get(key)
+      if page is None:
+        break
+      pages.append(page)
+    return pages
+
+  def attach(self, slot: int, pages: list[int], context_length: int) -> None:
+    """Records an admission of a `context_length`-token context into empty `slot`, which
+    starts on the cached `pages` (`pool.attach`)."""
+    self.prompt_tokens += context_length
+    if not pages:
+      return
+    self.cached_prompt_tokens += len(pages) * self.page_size
+    self.pages_saved += len(pages)
+    self.slot_pages[slot] = np.asarray(pages, np.int64)
+    self.cached[slot] = len(pages) * self.page_size
+    self._add_refs(pages, +1)
+
+  def fork(self, src: int, dsts) -> None:
+    """Records that `dsts` became copies of `src` sharing its pages (`pool.fork`, in the
+    call just made: the rows are read back by `sync`)."""
+    for d in dsts:
+      self.cached[d] = self.cached[src]
+      self._grown.add(d)
+      self.pages_saved += int(self.pages(self.cached[src]))
 
   def grow(self, slots, tokens) -> None:
     """Records `tokens[i]` more tokens cached for `slots[i]` (what one device call
-    reserved), in one update."""
+    reserved)."""
     np.add.at(self.cached, np.asarray(slots, np.int64), np.asarray(tokens, np.int64))
-    used = self.num_used_pages
-    self.peak_used_pages = max(self.peak_used_pages, used)
-    if used > self.num_pages:
-      raise RuntimeError(f"slots {list(slots)} grew past the pool's {self.num_pages} pages: "
-                         "scheduler bug")
+    self._grown.update(int(s) for s in slots)
 
   def grow_decode(self, slots, produced) -> None:
     """Records a decode call in which `slots[i]` cached `produced[i]` tokens, one per step,
@@ -65,21 +168,97 @@ class KVCacheManager:
     produced = np.asarray(produced, np.int64)
     if produced.size:
       held = cached + np.minimum(np.arange(1, produced.max() + 1)[:, None], produced)
+      new_pages = (self.pages(held) - self.pages(cached)).sum(axis=1)
       self._live_steps += int(held.sum())
-      self._slot_steps += int(self.pages(held).sum()) * self.page_size
+      self._slot_steps += int((self.num_used_pages + new_pages).sum()) * self.page_size
     self.grow(slots, produced)
 
-  def free(self, slot: int) -> None:
-    """Records that `slot`'s pages go back to the pool."""
-    self.cached[slot] = 0
+  def sync(self, page_table: np.ndarray, num_free: int) -> None:
+    """Takes the device's page-table rows of the slots that grew in the call just made,
+    and checks that the pool's free pages are what the accounting says.
 
-  def steps_that_fit(self, slots: list[int], steps_left: list[int], max_steps: int) -> int:
-    """The most decode steps (<= max_steps) for which every new page of these slots fits
-    in the free pages; slot i grows one token per step for at most steps_left[i] steps."""
+    Raises:
+      RuntimeError: they differ (a reservation failed on device: a scheduler bug).
+    """
+    for slot in self._grown:
+      row = np.asarray(page_table[slot, :int(self.pages(self.cached[slot]))], np.int64)
+      old = self.slot_pages[slot]
+      if len(old) != len(row) or (old != row).any():
+        self._add_refs(row, +1)
+        self._add_refs(old, -1)
+        self.slot_pages[slot] = row
+    self._grown.clear()
+    self._record_peak()
+    if self.num_pages - self._in_use != num_free:
+      raise RuntimeError(f"the pool has {num_free} free pages, the scheduler expected "
+                         f"{self.num_pages - self._in_use}: a reservation found no free "
+                         "page (scheduler bug)")
+
+  def register(self, slot: int, context, upto: int) -> None:
+    """Caches the full pages among the first `upto` tokens of `slot`'s context (after
+    `sync`), each under its hash-chain key, holding them (sent to the device by
+    `take_retains`). A key already cached keeps its page."""
+    if not self.prefix_caching:
+      return
+    pages = self.slot_pages[slot]
+    for j, key in enumerate(page_keys(context, self.page_size, upto // self.page_size)):
+      page = int(pages[j])
+      if key in self._cache or page in self._page_key:
+        continue
+      self._cache[key] = page
+      self._page_key[page] = key
+      self._add_refs([page], +1)
+      self._retain.append(page)
+
+  def take_retains(self) -> list[int]:
+    """The holds placed since the last call, for the next plan (`pool.retain_pages`)."""
+    retain, self._retain = self._retain, []
+    return retain
+
+  def evict_for(self, pages_needed: int) -> list[int]:
+    """Drops least recently used evictable cached pages until `pages_needed` pages are
+    free on the device; returns them (`pool.release_pages`)."""
+    evicted = []
+    while self.num_pages - self._in_use < pages_needed and self._evictable:
+      page, _ = self._evictable.popitem(last=False)
+      del self._cache[self._page_key.pop(page)]
+      self._add_refs([page], -1)
+      evicted.append(page)
+    self.evicted_pages += len(evicted)
+    return evicted
+
+  def free(self, slot: int) -> None:
+    """Records that `slot`'s references go (`pool.release`)."""
+    self._add_refs(self.slot_pages[slot], -1)
+    self.slot_pages[slot] = np.zeros(0, np.int64)
+    self.cached[slot] = 0
+    self._grown.discard(slot)
+
+  # Questions the scheduler asks.
+
+  def copy_on_write(self, slot: int) -> bool:
+    """Whether `slot`'s next token falls in a partly filled page it shares (its first
+    decode step after a fork then takes a page for a copy)."""
+    pages = self.slot_pages[slot]
+    return bool(self.cached[slot] % self.page_size and len(pages)
+                and self.refs[pages[-1]] > 1)
+
+  def decode_growth(self, slots: list[int], steps_left: list[int], max_steps: int
+                    ) -> np.ndarray:
+    """int64 [max_steps]: entry k - 1 is the pages k decode steps of these slots take;
+    slot i grows one token per step for at most steps_left[i] steps, and takes a page for
+    a copy at its first (`copy_on_write`)."""
     cached = self.cached[slots]
     steps = np.arange(1, max_steps + 1)[:, None]
     grown = self.pages(cached + np.minimum(steps, steps_left)) - self.pages(cached)
-    fits = np.flatnonzero(grown.sum(axis=1) <= self.num_free_pages)
+    return grown.sum(axis=1) + sum(self.copy_on_write(s) for s in slots)
+
+  def steps_that_fit(self, slots: list[int], steps_left: list[int], max_steps: int,
+                     reserved: int = 0) -> int:
+    """The most decode steps (<= max_steps) whose new pages (`decode_growth`) fit in the
+    free pages less `reserved`."""
+    fits = np.flatnonzero(self.decode_growth(slots, steps_left, max_steps)
+                          <= self.num_free_pages - reserved)
     return int(fits[-1]) + 1 if fits.size else 0
 
   def projected_pages(self, cached, steps_left, *, horizon: int, linger: int) -> np.ndarray:

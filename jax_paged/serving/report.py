@@ -27,7 +27,15 @@ class Report:
   decode_steps: int = 0       # device decode steps run (a step decodes every running row)
   decode_tokens: int = 0      # tokens those steps produced
   decode_s: float = 0.0       # wall time of the decode calls (until their tokens are back)
-  prefill_s: float = 0.0      # wall time of the prefill calls
+  prefill_s: float = 0.0      # wall time of the prefill-only calls
+  prompt_tokens: int = 0          # context tokens admitted (a preempted one counts again)
+  cached_prompt_tokens: int = 0   # ... of which served from the prefix cache
+  pages_saved: int = 0            # pages shared (prefix cache hits, forks) instead of filled
+  evicted_pages: int = 0          # cached pages evicted to make room
+
+  @property
+  def prefix_hit_rate(self) -> float:
+    return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
   @property
   def tokens_per_s(self) -> float:
@@ -42,6 +50,9 @@ class Report:
         f"max {ttft.max():.1f} ms",
         f"KV pages: peak {self.peak_pages_in_use} of {self.num_pages} in use; memory "
         f"efficiency {self.kv_efficiency:.1%} (live tokens / reserved slots)",
+        f"prefix cache: {self.cached_prompt_tokens} of {self.prompt_tokens} prompt tokens "
+        f"({self.prefix_hit_rate:.1%}) served from cached pages; {self.pages_saved} pages "
+        f"shared instead of filled; {self.evicted_pages} evicted",
         f"preemptions: {self.preemptions}  prefill calls: {self.prefill_calls} "
         f"({self.prefill_s:.2f} s)  decode calls: {self.decode_calls} ({self.decode_s:.2f} s, "
         f"{self.decode_steps} steps, {self.decode_tokens / max(1, self.decode_steps):.1f} "

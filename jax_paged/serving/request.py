@@ -25,6 +25,11 @@ class Request:
       `fold_in(key(seed), i)`, so a request's tokens do not depend on what runs beside it.
     stop_token_ids: tokens that end the request (included in its output), in addition to
       the engine's `eos_token_id`.
+    n: samples of the prompt (parallel sampling): its prompt is prefilled once and the
+      samples share its pages (`pool.fork`), each drawing with its own seed
+      (`sample_seed(seed, j)`: sample 0 draws as a request with n = 1 would).
+    arrival_s: the request is not admitted before this many seconds after the run starts
+      (a workload arriving over time; 0 = at once).
   """
 
   prompt: Sequence[int]
@@ -34,16 +39,31 @@ class Request:
   top_p: float | None = None
   seed: int = 0
   stop_token_ids: Sequence[int] = ()
+  n: int = 1
+  arrival_s: float = 0.0
+
+
+def sample_seed(seed: int, sample: int) -> int:
+  """The sampling seed of sample `sample` of a request seeded `seed`: the seed itself for
+  sample 0, else a mix of both (a 32-bit multiply-xorshift), so samples draw differently."""
+  if sample == 0:
+    return seed
+  x = (seed ^ (sample * 0x9E3779B9)) & 0xFFFFFFFF
+  x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+  x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+  return x ^ (x >> 16)
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
-  """A token produced for request `request_id` (its index in the submitted list).
-  `finish_reason` is None while the request goes on, else 'stop' or 'length'."""
+  """A token produced for sample `sample` of request `request_id` (its index in the
+  submitted list). `finish_reason` is None while the sample goes on, else 'stop' or
+  'length'."""
 
   request_id: int
   token: int
   finish_reason: str | None
+  sample: int = 0
 
 
 def _is_int(x) -> bool:
@@ -52,7 +72,7 @@ def _is_int(x) -> bool:
 
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
-                      max_pages: int) -> None:
+                      max_pages: int, max_batch: int) -> None:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
   serve as asked.
 
@@ -62,6 +82,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     page_size: tokens per page.
     max_pages: the most pages one sequence can hold (the pool's pages, at most its page
       table's width).
+    max_batch: the engine's slots (a request's n samples run together).
   """
   if not isinstance(requests, Sequence) or not requests:
     raise ValueError("requests must be a non-empty list of Request")
@@ -94,6 +115,12 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if not all(_is_int(t) for t in r.stop_token_ids):
       raise ValueError(f"request {i}: stop_token_ids must be integer token ids, got "
                        f"{list(r.stop_token_ids)!r}")
+    if not _is_int(r.n) or not 1 <= r.n <= max_batch:
+      raise ValueError(f"request {i}: n must be an int in [1, max_batch={max_batch}] (its "
+                       f"samples run together), got {r.n!r}")
+    if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
+      raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
+                       f"{r.arrival_s!r}")
     # The newest token is never cached: a request holds prompt + max_new_tokens - 1.
     longest = prompt.size + r.max_new_tokens - 1
     if longest > spec.max_positions:

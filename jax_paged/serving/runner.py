@@ -5,12 +5,16 @@ It owns the paging policy inside a step and the one jit wrapper of the serving l
 * `prefill_step` / `decode_step`: the pure step functions over (model, pool, tokens). Each
   reserves its new tokens' slots once for all layers (`pool.reserve`) and runs the
   model's forward over the pool (`PagedModel.prefill` / `.decode`), which writes every
-  layer's K/V at those slots.
+  layer's K/V at those slots. A prefill continues sequences that already hold tokens (a
+  cached prefix, earlier chunks) when given their `start`.
+* `update_pages`: a plan's page bookkeeping (prefix-cache holds, releases, evictions,
+  attachments to cached pages) as one call.
 * the decode loop: up to `max_steps` decode steps in one device call, sampling on device
   and stopping rows on stop tokens and budgets, so Python dispatch is paid once per chunk.
 * `ModelRunner`: those functions jitted once per model structure (pool donated, so XLA
   updates its buffers in place), the parameters held as a flat list of leaves, and
-  `execute(pool, plan)` for a scheduler's `Plan`: release, then prefill or decode.
+  `execute(pool, plan)` for a scheduler's `Plan`: bookkeeping, prefill (forking parallel
+  samples), decode.
 """
 
 from __future__ import annotations
@@ -36,23 +40,41 @@ def bucket(n: int, lo: int) -> int:
 
 
 def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
-                 lengths: jax.Array, seq_ids: jax.Array
+                 lengths: jax.Array, seq_ids: jax.Array, start: jax.Array | None = None
                  ) -> tuple[jax.Array, pool_lib.KVPool]:
-  """Reserves and fills the pages of fresh sequences' prompts.
+  """Reserves and fills the pages of new tokens of several sequences.
 
   Args:
     model: the model.
-    kv: the pool. The sequences must be empty.
-    tokens: int32 [B, T], prompts right-padded to T (the padding value does not matter).
+    kv: the pool.
+    tokens: int32 [B, T], new tokens right-padded to T (the padding value does not matter).
     lengths: int32 [B] in [1, T].
     seq_ids: int32 [B], distinct pool sequence ids; -1 for a padding row (reserves nothing).
+    start: None when the sequences are empty; else int32 [B], the tokens each holds (its
+      pool length), which the new ones attend to.
 
   Returns:
-    (float32 logits [B, vocab] of each prompt's last token, the new pool). A sequence that
-    did not fit in the pool is left empty (its length stays 0).
+    (float32 logits [B, vocab] of each row's last new token, the new pool). A sequence
+    that did not fit in the pool is left as it was.
   """
   kv, slots, _ = pool_lib.reserve(kv, seq_ids, lengths, max_new_tokens=tokens.shape[1])
-  return model.prefill(tokens, kv, slots, lengths)
+  if start is None:
+    return model.prefill(tokens, kv, slots, lengths)
+  page_table = kv.page_table[jnp.clip(seq_ids, 0, kv.max_seqs - 1)]
+  return model.prefill(tokens, kv, slots, lengths, start=start, page_table=page_table)
+
+
+def update_pages(kv: pool_lib.KVPool, retain: jax.Array, release: jax.Array,
+                 evict: jax.Array, attach_ids: jax.Array, attach_pages: jax.Array,
+                 attach_tokens: jax.Array) -> pool_lib.KVPool:
+  """A plan's page bookkeeping, in its order: holds placed on newly cached pages
+  (`pool.retain_pages`), finished or preempted sequences released, evicted cached pages'
+  holds dropped (`pool.release_pages`), and admitted sequences attached to cached pages
+  (`pool.attach`). Every argument is padded with -1 (ignored)."""
+  kv = pool_lib.retain_pages(kv, retain)
+  kv = pool_lib.release(kv, release)
+  kv = pool_lib.release_pages(kv, evict)
+  return pool_lib.attach(kv, attach_ids, attach_pages, attach_tokens)
 
 
 def _rows(x: jax.Array, seq_ids) -> jax.Array:
@@ -210,8 +232,9 @@ def unpack_decode_rows(rows: jax.Array) -> dict[str, jax.Array]:
 
 class JittedSteps:
   """The jitted device functions of one model structure, pool donated: `prefill` and
-  `decode` (`prefill_step` / `decode_step`), `prefill_sample` (prefill, then sample each
-  row's first token) and `decode_loop` (its rows packed by `pack_decode_rows`).
+  `decode` (`prefill_step` / `decode_step`), `prefill_sample` (prefill, fork parallel
+  samples, then sample first tokens from the rows' last logits) and `decode_loop` (its
+  rows packed by `pack_decode_rows`).
 
   They take the parameters as the list `jax.tree.leaves(params)` (`treedef` = their
   `jax.tree.structure`): flattening an `nnx.State` of GPT-2 124M's 148 arrays costs
@@ -222,17 +245,19 @@ class JittedSteps:
   def __init__(self, graphdef: nnx.GraphDef, treedef):
     model = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def prefill(leaves, kv, tokens, lengths, seq_ids):
-      return prefill_step(model(leaves), kv, tokens, lengths, seq_ids)
+    def prefill(leaves, kv, tokens, lengths, seq_ids, start=None):
+      return prefill_step(model(leaves), kv, tokens, lengths, seq_ids, start)
 
     def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
-    def prefill_sample(leaves, kv, tokens, lengths, seq_ids, seeds, index, temperature,
-                       top_k, top_p, *, greedy: bool):
-      logits, kv = prefill_step(model(leaves), kv, tokens, lengths, seq_ids)
-      return sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p,
-                                  all_greedy=greedy), kv
+    def prefill_sample(leaves, kv, tokens, lengths, seq_ids, start, fork_src, fork_dst,
+                       sample_rows, seeds, index, temperature, top_k, top_p, *,
+                       greedy: bool):
+      logits, kv = prefill_step(model(leaves), kv, tokens, lengths, seq_ids, start)
+      kv = pool_lib.fork(kv, fork_src, fork_dst)
+      return sampling.sample_rows(logits[sample_rows], seeds, index, temperature, top_k,
+                                  top_p, all_greedy=greedy), kv
 
     def loop(leaves, kv, num_steps, rows, *, max_steps: int, greedy: bool, checked: bool):
       return decode_loop(model(leaves), kv, num_steps, max_steps=max_steps, greedy=greedy,
@@ -251,7 +276,7 @@ def _jitted_steps(graphdef: nnx.GraphDef, treedef) -> JittedSteps:
   return JittedSteps(graphdef, treedef)
 
 
-_release = jax.jit(pool_lib.release, donate_argnums=0)
+_update_pages = jax.jit(update_pages, donate_argnums=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,15 +290,17 @@ class _Sampling:
   greedy: bool
 
   @classmethod
-  def of(cls, requests: Sequence) -> "_Sampling":
-    """From each row's `Request` (None for an empty row: greedy defaults).
+  def of(cls, rows: Sequence) -> "_Sampling":
+    """From each row's sequence (a scheduler `RunningRequest`: its sample's `seed` and its
+    request's settings; None for an empty row: greedy defaults).
 
     Numpy throughout: the jitted call transfers the arrays as it dispatches, where
     `jnp.asarray` of a list cost ~1 ms each on the device's host.
     """
+    requests = [s.request if s is not None else None for s in rows]
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
-    return cls(seeds=column(lambda r: r.seed, np.uint32),
+    return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
                temperature=column(lambda r: r.temperature, np.float32),
                top_k=column(lambda r: r.top_k or 0, np.int32),
                top_p=np.asarray([1.0 if r is None or r.top_p is None else r.top_p
@@ -285,16 +312,24 @@ class _Sampling:
                 top_p=self.top_p)
 
 
+def _padded(values: Sequence[int], lo: int = 1) -> np.ndarray:
+  """int32 values padded with -1 to a bucketed length (few shapes, few compilations)."""
+  out = np.full((bucket(len(values), lo),), -1, np.int32)
+  out[:len(values)] = values
+  return out
+
+
 class ModelRunner:
   """Runs a `PagedModel` over a pool: the step functions jitted once per model structure.
 
   Every method takes the pool and returns the new one (donated: the old one is consumed).
 
-    prefill(kv, tokens, lengths, seq_ids) -> (logits, kv)          `prefill_step`
+    prefill(kv, tokens, lengths, seq_ids, start=None) -> (logits, kv)  `prefill_step`
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
     decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=) -> (tokens, kv)
     release(kv, seq_ids) -> kv
-    execute(kv, plan) -> (kv, new tokens)                         a scheduler's `Plan`
+    update_pages(kv, retain=, release=, evict=, attach=) -> kv     `update_pages`
+    execute(kv, plan) -> (kv, first tokens, decoded tokens)       a scheduler's `Plan`
   """
 
   def __init__(self, model: PagedModel):
@@ -310,8 +345,8 @@ class ModelRunner:
     """An empty pool shaped for the model (`ModelSpec.create_pool`)."""
     return self.spec.create_pool(**kwargs)
 
-  def prefill(self, kv, tokens, lengths, seq_ids):
-    return self.jitted.prefill(self.leaves, kv, tokens, lengths, seq_ids)
+  def prefill(self, kv, tokens, lengths, seq_ids, start=None):
+    return self.jitted.prefill(self.leaves, kv, tokens, lengths, seq_ids, start)
 
   def decode(self, kv, tokens, seq_ids, active=None, *, greedy: bool = False):
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
@@ -324,42 +359,72 @@ class ModelRunner:
                                    max_steps=max_steps, greedy=greedy, checked=checked)
 
   def release(self, kv: pool_lib.KVPool, seq_ids: Sequence[int]) -> pool_lib.KVPool:
-    """Frees these sequences' pages, in one call whose shape is the pool's max_seqs."""
-    if not len(seq_ids):
-      return kv
-    ids = np.full((kv.max_seqs,), -1, np.int32)  # -1 pads: ignored under jit
-    ids[:len(seq_ids)] = seq_ids
-    return _release(kv, ids)
+    """Frees these sequences' pages (those no other reference holds)."""
+    return self.update_pages(kv, release=seq_ids)
 
-  def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, np.ndarray]:
-    """Runs a scheduler's `Plan`: frees `plan.release`, then prefills `plan.prefill` (->
-    int32 [len(prefill)] first tokens) or decodes every running row for up to
-    `plan.decode_steps` steps (-> int32 [steps run, max_batch], -1 where a row produced
-    nothing; at most `plan.max_steps` rows)."""
-    kv = self.release(kv, plan.release)
+  def update_pages(self, kv: pool_lib.KVPool, *, retain: Sequence[int] = (),
+                   release: Sequence[int] = (), evict: Sequence[int] = (),
+                   attach: Sequence[tuple[int, Sequence[int], int]] = ()
+                   ) -> pool_lib.KVPool:
+    """`update_pages` in one call (none when there is nothing to do); attach holds
+    (slot, cached pages, tokens)."""
+    if not (len(retain) or len(release) or len(evict) or len(attach)):
+      return kv
+    ids = np.full((bucket(len(attach), 1),), -1, np.int32)
+    pages = np.full((len(ids), kv.max_pages_per_seq), -1, np.int32)
+    tokens = np.zeros((len(ids),), np.int32)
+    for j, (slot, cached, n) in enumerate(attach):
+      ids[j], tokens[j] = slot, n
+      pages[j, :len(cached)] = cached
+    release_ids = np.full((kv.max_seqs,), -1, np.int32)  # the pool's max_seqs: one shape
+    release_ids[:len(release)] = release
+    return _update_pages(kv, _padded(retain, 16), release_ids, _padded(evict, 16), ids,
+                         pages, tokens)
+
+  def execute(self, kv: pool_lib.KVPool, plan
+              ) -> tuple[pool_lib.KVPool, np.ndarray, np.ndarray]:
+    """Runs a scheduler's `Plan`: its page bookkeeping, then its prefill (-> int32
+    [samples] first tokens, in the order of its chunks' `samples`), then its decode chunk
+    (-> int32 [steps run, max_batch], -1 where a row produced nothing; at most
+    `plan.max_steps` rows). The calls are dispatched back to back; the host waits once."""
+    kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict,
+                           attach=plan.attach)
+    first = decoded = None
     if plan.prefill:
-      return self._prefill_plan(kv, plan)
-    return self._decode_plan(kv, plan)
+      first, kv = self._prefill_plan(kv, plan)
+    if plan.decode_steps:
+      decoded, kv = self._decode_plan(kv, plan)
+    first = np.zeros((0,), np.int32) if first is None else np.asarray(first)
+    decoded = (np.zeros((0, len(plan.rows)), np.int32) if decoded is None
+               else np.asarray(decoded))
+    return kv, first, decoded
 
   def _prefill_plan(self, kv, plan):
-    rows = [plan.rows[i] for i in plan.prefill]
-    contexts = [s.context for s in rows]
-    n = bucket(len(rows), 1)
-    width = bucket(max(map(len, contexts)), kv.page_size)
+    chunks = plan.prefill
+    n = bucket(len(chunks), 1)
+    width = bucket(max(len(c.tokens) for c in chunks), kv.page_size)
     tokens = np.zeros((n, width), np.int32)
     lengths = np.ones((n,), np.int32)
+    start = np.zeros((n,), np.int32)
     seq_ids = np.full((n,), -1, np.int32)  # padding rows: invalid ids reserve nothing
-    for j, (slot, ctx) in enumerate(zip(plan.prefill, contexts)):
-      tokens[j, :len(ctx)] = ctx
-      lengths[j] = len(ctx)
-      seq_ids[j] = slot
-    padded = rows + [None] * (n - len(rows))
-    sampling_ = _Sampling.of([s.request if s else None for s in padded])
+    for j, c in enumerate(chunks):
+      tokens[j, :len(c.tokens)] = c.tokens
+      lengths[j], start[j], seq_ids[j] = len(c.tokens), c.start, c.slot
+    forks = [(c.slot, f) for c in chunks for f in c.forks]
+    samples = [(j, s) for j, c in enumerate(chunks) for _, s in c.samples]
+    m = bucket(max(len(samples), 1), 1)
+    sample_rows = np.zeros((m,), np.int32)
+    sample_rows[:len(samples)] = [j for j, _ in samples]
+    seqs = [s for _, s in samples] + [None] * (m - len(samples))
+    sampling_ = _Sampling.of(seqs)
     new, kv = self.jitted.prefill_sample(
         self.leaves, kv, tokens, lengths, seq_ids,
-        index=np.asarray([len(s.tokens) if s else 0 for s in padded], np.int32),
+        # Static None: fresh prompts take the model's attention over the new tokens alone.
+        start if start.any() else None,
+        _padded([src for src, _ in forks]), _padded([dst for _, dst in forks]),
+        sample_rows, index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         greedy=sampling_.greedy, **sampling_.arrays())
-    return kv, np.asarray(new)[:len(rows)]
+    return new[:len(samples)], kv
 
   def _decode_plan(self, kv, plan):
     rows, max_steps = plan.rows, plan.max_steps
@@ -380,11 +445,11 @@ class ModelRunner:
     elif checked and steps > per_check:
       # Whole groups of checked steps: a partial group would run idle steps to its end.
       steps -= steps % per_check
-    sampling_ = _Sampling.of([s.request if s else None for s in rows])
+    sampling_ = _Sampling.of(rows)
     packed = pack_decode_rows(
         tokens=[s.tokens[-1] if s else 0 for s in rows], active=active,
         index=[len(s.tokens) if s else 0 for s in rows], budget=budget, stop_ids=stop_ids,
         **sampling_.arrays())
     out, kv = self.decode_loop(kv, steps, packed, max_steps=max_steps,
                                greedy=sampling_.greedy, checked=checked)
-    return kv, np.asarray(out)
+    return out, kv

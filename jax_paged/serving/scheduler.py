@@ -1,21 +1,28 @@
-"""The scheduler: plans each device call from the requests and the page accounting (host
-only, numpy; vLLM v1's scheduler).
+"""The scheduler: plans every device call of a run (vLLM v1's scheduler).
 
-Requests wait in arrival order for one of `max_batch` decode slots (slot i is pool
-sequence i). The scheduler alternates two kinds of plan:
+It owns the requests' lifecycle on the host; the runner (`jax_paged.serving.runner`)
+executes its plans. Each `schedule()` returns one `Plan`, a device call of:
 
-1. admission: waiting requests are admitted in arrival order while a slot is free and the
-   admission policy (`jax_paged.serving.admission`) lets them, and prefilled in calls of at
-   most `max_prefill_tokens` padded tokens, grouped by length;
-2. a decode chunk: every running sequence decodes for up to `steps_per_call` steps in one
-   device call. The KV-cache manager says how many steps fit in the free pages; when not
-   even one does, the most recently admitted request is preempted: its pages are released
-   and it goes back to the front of the queue, to be recomputed later from its prompt plus
-   the tokens it already produced (vLLM's recompute preemption).
+1. page bookkeeping: holds the prefix cache places on pages it registered, the slots
+   whose pages are released (finished or preempted requests), the cached pages it evicts
+   (least recently used, only when the call needs room) and the admitted requests that
+   start on cached pages (prefix caching: `KVCacheManager.lookup`);
+2. a prefill: up to `max_prefill_tokens` padded tokens of the admitted requests' contexts,
+   a long one split into chunks over several calls (chunked prefill). A request's last
+   chunk samples its first token; with `Request.n > 1` its other samples are forked from
+   it there (sharing its pages) and sample theirs;
+3. a decode chunk: every decoding sequence runs up to `steps_per_call` steps in one device
+   call (up to `runner.STEPS_PER_CHECK` while prefill work is pending, so that a long
+   prompt arriving does not stall everyone's next tokens for long). The KV-cache manager
+   says how many steps fit in the free pages (less those promised to pending prefills);
+   when not even one does, the most recently admitted sequence is preempted: its pages
+   are released and it goes back to the front of the queue, to be recomputed later from
+   its prompt plus the tokens it already produced (vLLM's recompute preemption; its
+   cached prompt pages make that cheap).
 
-`update` takes what the runner produced, checks that the device pool did exactly what the
-host accounting expected, and retires finished requests; their slots' pages are released
-at the start of the next plan (`Plan.release`).
+When nothing decodes, prefill calls run back to back. `update` takes what the runner
+produced, checks that the device pool did exactly what the host accounting expected, and
+retires finished sequences; their slots' pages are released at the start of the next plan.
 """
 
 from __future__ import annotations
@@ -27,21 +34,31 @@ from typing import Sequence
 import numpy as np
 
 from jax_paged.serving.admission import AdmissionPolicy
-from jax_paged.serving.kv_cache_manager import KVCacheManager
-from jax_paged.serving.request import Request
-from jax_paged.serving.runner import bucket
+from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys
+from jax_paged.serving.request import Request, sample_seed
+from jax_paged.serving.runner import STEPS_PER_CHECK, bucket
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: slots are scanned for None
 class RunningRequest:
-  """A request in a slot. The pool caches its context but the newest token, which the
-  next decode step feeds in."""
+  """One sample of a request in a slot. While decoding, the pool caches its context but
+  the newest token, which the next decode step feeds in."""
 
   request_id: int
   request: Request
   tokens: list[int]       # generated so far (all of them, across preemptions)
   admitted_at: int        # admission counter: the newest is preempted first
   stop_token_ids: tuple[int, ...]
+  sample: int = 0         # which of the request's n samples
+  prefill_stop: int = 0   # context tokens to prefill (0: forked from `parent`, not prefilled)
+  prefilled: int = 0      # ... of which in the pool
+  parent: int | None = None  # the slot this sample is forked from after its prefill
+  decoding: bool = False
+  looked_up: bool = False  # its context was looked up in the prefix cache
+
+  @property
+  def seed(self) -> int:
+    return sample_seed(self.request.seed, self.sample)
 
   @property
   def context(self) -> list[int]:
@@ -60,21 +77,49 @@ class RunningRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """One device call.
+class PrefillChunk:
+  """context[start:stop] of the sequence in `slot`, prefilled in one call.
 
   Attributes:
-    rows: each slot's request (None = empty), max_batch long.
-    release: slots whose pages are freed first (finished or preempted requests).
-    prefill: slots to prefill (their `context`); empty for a decode chunk.
-    decode_steps: steps the decode chunk may run (every running slot decodes).
+    samples: the sequences that sample their first token from this chunk's last logits:
+      the slot's own sequence (on its last chunk) and its forks, as (slot, sequence);
+      empty for an earlier chunk.
+  """
+
+  slot: int
+  start: int
+  tokens: tuple[int, ...]
+  samples: tuple[tuple[int, RunningRequest], ...] = ()
+
+  @property
+  def forks(self) -> tuple[int, ...]:
+    """Slots that become copies of `slot` after this chunk (`pool.fork`)."""
+    return tuple(s for s, _ in self.samples if s != self.slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """One device call, in this order: retain, release, evict, attach, prefill, decode.
+
+  Attributes:
+    rows: each slot's decoding sequence (None = empty, or not decoding in this call),
+      max_batch long.
+    retain: pages the prefix cache starts holding.
+    release: slots whose pages are released (finished or preempted sequences).
+    evict: cached pages whose holds are dropped.
+    attach: (slot, pages, tokens): admitted sequences starting on cached pages.
+    prefill: the chunks to prefill.
+    decode_steps: steps the decode chunk may run (0: no decode).
     max_steps: the most steps of any decode chunk (`steps_per_call`: the shape of the
       device loop, compiled once).
   """
 
   rows: tuple[RunningRequest | None, ...]
+  retain: tuple[int, ...] = ()
   release: tuple[int, ...] = ()
-  prefill: tuple[int, ...] = ()
+  evict: tuple[int, ...] = ()
+  attach: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+  prefill: tuple[PrefillChunk, ...] = ()
   decode_steps: int = 0
   max_steps: int = 1
 
@@ -84,12 +129,12 @@ class Scheduler:
 
   Args:
     requests: the requests, their index being their id.
-    max_batch: decode slots.
+    max_batch: decode slots (a request with n samples takes n).
     cache: the page accounting of the pool (empty).
     admission: the admission policy, over `cache`.
     steps_per_call: the most decode steps per device call.
-    max_prefill_tokens: the most padded tokens per prefill call (a lone longer prompt gets
-      a call of its own).
+    max_prefill_tokens: the most padded tokens per prefill call; a longer context is
+      prefilled in chunks of (about) that many tokens over several calls.
     eos_token_id: ends every request when generated (optional).
   """
 
@@ -101,34 +146,52 @@ class Scheduler:
     self.admission = admission
     self.steps_per_call = steps_per_call
     self.max_prefill_tokens = max_prefill_tokens
+    # Chunks end on page boundaries, so a chunk never shares its first page.
+    self.max_chunk = max(cache.page_size,
+                         max_prefill_tokens // cache.page_size * cache.page_size)
     self.eos_token_id = eos_token_id
     self.slots: list[RunningRequest | None] = [None] * max_batch
-    self.waiting = collections.deque(range(len(requests)))
+    # (request id, sample, tokens so far): fresh requests take every sample at once.
+    self.waiting = collections.deque((rid, None, []) for rid in range(len(requests)))
     self.num_preemptions = 0
-    self._progress: dict[int, list[int]] = {}  # tokens of preempted requests
     self._admissions = 0
-    self._prefills: list[tuple[int, ...]] = []  # admitted, not prefilled yet
-    self._admit_next = True
+    self._prefill_queue: list[int] = []  # slots with context left to prefill, in order
     self._release: list[int] = []
+    self._attach: list[tuple[int, tuple[int, ...], int]] = []
 
-  def schedule(self) -> Plan | None:
-    """The next device call, or None when every request has finished."""
-    while True:
-      if self._prefills:
-        return self._plan(prefill=self._prefills.pop(0))
-      if self._admit_next:
-        # Everything admitted starts now, in as many prefill calls as max_prefill_tokens
-        # needs (deferring some to the next round would split the requests into cohorts
-        # that peak together).
-        self._admit_next = False
-        self._prefills = self._prefill_calls(self._admit())
-        continue
-      self._admit_next = True
-      steps = self._fit_decode()
-      if steps:
-        return self._plan(decode_steps=steps)
-      if not self.waiting:
-        return None
+  @property
+  def finished(self) -> bool:
+    return not self.waiting and all(s is None for s in self.slots)
+
+  def next_arrival(self) -> float:
+    """When (seconds after the start) the next waiting request arrives."""
+    return min(self.requests[rid].arrival_s for rid, _, _ in self.waiting)
+
+  def schedule(self, now: float = float("inf")) -> Plan | None:
+    """The next device call, or None when nothing can run before a request arrives
+    (`now`: seconds since the run started) or every request has finished."""
+    self._admit(now)
+    prefill = self._next_prefill()
+    decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+    steps = 0
+    if decoding:
+      limit = STEPS_PER_CHECK if self._prefill_queue else self.steps_per_call
+      steps = self._fit_decode(min(limit, self.steps_per_call), prefill)
+      decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+    if not prefill and not steps:
+      return None
+    need = sum(int(self.cache.pages(c.start + len(c.tokens)) - self.cache.pages(c.start))
+               for c in prefill)
+    if steps:
+      need += int(self.cache.decode_growth(
+          decoding, [self.slots[i].budget for i in decoding], steps)[-1])
+    evict = self.cache.evict_for(need)
+    rows = tuple(s if s is not None and s.decoding and steps else None for s in self.slots)
+    release, self._release = self._release, []
+    attach, self._attach = self._attach, []
+    return Plan(rows=rows, retain=tuple(self.cache.take_retains()), release=tuple(release),
+                evict=tuple(evict), attach=tuple(attach), prefill=tuple(prefill),
+                decode_steps=steps, max_steps=self.steps_per_call)
 
   def pending_release(self) -> list[int]:
     """Slots retired since the last plan, whose pages the pool still holds (the caller
@@ -136,67 +199,112 @@ class Scheduler:
     release, self._release = self._release, []
     return release
 
-  def _plan(self, **work) -> Plan:
-    return Plan(rows=tuple(self.slots), release=tuple(self.pending_release()),
-                max_steps=self.steps_per_call, **work)
+  def _promised_pages(self) -> int:
+    """Pages the pending prefills will still take (admitted, not yet in the pool)."""
+    return sum(int(self.cache.pages(s.prefill_stop) - self.cache.pages(s.prefilled))
+               for i in self._prefill_queue if (s := self.slots[i]) is not None)
 
-  def _admit(self) -> list[int]:
-    """Admits waiting requests in arrival order while slots and the policy allow."""
+  def _admit(self, now: float) -> None:
+    """Admits arrived waiting requests in order while slots and the policy allow."""
     running = [(int(self.cache.cached[i]), s.budget) for i, s in enumerate(self.slots) if s]
     self.admission.open(running)
     admitted = []
-    while self.waiting and None in self.slots:
-      rid = self.waiting[0]
+    page_size = self.cache.page_size
+    while self.waiting and self.requests[self.waiting[0][0]].arrival_s <= now:
+      rid, sample, done = self.waiting[0]
       request = self.requests[rid]
-      done = self._progress.get(rid, [])
-      # Prefill caches the context and samples one token; then decode steps.
-      context = len(request.prompt) + len(done)
-      steps_left = request.max_new_tokens - len(done) - 1
-      if not self.admission.fits(context, steps_left) and (admitted or running):
+      samples = range(request.n) if sample is None else [sample]
+      free = [i for i, s in enumerate(self.slots) if s is None]
+      if len(free) < len(samples):
         break
-      self.admission.add(context, steps_left)
+      # Prefill caches the context and samples one token; then decode steps. (Pages a
+      # prefix-cache hit will save are not known yet: the lookup is at its first chunk.)
+      context_length = len(request.prompt) + len(done)
+      steps_left = request.max_new_tokens - len(done) - 1
+      if not self.admission.fits(context_length, steps_left) and (admitted or running):
+        break
+      self.admission.add(context_length, steps_left)
+      for _ in samples[1:]:  # forks copy the shared last page, then grow
+        self.admission.add(context_length % page_size, steps_left)
       self.waiting.popleft()
-      slot = self.slots.index(None)
       stops = (() if self.eos_token_id is None else (self.eos_token_id,)) + tuple(
           int(t) for t in request.stop_token_ids)
-      self.slots[slot] = RunningRequest(rid, request, self._progress.pop(rid, []),
-                                        self._admissions, stops)
+      first = free[0]
+      for j, slot in zip(samples, free):
+        self.slots[slot] = RunningRequest(
+            rid, request, list(done), self._admissions, stops, sample=j,
+            prefill_stop=context_length if slot == first else 0,
+            parent=None if slot == first else first)
       self._admissions += 1
-      admitted.append(slot)
-    return admitted
+      admitted.append(first)
+    # Longest first, so each prefill call pads its rows to similar lengths.
+    admitted.sort(key=lambda i: -(self.slots[i].prefill_stop - self.slots[i].prefilled))
+    self._prefill_queue += admitted
 
-  def _prefill_calls(self, slots: list[int]) -> list[tuple[int, ...]]:
-    """Groups the slots to prefill into calls of at most max_prefill_tokens padded tokens.
+  def _next_prefill(self) -> list[PrefillChunk]:
+    """The next prefill call's chunks: queued sequences in order while the call's padded
+    tokens (rows x its widest chunk, both bucketed) stay within max_prefill_tokens.
 
-    Longest first, so each call pads its rows to similar lengths: a call is as wide as
-    its longest row (bucketed), and arrival order would put 32-token prompts beside
-    512-token ones.
+    A sequence's first chunk starts after the cached pages its context begins with
+    (`KVCacheManager.lookup`: attached in this call). With prefix caching, a sequence
+    whose next page to compute is also the next of a sequence before it in this call
+    (requests sharing a system prompt, admitted together) waits for the next call, where
+    that page is cached: the shared prefix is computed once.
     """
-    calls: list[list[int]] = []
-    width = 0  # the bucketed length of the current call's first (longest) row
+    chunks: list[PrefillChunk] = []
+    width = 0
     page_size = self.cache.page_size
-    for slot in sorted(slots, key=lambda i: -self.slots[i].context_length):
-      if not calls or bucket(len(calls[-1]) + 1, 1) * width > self.max_prefill_tokens:
-        calls.append([])
-        width = bucket(self.slots[slot].context_length, page_size)
-      calls[-1].append(slot)
-    return [tuple(c) for c in calls]
+    computing: set[int] = set()  # first keys of the pages this call computes
+    for slot in list(self._prefill_queue):
+      s = self.slots[slot]
+      context = s.context
+      if s.prefilled == 0 and not s.looked_up:
+        hit = self.cache.lookup(context)
+        if self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
+          if page_keys(context, page_size, len(hit) + 1)[-1] in computing:
+            continue
+        s.looked_up = True
+        self.cache.attach(slot, hit, len(context))
+        if hit:
+          self._attach.append((slot, tuple(hit), len(hit) * page_size))
+          s.prefilled = len(hit) * page_size
+      stop = min(s.prefill_stop, s.prefilled + self.max_chunk)
+      w = max(width, bucket(stop - s.prefilled, page_size))
+      if chunks and bucket(len(chunks) + 1, 1) * w > self.max_prefill_tokens:
+        break
+      width = w
+      first_page = s.prefilled // page_size
+      if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
+        computing.add(page_keys(context, page_size, first_page + 1)[-1])
+      samples = ()
+      if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
+        samples = ((slot, s),) + tuple((i, f) for i, f in enumerate(self.slots)
+                                       if f is not None and f.parent == slot)
+        self._prefill_queue.remove(slot)
+      chunks.append(PrefillChunk(slot, s.prefilled, tuple(context[s.prefilled:stop]),
+                                 samples))
+      s.prefilled = stop
+      if stop != s.prefill_stop:
+        break  # a chunked context: its next chunk goes into the next call
+    return chunks
 
-  def _fit_decode(self) -> int:
-    """Decode steps that fit for every running request (0 if none runs), preempting the
-    newest request while not one step fits."""
+  def _fit_decode(self, max_steps: int, prefill: list[PrefillChunk]) -> int:
+    """Decode steps that fit for every decoding sequence (0 if none decodes), preempting
+    the newest while not one step fits."""
+    reserved = self._promised_pages() + sum(
+        int(self.cache.pages(c.start + len(c.tokens)) - self.cache.pages(c.start))
+        for c in prefill)
     while True:
-      running = [i for i, s in enumerate(self.slots) if s is not None]
-      if not running:
+      decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+      if not decoding:
         return 0
-      steps = self.cache.steps_that_fit(running, [self.slots[i].budget for i in running],
-                                        self.steps_per_call)
+      steps = self.cache.steps_that_fit(decoding, [self.slots[i].budget for i in decoding],
+                                        max_steps, reserved)
       if steps:
         return steps
-      victim = max(running, key=lambda i: self.slots[i].admitted_at)
+      victim = max(decoding, key=lambda i: self.slots[i].admitted_at)
       s = self.slots[victim]
-      self._progress[s.request_id] = s.tokens
-      self.waiting.appendleft(s.request_id)
+      self.waiting.appendleft((s.request_id, s.sample, s.tokens))
       self._retire(victim)
       self.num_preemptions += 1
 
@@ -206,45 +314,54 @@ class Scheduler:
     self._release.append(slot)
 
   def _stop_reason(self, s: RunningRequest) -> str | None:
-    """Why the request ends after its newest token, or None if it goes on."""
+    """Why the sequence ends after its newest token, or None if it goes on."""
     if s.tokens[-1] in s.stop_token_ids:
       return "stop"
     if not s.budget:
       return "length"
     return None
 
-  def update(self, plan: Plan, tokens: np.ndarray, lengths: np.ndarray
-             ) -> list[tuple[int, list[int], str | None]]:
-    """Takes a plan's results and retires the requests that finished.
+  def update(self, plan: Plan, prefill_tokens: np.ndarray, decode_tokens: np.ndarray,
+             page_table: np.ndarray, num_free: int
+             ) -> list[tuple[int, int, list[int], str | None]]:
+    """Takes a plan's results and retires the sequences that finished.
 
     Args:
       plan: the plan the runner executed.
-      tokens: its output (`ModelRunner.execute`).
-      lengths: the pool's sequence lengths after the call.
+      prefill_tokens: int32 [samples], the first tokens its prefill sampled, in the order
+        of its chunks' `samples`.
+      decode_tokens: int32 [steps, max_batch], its decode chunk's tokens (-1 where a row
+        produced nothing).
+      page_table, num_free: the pool's after the call.
 
     Returns:
-      (request id, new tokens, finish reason or None) per request that produced tokens:
-      whole chunks, so the host pays per request, not per token.
+      (request id, sample, new tokens, finish reason or None) per sequence that produced
+      tokens: whole chunks, so the host pays per sequence, not per token.
 
     Raises:
-      RuntimeError: the pool's lengths differ from the host accounting (a reservation
-        failed on device: a scheduler bug).
+      RuntimeError: the pool differs from the host accounting (a reservation failed on
+        device: a scheduler bug).
     """
-    if plan.prefill:
-      new = {slot: [int(tokens[j])] for j, slot in enumerate(plan.prefill)}
-      self.cache.grow(plan.prefill, [self.slots[i].context_length for i in plan.prefill])
-    else:
+    new: dict[int, list[int]] = {}
+    if plan.decode_steps:
       # A row's tokens are a prefix of its column: the device loop stops a row for good on
       # its first stop token or when its budget runs out, so only the last one can end it.
-      produced = (tokens >= 0).sum(axis=0)
-      new = {i: tokens[:produced[i], i].tolist() for i, s in enumerate(self.slots)
+      produced = (decode_tokens >= 0).sum(axis=0)
+      new = {i: decode_tokens[:produced[i], i].tolist() for i, s in enumerate(plan.rows)
              if s is not None and produced[i]}
       # Each step cached the previous newest token.
       self.cache.grow_decode(list(new), [len(t) for t in new.values()])
-    if not np.array_equal(lengths, self.cache.cached):
-      raise RuntimeError(f"the pool holds {np.asarray(lengths).tolist()} tokens per sequence, "
-                         f"the scheduler expected {self.cache.cached.tolist()}: a reservation "
-                         "found no free page (scheduler bug)")
+    sampled = iter(np.asarray(prefill_tokens).tolist())
+    for chunk in plan.prefill:
+      self.cache.grow([chunk.slot], [len(chunk.tokens)])
+      self.cache.fork(chunk.slot, chunk.forks)
+      for slot, s in chunk.samples:
+        new[slot] = [next(sampled)]
+        s.decoding, s.parent = True, None
+    self.cache.sync(page_table, num_free)
+    for chunk in plan.prefill:
+      s = self.slots[chunk.slot]
+      self.cache.register(chunk.slot, s.context, chunk.start + len(chunk.tokens))
     events = []
     for slot, t in new.items():
       s = self.slots[slot]
@@ -252,5 +369,5 @@ class Scheduler:
       reason = self._stop_reason(s)
       if reason is not None:
         self._retire(slot)
-      events.append((s.request_id, t, reason))
+      events.append((s.request_id, s.sample, t, reason))
     return events

@@ -1,0 +1,153 @@
+"""Shared pages in the engine: prefix caching, parallel sampling and chunked prefill give
+the tokens of unshared runs, and leave no page referenced or leaked."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_paged import Engine, Request, generate
+from jax_paged.serving import admission
+from jax_paged.serving.kv_cache_manager import KVCacheManager
+from jax_paged.serving.request import sample_seed
+from jax_paged.serving.scheduler import Scheduler
+from models import gpt2
+from tests.test_engine import FakeDevice
+
+CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=32, n_layer=2, n_head=4,
+                         bos_token_id=None, eos_token_id=None)
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+  return gpt2.GPT2LMHeadModel(CONFIG, rngs=nnx.Rngs(5))
+
+
+@pytest.fixture(scope="module")
+def shared_prompts():
+  """Prompts sharing a 3-page system prompt: plus a suffix (crossing a page, or ending the
+  prefix on a page boundary), the prefix alone, the prefix cut mid-page, one identical to
+  another, and a cached prefix plus one token."""
+  rng = np.random.default_rng(0)
+  system = rng.integers(0, CONFIG.vocab_size, 3 * PAGE).tolist()
+  first = system + rng.integers(0, CONFIG.vocab_size, 5).tolist()
+  return [first, system + rng.integers(0, CONFIG.vocab_size, 11).tolist(), system,
+          system[:2 * PAGE + 3], list(first), system[:2 * PAGE] + [4],
+          system + system[:PAGE]]
+
+
+@pytest.fixture(scope="module")
+def reference(model, shared_prompts):
+  return generate(model, shared_prompts, 10, page_size=PAGE)
+
+
+@pytest.mark.parametrize("max_batch", [2, 8])
+def test_prefix_caching_gives_the_same_greedy_tokens(model, shared_prompts, reference,
+                                                     max_batch):
+  requests = [Request(p, 10) for p in shared_prompts]
+  cached = Engine(model, max_batch=max_batch, num_pages=64, page_size=PAGE)
+  outputs, report = cached.generate(requests)
+  assert outputs == reference
+  assert report.cached_prompt_tokens >= 5 * 2 * PAGE and report.pages_saved >= 10
+  off = Engine(model, max_batch=max_batch, num_pages=64, page_size=PAGE,
+               prefix_caching=False)
+  outputs_off, report_off = off.generate(requests)
+  assert outputs_off == reference and report_off.cached_prompt_tokens == 0
+  assert report.peak_pages_in_use < report_off.peak_pages_in_use
+  for eng in (cached, off):  # every page back, every count zero
+    assert int(eng.kv.num_free_pages()) == 64 and not np.asarray(eng.kv.refcounts).any()
+
+
+def test_requests_admitted_together_compute_a_shared_prefix_once(model, shared_prompts):
+  """Eight requests sharing 3 pages, admitted at once: the first computes them, the rest
+  wait one prefill call and attach to them."""
+  system = shared_prompts[2]
+  requests = [Request(system + [i, i + 1], 4) for i in range(8)]
+  eng = Engine(model, max_batch=8, num_pages=64, page_size=PAGE)
+  outputs, report = eng.generate(requests)
+  assert report.cached_prompt_tokens == 7 * 3 * PAGE and report.prefill_calls == 2
+  assert outputs == generate(model, [r.prompt for r in requests], 4, page_size=PAGE)
+
+
+def test_eviction_under_a_tiny_pool_gives_the_same_tokens(
+    model, shared_prompts, reference):
+  eng = Engine(model, max_batch=4, num_pages=8, page_size=PAGE, steps_per_call=6)
+  outputs, report = eng.generate([Request(p, 10) for p in shared_prompts])
+  assert outputs == reference and report.evicted_pages > 0
+  assert report.cached_prompt_tokens > 0 and report.peak_pages_in_use <= 8
+  assert int(eng.kv.num_free_pages()) == 8 and not np.asarray(eng.kv.refcounts).any()
+
+
+def test_parallel_samples_share_the_prompt_and_draw_their_own_streams(model, shared_prompts):
+  """Sample j of a request with n samples is what a lone request seeded sample_seed(seed,
+  j) draws: forks share the prompt's pages (copy-on-write on the last, partly filled one)
+  without seeing each other's tokens."""
+  prompt = shared_prompts[1]  # 35 tokens: its last page is shared partly filled
+  eng = Engine(model, max_batch=6, num_pages=64, page_size=PAGE, steps_per_call=4)
+  outputs, report = eng.generate([Request(prompt, 9, temperature=1.0, seed=3, n=4),
+                                  Request(shared_prompts[0], 5, n=2)])
+  alone = Engine(model, max_batch=1, num_pages=64, page_size=PAGE)
+  for j in range(4):
+    lone, _ = alone.generate([Request(prompt, 9, temperature=1.0, seed=sample_seed(3, j))])
+    assert outputs[0][j] == lone[0]
+  assert len({tuple(o) for o in outputs[0]}) == 4
+  greedy = generate(model, [shared_prompts[0]], 5, page_size=PAGE)[0]
+  assert outputs[1] == [greedy, greedy]
+  assert report.pages_saved >= 3 * (len(prompt) // PAGE + 1)
+  assert int(eng.kv.num_free_pages()) == 64 and not np.asarray(eng.kv.refcounts).any()
+
+
+def test_long_prompts_prefill_in_chunks_beside_decoding_requests(model, shared_prompts,
+                                                                 reference):
+  """A 90-token prompt in chunks of 16 arrives while short requests decode: the same tokens,
+  and decode chunks run between its chunks."""
+  rng = np.random.default_rng(4)
+  long_prompt = rng.integers(0, CONFIG.vocab_size, 80).tolist()
+  requests = [Request(p, 10) for p in shared_prompts[:3]] + [
+      Request(long_prompt, 10, arrival_s=0.5)]
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=PAGE, max_prefill_tokens=16,
+               steps_per_call=40)
+  outputs, report = eng.generate(requests)
+  assert outputs[:3] == reference[:3]
+  assert outputs[3] == generate(model, [long_prompt], 10, page_size=PAGE)[0]
+  assert report.prefill_calls >= 80 // 16
+
+
+def test_a_request_arriving_later_starts_on_the_cached_prefix(model, shared_prompts,
+                                                              reference):
+  requests = [Request(shared_prompts[0], 10), Request(shared_prompts[1], 10, arrival_s=0.3)]
+  eng = Engine(model, max_batch=2, num_pages=64, page_size=PAGE)
+  outputs, report = eng.generate(requests)
+  assert outputs == reference[:2] and report.cached_prompt_tokens == 3 * PAGE
+  assert report.ttft_s[1] < report.elapsed_s - 0.3 + 1e-6
+
+
+def test_many_random_requests_with_shared_prefixes_leave_nothing_referenced():
+  """Three thousand random requests (shared prefixes, n up to 3, random budgets) through the
+  scheduler on a small pool with the device's page work done by the pool functions:
+  after every call the host mirror matches the device (`sync` checks the free pages), and
+  at the end every page is free and every count zero."""
+  rng = np.random.default_rng(1)
+  bases = [rng.integers(0, 50, rng.integers(4, 40)).tolist() for _ in range(6)]
+  requests = []
+  for _ in range(3000):
+    base = bases[rng.integers(len(bases))]
+    prompt = base[:rng.integers(1, len(base) + 1)] + rng.integers(0, 50, rng.integers(0, 6)).tolist()
+    requests.append(Request(prompt, int(rng.integers(1, 12)), n=int(rng.integers(1, 4)),
+                            stop_token_ids=[int(rng.integers(0, 50))]))
+  cache = KVCacheManager(num_pages=24, page_size=4, max_seqs=8, prefix_caching=True)
+  scheduler = Scheduler(requests, max_batch=8, cache=cache,
+                        admission=admission.OptimisticAdmission(cache), steps_per_call=5,
+                        max_prefill_tokens=32)
+  device = FakeDevice(cache)
+  finished = 0
+  while (plan := scheduler.schedule()) is not None:
+    for _, _, _, reason in device.run(scheduler, plan, token=int(rng.integers(0, 50))):
+      finished += reason is not None
+  assert finished == sum(r.n for r in requests) and scheduler.finished
+  assert cache.cached_prompt_tokens > 0 and scheduler.num_preemptions > 0
+  kv = device.kv
+  from jax_paged import pool
+  kv = pool.release(kv, scheduler.pending_release() or [0])
+  kv = pool.release_pages(kv, cache.evict_for(cache.num_pages) or [-1])
+  assert int(kv.num_free) == 24 and not np.asarray(kv.refcounts).any()
