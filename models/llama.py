@@ -216,7 +216,8 @@ class MLP(nnx.Module):
     return paged_nn.dense(self.down, jax.nn.silu(gate) * up)
 
 
-# attend(attention layer, normalised x, pool, layer index) -> (attention output, pool)
+# attend(attention layer, normalised x, pool, layer index) -> (attention output before
+# the layer's `out` projection, pool)
 Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
                   tuple[jax.Array, pool_lib.KVPool]]
 
@@ -240,7 +241,7 @@ class DecoderLayer(nnx.Module):
                ) -> tuple[jax.Array, pool_lib.KVPool]:
     """x [..., hidden] the residual stream -> (the new stream, the pool)."""
     a, kv = attend(self.self_attn, self.input_layernorm(x), kv, layer)
-    x = x + a
+    x = x + paged_nn.dense(self.self_attn.out, a)  # one kernel at decode's few rows
     return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
@@ -320,7 +321,7 @@ class LlamaForCausalLM(nnx.Module):
     b = tokens.shape[0]
     h, kv = self._forward(
         tokens, kv,
-        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths))
+        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, project=False))
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     return self._logits(last), kv
 
@@ -344,7 +345,8 @@ class LlamaForCausalLM(nnx.Module):
     del positions
     h, kv = self._forward(
         tokens, kv,
-        lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths))
+        lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
+                                               project=False))
     return (self._greedy(h) if greedy else self._logits(h)), kv
 
 

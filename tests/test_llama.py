@@ -56,10 +56,10 @@ MODELS = {
 }
 
 
-def _hf_model(name: str, seed: int = 0):
+def _hf_model(name: str, seed: int = 0, **overrides):
   cls, config_cls, kwargs, _ = MODELS[name]
   torch.manual_seed(seed)
-  hf = cls(config_cls(**{**_COMMON, **kwargs})).eval()
+  hf = cls(config_cls(**{**_COMMON, **kwargs, **overrides})).eval()
   with torch.no_grad():
     for pname, p in hf.named_parameters():
       if pname.endswith("bias"):
@@ -107,6 +107,12 @@ def _hf_last_logits(hf, seqs: list[list[int]]) -> np.ndarray:
     logits = hf(torch.from_numpy(tokens).long(),
                 attention_mask=torch.from_numpy(mask).long()).logits.numpy()
   return logits[np.arange(len(seqs)), lengths - 1]
+
+
+def _hf_generate(hf, prompt: list[int], new: int) -> list[int]:
+  with torch.no_grad():
+    return hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
 
 
 def _prompts(rng, lengths) -> list[list[int]]:
@@ -168,11 +174,7 @@ def test_greedy_generate_matches_hf(checkpoint):
   prompts = _prompts(np.random.default_rng(2), [1, 5, 9, 17])
   new = 12  # every prompt crosses a page boundary while decoding
   ours = jax_paged.generate(model, prompts, new, page_size=PAGE)
-  for prompt, got in zip(prompts, ours):
-    with torch.no_grad():
-      want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-    assert got == want, name
+  assert ours == [_hf_generate(hf, p, new) for p in prompts], name
 
 
 def test_engine_under_preemption_gives_generates_tokens(saved):
@@ -280,6 +282,46 @@ def test_from_pretrained_bf16(saved):
   np.testing.assert_allclose(logits[0], want, atol=0.1 * np.abs(want).max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_triton_decode_matches_reference_and_hf_on_gpu(name, tmp_path):
+  """f32, head dim 64 (a shape the Triton kernels take): the decode attention kernel (with
+  Mistral's window), the q/k/v GEMM kernel and the cache-write kernel behind RoPE give the
+  reference path's and HF's greedy tokens."""
+  hf = _hf_model(name, head_dim=64)
+  hf.save_pretrained(tmp_path)
+  prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
+  with jax.default_matmul_precision("highest"):
+    kernel = jax_paged.generate(llama.from_pretrained(tmp_path, decode_impl="kernel"),
+                                prompts, 24, page_size=16)
+    ref = jax_paged.generate(llama.from_pretrained(tmp_path, decode_impl="reference"),
+                             prompts, 24, page_size=16)
+  assert kernel == ref
+  assert kernel == [_hf_generate(hf, p, 24) for p in prompts]
+
+
+@pytest.mark.gpu
+def test_bf16_logits_close_to_hf_on_gpu(tmp_path):
+  """bf16 on a GPU (cuDNN prompt attention with Mistral's window, the Triton decode path)
+  against HF in f32: every step's logits within bf16's error."""
+  hf = _hf_model("mistral", head_dim=64)
+  hf.save_pretrained(tmp_path)
+  model = llama.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(9)
+  seqs = _prompts(rng, [4, 17, 30])
+  kv = model.spec.create_pool(num_pages=16, page_size=16, max_seqs=3, max_pages_per_seq=4)
+  seq_ids = np.arange(3, dtype=np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(8):
+    want = _hf_last_logits(hf, seqs)
+    np.testing.assert_allclose(logits, want, atol=0.05 * np.abs(want).max(),
+                               err_msg=f"step {step}")
+    nxt = rng.integers(1, VOCAB, 3)
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+
+
 # ----------------------------------------------------------------- CLI
 FAMILIES = [gpt2.FAMILY, llama.FAMILY]
 
@@ -329,10 +371,7 @@ def test_cli_checkpoint_with_tokenizer_json_and_eos_list(capsys, tmp_path):
   status, out, err = _cli(capsys, *args, "--ignore-eos")
   assert status == 0, err
   ids = [int(t) for t in out.splitlines()[1].split(",")]
-  with torch.no_grad():
-    want = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=10, min_new_tokens=10,
-                       do_sample=False, pad_token_id=0)[0, 3:].tolist()
-  assert ids == want
+  assert ids == _hf_generate(hf, [5, 6, 7], 10)
   stop = ids[3]
   config = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [299, stop]}))
