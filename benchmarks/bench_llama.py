@@ -22,25 +22,20 @@ vocabulary 128256, tied embeddings, llama3 RoPE.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
 
-# JAX takes 75% of the GPU by default; leave Hugging Face's torch model room beside it.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from benchmarks import bench_decode_step  # noqa: E402
-from benchmarks import bench_generate  # noqa: E402
-from benchmarks import common  # noqa: E402
-from jax_paged import Engine, Request  # noqa: E402
-from jax_paged.serving import runner as runner_lib  # noqa: E402
-from models import llama  # noqa: E402
+from benchmarks import bench_decode_step
+from benchmarks import bench_generate
+from benchmarks import common
+from jax_paged import Engine, Request
+from jax_paged.serving import runner as runner_lib
+from models import llama
 
 LLAMA_3_2_1B = llama.LlamaConfig(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -139,6 +134,8 @@ def main():
   p.add_argument("--skip-hf", action="store_true")
   args = p.parse_args()
   bench_decode_step.check_steps_per_call(p, "--iters", args.iters)
+  # JAX takes 75% of the GPU when it first uses it; leave Hugging Face's torch model room.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
   print(f"# bench_llama: {common.header()}")
   model = llama.LlamaForCausalLM(LLAMA_3_2_1B, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

@@ -18,7 +18,8 @@ decode alike).
 
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
-few rows (the attention layer's `project=False` leaves its output projection to it), and
+few rows (the attention layer's `project=False` leaves its output projection to it);
+`project_add` the same without the norm (for a norm of the model's own, e.g. RMSNorm), and
 `dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
 (`jax_paged.kernels.linear`).
 """
@@ -261,6 +262,36 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
       residual, parts, norm.scale[...], norm.bias[...],
       parts_bias=None if proj.bias is None else proj.bias[...], epsilon=norm.epsilon,
       out_dtype=norm.dtype or residual.dtype, interpret=mode)
+
+
+def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
+                interpret: bool | None = None) -> jax.Array:
+  """residual + proj(h), for a projection with a long K at decode's few rows.
+
+  On a GPU with at most 256 rows, `proj` runs split-K (`jax_paged.linear.linear_partials`)
+  and XLA sums the f32 partials, the bias and the residual in one fusion (which a norm
+  after it can join). The whole-K `dense` kernel would run one program per 64 output
+  columns and row block: 32 programs for a [8192, 2048] down projection at 64 rows, too
+  few to keep HBM busy. Elsewhere, the plain module.
+
+  Args:
+    proj: the projection added to the residual stream (kernel [K, N], optional bias [N]).
+    h: [..., K], its input.
+    residual: [..., N], the residual stream.
+    interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
+      Pallas interpret mode (tests).
+
+  Returns:
+    [..., N] in the residual's dtype.
+  """
+  h_c, kernel = _operands(proj, h)
+  mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
+  if mode is None:
+    return residual + proj(h)
+  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode), axis=0)
+  if proj.bias is not None:
+    y += proj.bias[...].astype(jnp.float32)
+  return (residual.astype(jnp.float32) + y).astype(residual.dtype)
 
 
 class PagedAttention(nnx.Module):

@@ -211,9 +211,11 @@ class MLP(nnx.Module):
     self.down = nnx.Linear(self.width, config.hidden_size, use_bias=config.mlp_bias,
                            kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def hidden(self, x: jax.Array) -> jax.Array:
+    """silu(gate(x)) * up(x) [..., intermediate]; the block applies `down` with its
+    residual add (`jax_paged.nn.project_add`)."""
     gate, up = paged_nn.dense(self.gate_up, x, sections=(self.width, self.width))
-    return paged_nn.dense(self.down, jax.nn.silu(gate) * up)
+    return jax.nn.silu(gate) * up
 
 
 # attend(attention layer, normalised x, pool, layer index) -> (attention output before
@@ -241,8 +243,9 @@ class DecoderLayer(nnx.Module):
                ) -> tuple[jax.Array, pool_lib.KVPool]:
     """x [..., hidden] the residual stream -> (the new stream, the pool)."""
     a, kv = attend(self.self_attn, self.input_layernorm(x), kv, layer)
-    x = x + paged_nn.dense(self.self_attn.out, a)  # one kernel at decode's few rows
-    return x + self.mlp(self.post_attention_layernorm(x)), kv
+    x = paged_nn.project_add(self.self_attn.out, a, x)
+    h = self.mlp.hidden(self.post_attention_layernorm(x))
+    return paged_nn.project_add(self.mlp.down, h, x), kv
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -230,3 +230,19 @@ def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
   np.testing.assert_allclose(np.asarray(y, np.float64),
                              np.asarray(norm(want_x.astype(jnp.float32)), np.float64),
                              rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
+def test_project_add_matches_unfused(rows, dtype, monkeypatch):
+  # 5 and 7 rows take the split-K kernel (interpret mode) with XLA's sum; 300 rows are over
+  # the kernel's limit and take the plain module.
+  partial_calls = _record_calls(monkeypatch, nn.linear, "linear_partials", 0)
+  rng = np.random.default_rng(rows + 1)
+  proj, h = _random_linear(192, rows, dtype, rng)
+  residual = jnp.asarray(rng.standard_normal((rows, E)) * 2 + 1, dtype)
+  x = nn.project_add(proj, h, residual, interpret=True)
+  assert partial_calls == ([] if rows > 256 else [(rows, 192)])
+  assert x.dtype == dtype
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(x, np.float64),
+                             np.asarray(residual + proj(h), np.float64), rtol=tol, atol=tol)
