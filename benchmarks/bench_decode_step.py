@@ -139,11 +139,13 @@ def time_device_loop(runner: runner_lib.ModelRunner,
   return float(np.median(times)), kv
 
 
-def time_attention(kv, num_layers: int, iters: int) -> float:
+def time_attention(kv, num_layers: int, iters: int, num_heads: int | None = None) -> float:
   """Seconds per step spent in decode attention alone: the kernel on layer 0 of the same
-  pool (as the step calls it), times the number of layers."""
+  pool (as the step calls it, `num_heads` q heads: default one per kv head), times the
+  number of layers."""
   batch = kv.max_seqs
-  q = jax.random.normal(jax.random.key(0), (batch, kv.num_kv_heads, kv.head_dim),
+  num_heads = kv.num_kv_heads if num_heads is None else num_heads
+  q = jax.random.normal(jax.random.key(0), (batch, num_heads, kv.head_dim),
                         kv.k_pages.dtype)
   attend = jax.jit(lambda q, kv: paged_attention.paged_decode_attention(
       q, kv.k_pages, kv.v_pages, kv.page_table, kv.lengths, layer=0))

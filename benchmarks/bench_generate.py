@@ -117,7 +117,17 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
       vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
       n_layer=config.n_layer, n_head=config.n_head)
   model = transformers.GPT2LMHeadModel(hf_config).to("cuda", torch.bfloat16).eval()
-  ids = torch.randint(0, config.vocab_size, (batch, prompt), device="cuda")
+  return hf_tokens_per_s(model, config.vocab_size, batch, prompt, new, static)
+
+
+def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
+                    static: bool) -> float:
+  """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` greedy tokens
+  after random prompts of `batch` x `prompt` tokens: `generate` with a static cache (which
+  transformers compiles with torch.compile) or the dynamic one, timed on the second of two
+  identical calls."""
+  import torch
+  ids = torch.randint(0, vocab_size, (batch, prompt), device="cuda")
   kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
                 pad_token_id=0, attention_mask=torch.ones_like(ids))
   if static:

@@ -1,4 +1,5 @@
-"""Where a GPT-2 decode step's GPU time goes: a per-kernel breakdown from a profiler trace.
+"""Where a decode step's GPU time goes (GPT-2 124M, or the Llama-3.2-1B shape of
+bench_llama): a per-kernel breakdown from a profiler trace.
 
 Runs the engine's on-device decode loop (`steps` decode steps in one jitted call, as in
 `jax_paged.Engine`) at a fixed batch and context under `jax.profiler`, then reads the
@@ -6,8 +7,8 @@ Perfetto trace and prints, per kernel name: launches per step, µs per step and 
 the GPU's busy time, plus the step's wall time vs the summed kernel time (the gap is time
 the GPU sat idle: launch latency and host waits).
 
-    PYTHONPATH=. python benchmarks/profile_decode_step.py [--batch 128] [--context 512]
-        [--steps 32] [--top 40]
+    PYTHONPATH=. python benchmarks/profile_decode_step.py [--model gpt2 | llama-3.2-1b]
+        [--batch 128] [--context 512] [--steps 32] [--top 40]
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import bench_decode_step
+from benchmarks import bench_llama
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
 from jax_paged.serving import runner as runner_lib
 from models import gpt2
+from models import llama
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", choices=("gpt2", "llama-3.2-1b"), default="gpt2",
+                      help="random bf16 weights of this shape")
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--steps", type=int, default=32,
@@ -41,8 +46,11 @@ def main():
   args = parser.parse_args()
   bench_decode_step.check_steps_per_call(parser, "--steps", args.steps)
 
-  config = gpt2.GPT2Config()
-  model = gpt2.GPT2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  if args.model == "gpt2":
+    model = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  else:
+    model = llama.LlamaForCausalLM(bench_llama.LLAMA_3_2_1B, dtype=jnp.bfloat16,
+                                   rngs=nnx.Rngs(0))
   ps = bench_decode_step.PAGE_SIZE
   total_steps = (args.calls + 2) * args.steps
   pages_per_seq = -(-(args.context + total_steps) // ps)
@@ -91,7 +99,7 @@ def main():
   idle = sum(v[2] for v in by_name.values()) / steps
   span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps
 
-  print(f"# decode step profile: batch {args.batch}, context {args.context} to "
+  print(f"# {args.model} decode step profile: batch {args.batch}, context {args.context} to "
         f"{args.context + args.calls * args.steps}, {args.steps} steps per call, "
         f"{common.header()}")
   print(f"wall per step (unprofiled, median of {args.calls} calls): {wall * 1e6:.0f} us; "

@@ -7,7 +7,8 @@ and ends with a report whose last line holds tokens/s.
 
 Models are not imported here: installed packages register model families
 (`jax_paged.ModelFamily`) under the entry point group `jax_paged.models`; this project
-registers `models.gpt2:FAMILY`. A checkpoint's `config.json` `model_type` picks the family.
+registers `models.gpt2:FAMILY` and `models.llama:FAMILY`. A checkpoint's `config.json`
+`model_type` picks the family.
 """
 
 from __future__ import annotations
@@ -318,7 +319,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   num_pages = args.num_pages
   if num_pages is None and not on_gpu:
     num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
-  eos = None if args.ignore_eos else spec.eos_token_id
+  # Every eos id stops a request (a config may list several: Llama 3's).
+  stops = () if args.ignore_eos else spec.eos_token_ids
   requests = []
   for i, (_, ids) in enumerate(prompts):
     # New tokens lowered to what fits the model's context (at least one, so that a prompt
@@ -329,13 +331,13 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{len(ids)} tokens leave that much of the model's n_positions="
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed + i, n=args.n))
+                            top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
+                            n=args.n))
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
                  page_size=args.page_size, steps_per_call=args.steps_per_call,
-                 admission=args.admission, eos_token_id=eos,
-                 prefix_caching=not args.no_prefix_caching)
+                 admission=args.admission, prefix_caching=not args.no_prefix_caching)
     print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
           f"{spec.head_dim}; {jnp.dtype(dtype).name} on {jax.devices()[0].platform}; text as "
           f"{codec.name if codec else 'token ids'}", file=sys.stderr)

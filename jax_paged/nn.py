@@ -13,19 +13,28 @@ GPU the projection kernel stores them itself) and attends
 The caller reserves the slots (`pool.reserve`) once per step for all layers and passes
 them in; the layer never allocates.
 
+Position information, where a model has it in attention, comes from a `RotaryEmbedding`
+(RoPE: default, "linear" and "llama3" frequencies) applied by the layer to q and k before
+K is cached; a `sliding_window` limits every token to the last W positions (prompt and
+decode alike).
+
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
-few rows (the attention layer's `project=False` leaves its output projection to it), and
+few rows (the attention layer's `project=False` leaves its output projection to it);
+`project_add` the same without the norm (for a norm of the model's own, e.g. RMSNorm), and
 `dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
 (`jax_paged.kernels.linear`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_paged.kernels import layer_norm
@@ -48,13 +57,16 @@ def _cudnn_supports(q: jax.Array) -> bool:
 
 
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                     scale: float) -> jax.Array:
+                     scale: float, sliding_window: int | None = None) -> jax.Array:
   """Causal self-attention over right-padded prompts.
 
   Args:
     q: [B, T, H, D]; k, v: [B, T, Hkv, D] with H % Hkv == 0.
     lengths: int32 [B] in [1, T], real tokens per row.
     scale: logit scale.
+    sliding_window: W > 0 lets the token at position i attend to positions (i - W, i]
+      only (Hugging Face Mistral's mask, and the decode kernel's [L - W, L)); None = all
+      earlier positions.
 
   Returns:
     [B, T, H, D] in q's dtype; rows at or past a prompt's length are 0.
@@ -63,18 +75,100 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   the [B, H, T, T] logits (XLA's path writes and rereads them in f32 at every layer: most
   of a long prompt's attention time); elsewhere XLA's `jax.nn.dot_product_attention`.
   """
+  # jax's window is inclusive on both sides: keys [i - left, i + right].
+  window = None if sliding_window is None else (sliding_window - 1, 0)
   if _cudnn_supports(q):
     y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                      query_seq_lengths=lengths,
-                                     key_value_seq_lengths=lengths, implementation="cudnn")
+                                     key_value_seq_lengths=lengths, local_window_size=window,
+                                     implementation="cudnn")
   else:
-    # Padded queries attend to the real keys before them, so no row is empty (no NaN).
+    # Padded queries attend to the real keys before them (or, past a window, to none:
+    # XLA's finite mask value keeps that row finite), so no row is NaN.
     y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                     key_value_seq_lengths=lengths)
+                                     key_value_seq_lengths=lengths, local_window_size=window)
   # Zero padding rows whatever the backend left there, so that nothing downstream (their
   # K/V at the next layer, masked but still multiplied) can carry a non-finite value.
   real = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
   return jnp.where(real[:, :, None, None], y, 0).astype(q.dtype)
+
+
+RopeType = Literal["default", "linear", "llama3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryEmbedding:
+  """Rotary position embeddings (RoPE) in the rotate-half layout of Hugging Face's Llama:
+  the two halves of a head, x1 = x[..., :D/2] and x2 = x[..., D/2:], rotate as the pairs
+  (x1[i], x2[i]) by the angle position * inv_freq[i].
+
+  Frequencies inv_freq[i] = theta ** (-2i / D), then by `rope_type`:
+    "default": as they are;
+    "linear": divided by `factor` (positions interpolated `factor` times);
+    "llama3": Llama 3.1's: wavelengths above original_max_position_embeddings /
+      low_freq_factor divided by `factor`, below original_max_position_embeddings /
+      high_freq_factor kept, and smoothly interpolated between.
+  They are computed in float32 in Hugging Face's order of operations (`inv_freq`), so
+  float32 models reproduce its angles.
+
+  Frozen and hashable: a layer holds it as static configuration, not as parameters.
+  """
+
+  head_dim: int
+  theta: float = 10000.0
+  rope_type: RopeType = "default"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if not (isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0):
+      raise ValueError(f"head_dim must be a positive even int, got {self.head_dim!r}")
+    if not self.theta > 0:
+      raise ValueError(f"theta must be > 0, got {self.theta!r}")
+    if self.rope_type not in ("default", "linear", "llama3"):
+      raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3', got "
+                       f"{self.rope_type!r}")
+    if not self.factor > 0:
+      raise ValueError(f"factor must be > 0, got {self.factor!r}")
+    if self.rope_type == "llama3" and not (
+        0 < self.low_freq_factor < self.high_freq_factor
+        and self.original_max_position_embeddings > 0):
+      raise ValueError("llama3 rope needs 0 < low_freq_factor < high_freq_factor and "
+                       f"original_max_position_embeddings > 0, got {self.low_freq_factor}, "
+                       f"{self.high_freq_factor}, {self.original_max_position_embeddings}")
+
+  def inv_freq(self) -> np.ndarray:
+    """float32 [head_dim // 2], the rotation frequency of each pair."""
+    d = self.head_dim
+    f32 = np.float32
+    inv_freq = f32(1.0) / (f32(self.theta) ** (np.arange(0, d, 2).astype(f32) / f32(d)))
+    if self.rope_type == "linear":
+      inv_freq = inv_freq / f32(self.factor)
+    elif self.rope_type == "llama3":
+      old = self.original_max_position_embeddings
+      low_freq_wavelen = old / self.low_freq_factor
+      high_freq_wavelen = old / self.high_freq_factor
+      wavelen = f32(2 * math.pi) / inv_freq
+      scaled = np.where(wavelen > low_freq_wavelen, inv_freq / f32(self.factor), inv_freq)
+      smooth = ((f32(old) / wavelen - f32(self.low_freq_factor))
+                / f32(self.high_freq_factor - self.low_freq_factor))
+      smoothed = (1 - smooth) * scaled / f32(self.factor) + smooth * scaled
+      medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+      inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(f32)
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotates x [..., heads, head_dim] at positions [...] (integer, broadcast against
+    x.shape[:-2]); computed in float32, returned in x's dtype."""
+    if x.shape[-1] != self.head_dim:
+      raise ValueError(f"x must end in head_dim={self.head_dim}, got shape {x.shape}")
+    angles = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(self.inv_freq())
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # [..., 1, D/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return y.astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -173,6 +267,36 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
       out_dtype=norm.dtype or residual.dtype, interpret=mode)
 
 
+def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
+                interpret: bool | None = None) -> jax.Array:
+  """residual + proj(h), for a projection with a long K at decode's few rows.
+
+  On a GPU with at most 256 rows, `proj` runs split-K (`jax_paged.linear.linear_partials`)
+  and XLA sums the f32 partials, the bias and the residual in one fusion (which a norm
+  after it can join). The whole-K `dense` kernel would run one program per 64 output
+  columns and row block: 32 programs for a [8192, 2048] down projection at 64 rows, too
+  few to keep HBM busy. Elsewhere, the plain module.
+
+  Args:
+    proj: the projection added to the residual stream (kernel [K, N], optional bias [N]).
+    h: [..., K], its input.
+    residual: [..., N], the residual stream.
+    interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
+      Pallas interpret mode (tests).
+
+  Returns:
+    [..., N] in the residual's dtype.
+  """
+  h_c, kernel = _operands(proj, h)
+  mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
+  if mode is None:
+    return residual + proj(h)
+  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode), axis=0)
+  if proj.bias is not None:
+    y += proj.bias[...].astype(jnp.float32)
+  return (residual.astype(jnp.float32) + y).astype(residual.dtype)
+
+
 class PagedAttention(nnx.Module):
   """Self-attention with a paged KV cache.
 
@@ -181,6 +305,10 @@ class PagedAttention(nnx.Module):
   `out` [num_heads * head_dim, in_features].
 
   Attributes:
+    rope: a `RotaryEmbedding` applied to q and k (K is cached rotated), or None (a model
+      with learned or no positions).
+    sliding_window: W > 0 limits each token to the last W positions, itself included
+      (Mistral's window), at prefill and decode; None = every earlier position.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
       XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
       kernel where it supports the head dim and page size, else the reference).
@@ -188,7 +316,9 @@ class PagedAttention(nnx.Module):
 
   def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
                num_kv_heads: int | None = None, scale: float | None = None,
-               use_bias: bool = True, decode_impl: DecodeImpl = "auto",
+               qkv_bias: bool = True, out_bias: bool = True,
+               rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
+               decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -198,24 +328,40 @@ class PagedAttention(nnx.Module):
     if decode_impl not in ("auto", "kernel", "reference"):
       raise ValueError(f"decode_impl must be 'auto', 'kernel' or 'reference', got "
                        f"{decode_impl!r}")
+    if rope is not None and (not isinstance(rope, RotaryEmbedding) or rope.head_dim != head_dim):
+      raise ValueError(f"rope must be a RotaryEmbedding of head_dim={head_dim} or None, got "
+                       f"{rope!r}")
+    if sliding_window is not None and not (
+        isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+        and sliding_window > 0):
+      raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
     self.scale = head_dim ** -0.5 if scale is None else scale
+    self.rope = rope
+    self.sliding_window = sliding_window
     self.decode_impl = decode_impl
     self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim,
-                          use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
+                          use_bias=qkv_bias, kernel_init=kernel_init, dtype=dtype,
                           param_dtype=param_dtype, rngs=rngs)
-    self.out = nnx.Linear(num_heads * head_dim, in_features, use_bias=use_bias,
+    self.out = nnx.Linear(num_heads * head_dim, in_features, use_bias=out_bias,
                           kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype,
                           rngs=rngs)
 
-  def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D]."""
+  def _project(self, x: jax.Array, positions: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k rotated
+    to `positions` (int [...], required with a `rope`) when the layer has a `rope`."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d))
     lead = x.shape[:-1]
-    return (q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d)))
+    q, k, v = q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d))
+    if self.rope is not None:
+      if positions is None:
+        raise ValueError("a layer with a rope needs the tokens' positions")
+      q, k = self.rope(q, positions), self.rope(k, positions)
+    return q, k, v
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
@@ -243,17 +389,20 @@ class PagedAttention(nnx.Module):
       (y [B, T, in_features], pool with this layer's K/V written). Rows past a prompt's
       length are garbage.
     """
-    q, k, v = self._project(x)
+    # New token t of a row sits at position start + t.
+    positions = jnp.arange(x.shape[1])[None, :] + (0 if start is None else start[:, None])
+    q, k, v = self._project(x, positions)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     if start is None:
-      y = prompt_attention(q, k, v, lengths, scale=self.scale)
+      y = prompt_attention(q, k, v, lengths, scale=self.scale,
+                           sliding_window=self.sliding_window)
     else:
       if page_table is None:
         raise ValueError("prefill with start needs the batch's page_table rows")
       # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place.
       y = paged_prefill.paged_prefill_attention(
           q.astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages, page_table, start, lengths,
-          layer=layer, scale=self.scale).astype(q.dtype)
+          layer=layer, scale=self.scale, sliding_window=self.sliding_window).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (self.out(y) if project else y), kv
 
@@ -269,7 +418,7 @@ class PagedAttention(nnx.Module):
       slots: int32 [B] the new tokens' slots from `reserve`; -1 = inactive row, not written.
       page_table: int32 [B, max_pages_per_seq], the rows of `kv.page_table` of the batch.
       lengths: int32 [B] tokens to attend to, the new one included (0 for an inactive row,
-        whose output is then 0).
+        whose output is then 0); the new token sits at position lengths - 1.
       project: False returns the attention output before the `out` projection, [B,
         num_heads * head_dim] (see `prefill`).
 
@@ -278,17 +427,23 @@ class PagedAttention(nnx.Module):
     """
     b = x.shape[0]
     d = self.head_dim
-    x_c, kernel = _operands(self.qkv, x)
-    # On a GPU one kernel: the projection, K and V stored straight into the pages.
-    q, kv = pool_lib.project_write_kv(
-        kv, layer, slots, x_c, kernel, None if self.qkv.bias is None else self.qkv.bias[...],
-        q_width=self.num_heads * d)
+    if self.rope is None:
+      x_c, kernel = _operands(self.qkv, x)
+      # On a GPU one kernel: the projection, K and V stored straight into the pages.
+      q, kv = pool_lib.project_write_kv(
+          kv, layer, slots, x_c, kernel,
+          None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d)
+    else:
+      # K must be rotated before it is stored, which the fused kernel cannot do.
+      q, k, v = self._project(x, jnp.maximum(lengths - 1, 0))
+      kv = pool_lib.write_kv(kv, layer, slots, k, v)
     use_kernel = self.decode_impl == "kernel" or (
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
     # The whole pool with `layer`: the kernel reads the layer in place.
     y = attend(q.reshape(b, -1, d).astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages,
-               page_table, lengths, layer=layer, scale=self.scale)
+               page_table, lengths, layer=layer, scale=self.scale,
+               sliding_window=self.sliding_window)
     y = y.reshape(b, -1).astype(x.dtype)
     return (self.out(y) if project else y), kv

@@ -34,7 +34,8 @@ class ModelSpec:
     max_positions: the longest sequence (prompt + generated tokens) the model can attend
       over (GPT-2's n_positions).
     dtype: the compute dtype, the pool's default dtype.
-    eos_token_id: the end-of-sequence token, if the model has one (the CLI stops on it).
+    eos_token_id: the end-of-sequence token, or several (Llama 3's configs list three),
+      if the model has one (the CLI stops on any of them; see `eos_token_ids`).
   """
 
   num_layers: int
@@ -43,7 +44,16 @@ class ModelSpec:
   vocab_size: int
   max_positions: int
   dtype: Any
-  eos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    """`eos_token_id` as a tuple (empty if None)."""
+    if self.eos_token_id is None:
+      return ()
+    if isinstance(self.eos_token_id, int):
+      return (self.eos_token_id,)
+    return tuple(self.eos_token_id)
 
   def create_pool(self, *, num_pages: int, page_size: int, max_seqs: int,
                   max_pages_per_seq: int, dtype=None) -> pool_lib.KVPool:

@@ -1,4 +1,5 @@
-"""`jax_paged.nn.PagedAttention` (GQA) against dense causal attention in numpy."""
+"""`jax_paged.nn.PagedAttention` (GQA, RoPE, sliding window) against dense causal attention
+in numpy."""
 
 import jax
 import jax.numpy as jnp
@@ -13,34 +14,60 @@ from jax_paged import pool as pool_lib
 E, H, HKV, D, PAGE = 96, 4, 2, 64, 8
 
 
-def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-  """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64."""
+def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                  window: int | None = None) -> np.ndarray:
+  """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64; with a
+  window W, query i sees keys (i - W, i] (Hugging Face Mistral's mask)."""
   t, h, d = q.shape
   group = h // k.shape[1]
   k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
   logits = np.einsum("qhd,shd->hqs", q, k) * scale
-  logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & (j > i - (t if window is None else window))
+  logits = np.where(visible, logits, -np.inf)
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   return np.einsum("hqs,shd->qhd", probs, v)
 
 
+def _bias(linear: nnx.Linear) -> np.ndarray | float:
+  return 0.0 if linear.bias is None else np.asarray(linear.bias[...], np.float64)
+
+
+def _rotate(x: np.ndarray, rope: nn.RotaryEmbedding) -> np.ndarray:
+  """x [T, heads, D] with token t at position t, rotated pair by pair (x[i], x[i + D/2])
+  in float64."""
+  angles = np.arange(x.shape[0])[:, None, None] * rope.inv_freq().astype(np.float64)
+  x1, x2 = np.split(x, 2, axis=-1)
+  cos, sin = np.cos(angles), np.sin(angles)
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 def _dense_attention(layer: nn.PagedAttention, x: np.ndarray) -> np.ndarray:
-  """Causal GQA attention of one unpadded sequence x [T, E], in float64 numpy."""
+  """Causal GQA attention of one unpadded sequence x [T, E] (token t at position t), in
+  float64 numpy."""
   w = np.asarray(layer.qkv.kernel[...], np.float64)
-  qkv = x.astype(np.float64) @ w + np.asarray(layer.qkv.bias[...])
+  qkv = x.astype(np.float64) @ w + _bias(layer.qkv)
   q, k, v = np.split(qkv, [H * D, (H + HKV) * D], axis=-1)
   t = x.shape[0]
-  y = _dense_causal(q.reshape(t, H, D), k.reshape(t, HKV, D), v.reshape(t, HKV, D),
-                    layer.scale).reshape(t, H * D)
-  return y @ np.asarray(layer.out.kernel[...], np.float64) + np.asarray(layer.out.bias[...])
+  q, k, v = q.reshape(t, H, D), k.reshape(t, HKV, D), v.reshape(t, HKV, D)
+  if layer.rope is not None:
+    q, k = _rotate(q, layer.rope), _rotate(k, layer.rope)
+  y = _dense_causal(q, k, v, layer.scale, layer.sliding_window).reshape(t, H * D)
+  return y @ np.asarray(layer.out.kernel[...], np.float64) + _bias(layer.out)
 
 
-@pytest.mark.parametrize("decode_impl", ["auto", "kernel", "reference"])
-def test_prefill_then_decode_matches_dense_attention(decode_impl):
+# A Llama-style layer: RoPE, a window shorter than the sequences, q/k/v bias but none on out.
+_ROPE_WINDOW = dict(rope=nn.RotaryEmbedding(D, theta=500.0), sliding_window=6, out_bias=False)
+
+
+@pytest.mark.parametrize("decode_impl,options", [
+    ("auto", {}), ("kernel", {}), ("reference", {}), ("kernel", _ROPE_WINDOW),
+    ("reference", _ROPE_WINDOW)])
+def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
   rng = np.random.default_rng(0)
   layer = nn.PagedAttention(E, H, D, num_kv_heads=HKV, decode_impl=decode_impl,
-                            rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+                            rngs=nnx.Rngs(int(rng.integers(1 << 30))), **options)
   layer_idx = 1  # the layer's pages sit between other layers' pages
   kv = jax_paged.KVPool.create(num_layers=3, num_kv_heads=HKV, head_dim=D, num_pages=24,
                                page_size=PAGE, max_seqs=5, max_pages_per_seq=5,
@@ -72,43 +99,83 @@ def test_prefill_then_decode_matches_dense_attention(decode_impl):
     for i in np.flatnonzero(active):
       seqs[i] = np.concatenate([seqs[i], new[i:i + 1]])
       np.testing.assert_allclose(y[i], _dense_attention(layer, seqs[i])[-1], atol=1e-4)
-    assert not np.asarray(y[1] - layer.out.bias[...]).any()  # inactive: attention out 0
+    assert not np.asarray(y[1] - _bias(layer.out)).any()  # inactive: attention out 0
   np.testing.assert_array_equal(kv.lengths[ids], [13, 8, 27])
 
 
-def test_rejects_bad_head_counts():
+def test_bias_flags():
+  layer = nn.PagedAttention(E, H, D, num_kv_heads=HKV, qkv_bias=True, out_bias=False,
+                            rngs=nnx.Rngs(0))
+  assert layer.qkv.bias is not None and layer.out.bias is None
+  layer = nn.PagedAttention(E, H, D, qkv_bias=False, rngs=nnx.Rngs(0))
+  assert layer.qkv.bias is None and layer.out.bias is not None
+
+
+def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match="multiple of num_kv_heads"):
     nn.PagedAttention(E, 4, D, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="decode_impl"):
     nn.PagedAttention(E, 4, D, decode_impl="triton", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="sliding_window must be a positive int or None, got 0"):
+    nn.PagedAttention(E, 4, D, sliding_window=0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):
+    nn.PagedAttention(E, 4, D, rope=nn.RotaryEmbedding(32), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rope_type must be 'default', 'linear' or 'llama3', "
+                                       "got 'yarn'"):
+    nn.RotaryEmbedding(D, rope_type="yarn")
+  with pytest.raises(ValueError, match="head_dim must be a positive even int"):
+    nn.RotaryEmbedding(7)
+  with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+    nn.RotaryEmbedding(D, rope_type="llama3", factor=8.0, low_freq_factor=4.0,
+                       high_freq_factor=1.0)
 
 
-def _check_prompt_attention(dtype):
+def test_rotary_embedding_rotates_pairs_by_position():
+  """Each (x[i], x[i + D/2]) pair turns by position * inv_freq[i]: norms are kept, position 0
+  is the identity, and q.k after rotation depends only on the distance between positions."""
+  rope = nn.RotaryEmbedding(D, theta=10000.0)
+  rng = np.random.default_rng(4)
+  q, k = (jnp.asarray(rng.standard_normal((1, 2, D)), jnp.float32) for _ in range(2))
+  np.testing.assert_allclose(rope(q, jnp.array([0])), q, rtol=1e-6)
+  np.testing.assert_allclose(jnp.linalg.norm(rope(q, jnp.array([37])), axis=-1),
+                             jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+  dot = lambda i, j: float(jnp.sum(rope(q, jnp.array([i])) * rope(k, jnp.array([j]))))
+  np.testing.assert_allclose(dot(3, 10), dot(20, 27), rtol=1e-4)
+  assert rope(q.astype(jnp.bfloat16), jnp.array([5])).dtype == jnp.bfloat16
+  # "linear" is the default frequencies slowed `factor` times.
+  np.testing.assert_allclose(nn.RotaryEmbedding(D, rope_type="linear", factor=4.0).inv_freq(),
+                             rope.inv_freq() / 4, rtol=1e-6)
+
+
+def _check_prompt_attention(dtype, window=None):
   """prompt_attention vs dense causal attention on ragged prompts; returns (fn, args)."""
   rng = np.random.default_rng(3)
   b, t, h, hkv, d = 3, 40, 8, 2, 64
   q, k, v = (rng.standard_normal((b, t, n, d)).astype(np.float32) for n in (h, hkv, hkv))
   lengths = np.array([40, 1, 23], np.int32)
-  fn = jax.jit(lambda q, k, v, n: nn.prompt_attention(q, k, v, n, scale=d ** -0.5))
+  fn = jax.jit(lambda q, k, v, n: nn.prompt_attention(q, k, v, n, scale=d ** -0.5,
+                                                      sliding_window=window))
   args = [jnp.asarray(a, dtype) for a in (q, k, v)] + [jnp.asarray(lengths)]
   y = np.asarray(fn(*args).astype(jnp.float32))
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   for i, n in enumerate(lengths):
     qi, ki, vi = (np.asarray(a[i, :n].astype(jnp.float32), np.float64) for a in args[:3])
-    np.testing.assert_allclose(y[i, :n], _dense_causal(qi, ki, vi, d ** -0.5),
+    np.testing.assert_allclose(y[i, :n], _dense_causal(qi, ki, vi, d ** -0.5, window),
                                rtol=tol, atol=tol)
     assert not y[i, n:].any()  # padding rows are exactly 0
   return fn, args
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prompt_attention_matches_dense(dtype):
-  _check_prompt_attention(dtype)
+@pytest.mark.parametrize("dtype,window", [(jnp.float32, None), (jnp.bfloat16, None),
+                                          (jnp.float32, 7), (jnp.float32, 1)])
+def test_prompt_attention_matches_dense(dtype, window):
+  _check_prompt_attention(dtype, window)
 
 
 @pytest.mark.gpu
-def test_prompt_attention_uses_cudnn_on_gpu():
-  fn, args = _check_prompt_attention(jnp.bfloat16)
+@pytest.mark.parametrize("window", [None, 7])
+def test_prompt_attention_uses_cudnn_on_gpu(window):
+  fn, args = _check_prompt_attention(jnp.bfloat16, window)
   assert "cudnn" in fn.lower(*args).compile().as_text()
 
 
@@ -163,3 +230,19 @@ def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
   np.testing.assert_allclose(np.asarray(y, np.float64),
                              np.asarray(norm(want_x.astype(jnp.float32)), np.float64),
                              rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
+def test_project_add_matches_unfused(rows, dtype, monkeypatch):
+  # 5 and 7 rows take the split-K kernel (interpret mode) with XLA's sum; 300 rows are over
+  # the kernel's limit and take the plain module.
+  partial_calls = _record_calls(monkeypatch, nn.linear, "linear_partials", 0)
+  rng = np.random.default_rng(rows + 1)
+  proj, h = _random_linear(192, rows, dtype, rng)
+  residual = jnp.asarray(rng.standard_normal((rows, E)) * 2 + 1, dtype)
+  x = nn.project_add(proj, h, residual, interpret=True)
+  assert partial_calls == ([] if rows > 256 else [(rows, 192)])
+  assert x.dtype == dtype
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(x, np.float64),
+                             np.asarray(residual + proj(h), np.float64), rtol=tol, atol=tol)

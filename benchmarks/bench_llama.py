@@ -1,0 +1,151 @@
+"""A Llama-3.2-1B-shaped model on the paged pool (GPU, bf16, random weights): the decode
+step against its bytes floor, and end-to-end generation against Hugging Face.
+
+Shape: 16 layers, hidden 2048, 32 q heads over 8 kv heads of 64 (GQA), SwiGLU 8192,
+vocabulary 128256, tied embeddings, llama3 RoPE.
+
+* Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
+  `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
+  call, median of 7 fresh-pool calls; `bench_decode_step.time_device_loop`). Its floor is
+  (weight bytes + live K/V bytes at the calls' mean context) / the read ceiling, measured
+  in the same run as the GPU kernel time of `jnp.sum` over 4 GiB of bf16
+  (`common.read_ceiling_gbs(kernel=True)`). The paged attention kernel alone (layer 0,
+  x layers) is timed beside it.
+* End to end: batch 128, prompt 512, 256 new tokens, greedy, EOS ignored: the engine vs
+  Hugging Face transformers' `LlamaForCausalLM.generate` with a static cache (compiled by
+  transformers with torch.compile) and with the dynamic cache, in the same run
+  (`bench_generate.hf_tokens_per_s`); each timed call follows an identical untimed one.
+
+    PYTHONPATH=. python benchmarks/bench_llama.py [--batches 64 256] [--context 2048]
+        [--iters 64] [--skip-decode-step] [--skip-e2e] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import bench_decode_step
+from benchmarks import bench_generate
+from benchmarks import common
+from jax_paged import Engine, Request
+from jax_paged.serving import runner as runner_lib
+from models import llama
+
+LLAMA_3_2_1B = llama.LlamaConfig(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=(128001, 128008, 128009),
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+PAGE_SIZE = bench_decode_step.PAGE_SIZE
+
+
+def decode_steps(model: llama.LlamaForCausalLM, ceiling: float, batches: list[int],
+                 context: int, iters: int) -> None:
+  config = model.config
+  runner = runner_lib.ModelRunner(model)
+  weight_bytes = sum(x.nbytes for x in runner.leaves)
+  print(f"\nDecode step: every sequence at context {context}, {iters} greedy steps per "
+        f"device call; weights {weight_bytes / 1e6:.0f} MB.\n")
+  print("| batch | weights + live KV MB | floor us | step us (device loop) | x floor | new "
+        "tokens/s | attention us (x layers) | attention % of ceiling |")
+  print("|---|---|---|---|---|---|---|---|")
+  for batch in batches:
+    pages_per_seq = -(-(context + iters + 1) // PAGE_SIZE)
+    make_pool = functools.partial(bench_decode_step.filled_pool, model, batch, context,
+                                  batch * pages_per_seq, pages_per_seq, seed=batch)
+    step, kv = bench_decode_step.time_device_loop(runner, make_pool, batch, iters)
+    attention = bench_decode_step.time_attention(kv, config.num_hidden_layers, iters,
+                                                 num_heads=config.num_attention_heads)
+    del kv
+    live = context + 0.5 * iters  # the mean context of a call's steps
+    kv_bytes = (2 * batch * live * config.num_hidden_layers * config.num_key_value_heads
+                * config.head_dim * jnp.dtype(jnp.bfloat16).itemsize)
+    floor = (weight_bytes + kv_bytes) / (ceiling * 1e9)
+    attention_pct = kv_bytes / attention / (ceiling * 1e9)
+    print(f"| {batch} | {(weight_bytes + kv_bytes) / 1e6:,.0f} | {floor * 1e6:,.0f} | "
+          f"{step * 1e6:,.0f} | **{step / floor:.2f}** | {batch / step:,.0f} | "
+          f"{attention * 1e6:,.0f} | {attention_pct:.0%} |", flush=True)
+
+
+def hf_llama(config: llama.LlamaConfig):
+  """transformers' LlamaForCausalLM of `config`'s shape, random bf16 weights on the GPU."""
+  import torch
+  import transformers
+  hf_config = transformers.LlamaConfig(
+      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+      max_position_embeddings=config.max_position_embeddings,
+      rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+      rope_scaling=dict(config.rope_scaling), tie_word_embeddings=True)
+  with torch.device("cuda"):
+    return transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+
+
+def end_to_end(model: llama.LlamaForCausalLM, batch: int, prompt: int, new: int,
+               steps_per_call: list[int], skip_hf: bool) -> None:
+  vocab = model.config.vocab_size
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, vocab, (batch, prompt)).tolist()
+  print(f"\nEnd to end: batch {batch}, prompt {prompt}, {new} new tokens, greedy.\n")
+  print("| system | new tokens/s | ours / it | prefill s | decode ms per step |")
+  print("|---|---|---|---|---|")
+  ours = 0.0
+  for spc in steps_per_call:
+    eng = Engine(model, max_batch=batch, num_pages=batch * -(-(prompt + new) // PAGE_SIZE),
+                 page_size=PAGE_SIZE, steps_per_call=spc)
+    (_, report), sec = bench_generate.timed(
+        lambda: eng.generate([Request(p, new) for p in prompts]))
+    ours = max(ours, batch * new / sec)
+    print(f"| paged engine, {spc} steps per call | {batch * new / sec:,.0f} | | "
+          f"{report.prefill_s:.2f} | {1e3 * report.decode_s / report.decode_steps:.2f} |",
+          flush=True)
+    del eng
+  if skip_hf:
+    return
+  hf = hf_llama(model.config)
+  for name, static in (("HF transformers, static cache + torch.compile", True),
+                       ("HF transformers, dynamic cache", False)):
+    try:
+      tps = bench_generate.hf_tokens_per_s(hf, vocab, batch, prompt, new, static)
+      print(f"| {name} | {tps:,.0f} | **{ours / tps:.2f}** | | |", flush=True)
+    except Exception as e:  # report, don't hide: the table says what failed
+      print(f"| {name} | failed: {type(e).__name__}: {str(e)[:160]} | | | |", flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+  p.add_argument("--context", type=int, default=2048)
+  p.add_argument("--iters", type=int, default=64, help="decode steps per device call")
+  p.add_argument("--steps-per-call", type=int, nargs="+", default=[128],
+                 help="the engine's decode steps per device call, end to end")
+  p.add_argument("--skip-decode-step", action="store_true")
+  p.add_argument("--skip-e2e", action="store_true")
+  p.add_argument("--skip-hf", action="store_true")
+  args = p.parse_args()
+  bench_decode_step.check_steps_per_call(p, "--iters", args.iters)
+  # JAX takes 75% of the GPU when it first uses it; leave Hugging Face's torch model room.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+
+  print(f"# bench_llama: {common.header()}")
+  model = llama.LlamaForCausalLM(LLAMA_3_2_1B, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  if not args.skip_decode_step:
+    ceiling = common.read_ceiling_gbs(kernel=True)
+    print(f"read ceiling (jnp.sum over 4 GiB bf16, kernel time): {ceiling:.0f} GB/s")
+    decode_steps(model, ceiling, args.batches, args.context, args.iters)
+  if not args.skip_e2e:
+    end_to_end(model, 128, 512, 256, args.steps_per_call, args.skip_hf)
+
+
+if __name__ == "__main__":
+  main()

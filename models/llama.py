@@ -1,0 +1,519 @@
+"""Llama (and Mistral, Qwen2) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+
+The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
+attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
+a SwiGLU MLP, and an LM head (its own matrix, or tied to the embedding). The attention is
+`jax_paged.nn.PagedAttention`, so the K/V cache lives in the pool's pages. Two relatives
+differ only in configuration: Mistral attends within a sliding window, Qwen2 has q/k/v
+biases (and optionally a sliding window on its upper layers).
+
+It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
+the forwards over the pool that `jax_paged`'s runner jits. Serve it with
+`jax_paged.Engine` or `jax_paged.generate`; `FAMILY` is how the CLI finds it (the
+`jax_paged.models` entry point).
+
+`from_pretrained` loads Hugging Face checkpoint directories: config.json and
+model.safetensors, or shards listed by model.safetensors.index.json. HF's q_proj, k_proj
+and v_proj (torch Linear weights, [out, in]) are transposed and concatenated into
+`PagedAttention.qkv`'s [in, (H + 2 Hkv) D] kernel, gate_proj and up_proj into the MLP's
+one `gate_up` kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged import nn as paged_nn
+from jax_paged import pool as pool_lib
+from jax_paged.kernels import linear
+from jax_paged.paged_model import ModelFamily, ModelSpec
+
+# config.json `model_type` values this module loads.
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
+
+  Attributes beyond HF's LlamaConfig:
+    model_type: "llama", "mistral" or "qwen2", which decides the biases: Llama's
+      `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
+      on o; Mistral has none.
+    sliding_window: W > 0 limits each token to the last W positions (Mistral; Qwen2 with
+      use_sliding_window), on the layers `layer_types` names "sliding_attention" (all of
+      them when layer_types is None).
+    rope_scaling: HF's dict ({"rope_type": "linear" | "llama3", "factor": ..., ...}) or
+      None, kept as a sorted tuple of (key, value) pairs so that the config is hashable
+      (a model's static structure).
+  """
+
+  vocab_size: int = 32000
+  hidden_size: int = 4096
+  intermediate_size: int = 11008
+  num_hidden_layers: int = 32
+  num_attention_heads: int = 32
+  num_key_value_heads: int | None = None  # None: num_attention_heads (MHA)
+  head_dim: int | None = None  # None: hidden_size // num_attention_heads
+  hidden_act: str = "silu"
+  max_position_embeddings: int = 2048
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_scaling: Any = None
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False
+  mlp_bias: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  model_type: str = "llama"
+  initializer_range: float = 0.02
+  bos_token_id: int | None = 1
+  eos_token_id: int | tuple[int, ...] | None = 2
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    if self.num_key_value_heads is None:
+      set_("num_key_value_heads", self.num_attention_heads)
+    if self.head_dim is None:
+      if self.hidden_size % self.num_attention_heads:
+        raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of "
+                         f"num_attention_heads ({self.num_attention_heads}) when head_dim "
+                         "is not given")
+      set_("head_dim", self.hidden_size // self.num_attention_heads)
+    if isinstance(self.rope_scaling, Mapping):
+      set_("rope_scaling", tuple(sorted(self.rope_scaling.items())))
+    if isinstance(self.eos_token_id, list):
+      set_("eos_token_id", tuple(self.eos_token_id))
+    if self.layer_types is not None:
+      set_("layer_types", tuple(self.layer_types))
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type {self.model_type!r} is not supported; use one of "
+                       f"{MODEL_TYPES}")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                       f"of num_key_value_heads ({self.num_key_value_heads})")
+    if self.hidden_act != "silu":
+      raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Llama's MLP is "
+                       "SwiGLU ('silu')")
+    if self.layer_types is not None and (
+        len(self.layer_types) != self.num_hidden_layers
+        or any(t not in _LAYER_TYPES for t in self.layer_types)):
+      raise ValueError(f"layer_types must list one of {_LAYER_TYPES} per layer "
+                       f"({self.num_hidden_layers}), got {self.layer_types}")
+    self.rope  # validates rope_theta and rope_scaling
+
+  @property
+  def rope(self) -> paged_nn.RotaryEmbedding:
+    """The rotary embedding of rope_theta and rope_scaling."""
+    scaling = dict(self.rope_scaling or ())
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+      raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use default, "
+                       "linear or llama3")
+    if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
+      raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not "
+                       "supported")
+    scaling.pop("rope_theta", None)  # v5 configs repeat it here; rope_theta holds it
+    if rope_type == "llama3":
+      scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+    known = {"factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings"}
+    return paged_nn.RotaryEmbedding(
+        self.head_dim, theta=float(self.rope_theta), rope_type=rope_type,
+        **{k: v for k, v in scaling.items() if k in known and v is not None})
+
+  def window(self, layer: int) -> int | None:
+    """Layer `layer`'s sliding window (None: full causal attention)."""
+    if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+      return None
+    return self.sliding_window
+
+  @property
+  def qkv_bias(self) -> bool:
+    return self.model_type == "qwen2" or self.attention_bias
+
+  @property
+  def out_bias(self) -> bool:
+    return self.attention_bias and self.model_type == "llama"
+
+  @classmethod
+  def from_dict(cls, config: dict[str, Any]) -> "LlamaConfig":
+    """From a Hugging Face config dict (transformers 4's rope_theta / rope_scaling or 5's
+    rope_parameters); fields this model does not use are ignored, and each model_type's
+    are read as its HF class reads them."""
+    config = dict(config)
+    model_type = config.get("model_type", "llama")
+    if model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type {model_type!r} is not supported; use one of "
+                       f"{MODEL_TYPES}")
+    rope = config.pop("rope_parameters", None)
+    if rope is not None:  # transformers 5: theta and scaling in one dict
+      if not isinstance(rope, Mapping) or not isinstance(rope.get("rope_type", ""), str):
+        raise ValueError(f"rope_parameters must be one dict (per-layer RoPE is not "
+                         f"supported), got {rope!r}")
+      config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+      config["rope_scaling"] = rope
+    if isinstance(config.get("rope_scaling"), Mapping) and config["rope_scaling"].get(
+        "rope_type", config["rope_scaling"].get("type")) == "default":
+      config["rope_scaling"] = None
+    if model_type == "llama":  # HF's Llama has no window
+      config.pop("sliding_window", None)
+      config.pop("layer_types", None)
+    elif model_type == "mistral":  # every layer windowed; no biases
+      config.pop("layer_types", None)
+      config.pop("attention_bias", None)
+    else:  # qwen2: q/k/v biases; a window only with use_sliding_window, from a layer on
+      config.pop("attention_bias", None)
+      if not config.get("use_sliding_window", False):
+        config["sliding_window"] = None
+      if config.get("layer_types") is None and config.get("sliding_window") is not None:
+        first = config.get("max_window_layers", 28)
+        config["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
+                                 for i in range(config.get("num_hidden_layers", 32))]
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in config.items() if k in names})
+
+
+class RMSNorm(nnx.Module):
+  """HF's LlamaRMSNorm: x / rms(x) in float32, cast back to x's dtype, times `weight`."""
+
+  def __init__(self, dim: int, *, eps: float, param_dtype):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., dim] -> the same shape, in the promotion of x's and the weight's dtypes."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * y.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [hidden, 2 * intermediate]
+  projection (`gate_up`: gate's columns, then up's)."""
+
+  def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(config.initializer_range)
+    self.width = config.intermediate_size
+    self.gate_up = nnx.Linear(config.hidden_size, 2 * self.width, use_bias=config.mlp_bias,
+                              kernel_init=init, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+    self.down = nnx.Linear(self.width, config.hidden_size, use_bias=config.mlp_bias,
+                           kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def hidden(self, x: jax.Array) -> jax.Array:
+    """silu(gate(x)) * up(x) [..., intermediate]; the block applies `down` with its
+    residual add (`jax_paged.nn.project_add`)."""
+    gate, up = paged_nn.dense(self.gate_up, x, sections=(self.width, self.width))
+    return jax.nn.silu(gate) * up
+
+
+# attend(attention layer, normalised x, pool, layer index) -> (attention output before
+# the layer's `out` projection, pool)
+Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
+                  tuple[jax.Array, pool_lib.KVPool]]
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
+               decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
+    norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps,
+                             param_dtype=param_dtype)
+    self.input_layernorm = norm()
+    self.self_attn = paged_nn.PagedAttention(
+        config.hidden_size, config.num_attention_heads, config.head_dim,
+        num_kv_heads=config.num_key_value_heads, qkv_bias=config.qkv_bias,
+        out_bias=config.out_bias, rope=config.rope, sliding_window=config.window(layer),
+        decode_impl=decode_impl, kernel_init=nnx.initializers.normal(config.initializer_range),
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = norm()
+    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, attend: Attend
+               ) -> tuple[jax.Array, pool_lib.KVPool]:
+    """x [..., hidden] the residual stream -> (the new stream, the pool)."""
+    a, kv = attend(self.self_attn, self.input_layernorm(x), kv, layer)
+    x = paged_nn.project_add(self.self_attn.out, a, x)
+    h = self.mlp.hidden(self.post_attention_layernorm(x))
+    return paged_nn.project_add(self.mlp.down, h, x), kv
+
+
+class LlamaForCausalLM(nnx.Module):
+  """Llama / Mistral / Qwen2 with an LM head, attending through a `KVPool`.
+
+  Args:
+    config: the hyperparameters.
+    dtype: compute dtype (activations; the pool should match it).
+    param_dtype: parameter storage dtype; defaults to `dtype`.
+    decode_impl: the decode attention, see `jax_paged.nn.PagedAttention`.
+    rngs: initialisation randomness (normal(initializer_range) weights, as HF does).
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
+               decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
+    param_dtype = dtype if param_dtype is None else param_dtype
+    self.config = config
+    self.dtype = dtype
+    init = nnx.initializers.normal(config.initializer_range)
+    embed = functools.partial(nnx.Embed, config.vocab_size, config.hidden_size,
+                              embedding_init=init, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+    self.embed_tokens = embed()
+    self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype,
+                                         decode_impl=decode_impl, rngs=rngs)
+                            for i in range(config.num_hidden_layers)])
+    self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+    # HF's lm_head weight is [vocab, hidden], an embedding table's layout: `attend` and
+    # the greedy kernel take it as it is, tied or not.
+    self.lm_head = None if config.tie_word_embeddings else embed()
+
+  @property
+  def spec(self) -> ModelSpec:
+    """The pool's shape, the vocabulary and the context limit (`jax_paged.PagedModel`)."""
+    c = self.config
+    return ModelSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+                     head_dim=c.head_dim, vocab_size=c.vocab_size,
+                     max_positions=c.max_position_embeddings, dtype=self.dtype,
+                     eos_token_id=c.eos_token_id)
+
+  def _forward(self, tokens: jax.Array, kv: pool_lib.KVPool, attend: Attend
+               ) -> tuple[jax.Array, pool_lib.KVPool]:
+    """-> (the final norm of the residual stream, pool). Positions enter through the
+    attention's rotary embedding only."""
+    x = self.embed_tokens(tokens)
+    for layer, block in enumerate(self.layers):
+      x, kv = block(x, kv, layer, attend)
+    return self.norm(x), kv
+
+  def _head(self) -> nnx.Embed:
+    return self.embed_tokens if self.lm_head is None else self.lm_head
+
+  def _logits(self, h: jax.Array) -> jax.Array:
+    return self._head().attend(h).astype(jnp.float32)
+
+  def _greedy(self, h: jax.Array) -> jax.Array:
+    """int32 argmax of `_logits(h)` without writing the logits (`linear.argmax_attend`)."""
+    head = self._head()
+    embedding = head.embedding[...]
+    dtype = head.dtype or jnp.result_type(h, embedding)  # as nnx.Embed.attend promotes
+    return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
+
+  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+              lengths: jax.Array, *, start: jax.Array | None = None,
+              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+    """New tokens of several sequences (`jax_paged.PagedModel.prefill`).
+
+    Args:
+      tokens: int32 [B, T], right-padded.
+      kv: the pool, with slots reserved.
+      slots: int32 [B, T] from `reserve`, -1 at padding.
+      lengths: int32 [B] >= 1, the new tokens per row.
+      start: None for fresh sequences, or int32 [B] tokens already in each sequence's
+        pages (a cached prefix, earlier chunks): the new tokens sit at positions start + t
+        (the attention rotates them there).
+      page_table: int32 [B, max_pages_per_seq], the batch's rows (with `start`).
+
+    Returns:
+      (float32 logits [B, vocab] of each row's last new token, pool).
+    """
+    b = tokens.shape[0]
+    h, kv = self._forward(
+        tokens, kv,
+        lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, start=start,
+                                                page_table=page_table, project=False))
+    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    return self._logits(last), kv
+
+  def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
+             slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
+             greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
+    """One token per sequence (`jax_paged.PagedModel.decode`).
+
+    Args:
+      tokens: int32 [B].
+      positions: int32 [B], unused: the attention rotates to lengths - 1, the same.
+      kv: the pool, with slots reserved.
+      slots: int32 [B] from `reserve`, -1 for inactive rows.
+      page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
+      lengths: int32 [B], tokens to attend to including the new one (0 = inactive).
+      greedy: return the argmax tokens instead of the logits.
+
+    Returns:
+      (float32 logits [B, vocab], or with `greedy` their int32 argmax [B], pool).
+    """
+    del positions
+    h, kv = self._forward(
+        tokens, kv,
+        lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
+                                               project=False))
+    return (self._greedy(h) if greedy else self._logits(h)), kv
+
+
+# ----------------------------------------------------------------- checkpoints
+class _Checkpoint:
+  """The tensors of a safetensors checkpoint directory, one file or shards, read lazily
+  (each by name, as jax arrays: numpy has no bfloat16)."""
+
+  def __init__(self, path: str):
+    from safetensors import safe_open  # an optional dependency: imported when used
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+      weight_map = None
+      files = [single]
+    elif os.path.isfile(index):
+      try:
+        with open(index, encoding="utf-8") as f:
+          weight_map = {name: os.path.join(path, file)
+                        for name, file in json.load(f)["weight_map"].items()}
+      except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+              AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (JSON with a \"weight_map\" of "
+                         f"tensor name -> file) ({type(e).__name__}: {e})") from e
+      files = sorted(set(weight_map.values()))
+    else:
+      raise FileNotFoundError(f"no weights in {path}: expected model.safetensors or "
+                              "model.safetensors.index.json with its shards")
+    self.handles = {}
+    self.where: dict[str, str] = {}  # tensor name -> its file
+    for file in files:
+      if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: listed in {index} but missing")
+      try:
+        self.handles[file] = safe_open(file, framework="flax")
+        names = list(self.handles[file].keys())
+      except Exception as e:  # SafetensorError and OSError: truncated, corrupt, unreadable
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+      self.where.update(dict.fromkeys(names, file))
+    for name, file in (weight_map or {}).items():
+      if self.where.get(name) != file:
+        raise ValueError(f"{index} places {name!r} in {file}, which does not hold it")
+
+  def get(self, name: str) -> jax.Array:
+    """The tensor `name` ("model." prefixes are optional: base-model checkpoints omit it)."""
+    for key in (name, name.removeprefix("model.")):
+      if key in self.where:
+        file = self.where[key]
+        try:
+          return self.handles[file].get_tensor(key)
+        except Exception as e:  # a tensor past a truncated file's end
+          raise ValueError(f"{file}: tensor {key!r} cannot be read ({e})") from e
+    raise KeyError(name)
+
+
+# Our fused projections and the HF modules concatenated into them (along the outputs).
+_FUSED = {"self_attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.out": ("self_attn.o_proj",),
+          "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down": ("mlp.down_proj",)}
+
+
+def _hf_sources(path: tuple[str, ...]) -> tuple[list[str], bool]:
+  """An nnx state path -> (the HF tensor names it is made of, whether they are torch
+  Linear weights [out, in] to concatenate along out and transpose)."""
+  if path == ("embed_tokens", "embedding"):
+    return ["model.embed_tokens.weight"], False
+  if path == ("lm_head", "embedding"):
+    return ["lm_head.weight"], False
+  if path == ("norm", "weight"):
+    return ["model.norm.weight"], False
+  _, layer, *module, param = path  # ("layers", i, ..., "kernel" | "bias" | "weight")
+  prefix = f"model.layers.{layer}."
+  module = ".".join(module)
+  if module not in _FUSED:  # the norms
+    return [f"{prefix}{module}.{param}"], False
+  kind = "weight" if param == "kernel" else "bias"
+  return [f"{prefix}{hf}.{kind}" for hf in _FUSED[module]], param == "kernel"
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+                    decode_impl: paged_nn.DecodeImpl = "auto") -> LlamaForCausalLM:
+  """Loads a Hugging Face Llama, Mistral or Qwen2 checkpoint directory.
+
+  Args:
+    path: a directory with config.json and model.safetensors, or shards listed in
+      model.safetensors.index.json, as `transformers`' `save_pretrained` writes them.
+    dtype, param_dtype, decode_impl: as for `LlamaForCausalLM`.
+
+  Raises:
+    FileNotFoundError: the directory's config.json, its weights or a listed shard is
+      missing.
+    ValueError: a file is unreadable, an index names a file that lacks the tensor, the
+      model_type or a setting is unsupported (each naming the file), or a weight is
+      missing from the checkpoint or has the wrong shape.
+  """
+  path = os.fspath(path)
+  config_file = os.path.join(path, "config.json")
+  if not os.path.isfile(config_file):
+    raise FileNotFoundError(f"no config.json in {path}")
+  try:
+    with open(config_file, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{config_file}: not a readable JSON file ({e})") from e
+  try:
+    config = LlamaConfig.from_dict(config)
+  except (TypeError, ValueError, AttributeError) as e:
+    raise ValueError(f"{config_file}: {e}") from e
+  checkpoint = _Checkpoint(path)
+
+  # Shapes only: the checkpoint supplies every value, so nothing is initialised twice.
+  abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype,
+                                                     param_dtype=param_dtype,
+                                                     decode_impl=decode_impl,
+                                                     rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+
+  def load(key_path, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    names, linear_weight = _hf_sources(tuple(str(k.key) for k in key_path
+                                             if isinstance(k, jax.tree_util.DictKey)))
+    parts = []
+    for name in names:
+      try:
+        parts.append(checkpoint.get(name))
+      except KeyError:
+        raise ValueError(f"{path}: weight {name!r} is missing from the checkpoint (needed "
+                         f"for a parameter of shape {spec.shape})") from None
+    value = jnp.concatenate(parts, axis=0)
+    value = value.T if linear_weight else value
+    if value.shape != spec.shape:
+      which = " + ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+      raise ValueError(f"{path}: weight {which} gives shape {value.shape}, expected "
+                       f"{spec.shape} for config.json's hyperparameters")
+    return value.astype(spec.dtype)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, state))
+
+
+# Random-weight configurations for runs without a checkpoint (the CLI's --model).
+PRESETS = {
+    # Byte-level (vocabulary 256+), GQA 4 q heads over 2 kv heads of 64, llama3 RoPE.
+    "tiny-llama": LlamaConfig(
+        vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+}
+
+
+def _random_model(config: LlamaConfig, dtype, seed: int) -> LlamaForCausalLM:
+  return LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    model_types=MODEL_TYPES,
+    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    presets={name: functools.partial(_random_model, config) for name, config in PRESETS.items()},
+)

@@ -1,0 +1,409 @@
+"""Llama, Mistral and Qwen2 on the paged pool against Hugging Face transformers (CPU, f32).
+
+Random-init HF models (biases and norm weights randomised too: HF initialises them to 0
+and 1, which would hide a misplaced tensor) are saved with `save_pretrained`, one file or
+sharded, and loaded back through `models.llama.from_pretrained`, so loading is tested
+along with the math.
+
+Tolerance: logits are compared at 1e-4 absolute and relative. Both sides compute in f32
+and differ only in summation order (fused q/k/v, paged vs contiguous keys); a wrong
+rotation, window, mask or page gives errors of the order of the logits themselves (~1).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import jax_paged
+from jax_paged import cli
+from jax_paged.serving.runner import ModelRunner
+from models import gpt2, llama
+
+PAGE = 8
+VOCAB = 300
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               max_position_embeddings=64, initializer_range=0.1, bos_token_id=None,
+               eos_token_id=None, attn_implementation="eager")
+# name -> (HF class, config kwargs, save_pretrained kwargs)
+MODELS = {
+    # GQA 8 q heads over 2 kv heads of 16 (head_dim given, not hidden / heads), llama3 RoPE
+    # whose scaling reaches the positions tested (original context 16), untied head.
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), {}),
+    # Linear RoPE, biases on q/k/v/o and the MLP, MQA, tied head.
+    "llama-linear": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(
+        num_attention_heads=4, num_key_value_heads=1, rope_theta=500.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True,
+        mlp_bias=True, tie_word_embeddings=True), {}),
+    # Every layer windowed to 5 positions, shorter than every sequence but the shortest.
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, sliding_window=5), {}),
+    # q/k/v biases; layer 1 windowed (use_sliding_window from max_window_layers=1), layer 0
+    # not; tied head; saved in shards.
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(
+        num_attention_heads=8, num_key_value_heads=2, use_sliding_window=True,
+        sliding_window=6, max_window_layers=1, tie_word_embeddings=True),
+        dict(max_shard_size="40KB")),
+}
+
+
+def _hf_model(name: str, seed: int = 0, **overrides):
+  cls, config_cls, kwargs, _ = MODELS[name]
+  torch.manual_seed(seed)
+  hf = cls(config_cls(**{**_COMMON, **kwargs, **overrides})).eval()
+  with torch.no_grad():
+    for pname, p in hf.named_parameters():
+      if pname.endswith("bias"):
+        p.normal_(0.0, 0.5)
+      elif "norm" in pname:
+        p.uniform_(0.5, 1.5)
+  return hf
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """name -> (name, HF model, its save_pretrained directory), each saved once."""
+  cache = {}
+
+  def get(name: str):
+    if name not in cache:
+      hf = _hf_model(name)
+      path = tmp_path_factory.mktemp(name)
+      hf.save_pretrained(path, **MODELS[name][3])
+      cache[name] = name, hf, path
+    return cache[name]
+  return get
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def checkpoint(request, saved):
+  return saved(request.param)
+
+
+def _padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  width = max(map(len, prompts))
+  tokens = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def _hf_last_logits(hf, seqs: list[list[int]]) -> np.ndarray:
+  """HF's logits of each sequence's last token, [len(seqs), vocab], in one forward of the
+  right-padded batch: real tokens never see the padding after them, and HF numbers
+  positions 0, 1, ... whatever the mask."""
+  tokens, lengths = _padded(seqs)
+  mask = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  with torch.no_grad():
+    logits = hf(torch.from_numpy(tokens).long(),
+                attention_mask=torch.from_numpy(mask).long()).logits.numpy()
+  return logits[np.arange(len(seqs)), lengths - 1]
+
+
+def _hf_generate(hf, prompt: list[int], new: int) -> list[int]:
+  with torch.no_grad():
+    return hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def _prompts(rng, lengths) -> list[list[int]]:
+  return [rng.integers(1, VOCAB, n).tolist() for n in lengths]
+
+
+def test_rotary_embedding_matches_hf():
+  """Our frequencies and rotation against HF's LlamaRotaryEmbedding + apply_rotary_pos_emb,
+  for each RoPE type at Llama 3.1 8B's settings, up to position 131071."""
+  from transformers.models.llama import modeling_llama
+  rng = np.random.default_rng(0)
+  for rope_scaling in (None, {"rope_type": "linear", "factor": 4.0},
+                       {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}):
+    hf_config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
+                                         rope_theta=500000.0, rope_scaling=rope_scaling,
+                                         max_position_embeddings=131072)
+    ours = llama.LlamaConfig.from_dict(hf_config.to_dict()).rope
+    hf_rope = modeling_llama.LlamaRotaryEmbedding(hf_config)
+    np.testing.assert_allclose(ours.inv_freq(), hf_rope.inv_freq.numpy(), rtol=1e-6)
+    positions = np.array([0, 1, 7, 4095, 8191, 65537, 131071])
+    q = rng.standard_normal((1, 2, len(positions), 128)).astype(np.float32)  # [B, H, T, D]
+    cos, sin = hf_rope(torch.from_numpy(q), torch.from_numpy(positions)[None])
+    want, _ = modeling_llama.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(q),
+                                                  cos, sin)
+    got = ours(jnp.asarray(q[0].transpose(1, 0, 2)), jnp.asarray(positions))  # [T, H, D]
+    np.testing.assert_allclose(np.asarray(got).transpose(1, 0, 2), want[0].numpy(),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_and_decode_logits_match_hf(checkpoint):
+  name, hf, path = checkpoint
+  model = llama.from_pretrained(path)
+  assert isinstance(model, jax_paged.PagedModel)
+  if name == "qwen2":  # loaded from shards, and windowed on its upper layer only
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
+    assert [b.self_attn.sliding_window for b in model.layers] == [None, 6]
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(1)
+  seqs = _prompts(rng, [3, 8, 13])  # ends inside, at and past a page boundary
+  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  seq_ids = np.array([2, 0, 3], np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(11):  # to lengths 13, 18, 23: across pages 2 and 3
+    want = _hf_last_logits(hf, seqs)
+    assert np.abs(want).max(axis=1).min() > 0.5  # logits large enough to show an error
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4,
+                               err_msg=f"{name} step {step}")
+    # Random next tokens, not argmax: every step sees fresh inputs.
+    nxt = rng.integers(1, VOCAB, len(seqs))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  np.testing.assert_array_equal(kv.lengths[seq_ids], [len(s) for s in seqs])
+
+
+def test_greedy_generate_matches_hf(checkpoint):
+  name, hf, path = checkpoint
+  model = llama.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(2), [1, 5, 9, 17])
+  new = 12  # every prompt crosses a page boundary while decoding
+  ours = jax_paged.generate(model, prompts, new, page_size=PAGE)
+  assert ours == [_hf_generate(hf, p, new) for p in prompts], name
+
+
+def test_engine_under_preemption_gives_generates_tokens(saved):
+  _, _, path = saved("llama")
+  model = llama.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(3), [1, 7, 9, 15])
+  want = jax_paged.generate(model, prompts, 12, page_size=PAGE)
+  eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
+  outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
+  assert outputs == want and report.preemptions > 0
+  assert int(eng.kv.num_free_pages()) == 7
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_prefix_caching_and_chunked_prefill_give_hfs_tokens(saved, name):
+  """Prompts sharing a prefix (attached to cached pages, then prefilled from a rotated
+  offset) and a long one prefilled in chunks: HF's greedy tokens, also with Mistral's
+  window shorter than the prefix."""
+  _, hf, path = saved(name)
+  model = llama.from_pretrained(path)
+  rng = np.random.default_rng(5)
+  system = _prompts(rng, [2 * PAGE + 3])[0]
+  prompts = [system + p for p in _prompts(rng, [4, 9, 1])] + _prompts(rng, [40])
+  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
+                         max_prefill_tokens=16)
+  outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
+  assert outputs == [_hf_generate(hf, p, 6) for p in prompts], name
+  assert report.cached_prompt_tokens >= 2 * 2 * PAGE
+
+
+def test_config_from_dict_reads_each_model_type_as_hf_does():
+  base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=10)
+  # transformers 4 style: rope_theta and rope_scaling beside each other; eos as a list.
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "llama", "rope_theta": 5e5,
+                                   "rope_scaling": {"type": "linear", "factor": 2.0},
+                                   "eos_token_id": [5, 7], "sliding_window": 2})
+  assert c.rope == jax_paged.nn.RotaryEmbedding(16, theta=5e5, rope_type="linear", factor=2.0)
+  assert c.eos_token_id == (5, 7) and c.window(0) is None  # Llama ignores a window
+  spec = nnx.eval_shape(lambda: llama.LlamaForCausalLM(c, rngs=nnx.Rngs(0))).spec
+  assert spec.eos_token_ids == (5, 7)
+  hash(c)  # a model's static structure
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "mistral", "sliding_window": 4,
+                                   "attention_bias": True})
+  assert [c.window(i) for i in range(3)] == [4, 4, 4] and not c.qkv_bias and not c.out_bias
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 4,
+                                   "use_sliding_window": False})
+  assert c.window(2) is None and c.qkv_bias and not c.out_bias
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 4,
+                                   "use_sliding_window": True, "max_window_layers": 2})
+  assert [c.window(i) for i in range(3)] == [None, None, 4]
+  with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+    llama.LlamaConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+  with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
+    llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
+  with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+    llama.LlamaConfig.from_dict({**base, "hidden_act": "gelu"})
+
+
+def test_from_pretrained_errors(saved, tmp_path):
+  _, _, path = saved("qwen2")  # sharded: its files give both layouts' errors
+  config = json.loads((path / "config.json").read_text())
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    llama.from_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+  with pytest.raises(ValueError, match=r"config.json: model_type 'gpt_neox' is not supported"):
+    llama.from_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(FileNotFoundError, match="model.safetensors or "
+                                              "model.safetensors.index.json"):
+    llama.from_pretrained(tmp_path)
+
+  # A sharded checkpoint: a shard missing, truncated, or not holding what the index says.
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  shards = sorted(set(index["weight_map"].values()))
+  for shard in shards:
+    (tmp_path / shard).write_bytes((path / shard).read_bytes())
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  assert isinstance(llama.from_pretrained(tmp_path), llama.LlamaForCausalLM)
+  (tmp_path / shards[1]).unlink()
+  with pytest.raises(FileNotFoundError, match=f"{shards[1]}: listed in .*index.json but "
+                                              "missing"):
+    llama.from_pretrained(tmp_path)
+  data = (path / shards[1]).read_bytes()
+  (tmp_path / shards[1]).write_bytes(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=f"{shards[1]}: not a readable safetensors file"):
+    llama.from_pretrained(tmp_path)
+  (tmp_path / shards[1]).write_bytes(data)
+  moved = next(n for n, f in index["weight_map"].items() if f == shards[0])
+  bad = {**index, "weight_map": {**index["weight_map"], moved: shards[1]}}
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(bad))
+  with pytest.raises(ValueError, match=f"places '{moved}' in .*{shards[1]}, which does not "
+                                       "hold it"):
+    llama.from_pretrained(tmp_path)
+
+  # One file: a weight missing, or shaped for other hyperparameters.
+  for shard in shards:
+    (tmp_path / shard).unlink()
+  (tmp_path / "model.safetensors.index.json").unlink()
+  tensors = {}
+  for shard in shards:
+    tensors.update(load_file(path / shard))
+  del tensors["model.layers.1.self_attn.k_proj.bias"]
+  save_file(tensors, tmp_path / "model.safetensors")
+  with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.k_proj.bias' is missing"):
+    llama.from_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+  with pytest.raises(ValueError, match=r"q_proj.bias \(64,\) \+ model.layers.0.self_attn."
+                                       r"k_proj.bias \(16,\) \+ model.layers.0.self_attn."
+                                       r"v_proj.bias \(16,\) gives shape \(96,\), expected "
+                                       r"\(128,\)"):
+    llama.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_bf16(saved):
+  _, hf, path = saved("llama")
+  half = llama.from_pretrained(path, dtype=jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(half)))
+  prompt = _prompts(np.random.default_rng(4), [9])[0]
+  kv = half.spec.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
+  logits, _ = ModelRunner(half).prefill(kv, *_padded([prompt]), np.array([0], np.int32))
+  want = _hf_last_logits(hf, [prompt])[0]
+  np.testing.assert_allclose(logits[0], want, atol=0.1 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_triton_decode_matches_reference_and_hf_on_gpu(name, tmp_path):
+  """f32, head dim 64 (a shape the Triton kernels take): the decode attention kernel (with
+  Mistral's window), the q/k/v GEMM kernel and the cache-write kernel behind RoPE give the
+  reference path's and HF's greedy tokens."""
+  hf = _hf_model(name, head_dim=64)
+  hf.save_pretrained(tmp_path)
+  prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
+  with jax.default_matmul_precision("highest"):
+    kernel = jax_paged.generate(llama.from_pretrained(tmp_path, decode_impl="kernel"),
+                                prompts, 24, page_size=16)
+    ref = jax_paged.generate(llama.from_pretrained(tmp_path, decode_impl="reference"),
+                             prompts, 24, page_size=16)
+  assert kernel == ref
+  assert kernel == [_hf_generate(hf, p, 24) for p in prompts]
+
+
+@pytest.mark.gpu
+def test_bf16_logits_close_to_hf_on_gpu(tmp_path):
+  """bf16 on a GPU (cuDNN prompt attention with Mistral's window, the Triton decode path)
+  against HF in f32: every step's logits within bf16's error."""
+  hf = _hf_model("mistral", head_dim=64)
+  hf.save_pretrained(tmp_path)
+  model = llama.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(9)
+  seqs = _prompts(rng, [4, 17, 30])
+  kv = model.spec.create_pool(num_pages=16, page_size=16, max_seqs=3, max_pages_per_seq=4)
+  seq_ids = np.arange(3, dtype=np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(8):
+    want = _hf_last_logits(hf, seqs)
+    np.testing.assert_allclose(logits, want, atol=0.05 * np.abs(want).max(),
+                               err_msg=f"step {step}")
+    nxt = rng.integers(1, VOCAB, 3)
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+
+
+# ----------------------------------------------------------------- CLI
+FAMILIES = [gpt2.FAMILY, llama.FAMILY]
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+  """`jax-paged-generate ARGS` in this process with the gpt2 and llama families (the
+  installed entry points may predate the llama one): (exit status, stdout, stderr)."""
+  try:
+    status = cli.run(cli.parse_args(list(args), FAMILIES), FAMILIES)
+  except cli.CLIError as e:
+    print(f"jax-paged-generate: error: {e}", file=__import__("sys").stderr)
+    status = 2
+  captured = capsys.readouterr()
+  return status, captured.out, captured.err
+
+
+def test_cli_tiny_llama(capsys):
+  status, out, err = _cli(capsys, "--model", "tiny-llama", "--prompt", "Hello, pages",
+                          "--max-new-tokens", "9", "--no-progress")
+  assert status == 0, err
+  assert "tiny-llama with RANDOM weights" in err and "UTF-8 bytes" in err
+  assert "2 kv heads of 64" in err
+  assert "generated tokens: 9" in out and "tokens/s" in out.splitlines()[-1]
+
+
+def test_cli_checkpoint_with_tokenizer_json_and_eos_list(capsys, tmp_path):
+  """A Llama checkpoint with a tokenizer.json is picked by its model_type and prompted in
+  text; with no tokenizer, by token ids, stopping at any id of config.json's eos list."""
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(["the paged cache holds the pages of every sequence"] * 20,
+                          tokenizers.trainers.BpeTrainer(vocab_size=VOCAB))
+  hf = _hf_model("llama")
+  hf.save_pretrained(tmp_path)
+  tok.save(str(tmp_path / "tokenizer.json"))
+  status, out, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt", "the pages",
+                          "--max-new-tokens", "6", "--ignore-eos", "--no-progress")
+  assert status == 0, err
+  assert f"checkpoint {tmp_path}" in err and f"tokenizer of {tmp_path}" in err
+  assert "generated tokens: 6" in out
+
+  (tmp_path / "tokenizer.json").unlink()
+  args = ("--checkpoint", str(tmp_path), "--prompt-ids", "5,6,7", "--max-new-tokens", "10",
+          "--no-progress")
+  status, out, err = _cli(capsys, *args, "--ignore-eos")
+  assert status == 0, err
+  ids = [int(t) for t in out.splitlines()[1].split(",")]
+  assert ids == _hf_generate(hf, [5, 6, 7], 10)
+  stop = ids[3]
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [299, stop]}))
+  status, out, err = _cli(capsys, *args)
+  assert status == 0, err
+  assert [int(t) for t in out.splitlines()[1].split(",")] == ids[:ids.index(stop) + 1]
+
+
+def test_cli_names_unsupported_and_broken_checkpoints(capsys, tmp_path):
+  (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
+  status, _, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
+  assert status == 2 and ("model_type 'falcon' is not supported (supported: gpt2, llama, "
+                          "mistral, qwen2)") in err
+  _hf_model("mistral").save_pretrained(tmp_path)
+  weights = tmp_path / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:100])
+  status, _, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1")
+  assert status == 2 and f"{weights}: not a readable safetensors file" in err
