@@ -111,7 +111,9 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
                          other=0)
 
       def copy_tile(t, _):
-        tile, part = t // pl.cdiv(tile_size, _COPY_CHUNK), t % pl.cdiv(tile_size, _COPY_CHUNK)
+        # lax ops with int32 operands: jnp's `%` by a constant 1 lowers to a bool divisor.
+        parts = jnp.int32(pl.cdiv(tile_size, _COPY_CHUNK))
+        tile, part = lax.div(t, parts), lax.rem(t, parts)
         offset = part * _COPY_CHUNK + chunk
         inside = offset < tile_size
         src = (tile * num_pages + page) * tile_size + offset
