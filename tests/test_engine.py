@@ -159,11 +159,12 @@ def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prom
     device.run(scheduler, calls[-1])
   # Longest first; a call holds bucket(rows) x bucket(longest) <= 64 padded tokens, and
   # the 70-token prompt is split into a 64-token chunk and the rest. Slots follow arrival
-  # order. Decoding rows run beside the prefills left.
+  # order. Admitted together into an idle engine, they are prefilled whole before they
+  # decode (in step).
   assert [[(c.slot, c.start, len(c.tokens)) for c in call.prefill] for call in calls] == [
       [(6, 0, 64)], [(6, 64, 6), (1, 0, 30)], [(3, 0, 17), (2, 0, 9)],
       [(5, 0, 8), (0, 0, 5), (4, 0, 3)]]
-  assert [call.decode_steps for call in calls] == [0, 0, 8, 8]
+  assert [call.decode_steps for call in calls] == [0, 0, 0, 0]
   # Many small calls still give static generate's tokens.
   eng = Engine(model, max_batch=16, num_pages=64, page_size=8, max_prefill_tokens=64)
   outputs, report = eng.generate([Request(p, 14) for p in prompts])

@@ -16,9 +16,10 @@ from jax_paged.serving.kv_cache_manager import KVCacheManager
 class AdmissionPolicy(Protocol):
   """Decides admissions from the KV-cache manager's page accounting."""
 
-  def open(self, running: Sequence[tuple[int, int]]) -> None:
-    """Starts a round; `running` holds (cached tokens, decode steps left) per running
-    sequence."""
+  def open(self, running: Sequence[tuple[int, int]], promised: int = 0) -> None:
+    """Starts a round; `running` holds (tokens cached, or to be cached by its queued
+    prefill, and decode steps left) per running sequence; `promised` pages are not
+    allocated yet but owed to queued prefills."""
 
   def fits(self, context: int, steps_left: int) -> bool:
     """Whether a request whose prefill caches `context` tokens, then decodes for
@@ -37,8 +38,8 @@ class OptimisticAdmission:
     self.cache = cache
     self.budget = 0
 
-  def open(self, running: Sequence[tuple[int, int]]) -> None:
-    self.budget = self.cache.num_free_pages - len(running)
+  def open(self, running: Sequence[tuple[int, int]], promised: int = 0) -> None:
+    self.budget = self.cache.num_free_pages - promised - len(running)
 
   def _need(self, context: int) -> int:
     return self.cache.pages(context) + 1
@@ -72,7 +73,8 @@ class PeakAdmission:
     return self.cache.projected_pages(cached, steps_left, horizon=self.horizon,
                                       linger=self.linger)
 
-  def open(self, running: Sequence[tuple[int, int]]) -> None:
+  def open(self, running: Sequence[tuple[int, int]], promised: int = 0) -> None:
+    del promised  # the projection counts the running contexts' pages in full
     self.projected = self._project([c for c, _ in running], [s for _, s in running])
 
   def fits(self, context: int, steps_left: int) -> bool:

@@ -49,6 +49,7 @@ class KVCacheManager:
     self._in_use = 0                               # pages with refs > 0
     self._cache: dict[int, int] = {}               # key -> page
     self._page_key: dict[int, int] = {}            # page -> key, for held pages
+    self._held = np.zeros((num_pages,), bool)      # pages in _page_key
     # Held pages that only the cache references, least recently used first.
     self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self._grown: set[int] = set()                  # slots whose rows changed in this call
@@ -104,13 +105,13 @@ class KVCacheManager:
                          "they had: scheduler bug")
     self.refs[unique] = after
     self._in_use += int(((after > 0) & (before == 0)).sum() - ((after == 0) & (before > 0)).sum())
-    for page, n in zip(unique.tolist(), after.tolist()):
-      if page in self._page_key:
-        if n == 1:
-          self._evictable[page] = None
-          self._evictable.move_to_end(page)
-        else:
-          self._evictable.pop(page, None)
+    held = self._held[unique]
+    for page, n in zip(unique[held].tolist(), after[held].tolist()):
+      if n == 1:
+        self._evictable[page] = None
+        self._evictable.move_to_end(page)
+      else:
+        self._evictable.pop(page, None)
 
   def _record_peak(self) -> None:
     self.peak_used_pages = max(self.peak_used_pages, self.num_used_pages)
@@ -180,14 +181,22 @@ class KVCacheManager:
     Raises:
       RuntimeError: they differ (a reservation failed on device: a scheduler bug).
     """
+    added, dropped = [], []
     for slot in self._grown:
       row = np.asarray(page_table[slot, :int(self.pages(self.cached[slot]))], np.int64)
       old = self.slot_pages[slot]
-      if len(old) != len(row) or (old != row).any():
-        self._add_refs(row, +1)
-        self._add_refs(old, -1)
-        self.slot_pages[slot] = row
+      # Rows grow at their end (and a copy-on-write replaces the last page): only the
+      # entries from the first difference on change references.
+      n = min(len(old), len(row))
+      same = np.flatnonzero(old[:n] != row[:n])
+      first = int(same[0]) if same.size else n
+      added.append(row[first:])
+      dropped.append(old[first:])
+      self.slot_pages[slot] = row
     self._grown.clear()
+    if added:
+      self._add_refs(np.concatenate(added), +1)
+      self._add_refs(np.concatenate(dropped), -1)
     self._record_peak()
     if self.num_pages - self._in_use != num_free:
       raise RuntimeError(f"the pool has {num_free} free pages, the scheduler expected "
@@ -201,14 +210,17 @@ class KVCacheManager:
     if not self.prefix_caching:
       return
     pages = self.slot_pages[slot]
+    new = []
     for j, key in enumerate(page_keys(context, self.page_size, upto // self.page_size)):
       page = int(pages[j])
       if key in self._cache or page in self._page_key:
         continue
       self._cache[key] = page
       self._page_key[page] = key
-      self._add_refs([page], +1)
-      self._retain.append(page)
+      new.append(page)
+    self._held[new] = True
+    self._add_refs(new, +1)
+    self._retain += new
 
   def take_retains(self) -> list[int]:
     """The holds placed since the last call, for the next plan (`pool.retain_pages`)."""
@@ -219,11 +231,13 @@ class KVCacheManager:
     """Drops least recently used evictable cached pages until `pages_needed` pages are
     free on the device; returns them (`pool.release_pages`)."""
     evicted = []
-    while self.num_pages - self._in_use < pages_needed and self._evictable:
+    # Each evictable page has one reference (the hold): dropping it frees the page.
+    while self.num_pages - self._in_use + len(evicted) < pages_needed and self._evictable:
       page, _ = self._evictable.popitem(last=False)
       del self._cache[self._page_key.pop(page)]
-      self._add_refs([page], -1)
       evicted.append(page)
+    self._held[evicted] = False
+    self._add_refs(evicted, -1)
     self.evicted_pages += len(evicted)
     return evicted
 

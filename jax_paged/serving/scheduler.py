@@ -156,6 +156,9 @@ class Scheduler:
     self.num_preemptions = 0
     self._admissions = 0
     self._prefill_queue: list[int] = []  # slots with context left to prefill, in order
+    # Admitted when nothing was decoding (a static batch, a run's start): the cohort is
+    # prefilled whole before it decodes, so that it decodes in step.
+    self._cohort_starting = False
     self._release: list[int] = []
     self._attach: list[tuple[int, tuple[int, ...], int]] = []
 
@@ -170,14 +173,23 @@ class Scheduler:
   def schedule(self, now: float = float("inf")) -> Plan | None:
     """The next device call, or None when nothing can run before a request arrives
     (`now`: seconds since the run started) or every request has finished."""
+    if not any(s is not None and s.decoding for s in self.slots):
+      self._cohort_starting = True
     self._admit(now)
     prefill = self._next_prefill()
+    if not self._prefill_queue and not prefill:
+      self._cohort_starting = False
     decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
     steps = 0
-    if decoding:
-      limit = STEPS_PER_CHECK if self._prefill_queue else self.steps_per_call
-      steps = self._fit_decode(min(limit, self.steps_per_call), prefill)
-      decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+    # A prefill that ends the queued work runs alone: its rows join the next decode chunk.
+    # While more prefill calls are queued (long prompts, chunked), short decode chunks run
+    # beside each, so that running requests keep producing tokens (vLLM's chunked
+    # prefill) and the queue advances every STEPS_PER_CHECK steps.
+    if decoding and not prefill:
+      steps = self._fit_decode(self.steps_per_call, prefill)
+    elif decoding and self._prefill_queue and not self._cohort_starting:
+      steps = self._fit_decode(min(STEPS_PER_CHECK, self.steps_per_call), prefill)
+    decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
     if not prefill and not steps:
       return None
     need = sum(int(self.cache.pages(c.start + len(c.tokens)) - self.cache.pages(c.start))
@@ -206,10 +218,15 @@ class Scheduler:
 
   def _admit(self, now: float) -> None:
     """Admits arrived waiting requests in order while slots and the policy allow."""
-    running = [(int(self.cache.cached[i]), s.budget) for i, s in enumerate(self.slots) if s]
-    self.admission.open(running)
-    admitted = []
     page_size = self.cache.page_size
+    running = []
+    for i, s in enumerate(self.slots):
+      if s is not None:  # the tokens it holds once prefilled (a fork: its last page's copy)
+        held = (int(self.cache.cached[i]) if s.decoding else s.prefill_stop
+                or s.context_length % page_size)
+        running.append((held, s.budget))
+    self.admission.open(running, promised=self._promised_pages())
+    admitted = []
     while self.waiting and self.requests[self.waiting[0][0]].arrival_s <= now:
       rid, sample, done = self.waiting[0]
       request = self.requests[rid]
