@@ -55,6 +55,7 @@ class RunningRequest:
   parent: int | None = None  # the slot this sample is forked from after its prefill
   decoding: bool = False
   looked_up: bool = False  # its context was looked up in the prefix cache
+  keys: list[int] = dataclasses.field(default_factory=list)  # its full pages' page_keys
 
   @property
   def seed(self) -> int:
@@ -276,9 +277,11 @@ class Scheduler:
       s = self.slots[slot]
       context = s.context
       if s.prefilled == 0 and not s.looked_up:
-        hit = self.cache.lookup(context)
+        if self.cache.prefix_caching and not s.keys:
+          s.keys = page_keys(context, page_size, len(context) // page_size)
+        hit = self.cache.lookup(s.keys, len(context))
         if self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
-          if page_keys(context, page_size, len(hit) + 1)[-1] in computing:
+          if s.keys[len(hit)] in computing:
             continue
         s.looked_up = True
         self.cache.attach(slot, hit, len(context))
@@ -292,7 +295,7 @@ class Scheduler:
       width = w
       first_page = s.prefilled // page_size
       if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
-        computing.add(page_keys(context, page_size, first_page + 1)[-1])
+        computing.add(s.keys[first_page])  # keys: set at the sequence's lookup
       samples = ()
       if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
         samples = ((slot, s),) + tuple((i, f) for i, f in enumerate(self.slots)
@@ -377,8 +380,8 @@ class Scheduler:
         s.decoding, s.parent = True, None
     self.cache.sync(page_table, num_free)
     for chunk in plan.prefill:
-      s = self.slots[chunk.slot]
-      self.cache.register(chunk.slot, s.context, chunk.start + len(chunk.tokens))
+      self.cache.register(chunk.slot, self.slots[chunk.slot].keys,
+                          chunk.start + len(chunk.tokens))
     events = []
     for slot, t in new.items():
       s = self.slots[slot]
