@@ -111,7 +111,7 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
                          other=0)
 
       def copy_tile(t, _):
-        # lax ops with int32 operands: jnp's `%` by a constant 1 lowers to a bool divisor.
+        # lax ops on int32 operands (jnp's `%` by a constant 1 lowered to an i1 divisor).
         parts = jnp.int32(pl.cdiv(tile_size, _COPY_CHUNK))
         tile, part = lax.div(t, parts), lax.rem(t, parts)
         offset = part * _COPY_CHUNK + chunk
@@ -122,10 +122,12 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
           plgpu.store(pages_ref.at[dst], plgpu.load(pages_ref.at[src], mask=inside),
                       mask=inside)
 
-      lax.fori_loop(0, jnp.where(copy, tiles * pl.cdiv(tile_size, _COPY_CHUNK), 0),
-                    copy_tile, None)
+      # Typed bounds: Pallas-Triton gives a where of two Python ints the type i1.
+      trips = jnp.where(copy, jnp.int32(tiles * pl.cdiv(tile_size, _COPY_CHUNK)),
+                        jnp.int32(0))
+      lax.fori_loop(jnp.int32(0), trips, copy_tile, None)
       plgpu.store(refcounts_ref.at[page], references - 1, mask=copy)
-      plgpu.store(refcounts_ref.at[fresh], 1, mask=copy)
+      plgpu.store(refcounts_ref.at[fresh], jnp.int32(1), mask=copy)
       plgpu.store(table_ref.at[seq, length // page_size], fresh, mask=copy)
       plgpu.store(lengths_ref.at[seq], length + 1, mask=fits)
       target = jnp.where(copy, fresh, page)
