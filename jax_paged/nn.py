@@ -3,7 +3,8 @@
 `PagedAttention` is a multi-head (MHA / GQA / MQA) self-attention layer that a model drops
 in place of its usual attention: it projects q/k/v for the new tokens, writes k/v into its
 layer's pages of the pool (`pool.write_kv`; at decode `pool.project_write_kv`, where on a
-GPU the projection kernel stores them itself) and attends
+GPU the projection kernel stores them itself; quantized on write for an int8 / float8
+pool) and attends
 
 * over the new tokens with a causal mask for a prompt (`prefill`), and
 * over the sequence's pages with the paged decode kernel for one new token (`decode`).
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import layer_norm
 from jax_paged.kernels import linear
 from jax_paged.kernels import paged_attention
@@ -220,6 +222,15 @@ class PagedAttention(nnx.Module):
 
     The sequences must hold no tokens before this step (their cache is not read).
 
+    With a quantized pool (int8 / float8_e4m3fn) the prompt attends to its K/V as the pool
+    stores them, quantized and dequantized (`kv_quant.fake_quantize`, the values the
+    pages and scales hold), not to the unquantized projections: every attention then sees
+    the same cache, so a prompt's logits are those decoding it token by token over the
+    pages would give, a prefix read back from the pool (a cached prefix, a prompt
+    recomputed after preemption) gives what its first prefill gave, and the accuracy
+    bound measured for the quantized cache covers the prompt too. It costs one
+    elementwise pass over the prompt's K/V; the attention itself is unchanged.
+
     Args:
       x: [B, T, in_features], prompts right-padded to T.
       kv: the pool.
@@ -235,6 +246,8 @@ class PagedAttention(nnx.Module):
     """
     q, k, v = self._project(x)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
+    if kv.quantized:
+      k, v = kv_quant.fake_quantize(k, kv.dtype), kv_quant.fake_quantize(v, kv.dtype)
     y = prompt_attention(q, k, v, lengths, scale=self.scale).reshape(x.shape[:2] + (-1,))
     return (self.out(y) if project else y), kv
 
@@ -268,8 +281,11 @@ class PagedAttention(nnx.Module):
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
-    # The whole pool with `layer`: the kernel reads the layer in place.
-    y = attend(q.reshape(b, -1, d).astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages,
-               page_table, lengths, layer=layer, scale=self.scale)
+    # The whole pool with `layer`: the kernel reads the layer in place. q is in the pool's
+    # dtype, or for a quantized pool in the compute dtype (the kernel dequantizes into it).
+    q = q.reshape(b, -1, d)
+    y = attend(q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages,
+               page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
+               scale=self.scale)
     y = y.reshape(b, -1).astype(x.dtype)
     return (self.out(y) if project else y), kv
