@@ -95,8 +95,8 @@ def _quantized_inputs(batch, heads, kv_heads, head_dim, page_size, max_pages, q_
   lead = () if layers is None else (layers,)
   shape = lead + (kv_heads, num_pages, page_size, head_dim)
   # Magnitudes vary per token, so that every token has a scale of its own.
-  k = _random(shape) * jnp.exp(_random(shape[:-1] + (1,)))
-  v = _random(shape) * jnp.exp(_random(shape[:-1] + (1,)))
+  k = _random(shape) * jnp.exp(0.5 * _random(shape[:-1] + (1,)))
+  v = _random(shape) * jnp.exp(0.5 * _random(shape[:-1] + (1,)))
   (kq, ks), (vq, vs) = kv_quant.quantize(k, cache_dtype), kv_quant.quantize(v, cache_dtype)
   rng = np.random.default_rng(next(_SEED))
   table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
@@ -217,6 +217,13 @@ def test_quantized_kernels_lower_for_cuda():
         else:
           traced = jax.jit(fn).trace(*args, k_scales=scales, v_scales=scales)
         traced.lower(lowering_platforms=("cuda",))
+
+
+def test_default_config_of_quantized_pages(monkeypatch):
+  monkeypatch.setattr(pa.triton_backend, "sm_count", lambda: 132)
+  assert pa.default_config(3072, 1, 64, quantized=True) == (64, 2, 3)  # MHA
+  assert pa.default_config(512, 4, 128, quantized=True) == (128, 4, 3)  # GQA
+  assert pa.default_config(64, 1, 256, quantized=True) == pa.default_config(64, 1, 256)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -17,7 +17,12 @@ A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow: each K
 is converted to q's dtype in registers (exact), the tile's per-token f32 scales are
 gathered beside it, K's multiply the logits and V's the probabilities before the p.v dot,
 so dequantization costs no [block_n, D] multiply. The float path is unchanged (the
-quantized one is a separate compilation).
+quantized one is a separate compilation). On an H200 the quantized kernel reads its
+(half as many) bytes at 44-56% of the read ceiling: 0.90x the bf16 kernel's time for
+int8, 0.99-1.06x for float8 at the default knobs. That is ~9 K/V elements per SM cycle on
+every shape and knob setting (bf16: ~8, at the read ceiling). That is consistent with the tile converts (int8 / e4m3 -> bf16, one or two
+convert instructions per element; an SM retires 16 converts per cycle on sm_90) bounding
+the loop, not memory (measurements beside `_QUANT_MHA_CONFIG`).
 
 q.k and p.v are tensor-core dots for every group size, MHA included: the group of q heads is
 padded to 16 rows (15 of them masked for MHA). The wasted math is free in a memory-bound
@@ -63,16 +68,30 @@ _MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
 # want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
 _MHA_MANY_PROGRAMS_PER_SM = 8
 _MHA_MANY_BLOCK_N = 32
+# 1-byte (int8 / float8) pages, head dims <= 128, (block_n, warps, stages): the best of an
+# H200 sweep (2026-11-24 19:50, kernel time, % of the read ceiling, int8 / fp8): GPT-2
+# b256-l1k 55.6 / 47.0% at 64/2/3 (32/2/2: 48.1%; 32/2/4: 47.9%); mha-b64-l2k 54.3 / 49.2%
+# (32/2/2: 52.9%); gqa-b32-l4k 51.2 / 44.2% at 128/4/3 (64/4/3: 41.7%, 64/4/5: 41.6%,
+# 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it far: the loop is bound by converting
+# the narrow tiles (see the module docstring), not by bytes in flight.
+_QUANT_MHA_CONFIG = (64, 2, 3)
+_QUANT_GQA_CONFIG = (128, 4, 3)
 
 
-def default_config(num_programs: int, group: int, head_dim: int) -> tuple[int, int, int]:
+def default_config(num_programs: int, group: int, head_dim: int, *,
+                   quantized: bool = False) -> tuple[int, int, int]:
   """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
-  programs with `group` q heads per kv head and head dim `head_dim`."""
+  programs with `group` q heads per kv head and head dim `head_dim`; `quantized`: 1-byte
+  (int8 / float8) pages."""
   if group > 1:
-    return _BLOCK_N, _NUM_WARPS, _NUM_STAGES
-  many = num_programs >= _MHA_MANY_PROGRAMS_PER_SM * triton_backend.sm_count()
-  return (_MHA_MANY_BLOCK_N if many else _BLOCK_N,
-          _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
+    config = _BLOCK_N, _NUM_WARPS, _NUM_STAGES
+  else:
+    many = num_programs >= _MHA_MANY_PROGRAMS_PER_SM * triton_backend.sm_count()
+    config = (_MHA_MANY_BLOCK_N if many else _BLOCK_N,
+              _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
+  if not quantized or head_dim > 128:  # head dim 256: the float config (not measured)
+    return config
+  return _QUANT_GQA_CONFIG if group > 1 else _QUANT_MHA_CONFIG
 
 
 def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
@@ -322,7 +341,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       max_tokens = min(max_tokens, sliding_window + page_size)
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N)
   default_n, default_warps, default_stages = default_config(
-      batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim)
+      batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim,
+      quantized=k_scales is not None)
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, scale=scale,
       logits_soft_cap=logits_soft_cap,
