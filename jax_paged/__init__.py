@@ -2,7 +2,8 @@
 
 Layers, each using only those before it:
   kernels   Pallas kernels (lowered through Triton on a GPU; plain XLA on CPU) with their
-            references: paged_decode_attention, merge_attention_states(_n); ground truth
+            references: paged_decode_attention, paged_prefill_attention,
+            merge_attention_states(_n); ground truth
             in plain jax.numpy in `jax_paged.reference`
   pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
             release, ...)
@@ -19,6 +20,7 @@ from jax_paged import pool
 from jax_paged.pool import KVPool, PoolExhausted
 from jax_paged import nn
 from jax_paged.kernels.paged_attention import paged_decode_attention
+from jax_paged.kernels.paged_prefill import paged_prefill_attention
 from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
 from jax_paged.serving.engine import Engine
@@ -29,5 +31,5 @@ from jax_paged.serving.static_batch import generate
 __all__ = [
     "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted", "Report",
     "Request", "TokenEvent", "generate", "merge_attention_states", "merge_attention_states_n",
-    "nn", "paged_decode_attention", "pool", "reference",
+    "nn", "paged_decode_attention", "paged_prefill_attention", "pool", "reference",
 ]

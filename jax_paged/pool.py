@@ -8,6 +8,14 @@ buffers updated in place, so nothing is copied per step.
 Free pages live in a stack: `free_pages[:num_free]` are the free page ids, and allocation
 pops from the top, so a page costs O(1) whatever `num_pages` is.
 
+Pages can be shared (vLLM's prefix caching and parallel sampling). Each page has a
+reference count: the page-table rows of live sequences that use it plus the holds placed
+on it (`retain_pages`: a prefix cache keeps finished requests' pages that way). `fork`
+makes sequences share another's pages, `release` / `release_pages` drop references and
+free a page only when its count reaches zero, and `reserve` copies a shared, partly
+filled page before a sequence writes into it (copy-on-write), so no sequence ever
+overwrites tokens another one reads.
+
 Inside `jax.jit` nothing can raise, so `reserve` reports failures through its `ok` flags
 and leaves failed sequences untouched. Outside jit (concrete arguments) the functions also
 check `seq_ids` and `slots` up front and raise `ValueError` naming the argument.
@@ -47,6 +55,9 @@ class KVPool:
     lengths: int32 [max_seqs], tokens stored per sequence (0 = empty / inactive).
     free_pages: int32 [num_pages], a stack: `free_pages[:num_free]` are the free pages.
     num_free: int32 [], the stack height.
+    refcounts: int32 [num_pages], references to each page: the live sequences whose used
+      pages include it (once per row entry) plus its holds (`retain_pages`); 0 exactly for
+      the pages on the free stack.
     k_scales, v_scales: for a quantized pool (int8 / float8_e4m3fn pages), float32
       [num_layers, num_kv_heads, num_pages, page_size]: one scale per token per kv head
       (`jax_paged.kernels.kv_quant`), indexed by page ids exactly like the pages, so that
@@ -60,6 +71,7 @@ class KVPool:
   lengths: jax.Array
   free_pages: jax.Array
   num_free: jax.Array
+  refcounts: jax.Array
   k_scales: jax.Array | None = None
   v_scales: jax.Array | None = None
 
@@ -92,6 +104,7 @@ class KVPool:
         # Reversed so that pops hand out pages 0, 1, 2, ... in order.
         free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
         num_free=jnp.asarray(num_pages, jnp.int32),
+        refcounts=jnp.zeros((num_pages,), jnp.int32),
         k_scales=scales,
         v_scales=None if scales is None else jnp.zeros_like(scales),
     )
@@ -165,18 +178,6 @@ class PoolSizing:
     return (f"KV pool: {self.num_pages} pages x {self.bytes_per_page / 1024:.1f} KiB "
             f"(K+V, all layers) = {self.num_pages * self.bytes_per_page / gib:.2f} GiB "
             f"of {self.budget_bytes / gib:.2f} GiB available x {self.utilization:.0%}")
-
-
-def copy_pages(pool: KVPool, src, dst) -> KVPool:
-  """Copies pages `src` onto pages `dst` (int [n] each, pairwise) in every layer: K, V and
-  a quantized pool's scales (`KVPool.page_arrays`), e.g. to give a sequence its own copy of
-  a shared page before writing into it. Page tables and bookkeeping are unchanged; pairs
-  whose dst is outside [0, num_pages) are dropped, src ids are clamped into range."""
-  src = jnp.clip(jnp.asarray(src, jnp.int32), 0, pool.num_pages - 1)
-  dst = jnp.asarray(dst, jnp.int32)
-  dst = jnp.where(dst < 0, pool.num_pages, dst)  # negative ids would wrap
-  return pool.replace(**{name: array.at[:, :, dst].set(array[:, :, src], mode="drop")
-                         for name, array in pool.page_arrays().items()})
 
 
 def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -284,10 +285,14 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
   # The kernel needs the ids distinct and in range: concrete ones were checked above.
   if mode is not None and max_new_tokens == 1 and n and concrete_ids is not None:
     in_order = np.array_equal(concrete_ids, np.arange(n))
-    page_table, lengths, num_free, slots, ok = decode_reserve.reserve_one_pallas(
-        pool.page_table, pool.lengths, pool.free_pages, pool.num_free,
-        None if in_order else seq_ids, counts, page_size=ps, interpret=mode)
-    return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free), slots, ok
+    page_arrays = pool.page_arrays()
+    page_table, lengths, num_free, refcounts, pages, slots, ok = (
+        decode_reserve.reserve_one_pallas(
+            pool.page_table, pool.lengths, pool.free_pages, pool.num_free, pool.refcounts,
+            tuple(page_arrays.values()), None if in_order else seq_ids, counts,
+            page_size=ps, interpret=mode))
+    return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free,
+                        refcounts=refcounts, **dict(zip(page_arrays, pages))), slots, ok
   counts = counts.astype(jnp.int32)
 
   valid = _first_valid_occurrence(pool, seq_ids)
@@ -298,6 +303,12 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
   need = (new_len + ps - 1) // ps - have
   valid &= (counts >= 0) & (counts <= max_new_tokens)
   valid &= (new_len + ps - 1) // ps <= pool.max_pages_per_seq
+  # A first new token inside a partly filled page that other references share: served
+  # after the others (copy-on-write, `_serve_shared`).
+  current = pool.page_table[safe_ids, jnp.clip(old_len // ps, 0, pool.max_pages_per_seq - 1)]
+  shared = valid & (counts > 0) & (old_len % ps != 0) & (
+      pool.refcounts[jnp.clip(current, 0, pool.num_pages - 1)] > 1)
+  plain = valid & ~shared
 
   # Greedy in order: sequence i fits if its pages fit in what earlier successes left.
   # Walking that in order is a scan of n tiny steps (~5 us each on a GPU), so it is
@@ -322,20 +333,29 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
     return jax.lax.scan(admit, pool.num_free, (need, valid))
 
   if max_new_tokens <= 1:
-    num_free, (ok, free_before) = prefix_sum(need, valid)
+    num_free, (ok, free_before) = prefix_sum(need, plain)
   else:
-    total = jnp.sum(jnp.where(valid, need, 0))
+    total = jnp.sum(jnp.where(plain, need, 0))
     num_free, (ok, free_before) = jax.lax.cond(total <= pool.num_free, prefix_sum, in_order,
-                                               need, valid)
-  need = jnp.where(ok, need, 0)
+                                               need, plain)
+  # Rare (only forks share a partly filled page): a device-to-host branch only then.
+  num_free, refcounts, ok_shared, copy, free_before_shared = jax.lax.cond(
+      jnp.any(shared), _serve_shared, _no_shared, num_free, pool.refcounts, shared, need,
+      current)
+  ok |= ok_shared
+  free_before = jnp.where(shared, free_before_shared, free_before)
+  # The pages sequence i takes: its copy of the shared page first (replacing it in its
+  # row), then its new pages; popped from free_pages[free_before - taken : free_before].
+  taken = jnp.where(ok, need + copy, 0)
+  first = have - copy
 
-  # Sequence i pops free_pages[free_before - need : free_before], top of stack first.
   max_need = -(-max_new_tokens // ps) + 1  # a span of t tokens touches at most this many pages
   j = jnp.arange(max_need)
-  take = j[None, :] < need[:, None]
+  take = j[None, :] < taken[:, None]
   popped = pool.free_pages[jnp.clip(free_before[:, None] - 1 - j[None, :], 0, pool.num_pages - 1)]
   rows = jnp.where(take, safe_ids[:, None], pool.max_seqs)  # out of range -> dropped
-  page_table = pool.page_table.at[rows, have[:, None] + j[None, :]].set(popped, mode="drop")
+  page_table = pool.page_table.at[rows, first[:, None] + j[None, :]].set(popped, mode="drop")
+  refcounts = refcounts.at[jnp.where(take, popped, pool.num_pages)].set(1, mode="drop")
 
   lengths = pool.lengths.at[jnp.where(ok, seq_ids, pool.max_seqs)].set(new_len, mode="drop")
 
@@ -345,27 +365,232 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
   slot = page_table[safe_ids[:, None], page_idx] * ps + pos % ps
   slots = jnp.where(ok[:, None] & (t[None, :] < counts[:, None]), slot, -1).astype(jnp.int32)
 
-  new_pool = pool.replace(page_table=page_table, lengths=lengths, num_free=num_free)
+  new_pool = pool.replace(page_table=page_table, lengths=lengths, num_free=num_free,
+                          refcounts=refcounts)
+  new_pool = jax.lax.cond(jnp.any(copy), copy_pages, lambda p, src, dst: p, new_pool,
+                          current, jnp.where(copy, popped[:, 0], -1))
   return new_pool, slots, ok
 
 
-def release(pool: KVPool, seq_ids) -> KVPool:
-  """Returns the listed sequences' pages to the free stack and sets their lengths to 0.
+def _serve_shared(num_free, refcounts, shared, need, current):
+  """The sequences whose first new token falls in a shared, partly filled page, in order
+  after the others: one that is not that page's last reference needs one more page, a
+  copy of it to write into, and drops its reference; the last one writes in place.
 
-  Under jit, out-of-range or repeated ids are ignored (so a page is never freed twice).
+  Returns (num_free, refcounts, ok [n], copy [n] (bool), free_before [n]).
+  """
+  def serve(carry, x):
+    free, refcounts = carry
+    shared_i, need_i, page_i = x
+    copy_i = shared_i & (refcounts[page_i] > 1)
+    ok_i = shared_i & (need_i + copy_i <= free)
+    copy_i &= ok_i
+    refcounts = refcounts.at[page_i].add(-copy_i.astype(jnp.int32))
+    return (free - jnp.where(ok_i, need_i + copy_i, 0), refcounts), (ok_i, copy_i, free)
+
+  (num_free, refcounts), (ok, copy, free_before) = jax.lax.scan(
+      serve, (num_free, refcounts), (shared, need, current))
+  return num_free, refcounts, ok, copy, free_before
+
+
+def _no_shared(num_free, refcounts, shared, need, current):
+  del need, current
+  no = jnp.zeros_like(shared)
+  return num_free, refcounts, no, no, jnp.zeros(shared.shape, jnp.int32)
+
+
+def copy_pages(pool: KVPool, src, dst) -> KVPool:
+  """Copies the K/V of pages `src[i]` to pages `dst[i]` in every layer and kv head, with a
+  quantized pool's scales (`KVPool.page_arrays`).
+
+  Args:
+    pool: the pool.
+    src, dst: int32 [n] page ids; a negative dst is skipped (no copy).
+
+  Returns:
+    The pool with the copies made; nothing else changes (the caller owns the page table
+    and the reference counts).
+  """
+  src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+  dst = jnp.where(dst < 0, pool.num_pages, dst)  # out of range -> dropped
+  src = jnp.clip(src, 0, pool.num_pages - 1)
+
+  return pool.replace(**{name: array.at[:, :, dst].set(array[:, :, src], mode="drop")
+                         for name, array in pool.page_arrays().items()})
+
+
+def _drop_references(pool: KVPool, pages: jax.Array, counted: jax.Array) -> KVPool:
+  """Drops one reference per `counted` entry of `pages` (any shape); pages whose count
+  reaches zero go back onto the free stack, each once, in the order they first appear."""
+  pages = pages.reshape(-1)
+  counted = counted.reshape(-1) & (pages >= 0) & (pages < pool.num_pages)
+  target = jnp.where(counted, pages, pool.num_pages)  # out of range -> dropped
+  refcounts = pool.refcounts.at[target].add(-1, mode="drop")
+  # The first counted occurrence of each page pushes it (a page shared by two released
+  # sequences is freed once).
+  index = jnp.arange(pages.shape[0], dtype=jnp.int32)
+  first_at = jnp.full((pool.num_pages,), pages.shape[0], jnp.int32).at[target].min(
+      index, mode="drop")
+  safe = jnp.clip(pages, 0, pool.num_pages - 1)
+  freed = counted & (first_at[safe] == index) & (refcounts[safe] == 0)
+  dest = jnp.where(freed, pool.num_free + jnp.cumsum(freed) - 1, pool.num_pages)
+  free_pages = pool.free_pages.at[dest].set(pages, mode="drop")
+  return pool.replace(refcounts=refcounts, free_pages=free_pages,
+                      num_free=pool.num_free + jnp.sum(freed))
+
+
+def release(pool: KVPool, seq_ids) -> KVPool:
+  """Drops the listed sequences' references to their pages and sets their lengths to 0.
+
+  A page goes back to the free stack when its last reference goes: pages another
+  sequence shares, or that a hold keeps (`retain_pages`), stay. Under jit, out-of-range
+  or repeated ids are ignored (so a reference is never dropped twice).
   """
   seq_ids, _ = _check_seq_ids(pool, seq_ids)
-  valid = _first_valid_occurrence(pool, seq_ids)
+  return _release(pool, seq_ids, _first_valid_occurrence(pool, seq_ids))
+
+
+def _release(pool: KVPool, seq_ids: jax.Array, valid: jax.Array) -> KVPool:
+  """`release` of the `valid` entries of seq_ids (distinct, in range)."""
   safe_ids = jnp.where(valid, seq_ids, 0)
   count = jnp.where(valid, pool.pages_used()[safe_ids], 0)
-  offset = pool.num_free + jnp.cumsum(count) - count  # exclusive prefix sum
   j = jnp.arange(pool.max_pages_per_seq)
-  give = j[None, :] < count[:, None]
-  dest = jnp.where(give, offset[:, None] + j[None, :], pool.num_pages)  # out of range -> dropped
-  free_pages = pool.free_pages.at[dest].set(pool.page_table[safe_ids], mode="drop")
+  pool = _drop_references(pool, pool.page_table[safe_ids], j[None, :] < count[:, None])
   lengths = pool.lengths.at[jnp.where(valid, seq_ids, pool.max_seqs)].set(0, mode="drop")
-  return pool.replace(free_pages=free_pages, num_free=pool.num_free + jnp.sum(count),
-                      lengths=lengths)
+  return pool.replace(lengths=lengths)
+
+
+def _check_page_ids(pool: KVPool, page_ids, name: str) -> jax.Array:
+  """int32 page ids of any shape; raises for non-integers and, where concrete, for ids
+  outside [0, num_pages) (negative = padding where the caller allows it)."""
+  known = validation.concrete(page_ids)
+  page_ids = jnp.asarray(page_ids)
+  if not jnp.issubdtype(page_ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {page_ids.dtype}")
+  if known is not None and known.size and known.max() >= pool.num_pages:
+    raise ValueError(f"{name} must be < num_pages = {pool.num_pages} (negative = padding), "
+                     f"got {known.max()}")
+  return page_ids.astype(jnp.int32)
+
+
+def retain_pages(pool: KVPool, page_ids) -> KVPool:
+  """Places one hold on each listed page (a prefix cache keeping it past its sequences).
+
+  Args:
+    pool: the pool.
+    page_ids: int32 [n] pages in use (count > 0); negative entries are padding. Under jit,
+      ids out of range and free pages are ignored (a free page cannot be held: it may be
+      handed out at any time).
+  """
+  page_ids = _check_page_ids(pool, page_ids, "page_ids")
+  known = validation.concrete(page_ids)
+  if known is not None:
+    counts = np.asarray(pool.refcounts)[known[(known >= 0)]]
+    if (counts == 0).any():
+      raise ValueError(f"page_ids must be pages in use, got free pages "
+                       f"{known[known >= 0][counts == 0].tolist()}")
+  safe = jnp.clip(page_ids, 0, pool.num_pages - 1)
+  live = (page_ids >= 0) & (page_ids < pool.num_pages) & (pool.refcounts[safe] > 0)
+  refcounts = pool.refcounts.at[jnp.where(live, page_ids, pool.num_pages)].add(1, mode="drop")
+  return pool.replace(refcounts=refcounts)
+
+
+def release_pages(pool: KVPool, page_ids) -> KVPool:
+  """Drops one hold from each listed page (`retain_pages`' inverse): a page whose count
+  reaches zero goes back to the free stack.
+
+  Args:
+    pool: the pool.
+    page_ids: int32 [n]; negative entries are padding. Under jit, ids out of range and
+      pages with no reference are ignored.
+  """
+  page_ids = _check_page_ids(pool, page_ids, "page_ids")
+  safe = jnp.clip(page_ids, 0, pool.num_pages - 1)
+  live = (page_ids >= 0) & (page_ids < pool.num_pages) & (pool.refcounts[safe] > 0)
+  return _drop_references(pool, page_ids, live)
+
+
+def fork(pool: KVPool, src_seq, dst_seqs) -> KVPool:
+  """Makes each destination sequence a copy of `src_seq` that shares its pages.
+
+  No K/V is copied: the destinations' page-table rows point at the source's pages, whose
+  reference counts grow by one per destination, and their lengths become the source's.
+  Whoever writes first into a shared, partly filled last page gets a copy of it
+  (`reserve`'s copy-on-write), so the sequences diverge without seeing each other's
+  tokens. A destination that held tokens drops its own pages first (`release`).
+
+  Args:
+    pool: the pool.
+    src_seq: int, the source sequence id in [0, max_seqs).
+    dst_seqs: int32 [n] distinct ids in [0, max_seqs), other than src_seq. Under jit,
+      out-of-range, repeated or source ids are ignored.
+  """
+  src = validation.concrete(src_seq)
+  if src is not None and not (src.ndim == 0 and 0 <= int(src) < pool.max_seqs):
+    raise ValueError(f"src_seq must be a sequence id in [0, max_seqs={pool.max_seqs}), got "
+                     f"{src.tolist()}")
+  dst_seqs, known = _check_seq_ids(pool, dst_seqs)
+  if src is not None and known is not None and int(src) in known.tolist():
+    raise ValueError(f"dst_seqs must not contain src_seq {int(src)}, got {known.tolist()}")
+  src_seq = jnp.clip(jnp.asarray(src_seq, jnp.int32), 0, pool.max_seqs - 1)
+  valid = _first_valid_occurrence(pool, dst_seqs) & (dst_seqs != src_seq)
+  pool = _release(pool, dst_seqs, valid)
+  rows = jnp.where(valid, dst_seqs, pool.max_seqs)  # out of range -> dropped
+  page_table = pool.page_table.at[rows].set(pool.page_table[src_seq], mode="drop")
+  lengths = pool.lengths.at[rows].set(pool.lengths[src_seq], mode="drop")
+  used = pool.pages_used()[src_seq]
+  shares = jnp.where(jnp.arange(pool.max_pages_per_seq) < used, jnp.sum(valid), 0)
+  refcounts = pool.refcounts.at[pool.page_table[src_seq]].add(shares, mode="drop")
+  return pool.replace(page_table=page_table, lengths=lengths, refcounts=refcounts)
+
+
+def attach(pool: KVPool, seq_ids, page_ids, num_tokens) -> KVPool:
+  """Starts empty sequences on existing pages: a prefix cache hit.
+
+  Sequence seq_ids[i] gets page_ids[i, :k] as its first k pages (k = ceil(num_tokens[i] /
+  page_size)), one more reference on each, and length num_tokens[i]; its next tokens
+  go after them (into fresh pages when num_tokens[i] is a whole number of pages, else
+  into a copy of the last one: `reserve`'s copy-on-write).
+
+  Args:
+    pool: the pool.
+    seq_ids: int32 [n] distinct ids in [0, max_seqs) (a sequence holding tokens drops
+      them first, as in `fork`). Under jit, out-of-range (e.g. -1 padding) or repeated
+      ids are ignored.
+    page_ids: int32 [n, m] pages in use (count > 0), m <= max_pages_per_seq.
+    num_tokens: int32 [n] in [0, m * page_size].
+  """
+  seq_ids, _ = _check_seq_ids(pool, seq_ids)
+  page_ids = _check_page_ids(pool, page_ids, "page_ids")
+  n = seq_ids.shape[0]
+  if page_ids.ndim != 2 or page_ids.shape[0] != n or page_ids.shape[1] > pool.max_pages_per_seq:
+    raise ValueError(f"page_ids must have shape [{n}, m] with m <= max_pages_per_seq = "
+                     f"{pool.max_pages_per_seq}, got {tuple(page_ids.shape)}")
+  m = page_ids.shape[1]
+  known = validation.concrete(num_tokens)
+  num_tokens = jnp.asarray(num_tokens)
+  if num_tokens.shape != (n,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+    raise ValueError(f"num_tokens must be an int array of shape [{n}], got shape "
+                     f"{num_tokens.shape} dtype {num_tokens.dtype}")
+  if known is not None and known.size and (known.min() < 0 or known.max() > m * pool.page_size):
+    raise ValueError(f"num_tokens must be in [0, {m * pool.page_size}] (the pages given), "
+                     f"got {known.tolist()}")
+  num_tokens = jnp.clip(num_tokens.astype(jnp.int32), 0, m * pool.page_size)
+  valid = _first_valid_occurrence(pool, seq_ids)
+  pool = _release(pool, seq_ids, valid)
+  k = (num_tokens + pool.page_size - 1) // pool.page_size
+  use = valid[:, None] & (jnp.arange(m)[None, :] < k[:, None])
+  safe = jnp.clip(page_ids, 0, pool.num_pages - 1)
+  use &= (page_ids >= 0) & (pool.refcounts[safe] > 0)
+  # A row whose pages are not all in use gets nothing (its length stays 0).
+  whole = jnp.all(use | (jnp.arange(m)[None, :] >= k[:, None]), axis=1) & valid
+  use &= whole[:, None]
+  rows = jnp.where(use, seq_ids[:, None], pool.max_seqs)
+  page_table = pool.page_table.at[rows, jnp.arange(m)[None, :]].set(page_ids, mode="drop")
+  refcounts = pool.refcounts.at[jnp.where(use, page_ids, pool.num_pages)].add(1, mode="drop")
+  lengths = pool.lengths.at[jnp.where(whole, seq_ids, pool.max_seqs)].set(num_tokens,
+                                                                          mode="drop")
+  return pool.replace(page_table=page_table, refcounts=refcounts, lengths=lengths)
 
 
 def check_write(pool: KVPool, layer, slots: jax.Array) -> None:

@@ -249,6 +249,16 @@ def test_bad_scales_and_cache_dtypes_raise(change, match):
       fn(**kwargs)
 
 
+@pytest.mark.parametrize("fn", [jax_paged.paged_prefill_attention,
+                                reference.paged_prefill_attention])
+def test_paged_prefill_refuses_quantized_pages(fn):
+  pages = jnp.zeros((2, 5, 16, 64), INT8)
+  with pytest.raises(ValueError, match="k_pages dtype int8: paged prefill attention reads "
+                                       "float pages"):
+    fn(jnp.zeros((2, 3, 4, 64)), pages, pages, jnp.zeros((2, 3), jnp.int32),
+       jnp.zeros((2,), jnp.int32), jnp.full((2,), 3, jnp.int32))
+
+
 def test_fp8_needs_compute_capability_8_9_on_a_gpu(monkeypatch):
   """An Ampere GPU (8.0) cannot run the float8 Triton kernels: a clear error, not a
   compiler crash; int8 is fine, and so is float8 on an H100 (9.0)."""
@@ -384,6 +394,33 @@ def test_copy_pages_moves_values_and_scales():
                            dtype=jnp.float32).page_arrays()) == {"k_pages", "v_pages"}
 
 
+@pytest.mark.parametrize("interpret", [None, True])
+def test_copy_on_write_copies_the_scales(interpret):
+  """Forks of a sequence whose last page is partly filled: the decode reserve (XLA, and
+  the one-kernel path in interpret mode) gives each writer but the last reference a copy
+  of that page, values and scales, so every fork still reads its inherited tokens."""
+  if interpret is None and jax.default_backend() == "gpu":
+    pytest.skip("interpret=None is the kernel on a GPU")
+  p = _poisoned_pool(INT8, 2, 32, seed=3)
+  p, slots, _ = kvpool.reserve(p, jnp.array([0]), 6)  # 1.5 pages of 4
+  k = _random((1, 6, 2, 32), scale=2.0)
+  for layer in range(LAYERS):
+    p = kvpool.write_kv(p, layer, slots, k + layer, -k)
+  p = kvpool.fork(p, 0, jnp.array([1]))
+  shared = int(p.page_table[0, 1])
+  p, slots, ok = jax.jit(lambda p: kvpool.reserve(p, np.arange(2, dtype=np.int32), 1,
+                                                  interpret=interpret))(p)
+  assert np.asarray(ok).all()
+  # The first writer copies; the second is then the page's last reference.
+  copy = int(p.page_table[0, 1])
+  assert copy != shared and int(p.page_table[1, 1]) == shared
+  for name, array in p.page_arrays().items():
+    np.testing.assert_array_equal(np.asarray(array[:, :, copy, :2].astype(jnp.float32)),
+                                  np.asarray(array[:, :, shared, :2].astype(jnp.float32)),
+                                  err_msg=name)
+  assert np.isfinite(np.asarray(p.k_scales[:, :, copy, :2])).all()
+
+
 def test_pool_create_holds_scales_only_when_quantized():
   kw = dict(num_layers=2, num_kv_heads=3, head_dim=64, num_pages=5, page_size=8, max_seqs=2,
             max_pages_per_seq=2)
@@ -391,9 +428,11 @@ def test_pool_create_holds_scales_only_when_quantized():
     p = KVPool.create(**kw, dtype=dtype)
     assert p.quantized and p.dtype == dtype
     chex.assert_shape((p.k_scales, p.v_scales), (2, 3, 5, 8))
-    assert p.k_scales.dtype == jnp.float32 and len(jax.tree.leaves(p)) == 8
+    assert p.k_scales.dtype == jnp.float32
+    quantized_leaves = len(jax.tree.leaves(p))
   p = KVPool.create(**kw, dtype=jnp.bfloat16)
-  assert not p.quantized and p.k_scales is None and len(jax.tree.leaves(p)) == 6
+  assert not p.quantized and p.k_scales is None
+  assert len(jax.tree.leaves(p)) + 2 == quantized_leaves
 
 
 # ------------------------------------------------------------------ GPT-2 end to end

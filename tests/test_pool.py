@@ -324,7 +324,7 @@ def test_size_pool():
 def test_pool_is_a_pytree():
   p = make_pool()
   leaves = jax.tree_util.tree_leaves(p)
-  assert len(leaves) == 6
+  assert len(leaves) == 7
   chex.assert_trees_all_equal_shapes(p, jax.tree_util.tree_map(jnp.zeros_like, p))
 
 

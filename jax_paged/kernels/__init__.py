@@ -5,8 +5,10 @@ body, a wrapper that builds the grid, a public entry that validates its argument
 the compiled kernel (GPU), interpret mode (`interpret=True`, tests) or plain XLA (CPU).
 
   paged_attention   paged decode attention, split-KV (flash-decoding), MHA / GQA / MQA
+  paged_prefill     paged prefill attention: query chunks over a paged (cached) prefix,
+                    causal, flash-attention style
   merge_attention   merging attention states by their log-sum-exp
-  reference         the plain-jnp ground truth of those two
+  reference         the plain-jnp ground truth of those three
   linear            GEMMs with fused epilogues at decode's few rows; a tied LM head's argmax
   layer_norm        layer norm, and the residual add + layer norm of a pre-LN block
   cache_write       K/V into the pool's pages (and the q/k/v projection that stores them)

@@ -113,6 +113,73 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return out
 
 
+def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            page_table: jax.Array, q_start: jax.Array, q_lengths: jax.Array,
+                            *, layer: int | jax.Array | None = None,
+                            scale: float | None = None,
+                            sliding_window: int | None = None) -> jax.Array:
+  """Several query tokens per sequence attending causally to its paged K/V cache.
+
+  Row b's query t (t < q_lengths[b]) sits at position p = q_start[b] + t and attends to the
+  keys at positions [0, p] (with `sliding_window` W: [p - W + 1, p]), all read from the
+  pages: this chunk's own K/V are already written there.
+
+  Args:
+    q: [B, T, H, D] float32 / bfloat16 / float16.
+    k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0; with `layer`, whole
+      pools [num_layers, Hkv, num_pages, page_size, D].
+    page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages) for the
+      pages a sequence uses (its first q_start + q_lengths tokens; the rest is never read).
+    q_start: int32 [B] >= 0, tokens cached before this chunk.
+    q_lengths: int32 [B] in [0, T], real query tokens in each row (the rest is padding).
+      q_start + q_lengths <= max_pages_per_seq * page_size. Concrete values out of range
+      raise ValueError; traced ones are clamped (`validation.clamp_prefill`; page ids into
+      [0, num_pages)).
+    layer: None, or the pools' layer to attend to (an int, or an integer scalar array,
+      clamped into [0, num_layers)).
+    scale: logits = scale * q.k; defaults to D ** -0.5.
+    sliding_window: W > 0 limits the query at position p to keys [p - W + 1, p].
+
+  Returns:
+    out [B, T, H, D] in q's dtype; padding queries (t >= q_lengths[b]) give exactly 0.
+  """
+  k_layer = validation.check_prefill_call(
+      q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
+      sliding_window=sliding_window, strict_kernel_shapes=False)
+  b, t, h, d = q.shape
+  q_start, q_lengths = validation.clamp_prefill(
+      q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
+  if layer is not None:
+    layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
+    k_pages = jax.lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
+    v_pages = jax.lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
+  hkv = k_pages.shape[0]
+  scale = d ** -0.5 if scale is None else scale
+  lengths = q_start + q_lengths
+  k = gather_pages(k_pages, page_table, lengths).astype(jnp.float32)  # [B, Hkv, S, D]
+  v = gather_pages(v_pages, page_table, lengths).astype(jnp.float32)
+  key_pos = jnp.arange(k.shape[2])
+  # Positions past a sequence's length hold page 0's data, whatever it is (NaN included):
+  # zero them, as a zero weight times NaN would still be NaN.
+  live = (key_pos[None, :] < lengths[:, None])[:, None, :, None]
+  k, v = jnp.where(live, k, 0.0), jnp.where(live, v, 0.0)
+  qg = q.astype(jnp.float32).reshape(b, t, hkv, h // hkv, d)
+  logits = jnp.einsum("btkgd,bksd->bkgts", qg, k,
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  pos = q_start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+  mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+  if sliding_window is not None:
+    mask &= key_pos[None, None, :] > pos[:, :, None] - sliding_window
+  mask &= (jnp.arange(t)[None, :] < q_lengths[:, None])[:, :, None]
+  mask = mask[:, None, None]  # [B, 1, 1, T, S]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for a padding query
+  probs = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]),
+                    0.0)
+  out = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
+  return out.reshape(b, t, h, d).astype(q.dtype)
+
+
 def merge_attention_states_n(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Merges N partial attention states along the leading axis.
 

@@ -216,6 +216,70 @@ def clamp_lengths(lengths, capacity: int):
   return jnp.clip(lengths, 0, capacity)
 
 
+def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
+                       sliding_window, strict_kernel_shapes: bool):
+  """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
+  k_pages. q is [B, T, H, D]; the pools, page table, scale and window are checked as
+  `paged_decode_attention` checks them (`check_layer`, `check_decode_args` on one token's
+  q), q_start / q_lengths here and, where concrete, by `check_prefill_values`."""
+  k_layer, v_layer = check_layer(k_pages, v_pages, layer)
+  if kv_quant.is_quantized(getattr(k_pages, "dtype", jnp.float32)):
+    raise ValueError(f"k_pages dtype {k_pages.dtype}: paged prefill attention reads float "
+                     "pages (float32, bfloat16, float16), not a quantized pool's")
+  if len(_shape(q)) != 4:
+    raise ValueError("q must have shape [batch, num_tokens, num_heads, head_dim], got shape "
+                     f"{_shape(q)}")
+  b, t, h, d = q.shape
+  for name, x in (("q_start", q_start), ("q_lengths", q_lengths)):
+    if _shape(x) != (b,):
+      raise ValueError(f"{name} must have shape [batch={b}], got shape {_shape(x)}")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+      raise ValueError(f"{name} dtype must be int32, got {x.dtype}")
+  check_decode_args(jax.ShapeDtypeStruct((b, h, d), q.dtype), k_layer, v_layer, page_table,
+                    q_start, scale=scale, logits_soft_cap=None, sliding_window=sliding_window,
+                    strict_kernel_shapes=strict_kernel_shapes)
+  check_prefill_values(page_table, q_start, q_lengths, num_tokens=t,
+                       num_pages=k_layer.shape[1], page_size=k_layer.shape[2])
+  return k_layer
+
+
+def check_prefill_values(page_table, q_start, q_lengths, *, num_tokens: int, num_pages: int,
+                         page_size: int) -> None:
+  """Where they are concrete (outside jit), raises ValueError for q_start < 0, q_lengths
+  outside [0, num_tokens], q_start + q_lengths past max_pages_per_seq * page_size, and page
+  ids outside [0, num_pages) in the pages a sequence uses (its first q_start + q_lengths
+  tokens). Under jit the kernel and the reference clamp alike (`clamp_prefill`)."""
+  start, lens = concrete(q_start), concrete(q_lengths)
+  if start is not None:
+    bad = np.flatnonzero(start < 0)
+    if bad.size:
+      raise ValueError(f"q_start must be >= 0, got {start[bad[0]]} for sequence {bad[0]}")
+  if lens is not None:
+    bad = np.flatnonzero((lens < 0) | (lens > num_tokens))
+    if bad.size:
+      raise ValueError(f"q_lengths must be in [0, num_tokens = {num_tokens}] (q.shape[1]), "
+                       f"got {lens[bad[0]]} for sequence {bad[0]}")
+  if start is None or lens is None:
+    return
+  capacity = page_table.shape[1] * page_size
+  total = start.astype(np.int64) + lens
+  bad = np.flatnonzero(total > capacity)
+  if bad.size:
+    i = bad[0]
+    raise ValueError(f"q_start + q_lengths must be <= max_pages_per_seq * page_size = "
+                     f"{capacity}, got {start[i]} + {lens[i]} for sequence {i}")
+  check_decode_values(page_table, total.astype(np.int32), num_pages=num_pages,
+                      page_size=page_size)
+
+
+def clamp_prefill(q_start, q_lengths, *, num_tokens: int, capacity: int):
+  """The in-jit form of `check_prefill_values`: q_lengths into [0, min(num_tokens,
+  capacity)], then q_start into [0, capacity - q_lengths], so a row's tokens never pass its
+  page table row. Returns (q_start, q_lengths)."""
+  q_lengths = jnp.clip(q_lengths, 0, min(num_tokens, capacity))
+  return jnp.clip(q_start, 0, capacity - q_lengths), q_lengths
+
+
 def check_merge_args(o_a, lse_a, o_b, lse_b) -> None:
   """Validates the arguments of the two-way `merge_attention_states`."""
   if len(_shape(o_a)) < 1:
