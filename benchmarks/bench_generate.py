@@ -5,7 +5,9 @@ GPT-2 124M with random weights, bf16, greedy, EOS ignored. Two workloads:
 * mixed: 256 requests, prompt lengths uniform in 32..512, 256 new tokens each. The engine
   and a classic contiguous max-length KV cache in JAX (static batches, every sequence
   reserving prompt_max + new tokens) get the SAME KV memory; the pool simply fits more
-  sequences. Also swept over the engine's batch capacity (PNG).
+  sequences. Also swept over the engine's batch capacity (PNG), and with
+  `--cache-dtypes bfloat16 int8` over KV cache dtypes at the same KV bytes (an int8 pool,
+  scales included, holds 1.88x the pages at GPT-2's head dim 64).
 * fixed: batch 128, prompt 256, 256 new tokens: the engine vs Hugging Face transformers'
   `generate` with `cache_implementation="static"` (torch.compile'd; warmed up on the same
   shapes) and with the default dynamic cache.
@@ -30,6 +32,7 @@ from flax import nnx
 
 from benchmarks import common
 from jax_paged import Engine, Request
+from jax_paged import pool as pool_lib
 from models import gpt2
 
 
@@ -147,14 +150,16 @@ def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
 
 # ----------------------------------------------------------------- main
 def plot_sweep(sweep: dict, contiguous_tps: float, contiguous_batch: int, n_req: int) -> None:
-  """tokens/s vs the engine's batch capacity, one line per admission policy."""
+  """tokens/s vs the engine's batch capacity, one line per (admission policy, cache
+  dtype)."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for admission, points in sweep.items():
-      ax.plot(list(points), list(points.values()), "o-", label=f"paged engine, {admission}")
+    for (admission, cache_dtype), points in sweep.items():
+      ax.plot(list(points), list(points.values()), "o-",
+              label=f"paged engine, {admission}, {cache_dtype.name} cache")
     ax.axhline(contiguous_tps, color="gray", ls="--",
                label=f"contiguous cache, batch {contiguous_batch}")
     ax.set_xscale("log", base=2)
@@ -173,6 +178,12 @@ def main():
   p.add_argument("--tiny", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument("--skip-mixed", action="store_true", help="only the fixed workload")
+  p.add_argument("--skip-fixed", action="store_true", help="only the mixed workload")
+  p.add_argument("--cache-dtypes", nargs="+", default=["bfloat16"],
+                 help="KV cache dtypes of the mixed workload's engine runs, each given the "
+                      "bf16 pool's bytes (bfloat16, int8, float8_e4m3fn)")
+  p.add_argument("--admissions", nargs="+", default=["optimistic", "peak"],
+                 choices=["optimistic", "peak"], help="the mixed workload's admission policies")
   p.add_argument("--capacities", type=int, nargs="+", help="engine batch capacities to sweep")
   p.add_argument("--steps-per-call", type=int, nargs="+", default=[32, 128],
                  help="engine decode steps per device call, each timed on the fixed workload "
@@ -199,15 +210,22 @@ def main():
   max_len = hi + new
   kv_slots = args.contiguous_batch * max_len  # the shared KV memory, in token slots
   num_pages = kv_slots // page_size
+  page_bytes = lambda cache_dtype: pool_lib.size_pool(  # all layers, K + V, scales
+      num_layers=config.n_layer, num_kv_heads=config.n_head, head_dim=config.head_dim,
+      page_size=page_size, dtype=cache_dtype, available_bytes=1 << 40).bytes_per_page
+  kv_bytes = num_pages * page_bytes(dtype)  # the contiguous cache's, in the compute dtype
+  pages_of = {jnp.dtype(name): kv_bytes // page_bytes(name) for name in args.cache_dtypes}
   lines = [f"# bench_generate: {common.header()}", "",
            f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, greedy."]
   if not args.skip_mixed:
     lines += [f"Mixed: {n_req} requests, prompts {lo}..{hi}, {new} new; KV memory {kv_slots} "
-              f"token slots for both paged ({num_pages} pages of {page_size}) and contiguous "
-              f"(batch {args.contiguous_batch} x {max_len}).", "",
-              "| system | batch capacity | time (s) | new tokens/s | decode steps | sequences "
-              "per step | ms per step | prefill s | preemptions |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              f"token slots ({kv_bytes / 2**20:.0f} MiB) for both paged ({num_pages} pages of "
+              f"{page_size}) and contiguous (batch {args.contiguous_batch} x {max_len}); other "
+              "cache dtypes get the same bytes: "
+              + ", ".join(f"{dt.name} {n} pages" for dt, n in pages_of.items()) + ".", "",
+              "| system | cache | batch capacity | time (s) | new tokens/s | decode steps | "
+              "sequences per step | ms per step | prefill s | preemptions |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
   total = n_req * new
   print("\n".join(lines), flush=True)
 
@@ -223,33 +241,56 @@ def main():
     contiguous, sec = timed(lambda: contiguous_generate(model, prompts, new,
                                                         args.contiguous_batch, max_len))
     contiguous_tps = total / sec
-    emit(f"| contiguous cache (JAX, static batches) | {args.contiguous_batch} | {sec:.2f} "
-         f"| {contiguous_tps:,.0f} | | | | | |")
+    emit(f"| contiguous cache (JAX, static batches) | {jnp.dtype(dtype).name} | "
+         f"{args.contiguous_batch} | {sec:.2f} | {contiguous_tps:,.0f} | | | | | |")
 
-    sweep = {"optimistic": {}, "peak": {}}  # admission -> capacity -> best tokens/s
-    runs = {}  # (admission, capacity, steps per call) -> (tokens/s, report)
+    sweep = {}  # (admission, cache dtype) -> capacity -> best tokens/s
+    runs = {}  # (cache dtype, admission, capacity, steps per call) -> (tokens/s, report, outs)
     # Optimistic admission at the default 32 steps per call; peak admission (the better one
     # here) at the two largest capacities and every --steps-per-call.
     configs = ([("optimistic", cap, 32) for cap in capacities]
                + [("peak", cap, spc) for cap in capacities[-2:] for spc in args.steps_per_call])
-    for admission, cap, spc in configs:
-      eng = Engine(model, max_batch=cap, num_pages=num_pages, page_size=page_size,
-                   steps_per_call=spc, admission=admission)
-      (outs, r), sec = timed(lambda: eng.generate([Request(p, new) for p in prompts]))
-      runs[admission, cap, spc] = (total / sec, r)
-      sweep[admission][cap] = max(sweep[admission].get(cap, 0.0), total / sec)
-      emit(f"| paged engine, {admission} admission, {spc} steps per call | {cap} | {sec:.2f} "
-           f"| {total / sec:,.0f} | {r.decode_steps} | {r.decode_tokens / r.decode_steps:.1f} | "
-           f"{1e3 * r.decode_s / r.decode_steps:.2f} | {r.prefill_s:.2f} | "
-           f"{r.preemptions} |")
-    agree = np.mean([a[:8] == b[:8] for a, b in zip(outs, contiguous)])
-    best = max(runs, key=lambda k: runs[k][0])
-    label = f"{best[0]} admission, capacity {best[1]}, {best[2]} steps per call"
-    emit_all(["", f"Paged engine best / contiguous at equal KV memory: "
-              f"**{runs[best][0] / contiguous_tps:.2f}x** ({label}). First 8 tokens agree with "
-              f"the contiguous run on {agree:.0%} of requests (bf16 ties may differ).", "",
-              f"Engine report ({label}, timed run):", "", "```", str(runs[best][1]), "```"])
+    for cache_dtype in pages_of:
+      for admission, cap, spc in configs:
+        if admission not in args.admissions:
+          continue
+        eng = Engine(model, max_batch=cap, num_pages=pages_of[cache_dtype],
+                     page_size=page_size, steps_per_call=spc, admission=admission,
+                     cache_dtype=cache_dtype)
+        (outs, r), sec = timed(lambda: eng.generate([Request(p, new) for p in prompts]))
+        runs[cache_dtype, admission, cap, spc] = (total / sec, r, outs)
+        points = sweep.setdefault((admission, cache_dtype), {})
+        points[cap] = max(points.get(cap, 0.0), total / sec)
+        emit(f"| paged engine, {admission} admission, {spc} steps per call | "
+             f"{cache_dtype.name} | {cap} | {sec:.2f} | {total / sec:,.0f} | "
+             f"{r.decode_steps} | {r.decode_tokens / r.decode_steps:.1f} | "
+             f"{1e3 * r.decode_s / r.decode_steps:.2f} | {r.prefill_s:.2f} | "
+             f"{r.preemptions} |")
+    best_of = {}  # cache dtype -> its best run's key
+    for key in runs:
+      if key[0] not in best_of or runs[key][0] > runs[best_of[key[0]]][0]:
+        best_of[key[0]] = key
+    for cache_dtype, best in best_of.items():
+      tps, report, outs = runs[best]
+      agree = np.mean([a[:8] == b[:8] for a, b in zip(outs, contiguous)])
+      label = (f"{cache_dtype.name} cache, {best[1]} admission, capacity {best[2]}, {best[3]} "
+               "steps per call")
+      emit_all(["", f"Paged engine best / contiguous at equal KV memory: "
+                f"**{tps / contiguous_tps:.2f}x** ({label}). First 8 tokens agree with "
+                f"the contiguous run on {agree:.0%} of requests (bf16 ties and a quantized "
+                "cache may differ).", "",
+                f"Engine report ({label}, timed run):", "", "```", str(report), "```"])
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if bf16 in best_of:
+      for cache_dtype, best in best_of.items():
+        if cache_dtype != bf16:
+          emit_all(["", f"{cache_dtype.name} cache best / bf16 cache best at equal KV "
+                    f"memory: **{runs[best][0] / runs[best_of[bf16]][0]:.2f}x**."])
     plot_sweep(sweep, contiguous_tps, args.contiguous_batch, n_req)
+
+  if args.skip_fixed:
+    write_lines(lines)
+    return
 
   b, prompt_len, new_f = fixed
   fixed_prompts = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(b)]
@@ -271,10 +312,12 @@ def main():
       except Exception as e:  # report, don't hide: the table says what failed
         emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | |")
 
-  text = "\n".join(lines)
-  out = common.out_dir()
-  with open(os.path.join(out, "bench_generate.md"), "w") as f:
-    f.write(text + "\n")
+  write_lines(lines)
+
+
+def write_lines(lines: list[str]) -> None:
+  with open(os.path.join(common.out_dir(), "bench_generate.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

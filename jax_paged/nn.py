@@ -3,7 +3,8 @@
 `PagedAttention` is a multi-head (MHA / GQA / MQA) self-attention layer that a model drops
 in place of its usual attention: it projects q/k/v for the new tokens, writes k/v into its
 layer's pages of the pool (`pool.write_kv`; at decode `pool.project_write_kv`, where on a
-GPU the projection kernel stores them itself) and attends
+GPU the projection kernel stores them itself; quantized on write for an int8 / float8
+pool) and attends
 
 * over the new tokens with a causal mask for a prompt (`prefill`), or, for the rest of a
   prompt after a cached prefix or earlier chunks, over its pages (`prefill(start=...)`),
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import layer_norm
 from jax_paged.kernels import linear
 from jax_paged.kernels import paged_attention
@@ -370,6 +372,15 @@ class PagedAttention(nnx.Module):
     """New tokens of several sequences: a prompt, or the rest of one after a cached prefix
     (prefix caching) or earlier chunks (chunked prefill).
 
+    With a quantized pool (int8 / float8_e4m3fn) the prompt attends to its K/V as the pool
+    stores them, quantized and dequantized (`kv_quant.fake_quantize`, the values the
+    pages and scales hold), not to the unquantized projections: every attention then sees
+    the same cache, so a prompt's logits are those decoding it token by token over the
+    pages would give, a prefix read back from the pool (a cached prefix, a prompt
+    recomputed after preemption) gives what its first prefill gave, and the accuracy
+    bound measured for the quantized cache covers the prompt too. It costs one
+    elementwise pass over the prompt's K/V; the attention itself is unchanged.
+
     Args:
       x: [B, T, in_features], the new tokens right-padded to T.
       kv: the pool.
@@ -393,16 +404,22 @@ class PagedAttention(nnx.Module):
     positions = jnp.arange(x.shape[1])[None, :] + (0 if start is None else start[:, None])
     q, k, v = self._project(x, positions)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
+    if kv.quantized:
+      k, v = kv_quant.fake_quantize(k, kv.dtype), kv_quant.fake_quantize(v, kv.dtype)
     if start is None:
       y = prompt_attention(q, k, v, lengths, scale=self.scale,
                            sliding_window=self.sliding_window)
     else:
       if page_table is None:
         raise ValueError("prefill with start needs the batch's page_table rows")
-      # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place.
-      y = paged_prefill.paged_prefill_attention(
-          q.astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages, page_table, start, lengths,
-          layer=layer, scale=self.scale, sliding_window=self.sliding_window).astype(q.dtype)
+      # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place;
+      # a quantized pool through the reference, which dequantizes the pages it gathers.
+      attend = reference if kv.quantized else paged_prefill
+      y = attend.paged_prefill_attention(
+          q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages, page_table,
+          start, lengths, layer=layer, scale=self.scale, sliding_window=self.sliding_window,
+          **({"k_scales": kv.k_scales, "v_scales": kv.v_scales} if kv.quantized else {})
+      ).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (self.out(y) if project else y), kv
 
@@ -441,9 +458,11 @@ class PagedAttention(nnx.Module):
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
-    # The whole pool with `layer`: the kernel reads the layer in place.
-    y = attend(q.reshape(b, -1, d).astype(kv.k_pages.dtype), kv.k_pages, kv.v_pages,
-               page_table, lengths, layer=layer, scale=self.scale,
-               sliding_window=self.sliding_window)
+    # The whole pool with `layer`: the kernel reads the layer in place. q is in the pool's
+    # dtype, or for a quantized pool in the compute dtype (the kernel dequantizes into it).
+    q = q.reshape(b, -1, d)
+    y = attend(q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages,
+               page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
+               scale=self.scale, sliding_window=self.sliding_window)
     y = y.reshape(b, -1).astype(x.dtype)
     return (self.out(y) if project else y), kv

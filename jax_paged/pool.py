@@ -32,6 +32,7 @@ from flax import struct
 
 from jax_paged.kernels import cache_write
 from jax_paged.kernels import decode_reserve
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import linear
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
@@ -57,6 +58,11 @@ class KVPool:
     refcounts: int32 [num_pages], references to each page: the live sequences whose used
       pages include it (once per row entry) plus its holds (`retain_pages`); 0 exactly for
       the pages on the free stack.
+    k_scales, v_scales: for a quantized pool (int8 / float8_e4m3fn pages), float32
+      [num_layers, num_kv_heads, num_pages, page_size]: one scale per token per kv head
+      (`jax_paged.kernels.kv_quant`), indexed by page ids exactly like the pages, so that
+      anything moving a page moves its scales with it (`page_arrays`, `copy_pages`). None
+      for float pools.
   """
 
   k_pages: jax.Array
@@ -66,24 +72,30 @@ class KVPool:
   free_pages: jax.Array
   num_free: jax.Array
   refcounts: jax.Array
+  k_scales: jax.Array | None = None
+  v_scales: jax.Array | None = None
 
   @classmethod
   def create(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
              page_size: int, max_seqs: int, max_pages_per_seq: int,
              dtype=jnp.bfloat16) -> "KVPool":
-    """An empty pool: every page free, every sequence of length 0."""
+    """An empty pool: every page free, every sequence of length 0.
+
+    `dtype` is the cache dtype: float32 / bfloat16 / float16 pages, or int8 /
+    float8_e4m3fn pages with float32 scales beside them (`k_scales`, `v_scales`; written
+    by `write_kv`, read by the kernels, which dequantize in registers).
+    """
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("num_pages", num_pages),
                         ("page_size", page_size), ("max_seqs", max_seqs),
                         ("max_pages_per_seq", max_pages_per_seq)):
       validation.check_positive_int(name, value)
-    if jnp.dtype(dtype) not in validation.SUPPORTED_DTYPES:
-      names = ", ".join(d.name for d in validation.SUPPORTED_DTYPES)
-      raise ValueError(f"dtype must be a cache dtype the kernels read ({names}), got "
-                       f"{jnp.dtype(dtype).name}")
+    dtype = validation.check_cache_dtype("dtype", dtype)
     if num_pages * page_size >= 2 ** 31:
       raise ValueError(f"num_pages * page_size must fit int32 slots, got {num_pages * page_size}")
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    scales = (jnp.zeros(shape[:-1], kv_quant.SCALE_DTYPE) if kv_quant.is_quantized(dtype)
+              else None)
     return cls(
         k_pages=jnp.zeros(shape, dtype),
         v_pages=jnp.zeros(shape, dtype),
@@ -93,7 +105,19 @@ class KVPool:
         free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
         num_free=jnp.asarray(num_pages, jnp.int32),
         refcounts=jnp.zeros((num_pages,), jnp.int32),
+        k_scales=scales,
+        v_scales=None if scales is None else jnp.zeros_like(scales),
     )
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The cache dtype (the pages' dtype)."""
+    return self.k_pages.dtype
+
+  @property
+  def quantized(self) -> bool:
+    """Whether pages hold scaled int8 / float8 values (`k_scales`, `v_scales` set)."""
+    return kv_quant.is_quantized(self.k_pages.dtype)
 
   @property
   def num_layers(self) -> int:
@@ -122,6 +146,13 @@ class KVPool:
   @property
   def max_pages_per_seq(self) -> int:
     return self.page_table.shape[1]
+
+  def page_arrays(self) -> dict[str, jax.Array]:
+    """The fields indexed by page id (axis 2, [num_layers, num_kv_heads, num_pages, ...]):
+    the K/V pages and, for a quantized pool, their scales. Whatever moves or copies a page
+    moves all of these."""
+    names = ("k_pages", "v_pages") + (("k_scales", "v_scales") if self.quantized else ())
+    return {name: getattr(self, name) for name in names}
 
   def num_free_pages(self) -> jax.Array:
     """int32 scalar: pages not owned by any sequence."""
@@ -154,10 +185,14 @@ def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: i
               utilization: float = 0.9, device: jax.Device | None = None) -> PoolSizing:
   """Sizes `num_pages` from a memory budget: available x utilization / bytes of one page.
 
-  One page holds `page_size` tokens of K and V for every layer and kv head. With
-  `available_bytes=None` the budget is the device's free memory (bytes_limit - bytes_in_use
-  from `memory_stats()`), which only accelerators report; on CPU pass it explicitly.
+  One page holds `page_size` tokens of K and V for every layer and kv head, and for an int8
+  / float8_e4m3fn pool their float32 scales (one per token per kv head), so a quantized
+  pool holds (2 * D) / (D + 4) times the tokens of a bf16 one in the same budget (1.88x at
+  D = 64). With `available_bytes=None` the budget is the device's free memory
+  (bytes_limit - bytes_in_use from `memory_stats()`), which only accelerators report; on
+  CPU pass it explicitly.
   """
+  dtype = validation.check_cache_dtype("dtype", dtype)
   if not 0.0 < utilization <= 1.0:
     raise ValueError(f"utilization must be in (0, 1], got {utilization}")
   if available_bytes is None:
@@ -166,7 +201,8 @@ def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: i
     if not stats or "bytes_limit" not in stats:
       raise ValueError(f"device {device} reports no memory stats: pass available_bytes")
     available_bytes = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-  bytes_per_page = 2 * num_layers * num_kv_heads * page_size * head_dim * jnp.dtype(dtype).itemsize
+  bytes_per_page = (2 * num_layers * num_kv_heads * page_size
+                    * kv_quant.bytes_per_head_token(head_dim, dtype))
   num_pages = int(available_bytes * utilization) // bytes_per_page
   if num_pages < 1:
     raise ValueError(f"available_bytes={available_bytes} x utilization={utilization} holds no "
@@ -249,13 +285,14 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
   # The kernel needs the ids distinct and in range: concrete ones were checked above.
   if mode is not None and max_new_tokens == 1 and n and concrete_ids is not None:
     in_order = np.array_equal(concrete_ids, np.arange(n))
-    page_table, lengths, num_free, refcounts, k_pages, v_pages, slots, ok = (
+    page_arrays = pool.page_arrays()
+    page_table, lengths, num_free, refcounts, pages, slots, ok = (
         decode_reserve.reserve_one_pallas(
             pool.page_table, pool.lengths, pool.free_pages, pool.num_free, pool.refcounts,
-            pool.k_pages, pool.v_pages, None if in_order else seq_ids, counts, page_size=ps,
-            interpret=mode))
+            tuple(page_arrays.values()), None if in_order else seq_ids, counts,
+            page_size=ps, interpret=mode))
     return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free,
-                        refcounts=refcounts, k_pages=k_pages, v_pages=v_pages), slots, ok
+                        refcounts=refcounts, **dict(zip(page_arrays, pages))), slots, ok
   counts = counts.astype(jnp.int32)
 
   valid = _first_valid_occurrence(pool, seq_ids)
@@ -363,7 +400,8 @@ def _no_shared(num_free, refcounts, shared, need, current):
 
 
 def copy_pages(pool: KVPool, src, dst) -> KVPool:
-  """Copies the K/V of pages `src[i]` to pages `dst[i]` in every layer and kv head.
+  """Copies the K/V of pages `src[i]` to pages `dst[i]` in every layer and kv head, with a
+  quantized pool's scales (`KVPool.page_arrays`).
 
   Args:
     pool: the pool.
@@ -377,10 +415,8 @@ def copy_pages(pool: KVPool, src, dst) -> KVPool:
   dst = jnp.where(dst < 0, pool.num_pages, dst)  # out of range -> dropped
   src = jnp.clip(src, 0, pool.num_pages - 1)
 
-  def copy(pages):
-    return pages.at[:, :, dst].set(pages[:, :, src], mode="drop")
-
-  return pool.replace(k_pages=copy(pool.k_pages), v_pages=copy(pool.v_pages))
+  return pool.replace(**{name: array.at[:, :, dst].set(array[:, :, src], mode="drop")
+                         for name, array in pool.page_arrays().items()})
 
 
 def _drop_references(pool: KVPool, pages: jax.Array, counted: jax.Array) -> KVPool:
@@ -590,11 +626,17 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
   On a GPU this is one Pallas-Triton kernel writing K and V in place
   (`jax_paged.cache_write`); elsewhere two XLA scatters.
 
+  A quantized pool (int8 / float8_e4m3fn) stores each token's K and V of each kv head
+  quantized with its own scale (`kv_quant.quantize`, in the kernel on a GPU), and the
+  scale at the same slot of `k_scales` / `v_scales`: old tokens are never rescaled.
+
   Args:
     pool: the pool.
     layer: int (or int32 scalar under jit), the layer index.
-    slots: int32 [...] flat slots from `reserve`; negative slots are padding, never written.
-    k, v: [..., num_kv_heads, head_dim] (= slots.shape + (Hkv, D)), cast to the pool's dtype.
+    slots: int32 [...] flat slots from `reserve`; negative slots are padding, never written
+      (neither their values nor their scales).
+    k, v: [..., num_kv_heads, head_dim] (= slots.shape + (Hkv, D)) floats, cast to the
+      pool's dtype (quantized for int8 / float8 pools).
     interpret: None = the kernel on a GPU, XLA scatters elsewhere; True = the kernel in
       Pallas interpret mode (tests); False = the kernel.
 
@@ -612,29 +654,42 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
   total = pool.num_pages * pool.page_size
   concrete_layer = validation.concrete(layer)
   flat = slots.reshape(-1).astype(jnp.int32)
-  # [N, Hkv, D] in the pool's dtype, for either path.
-  k, v = (x.reshape(-1, pool.num_kv_heads, pool.head_dim).astype(pool.k_pages.dtype)
-          for x in (k, v))
+  # [N, Hkv, D]: in the pool's dtype, or floats that a quantized pool's write quantizes.
+  k, v = (x.reshape(-1, pool.num_kv_heads, pool.head_dim) for x in (k, v))
+  if not pool.quantized:
+    k, v = k.astype(pool.dtype), v.astype(pool.dtype)
   mode = triton_backend.kernel_mode(interpret)
   if mode is not None:
     if flat.size == 0:
       return pool
-    k_pages, v_pages = cache_write.write_kv_pallas(
-        pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, k, v, interpret=mode)
-    return pool.replace(k_pages=k_pages, v_pages=v_pages)
+    if not mode:
+      kv_quant.check_fp8_device(pool.dtype, "the pool's dtype")
+    return _replace_kv(pool, cache_write.write_kv_pallas(
+        pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, k, v, interpret=mode,
+        k_scales=pool.k_scales, v_scales=pool.v_scales))
   # Negative indices would wrap: send them (and a traced layer out of range) out of range.
   flat = jnp.where(flat < 0, total, flat)
   if concrete_layer is None:  # traced (a concrete layer was range-checked above)
     layer = jnp.where(layer < 0, pool.num_layers, layer)
-  shape = pool.k_pages.shape
-  flat_shape = (shape[0], shape[1], total, shape[4])
 
-  def scatter(pages, x):
-    # Integer indices split by a slice put the indexed axis first: updates are [N, Hkv, D].
-    pages = pages.reshape(flat_shape).at[layer, :, flat].set(x, mode="drop")
-    return pages.reshape(shape)
+  def scatter(array, x):
+    # [L, Hkv, P, page_size, ...] -> [L, Hkv, slots, ...]. Integer indices split by a
+    # slice put the indexed axis first: updates are [N, Hkv, ...].
+    shape = array.shape
+    array = array.reshape(shape[:2] + (total,) + shape[4:])
+    return array.at[layer, :, flat].set(x, mode="drop").reshape(shape)
 
-  return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v))
+  if not pool.quantized:
+    return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v))
+  (k, k_scales), (v, v_scales) = (kv_quant.quantize(x, pool.dtype) for x in (k, v))
+  return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v),
+                      k_scales=scatter(pool.k_scales, k_scales),
+                      v_scales=scatter(pool.v_scales, v_scales))
+
+
+def _replace_kv(pool: KVPool, arrays: tuple[jax.Array, ...]) -> KVPool:
+  """The pool with a write kernel's outputs: (k_pages, v_pages[, k_scales, v_scales])."""
+  return pool.replace(**dict(zip(("k_pages", "v_pages", "k_scales", "v_scales"), arrays)))
 
 
 def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array,
@@ -646,7 +701,8 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   head-major), and K/V are written at `slots` as `write_kv` writes them. On a GPU, at
   decode's few rows, one kernel computes the projection and stores K and V straight into
   the pages (`cache_write.project_write_kv_pallas`: they never round-trip through HBM as
-  arrays); elsewhere `linear.linear` and then `write_kv`.
+  arrays; a quantized pool's K/V are quantized in its epilogue where a head is exactly one
+  column block, head_dim 64 or 32); elsewhere `linear.linear` and then `write_kv`.
 
   Args:
     pool: the pool.
@@ -671,7 +727,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
                      f"{q_width + 2 * kv_width} columns, got shape {tuple(kernel.shape)}")
   check_write(pool, layer, slots)
   fused = linear.takes(x, kernel) and cache_write.can_project_write(
-      x.shape[0], pool.head_dim, pool.num_layers)
+      x.shape[0], pool.head_dim, pool.num_layers, quantized=pool.quantized)
   mode = triton_backend.kernel_mode(interpret, supported=fused)
   if mode is None:
     q, k, v = linear.linear(x, kernel, bias, sections=(q_width, kv_width, kv_width),
@@ -679,10 +735,13 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
     heads = (x.shape[0], pool.num_kv_heads, pool.head_dim)
     return q, write_kv(pool, layer, slots, k.reshape(heads), v.reshape(heads),
                        interpret=interpret)
-  q, k_pages, v_pages = cache_write.project_write_kv_pallas(
+  if not mode:
+    kv_quant.check_fp8_device(pool.dtype, "the pool's dtype")
+  q, *arrays = cache_write.project_write_kv_pallas(
       x, kernel, bias, pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32),
-      slots.astype(jnp.int32), q_width=q_width, interpret=mode)
-  return q, pool.replace(k_pages=k_pages, v_pages=v_pages)
+      slots.astype(jnp.int32), q_width=q_width, interpret=mode, k_scales=pool.k_scales,
+      v_scales=pool.v_scales)
+  return q, _replace_kv(pool, arrays)
 
 
 def reserve_or_raise(pool: KVPool, seq_ids, num_new_tokens) -> tuple[KVPool, jax.Array]:

@@ -474,7 +474,7 @@ def test_project_write_kv_on_cpu_is_linear_then_write_and_checks_shapes():
                             q_width=32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64, jnp.int8])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64, jnp.uint8, jnp.float8_e5m2])
 def test_create_accepts_only_the_cache_dtypes_the_kernels_read(dtype):
   with pytest.raises(ValueError, match="dtype must be a cache dtype the kernels read"):
     make_pool(dtype=dtype)

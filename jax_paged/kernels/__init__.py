@@ -12,6 +12,7 @@ the compiled kernel (GPU), interpret mode (`interpret=True`, tests) or plain XLA
   linear            GEMMs with fused epilogues at decode's few rows; a tied LM head's argmax
   layer_norm        layer norm, and the residual add + layer norm of a pre-LN block
   cache_write       K/V into the pool's pages (and the q/k/v projection that stores them)
+  kv_quant          int8 / float8 cache dtypes: per-token scales, quantize / dequantize
   decode_reserve    a decode step's page reservation
   triton_backend    backend choice, compiler params, the kernel-or-XLA decision
   validation        argument checks shared by kernels and references

@@ -10,7 +10,10 @@ caller that donates the pool (a jitted decode step) moves only the new tokens' b
 
 Grid (tokens,): program n copies token n's [Hkv, D] K and V rows to flat slot
 `slots[n]` of every kv head of `layer`. Negative or out-of-range slots (padding), and
-every slot of an out-of-range (traced) layer, write nothing.
+every slot of an out-of-range (traced) layer, write nothing. For a quantized pool (int8 /
+float8) a program quantizes its rows (`kv_quant.quantize`: one scale per head) and stores
+the scales at the same slots of the scale arrays; the fused projection does the same in
+its epilogue when a head is exactly one column block.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import linear
 from jax_paged.kernels import triton_backend
 
@@ -32,30 +36,48 @@ def _writable(slot, layer, *, slots_per_head: int, num_layers: int):
   return (slot >= 0) & (slot < slots_per_head) & (layer >= 0) & (layer < num_layers)
 
 
-def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, k_in_ref, v_in_ref, k_out_ref,
-                  v_out_ref, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                  slots_per_head: int, block_h: int, block_d: int):
+def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, *refs, num_layers: int,
+                  num_kv_heads: int, head_dim: int, slots_per_head: int, block_h: int,
+                  block_d: int, quantized: bool):
   """Refs: layer [1], slots [N], k/v [N, Hkv, D]; pools (in and aliased out)
-  [L * Hkv * slots_per_head, D]. The `_in` refs are the outputs' buffers: unused."""
-  del k_in_ref, v_in_ref
+  [L * Hkv * slots_per_head, D], and for a quantized pool their scales (in and aliased
+  out) [L * Hkv * slots_per_head]. The inputs aliased to outputs are unused."""
+  outs = refs[len(refs) // 2:]  # k, v pages (and k, v scales)
   n = pl.program_id(0)
   slot = slots_ref[n]
   layer = layer_ref[0]
   heads = jnp.arange(block_h)
   cols = jnp.arange(block_d)
   valid = _writable(slot, layer, slots_per_head=slots_per_head, num_layers=num_layers)
-  mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < head_dim) & valid
+  head_mask = (heads < num_kv_heads) & valid
+  mask = head_mask[:, None] & (cols[None, :] < head_dim)
   src = (n, heads[:, None], cols[None, :])
   rows = (layer * num_kv_heads + heads) * slots_per_head + jnp.maximum(slot, 0)
   dst = (rows[:, None], cols[None, :])
-  plgpu.store(k_out_ref.at[dst], plgpu.load(k_ref.at[src], mask=mask, other=0.0), mask=mask)
-  plgpu.store(v_out_ref.at[dst], plgpu.load(v_ref.at[src], mask=mask, other=0.0), mask=mask)
+  for i, x_ref in enumerate((k_ref, v_ref)):
+    x = plgpu.load(x_ref.at[src], mask=mask, other=0.0)
+    if quantized:
+      # Masked columns load as 0: they do not change a row's absmax.
+      x, scales = kv_quant.quantize(x, outs[i].dtype)
+      plgpu.store(outs[2 + i].at[rows], scales, mask=head_mask)
+    plgpu.store(outs[i].at[dst], x, mask=mask)
+
+
+def _flat_pool(k_pages, v_pages, k_scales, v_scales):
+  """The pool arrays a kernel writes, as free bitcasts to rows: pages [L * Hkv * P *
+  page_size, D], then (quantized) scales [L * Hkv * P * page_size]; and their shapes."""
+  arrays = [k_pages, v_pages] + ([] if k_scales is None else [k_scales, v_scales])
+  shapes = [x.shape for x in arrays]
+  rows = k_pages.size // k_pages.shape[-1]
+  flat = [x.reshape((rows,) + x.shape[4:]) for x in arrays]
+  return flat, shapes
 
 
 @functools.partial(jax.jit, static_argnames=["interpret"])
 def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                    slots: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool
-                    ) -> tuple[jax.Array, jax.Array]:
+                    slots: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool,
+                    k_scales: jax.Array | None = None, v_scales: jax.Array | None = None
+                    ) -> tuple[jax.Array, ...]:
   """The kernel behind `jax_paged.pool.write_kv` on a GPU.
 
   Args:
@@ -63,43 +85,47 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
     layer: int32 scalar.
     slots: int32 [N] flat slots (page * page_size + offset); outside [0, P * page_size)
       = not written.
-    k, v: [N, Hkv, D] in the pool's dtype.
+    k, v: [N, Hkv, D] in the pool's dtype; for a quantized pool any float dtype, quantized
+      in the kernel (`kv_quant.quantize`).
+    k_scales, v_scales: a quantized pool's float32 scales [L, Hkv, P, page_size] (updated
+      in place when donated), else None.
 
   Returns:
-    (k_pages, v_pages) with the N tokens written.
+    (k_pages, v_pages), and for a quantized pool (k_pages, v_pages, k_scales, v_scales),
+    with the N tokens written.
   """
-  shape = k_pages.shape
-  layers, hkv, pages, page_size, d = shape
+  layers, hkv, pages, page_size, d = k_pages.shape
   slots_per_head = pages * page_size
-  flat = (layers * hkv * slots_per_head, d)  # a free bitcast of the pool
+  flat, shapes = _flat_pool(k_pages, v_pages, k_scales, v_scales)
   kernel = functools.partial(
       _write_kernel, num_layers=layers, num_kv_heads=hkv, head_dim=d,
-      slots_per_head=slots_per_head,
-      block_h=pl.next_power_of_2(hkv), block_d=pl.next_power_of_2(d))
-  k_out, v_out = pl.pallas_call(
+      slots_per_head=slots_per_head, block_h=pl.next_power_of_2(hkv),
+      block_d=pl.next_power_of_2(d), quantized=k_scales is not None)
+  outs = pl.pallas_call(
       kernel,
       grid=(slots.shape[0],),
-      out_shape=(jax.ShapeDtypeStruct(flat, k_pages.dtype),
-                 jax.ShapeDtypeStruct(flat, v_pages.dtype)),
-      input_output_aliases={4: 0, 5: 1},
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat],
+      input_output_aliases={4 + i: i for i in range(len(flat))},
       compiler_params=triton_backend.compiler_params(num_warps=1, num_stages=1),
       interpret=interpret,
       name="write_kv",
-  )(jnp.reshape(layer, (1,)).astype(jnp.int32), slots, k, v, k_pages.reshape(flat),
-    v_pages.reshape(flat))
-  return k_out.reshape(shape), v_out.reshape(shape)
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), slots, k, v, *flat)
+  return tuple(x.reshape(shape) for x, shape in zip(outs, shapes))
 
 
 def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, depth: int,
                           q_width: int, kv_width: int, head_dim: int, num_layers: int,
                           num_kv_heads: int, slots_per_head: int, has_bias: bool,
-                          block_m: int, block_n: int, block_k: int):
+                          block_m: int, block_n: int, block_k: int, quantized: bool):
   """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv], (has_bias)
-  bias [q + 2 kv], pools (in, unused) [L * Hkv * slots_per_head, D] x 2; outputs q
-  [rows, q_width] and the pools (aliased)."""
+  bias [q + 2 kv], pools (in, unused) [L * Hkv * slots_per_head, D] x 2 and (quantized)
+  their scales [L * Hkv * slots_per_head] x 2; outputs q [rows, q_width] and the pools
+  (and scales), aliased."""
   if has_bias:
     bias_ref, *refs = refs
-  _, _, q_ref, k_out_ref, v_out_ref = refs
+  # The pool inputs (aliased, unused) come first, then q and the pool outputs.
+  q_ref, k_out_ref, v_out_ref, *scale_refs = refs[len(refs) // 2:]
+  scale_refs = scale_refs or (None, None)
   n, m = pl.program_id(0), pl.program_id(1)
   cols = q_width + 2 * kv_width
   r, c, _, _ = linear.tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
@@ -125,9 +151,10 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   # row goes to its token's slot in that head's pages of `layer`.
   valid = row_mask & _writable(slot, layer, slots_per_head=slots_per_head,
                               num_layers=num_layers)
-  for out_ref, start in ((k_out_ref, q_width), (v_out_ref, q_width + kv_width)):
+  for out_ref, scale_ref, start in ((k_out_ref, scale_refs[0], q_width),
+                                    (v_out_ref, scale_refs[1], q_width + kv_width)):
     @pl.when((n * block_n >= start) & (n * block_n < start + kv_width))
-    def _(out_ref=out_ref, start=start):
+    def _(out_ref=out_ref, scale_ref=scale_ref, start=start):
       head = (n * block_n - start) // head_dim
       # Rows not written still address something: in interpret mode a masked store writes
       # back what it read, and two rows at one address would race. Send them to another
@@ -135,22 +162,32 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
       other = (layer + 1) % num_layers
       dst = jnp.where(valid, (layer * num_kv_heads + head) * slots_per_head + slot,
                       (other * num_kv_heads + head) * slots_per_head + r % slots_per_head)
-      plgpu.store(out_ref.at[dst[:, None], ((c - start) % head_dim)[None, :]],
-                  acc.astype(out_ref.dtype), mask=valid[:, None])
+      if quantized:  # block_n == head_dim: the tile holds whole heads of its rows
+        y, scales = kv_quant.quantize(acc, out_ref.dtype)
+        plgpu.store(scale_ref.at[dst], scales, mask=valid)
+      else:
+        y = acc.astype(out_ref.dtype)
+      plgpu.store(out_ref.at[dst[:, None], ((c - start) % head_dim)[None, :]], y,
+                  mask=valid[:, None])
 
 
-def can_project_write(rows: int, head_dim: int, num_layers: int) -> bool:
+def can_project_write(rows: int, head_dim: int, num_layers: int, *,
+                      quantized: bool = False) -> bool:
   """Whether `project_write_kv_pallas` takes these shapes: decode's few rows, heads made
-  of whole column blocks (so each program writes one head), more than one layer."""
+  of whole column blocks (so each program writes one head), more than one layer; for a
+  quantized pool, heads of exactly one column block (a program quantizes whole heads:
+  their absmax is a row reduction of its tile)."""
   _, block_n, _ = linear.whole_k_tiles(rows, 1, 2, (head_dim,))
-  return 0 < rows <= linear.MAX_ROWS and head_dim % block_n == 0 and num_layers > 1
+  whole = head_dim == block_n if quantized else head_dim % block_n == 0
+  return 0 < rows <= linear.MAX_ROWS and whole and num_layers > 1
 
 
 @functools.partial(jax.jit, static_argnames=["q_width", "interpret"])
 def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
                             k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                            slots: jax.Array, *, q_width: int, interpret: bool
-                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                            slots: jax.Array, *, q_width: int, interpret: bool,
+                            k_scales: jax.Array | None = None,
+                            v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """A fused q/k/v projection whose K and V go straight into the pool: `linear`'s GEMM
   with this module's write as its epilogue (one kernel where `linear` + `write_kv_pallas`
   were two, and K/V never round-trip through HBM as separate arrays).
@@ -163,33 +200,40 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
     layer: int32 scalar.
     slots: int32 [N] flat slots; outside [0, P * page_size) = not written.
     q_width: q's columns.
+    k_scales, v_scales: a quantized pool's float32 scales [L, Hkv, P, page_size] (K/V are
+      quantized in the epilogue; `can_project_write(..., quantized=True)` must hold),
+      else None.
 
   Returns:
-    (q [N, q_width] in x's dtype, k_pages, v_pages).
+    (q [N, q_width] in x's dtype, k_pages, v_pages), and for a quantized pool k_scales,
+    v_scales after them.
   """
-  shape = k_pages.shape
-  layers, hkv, pages, page_size, d = shape
+  layers, hkv, pages, page_size, d = k_pages.shape
   rows, depth = x.shape
   slots_per_head = pages * page_size
-  flat = (layers * hkv * slots_per_head, d)
+  flat, shapes = _flat_pool(k_pages, v_pages, k_scales, v_scales)
   block_m, block_n, block_k = linear.whole_k_tiles(rows, depth, x.dtype.itemsize,
                                                    (q_width, d))
+  quantized = k_scales is not None
+  if quantized and block_n != d:
+    raise ValueError(f"a quantized pool's fused write needs head_dim == the column block "
+                     f"({block_n}), got head_dim {d}: use linear + write_kv")
   kernel_fn = functools.partial(
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
       head_dim=d, num_layers=layers, num_kv_heads=hkv, slots_per_head=slots_per_head,
-      has_bias=bias is not None, block_m=block_m, block_n=block_n, block_k=block_k)
+      has_bias=bias is not None, block_m=block_m, block_n=block_n, block_k=block_k,
+      quantized=quantized)
   inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots, x, kernel]
   if bias is not None:
     inputs.append(bias)
-  q, k_out, v_out = pl.pallas_call(
+  q, *outs = pl.pallas_call(
       kernel_fn,
       grid=(pl.cdiv(kernel.shape[1], block_n), pl.cdiv(rows, block_m)),
-      out_shape=(jax.ShapeDtypeStruct((rows, q_width), x.dtype),
-                 jax.ShapeDtypeStruct(flat, k_pages.dtype),
-                 jax.ShapeDtypeStruct(flat, v_pages.dtype)),
-      input_output_aliases={len(inputs): 1, len(inputs) + 1: 2},
+      out_shape=[jax.ShapeDtypeStruct((rows, q_width), x.dtype)]
+                + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat],
+      input_output_aliases={len(inputs) + i: 1 + i for i in range(len(flat))},
       compiler_params=linear.compiler_params(),
       interpret=interpret,
       name="project_write_kv",
-  )(*inputs, k_pages.reshape(flat), v_pages.reshape(flat))
-  return q, k_out.reshape(shape), v_out.reshape(shape)
+  )(*inputs, *flat)
+  return (q,) + tuple(a.reshape(shape) for a, shape in zip(outs, shapes))

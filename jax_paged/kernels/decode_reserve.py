@@ -16,7 +16,8 @@ earlier ones, and its length stays within `max_pages_per_seq` pages; counts outs
 {0, 1} are not served. Sequences whose token falls in a shared, partly filled page
 (reference count > 1, after `pool.fork`) are served after the others, one at a time, in
 order: each but that page's last reference pops a page, copies the shared page's K/V
-into it (every layer and kv head) and writes there (copy-on-write). That walk runs only
+(and a quantized pool's scales) into it (every layer and kv head) and writes there
+(copy-on-write). That walk runs only
 when some sequence needs it; otherwise the kernel costs what it did without sharing.
 """
 
@@ -37,16 +38,19 @@ _COPY_CHUNK = 1024  # elements of a page's (layer, head) tile copied per iterati
 
 
 def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages: int,
-            page_size: int, tiles: int, tile_size: int, ids_given: bool):
+            page_size: int, tiles: int, tile_sizes: tuple[int, ...], ids_given: bool):
   """Refs: (ids_given) seq_ids [n] (distinct, in [0, max_seqs)), counts [n], num_free [],
   free_pages [num_pages], then page_table [max_seqs, max_pages], lengths [max_seqs],
-  refcounts [num_pages] and the K and V pages flattened to [tiles * num_pages *
-  tile_size] (inputs unused: their buffers are the aliased outputs of the same names);
-  outputs page_table, lengths, refcounts, k, v, num_free [] (num_free's buffer: read
-  before written), slots [n], ok [n] (bool)."""
+  refcounts [num_pages] and the pool's page arrays (K and V pages, and a quantized pool's
+  scales) flattened to [tiles * num_pages * tile_sizes[j]] (inputs unused: their buffers
+  are the aliased outputs of the same names); outputs page_table, lengths, refcounts, the
+  page arrays, num_free [] (num_free's buffer: read before written), slots [n], ok [n]
+  (bool)."""
   ids_ref, *refs = refs if ids_given else (None,) + refs
-  (counts_ref, num_free_ref, free_pages_ref, _, _, _, _, _, table_ref, lengths_ref,
-   refcounts_ref, k_ref, v_ref, new_free_ref, slots_ref, ok_ref) = refs
+  counts_ref, num_free_ref, free_pages_ref = refs[:3]
+  table_ref, lengths_ref, refcounts_ref, *refs = refs[6 + len(tile_sizes):]
+  page_refs = refs[:len(tile_sizes)]
+  new_free_ref, slots_ref, ok_ref = refs[len(tile_sizes):]
   i = jnp.arange(block)
   live = i < n
   # Distinct ids: each lane reads and writes only its own sequence's entries, and the
@@ -110,22 +114,22 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
       fresh = plgpu.load(free_pages_ref.at[jnp.clip(free - 1, 0, num_pages - 1)], mask=copy,
                          other=0)
 
-      def copy_tile(t, _):
-        # lax ops on int32 operands (jnp's `%` by a constant 1 lowered to an i1 divisor).
+      for pages_ref, tile_size in zip(page_refs, tile_sizes):
+        # lax ops on int32 operands (jnp's `%` by a constant 1 lowered to an i1 divisor),
+        # and typed loop bounds (a where of two Python ints lowered to an i1 bound).
         parts = jnp.int32(pl.cdiv(tile_size, _COPY_CHUNK))
-        tile, part = lax.div(t, parts), lax.rem(t, parts)
-        offset = part * _COPY_CHUNK + chunk
-        inside = offset < tile_size
-        src = (tile * num_pages + page) * tile_size + offset
-        dst = (tile * num_pages + fresh) * tile_size + offset
-        for pages_ref in (k_ref, v_ref):
+
+        def copy_tile(t, _, pages_ref=pages_ref, tile_size=tile_size, parts=parts):
+          tile, part = lax.div(t, parts), lax.rem(t, parts)
+          offset = part * _COPY_CHUNK + chunk
+          inside = offset < tile_size
+          src = (tile * num_pages + page) * tile_size + offset
+          dst = (tile * num_pages + fresh) * tile_size + offset
           plgpu.store(pages_ref.at[dst], plgpu.load(pages_ref.at[src], mask=inside),
                       mask=inside)
 
-      # Typed bounds: Pallas-Triton gives a where of two Python ints the type i1.
-      trips = jnp.where(copy, jnp.int32(tiles * pl.cdiv(tile_size, _COPY_CHUNK)),
-                        jnp.int32(0))
-      lax.fori_loop(jnp.int32(0), trips, copy_tile, None)
+        lax.fori_loop(jnp.int32(0), jnp.where(copy, tiles * parts, jnp.int32(0)),
+                      copy_tile, None)
       plgpu.store(refcounts_ref.at[page], references - 1, mask=copy)
       plgpu.store(refcounts_ref.at[fresh], jnp.int32(1), mask=copy)
       plgpu.store(table_ref.at[seq, length // page_size], fresh, mask=copy)
@@ -141,16 +145,18 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
 
 @functools.partial(jax.jit, static_argnames=["page_size", "interpret"])
 def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: jax.Array,
-                       num_free: jax.Array, refcounts: jax.Array, k_pages: jax.Array,
-                       v_pages: jax.Array, seq_ids: jax.Array | None, counts: jax.Array, *,
-                       page_size: int, interpret: bool):
+                       num_free: jax.Array, refcounts: jax.Array,
+                       pages: tuple[jax.Array, ...], seq_ids: jax.Array | None,
+                       counts: jax.Array, *, page_size: int, interpret: bool):
   """The kernel behind `pool.reserve(..., max_new_tokens=1)` on a GPU.
 
   Args:
     page_table: int32 [max_seqs, max_pages_per_seq]; lengths: int32 [max_seqs];
       free_pages: int32 [num_pages]; num_free: int32 []; refcounts: int32 [num_pages];
-      k_pages, v_pages: [L, Hkv, num_pages, page_size, D] (the pool's fields; all but
-      free_pages are updated in place when donated; K/V only by copy-on-write).
+      pages: the pool's page arrays (`KVPool.page_arrays`): k_pages, v_pages [L, Hkv,
+      num_pages, page_size, D], and a quantized pool's k_scales, v_scales [L, Hkv,
+      num_pages, page_size] (the pool's fields; all but free_pages are updated in place
+      when donated; the page arrays only by copy-on-write).
     seq_ids: int32 [n], distinct ids in [0, max_seqs) (the caller checks: they are known
       when tracing); or None for sequences 0 .. n - 1 (a decode loop's whole batch: no
       ids array to materialise and load).
@@ -159,25 +165,27 @@ def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: ja
     page_size: the pool's page size.
 
   Returns:
-    (page_table, lengths, num_free, refcounts, k_pages, v_pages, slots int32 [n, 1],
-    ok bool [n]).
+    (page_table, lengths, num_free, refcounts, pages (a tuple like the argument), slots
+    int32 [n, 1], ok bool [n]).
   """
   n = counts.shape[0]
+  m = len(pages)
   max_seqs, max_pages = page_table.shape
-  num_layers, num_kv_heads, num_pages, _, head_dim = k_pages.shape
+  num_layers, num_kv_heads, num_pages = pages[0].shape[:3]
+  tiles = num_layers * num_kv_heads
   kernel = functools.partial(
       _kernel, n=n, block=max(16, pl.next_power_of_2(n)), max_seqs=max_seqs,
-      max_pages=max_pages, num_pages=num_pages, page_size=page_size,
-      tiles=num_layers * num_kv_heads, tile_size=page_size * head_dim,
+      max_pages=max_pages, num_pages=num_pages, page_size=page_size, tiles=tiles,
+      tile_sizes=tuple(x.size // (tiles * num_pages) for x in pages),
       ids_given=seq_ids is not None)
   ids = () if seq_ids is None else (seq_ids,)
   flat = lambda x: jax.ShapeDtypeStruct((x.size,), x.dtype)
-  table, new_lengths, new_refcounts, k, v, new_free, slots, ok = pl.pallas_call(
+  table, new_lengths, new_refcounts, *outs, new_free, slots, ok = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
                  jax.ShapeDtypeStruct(lengths.shape, jnp.int32),
                  jax.ShapeDtypeStruct(refcounts.shape, jnp.int32),
-                 flat(k_pages), flat(v_pages),
+                 *[flat(x) for x in pages],
                  jax.ShapeDtypeStruct((), jnp.int32),
                  jax.ShapeDtypeStruct((n,), jnp.int32),
                  jax.ShapeDtypeStruct((n,), jnp.bool_)),
@@ -185,11 +193,12 @@ def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: ja
       # too (as its own output XLA would copy it into the pool's buffer: a memcpy and a
       # break in the step's command buffer, ~7 µs of GPU time per step).
       input_output_aliases={len(ids) + 3: 0, len(ids) + 4: 1, len(ids) + 5: 2,
-                            len(ids) + 6: 3, len(ids) + 7: 4, len(ids) + 1: 5},
+                            **{len(ids) + 6 + j: 3 + j for j in range(m)},
+                            len(ids) + 1: 3 + m},
       compiler_params=triton_backend.compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name="decode_reserve",
   )(*ids, counts, num_free, free_pages, page_table, lengths, refcounts,
-    k_pages.reshape(-1), v_pages.reshape(-1))
-  return (table, new_lengths, new_free, new_refcounts, k.reshape(k_pages.shape),
-          v.reshape(v_pages.shape), slots[:, None], ok)
+    *[x.reshape(-1) for x in pages])
+  return (table, new_lengths, new_free, new_refcounts,
+          tuple(y.reshape(x.shape) for x, y in zip(pages, outs)), slots[:, None], ok)

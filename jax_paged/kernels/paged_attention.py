@@ -13,6 +13,17 @@ vLLM's Triton kernel, so the K/V tile is loaded directly as a 2-D [block_n, D] g
 table entries of tokens below the sequence length are read or used as indices. With
 several splits the per-split (o, lse) partials go through the merge kernel.
 
+A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow: each K/V tile
+is converted to q's dtype in registers (exact), the tile's per-token f32 scales are
+gathered beside it, K's multiply the logits and V's the probabilities before the p.v dot,
+so dequantization costs no [block_n, D] multiply. The float path is unchanged (the
+quantized one is a separate compilation). On an H200 the quantized kernel reads its
+(half as many) bytes at 44-56% of the read ceiling: 0.90x the bf16 kernel's time for
+int8, 0.99-1.06x for float8 at the default knobs. That is ~9 K/V elements per SM cycle on
+every shape and knob setting (bf16: ~8, at the read ceiling). That is consistent with the tile converts (int8 / e4m3 -> bf16, one or two
+convert instructions per element; an SM retires 16 converts per cycle on sm_90) bounding
+the loop, not memory (measurements beside `_QUANT_MHA_CONFIG`).
+
 q.k and p.v are tensor-core dots for every group size, MHA included: the group of q heads is
 padded to 16 rows (15 of them masked for MHA). The wasted math is free in a memory-bound
 kernel, and only loads feeding a dot get Triton's cp.async software pipeline: on an H200
@@ -30,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import merge_attention
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
@@ -56,29 +68,48 @@ _MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
 # want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
 _MHA_MANY_PROGRAMS_PER_SM = 8
 _MHA_MANY_BLOCK_N = 32
+# 1-byte (int8 / float8) pages, head dims <= 128, (block_n, warps, stages): the best of an
+# H200 sweep (2026-11-24 19:50, kernel time, % of the read ceiling, int8 / fp8): GPT-2
+# b256-l1k 55.6 / 47.0% at 64/2/3 (32/2/2: 48.1%; 32/2/4: 47.9%); mha-b64-l2k 54.3 / 49.2%
+# (32/2/2: 52.9%); gqa-b32-l4k 51.2 / 44.2% at 128/4/3 (64/4/3: 41.7%, 64/4/5: 41.6%,
+# 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it far: the loop is bound by converting
+# the narrow tiles (see the module docstring), not by bytes in flight.
+_QUANT_MHA_CONFIG = (64, 2, 3)
+_QUANT_GQA_CONFIG = (128, 4, 3)
 
 
-def default_config(num_programs: int, group: int, head_dim: int) -> tuple[int, int, int]:
+def default_config(num_programs: int, group: int, head_dim: int, *,
+                   quantized: bool = False) -> tuple[int, int, int]:
   """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
-  programs with `group` q heads per kv head and head dim `head_dim`."""
+  programs with `group` q heads per kv head and head dim `head_dim`; `quantized`: 1-byte
+  (int8 / float8) pages."""
   if group > 1:
-    return _BLOCK_N, _NUM_WARPS, _NUM_STAGES
-  many = num_programs >= _MHA_MANY_PROGRAMS_PER_SM * triton_backend.sm_count()
-  return (_MHA_MANY_BLOCK_N if many else _BLOCK_N,
-          _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
+    config = _BLOCK_N, _NUM_WARPS, _NUM_STAGES
+  else:
+    many = num_programs >= _MHA_MANY_PROGRAMS_PER_SM * triton_backend.sm_count()
+    config = (_MHA_MANY_BLOCK_N if many else _BLOCK_N,
+              _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
+  if not quantized or head_dim > 128:  # head dim 256: the float config (not measured)
+    return config
+  return _QUANT_GQA_CONFIG if group > 1 else _QUANT_MHA_CONFIG
 
 
-def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                   *, scale: float, logits_soft_cap: float | None,
+def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
+                   scale: float, logits_soft_cap: float | None,
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                   block_n: int, num_splits: int):
+                   block_n: int, num_splits: int, quantized: bool):
   """One (sequence b, kv head, split) program.
 
   Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
-  k/v [L * Hkv * num_pages * page_size, D], o [S, B, H, D], lse [S, B, H].
+  k/v [L * Hkv * num_pages * page_size, D], (quantized) k/v scales f32 [L * Hkv *
+  num_pages * page_size], o [S, B, H, D], lse [S, B, H].
   """
+  if quantized:
+    ks_ref, vs_ref, o_ref, lse_ref = refs
+  else:
+    o_ref, lse_ref = refs
   b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   # Clamped as the reference clamps: a traced length out of range never reads past the
   # sequence's page table row and gives the reference's result. (Page ids are not clamped:
@@ -115,8 +146,16 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     # kernels left in L2 (their dirty outputs would be written back to HBM meanwhile, at
     # this kernel's expense: 79 -> 83% of the read ceiling between GPT-2's projections).
     k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
+    token_scale = scale
+    if quantized:
+      # Narrow values -> q's dtype is exact; the per-token scales multiply the logits
+      # (block_g x block_n products, not a [block_n, D] dequantization).
+      k = k.astype(q.dtype)
+      k_scales = plgpu.load(ks_ref.at[rows], mask=live, other=0.0,
+                            eviction_policy="evict_first")
+      token_scale = (scale * k_scales)[None, :]
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32) * scale
+                             preferred_element_type=jnp.float32) * token_scale
     if logits_soft_cap is not None:
       logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     logits = jnp.where(live, logits, -jnp.inf)
@@ -125,7 +164,14 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])
     v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+    weights = p
+    if quantized:
+      # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the V scales go into the probabilities.
+      v = v.astype(q.dtype)
+      v_scales = plgpu.load(vs_ref.at[rows], mask=live, other=0.0,
+                            eviction_policy="evict_first")
+      weights = p * v_scales[None, :]
+    pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
 
@@ -143,12 +189,15 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
 @functools.partial(jax.jit, static_argnames=[
     "scale", "logits_soft_cap", "sliding_window", "num_splits", "return_lse", "interpret",
     "block_n", "num_warps", "num_stages"])
-def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, *, scale: float,
+def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales,
+                         *, scale: float,
                          logits_soft_cap: float | None, sliding_window: int | None,
                          num_splits: int, return_lse: bool, interpret: bool, block_n: int,
                          num_warps: int, num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
-  num_pages, page_size, D]; layer: int32 scalar."""
+  num_pages, page_size, D]; layer: int32 scalar; k_scales, v_scales: None, or float32 of
+  the pages' shape without D for int8 / float8 pages."""
+  quantized = k_scales is not None
   if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
     k_pages, v_pages = k_pages[None], v_pages[None]
   batch, num_heads, head_dim = q.shape
@@ -167,7 +216,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, *, sca
       sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
-      num_splits=num_splits)
+      num_splits=num_splits, quantized=quantized)
+  scale_rows = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
   o, lse = pl.pallas_call(
@@ -179,7 +229,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, *, sca
                                                      num_stages=num_stages),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows)
+  )(lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows,
+    *scale_rows)
   if num_splits == 1:
     o, lse = o[0], lse[0]
   else:
@@ -214,6 +265,8 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
                            layer: int | jax.Array | None = None,
+                           k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            return_lse: bool = False, interpret: bool | None = None,
@@ -223,8 +276,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
   Args:
     q: [B, H, D] float32 / bfloat16 / float16; D in (64, 80, 96, 128, 256).
-    k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype; H % Hkv == 0; page_size
-      a power of two in [8, 128]. With `layer`: a whole pool's [num_layers, Hkv,
+    k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype, or int8 / float8_e4m3fn
+      with scales (a quantized pool: read narrow, dequantized in registers); H % Hkv == 0;
+      page_size a power of two in [8, 128]. With `layer`: a whole pool's [num_layers, Hkv,
       num_pages, page_size, D] (`KVPool.k_pages`), of which layer `layer` is read in place
       (slicing `k_pages[layer]` would hand the kernel a copy of that layer every call).
     page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages); entries
@@ -237,6 +291,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       addresses (`KVPool`'s tables only ever hold valid ids).
     layer: None, or the layer of 5-D pools to attend to: a Python int in [0, num_layers),
       or a traced int32 scalar (clamped into that range).
+    k_scales, v_scales: for int8 / float8_e4m3fn pages, their float32 scales of shape
+      k_pages.shape[:-1] (`KVPool.k_scales` / `v_scales`: K = k_pages * k_scales per token
+      and kv head); None for float pages. float8 kernels need compute capability >= 8.9.
     scale: logits = scale * q.k; defaults to D ** -0.5.
     logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
     sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
@@ -255,7 +312,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-      strict_kernel_shapes=True)
+      strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales)
   for name, knob in (("num_splits", num_splits), ("block_n", block_n),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
     if knob is not None and not (isinstance(knob, int) and knob > 0):
@@ -267,8 +324,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   mode = triton_backend.kernel_mode(interpret)
   if mode is None or q.size == 0:
     return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, layer=layer,
+                                   k_scales=k_scales, v_scales=v_scales,
                                    scale=scale, logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window, return_lse=return_lse)
+  if not mode:
+    kv_quant.check_fp8_device(k_pages.dtype, "k_pages")
   if layer is None:
     layer = 0
   elif not isinstance(layer, (int, np.integer)):  # traced: keep the reads inside the pool
@@ -281,9 +341,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       max_tokens = min(max_tokens, sliding_window + page_size)
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N)
   default_n, default_warps, default_stages = default_config(
-      batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim)
+      batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim,
+      quantized=k_scales is not None)
   return _paged_decode_pallas(
-      q, k_pages, v_pages, page_table, lengths, layer, scale=scale,
+      q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, scale=scale,
       logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
       interpret=mode, block_n=block_n or default_n, num_warps=num_warps or default_warps,

@@ -42,6 +42,8 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) ->
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
                            layer: int | jax.Array | None = None,
+                           k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None, return_lse: bool = False):
   """One query token per sequence attending to its paged K/V cache.
@@ -49,7 +51,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   Args:
     q: [B, H, D] float32 / bfloat16 / float16.
     k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0; with `layer`, whole
-      pools [num_layers, Hkv, num_pages, page_size, D].
+      pools [num_layers, Hkv, num_pages, page_size, D]. A float dtype, or int8 /
+      float8_e4m3fn with scales.
+    k_scales, v_scales: float32 k_pages.shape[:-1] for int8 / float8 pages (one scale per
+      token per kv head: K = k_pages * k_scales, `kv_quant.dequantize`), else None. The
+      pages are dequantized in f32 and attended to exactly as float pages.
     page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages) for the
       pages a sequence uses (the rest is never read).
     lengths: int32 [B] in [0, max_pages_per_seq * page_size], tokens in each sequence's
@@ -69,17 +75,24 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   k_layer = validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-      strict_kernel_shapes=False)
+      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
   lengths = validation.clamp_lengths(lengths, page_table.shape[1] * k_layer.shape[2])
+  one_layer = lambda x: x
   if layer is not None:
     layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
-    k_pages = jax.lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
-    v_pages = jax.lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
+    one_layer = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
   b, h, d = q.shape
-  hkv = k_pages.shape[0]
+  hkv = k_layer.shape[0]
   scale = d ** -0.5 if scale is None else scale
-  k = gather_pages(k_pages, page_table, lengths).astype(jnp.float32)  # [B, Hkv, T, D]
-  v = gather_pages(v_pages, page_table, lengths).astype(jnp.float32)
+
+  def gather(pages, scales):  # -> f32 [B, Hkv, T, D]
+    x = gather_pages(one_layer(pages), page_table, lengths).astype(jnp.float32)
+    if scales is None:
+      return x
+    return x * gather_pages(one_layer(scales)[..., None], page_table, lengths)
+
+  k = gather(k_pages, k_scales)
+  v = gather(v_pages, v_scales)
   qg = q.astype(jnp.float32).reshape(b, hkv, h // hkv, d)
   logits = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
   if logits_soft_cap is not None:
@@ -104,7 +117,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             page_table: jax.Array, q_start: jax.Array, q_lengths: jax.Array,
                             *, layer: int | jax.Array | None = None,
                             scale: float | None = None,
-                            sliding_window: int | None = None) -> jax.Array:
+                            sliding_window: int | None = None,
+                            k_scales: jax.Array | None = None,
+                            v_scales: jax.Array | None = None) -> jax.Array:
   """Several query tokens per sequence attending causally to its paged K/V cache.
 
   Row b's query t (t < q_lengths[b]) sits at position p = q_start[b] + t and attends to the
@@ -126,25 +141,34 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       clamped into [0, num_layers)).
     scale: logits = scale * q.k; defaults to D ** -0.5.
     sliding_window: W > 0 limits the query at position p to keys [p - W + 1, p].
+    k_scales, v_scales: for int8 / float8 pages, their scales (as `paged_decode_attention`
+      takes them: the pages it gathers are dequantized in f32); else None.
 
   Returns:
     out [B, T, H, D] in q's dtype; padding queries (t >= q_lengths[b]) give exactly 0.
   """
   k_layer = validation.check_prefill_call(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
-      sliding_window=sliding_window, strict_kernel_shapes=False)
+      sliding_window=sliding_window, strict_kernel_shapes=False, k_scales=k_scales,
+      v_scales=v_scales, quantized_ok=True)
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
+  one_layer = lambda x: x
   if layer is not None:
     layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
-    k_pages = jax.lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
-    v_pages = jax.lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
-  hkv = k_pages.shape[0]
+    one_layer = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+  hkv = k_layer.shape[0]
   scale = d ** -0.5 if scale is None else scale
   lengths = q_start + q_lengths
-  k = gather_pages(k_pages, page_table, lengths).astype(jnp.float32)  # [B, Hkv, S, D]
-  v = gather_pages(v_pages, page_table, lengths).astype(jnp.float32)
+
+  def gather(pages, scales):  # -> f32 [B, Hkv, S, D]
+    x = gather_pages(one_layer(pages), page_table, lengths).astype(jnp.float32)
+    if scales is None:
+      return x
+    return x * gather_pages(one_layer(scales)[..., None], page_table, lengths)
+
+  k, v = gather(k_pages, k_scales), gather(v_pages, v_scales)
   key_pos = jnp.arange(k.shape[2])
   # Positions past a sequence's length hold page 0's data, whatever it is (NaN included):
   # zero them, as a zero weight times NaN would still be NaN.

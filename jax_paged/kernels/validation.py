@@ -11,7 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_paged.kernels import kv_quant
+
+# q, outputs and float caches.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# What a KV pool may hold: the float dtypes, or narrow values with scales beside them.
+CACHE_DTYPES = SUPPORTED_DTYPES + kv_quant.QUANTIZED_DTYPES
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 MIN_PAGE_SIZE, MAX_PAGE_SIZE = 8, 128
 
@@ -25,6 +30,39 @@ def check_positive_int(name: str, value) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
   return int(value)
+
+
+def check_cache_dtype(name: str, dtype) -> jnp.dtype:
+  """dtype as a jnp.dtype; ValueError naming `name` unless it is one of CACHE_DTYPES."""
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in CACHE_DTYPES:
+    names = ", ".join(d.name for d in CACHE_DTYPES)
+    raise ValueError(f"{name} must be a cache dtype the kernels read ({names}), got "
+                     f"{getattr(dtype, 'name', dtype)}")
+  return dtype
+
+
+def check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
+  """Validates the scales of quantized pages: float32 of the pages' shape without the head
+  dim (one per token per kv head) for int8 / float8 pages, None for float pages."""
+  quantized = kv_quant.is_quantized(getattr(k_pages, "dtype", jnp.float32))
+  for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+    if not quantized:
+      if scales is not None:
+        raise ValueError(f"{name} is for int8 / float8_e4m3fn pages; k_pages are "
+                         f"{k_pages.dtype}: pass None")
+      continue
+    if scales is None:
+      raise ValueError(f"{k_pages.dtype} pages need their scales: pass k_scales and v_scales "
+                       f"(float32, shape {_shape(k_pages)[:-1]}; KVPool.k_scales / v_scales)")
+    if _shape(scales) != _shape(k_pages)[:-1]:
+      raise ValueError(f"{name} must have the pages' shape without head_dim "
+                       f"{_shape(k_pages)[:-1]}, got {_shape(scales)}")
+    if jnp.dtype(scales.dtype) != kv_quant.SCALE_DTYPE:
+      raise ValueError(f"{name} dtype must be float32, got {scales.dtype}")
 
 
 def kernel_page_size_ok(page_size: int) -> bool:
@@ -86,9 +124,12 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
     raise ValueError(f"k_pages head_dim {dk} does not match q head_dim {d}")
   if hkv == 0 or h % hkv:
     raise ValueError(f"q num_heads ({h}) must be a multiple of k_pages num_kv_heads ({hkv})")
-  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-      raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if jnp.dtype(x.dtype) not in CACHE_DTYPES:
+      raise ValueError(f"{name} dtype must be float32, bfloat16, float16, int8 or "
+                       f"float8_e4m3fn, got {x.dtype}")
   if jnp.dtype(k_pages.dtype) != jnp.dtype(v_pages.dtype):
     raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
   if len(_shape(page_table)) != 2 or page_table.shape[0] != b:
@@ -115,13 +156,16 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
 
 
 def check_decode_call(q, k_pages, v_pages, page_table, lengths, *, layer, scale,
-                      logits_soft_cap, sliding_window, strict_kernel_shapes: bool):
+                      logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
+                      k_scales=None, v_scales=None):
   """All of `paged_decode_attention`'s checks (`check_layer`, `check_decode_args`,
-  `check_decode_values`); returns the shape-and-dtype of one layer of k_pages."""
+  `check_scales`, `check_decode_values`); returns the shape-and-dtype of one layer of
+  k_pages."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
   check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                     logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                     strict_kernel_shapes=strict_kernel_shapes)
+  check_scales(k_pages, v_pages, k_scales, v_scales)
   check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
                       page_size=k_layer.shape[2])
   return k_layer
@@ -173,12 +217,20 @@ def clamp_lengths(lengths, capacity: int):
 
 
 def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
-                       sliding_window, strict_kernel_shapes: bool):
+                       sliding_window, strict_kernel_shapes: bool, k_scales=None,
+                       v_scales=None, quantized_ok: bool = False):
   """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
   k_pages. q is [B, T, H, D]; the pools, page table, scale and window are checked as
   `paged_decode_attention` checks them (`check_layer`, `check_decode_args` on one token's
-  q), q_start / q_lengths here and, where concrete, by `check_prefill_values`."""
+  q), q_start / q_lengths here and, where concrete, by `check_prefill_values`. Quantized
+  pages (with their scales) only with `quantized_ok` (the reference)."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
+  if not quantized_ok and kv_quant.is_quantized(getattr(k_pages, "dtype", jnp.float32)):
+    raise ValueError(f"k_pages dtype {k_pages.dtype}: the paged prefill kernel reads float "
+                     "pages (float32, bfloat16, float16), not a quantized pool's (its "
+                     "reference, jax_paged.reference.paged_prefill_attention, takes them with "
+                     "k_scales / v_scales)")
+  check_scales(k_pages, v_pages, k_scales, v_scales)
   if len(_shape(q)) != 4:
     raise ValueError("q must have shape [batch, num_tokens, num_heads, head_dim], got shape "
                      f"{_shape(q)}")

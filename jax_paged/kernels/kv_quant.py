@@ -1,0 +1,98 @@
+"""Quantized KV cache dtypes: int8 and float8_e4m3fn pages with per-token scales.
+
+A quantized pool stores each token's K (and V) of each kv head as `head_dim` narrow values
+plus one float32 scale: x ~= q * scale with scale = max|x| / QMAX (QMAX = 127 for int8,
+448 for e4m3, the largest finite value). The scale is computed from the token alone when
+it is written, so a write never rescales the tokens already stored, pages are
+self-contained (a page copied with its scales is a copy), and no calibration pass is
+needed. Zero rows get scale 0 and quantize to 0.
+
+float8_e4m3fn uses the same per-token-per-head scale as int8 rather than one scale per
+layer and kv head: a per-layer scale would have to be known before the first write
+(calibrated offline, or 1.0 as vLLM's uncalibrated default) because a running maximum
+would rescale old tokens; per-token scaling needs neither and puts every token's largest
+value at e4m3's top binade, away from its subnormals. The kernels run one dequantization
+path for both dtypes.
+
+Dequantization happens where the values are used: the decode kernel converts the narrow
+tile to the query's dtype (exact: int8 and e4m3 values are bf16 / f16 / f32 values) and
+folds the scales into the logits (K) and the probabilities (V), so no [tokens, D] multiply
+is added; the reference and the XLA paths multiply in f32 (`dequantize`).
+
+`quantize` is plain jnp made of operations Pallas-Triton lowers (abs, max, divide, floor,
+min / max, select, converts: there is no lowering for `round`), so the write kernels run
+this same function on their tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+INT8 = jnp.dtype(jnp.int8)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+QUANTIZED_DTYPES = (INT8, FP8)
+# The largest magnitude each dtype represents (e4m3fn: 1.75 * 2**8; no infinity).
+QMAX = {INT8: 127.0, FP8: float(jnp.finfo(jnp.float8_e4m3fn).max)}
+SCALE_DTYPE = jnp.dtype(jnp.float32)
+
+
+def is_quantized(dtype) -> bool:
+  """Whether a cache dtype stores scaled narrow values (int8, float8_e4m3fn)."""
+  return jnp.dtype(dtype) in QUANTIZED_DTYPES
+
+
+def bytes_per_head_token(head_dim: int, dtype) -> int:
+  """Bytes one token's K (or V) of one kv head takes in a pool of `dtype`, its scale
+  included."""
+  dtype = jnp.dtype(dtype)
+  return head_dim * dtype.itemsize + (SCALE_DTYPE.itemsize if is_quantized(dtype) else 0)
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """Symmetric quantization with one scale per vector along the last axis.
+
+  Args:
+    x: [..., D] of any float dtype (one token's K or V of one head per [D] vector).
+    dtype: int8 or float8_e4m3fn.
+
+  Returns:
+    (q [..., D] in `dtype`, float32 scales [...]) with x ~= q * scales. int8 rounds the
+    scaled value half up (floor(v + 0.5)), float8 to nearest even (the convert's).
+  """
+  dtype = jnp.dtype(dtype)
+  qmax = QMAX[dtype]
+  x = x.astype(jnp.float32)
+  absmax = jnp.max(jnp.abs(x), axis=-1)
+  inv = jnp.where(absmax > 0, qmax / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+  y = x * inv[..., None]
+  if dtype == INT8:
+    y = jnp.floor(y + 0.5)
+  # Products can land a rounding step past qmax; e4m3fn has no infinity (it would be NaN).
+  y = jnp.minimum(jnp.maximum(y, -qmax), qmax)
+  return y.astype(dtype), absmax / qmax
+
+
+def dequantize(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """q [..., D] narrow values and their float32 scales [...] -> q * scales in `dtype`
+  (computed in f32)."""
+  return (q.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+def fake_quantize(x: jax.Array, dtype) -> jax.Array:
+  """x [..., D] as a pool of `dtype` stores it: quantized and dequantized, in x's dtype."""
+  return dequantize(*quantize(x, dtype), dtype=x.dtype)
+
+
+def check_fp8_device(dtype, what: str) -> None:
+  """Raises ValueError if `dtype` is float8_e4m3fn and the default device is a GPU whose
+  Triton kernels cannot convert it (compute capability below 8.9: Ampere and older)."""
+  if jnp.dtype(dtype) != FP8 or jax.default_backend() != "gpu":
+    return
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if capability is not None and tuple(map(int, str(capability).split("."))) < (8, 9):
+    raise ValueError(f"{what} float8_e4m3fn needs a GPU of compute capability >= 8.9 (Ada, "
+                     f"Hopper) for its Triton kernels; {device.device_kind} has {capability}: "
+                     "use int8")
+
