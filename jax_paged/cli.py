@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
 from jax_paged.serving.admission import ADMISSION_POLICIES
@@ -206,6 +207,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
   eng.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share the pages of prompts that start alike (prefix caching "
                         "is on by default; tokens are the same either way)")
+  eng.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
+                   help="split the model over the first N devices (Megatron-style: "
+                        "attention heads, the KV pool by kv head, the MLP; default 1)")
   eng.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   if not args.checkpoint and args.model is None:
@@ -340,13 +344,16 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
                             n=args.n))
   try:
+    mesh = (None if args.tensor_parallel == 1
+            else tensor_parallel.make_mesh(args.tensor_parallel))
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
                  page_size=args.page_size, steps_per_call=args.steps_per_call,
                  admission=args.admission, prefix_caching=not args.no_prefix_caching,
-                 cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+                 cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=mesh)
     print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
-          f"{spec.head_dim}; {jnp.dtype(dtype).name} on {jax.devices()[0].platform}; text as "
+          f"{spec.head_dim}; {jnp.dtype(dtype).name} on "
+          f"{args.tensor_parallel} x {jax.devices()[0].platform}; text as "
           f"{codec.name if codec else 'token ids'}", file=sys.stderr)
     print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens, "
           f"{eng.cache_dtype.name} KV cache", file=sys.stderr)

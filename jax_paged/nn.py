@@ -236,6 +236,35 @@ def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
   return y if sections is None else linear.split_sections(y, sections)
 
 
+def _reduce_axis(proj: nnx.Linear) -> str | None:
+  """The mesh axis a row-parallel projection sums over (`jax_paged.tensor_parallel`
+  marks them in a model's per-device copy), or None."""
+  return getattr(proj, "reduce_axis", None)
+
+
+def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None) -> jax.Array:
+  """float32 [..., N]: proj(h) of a row-parallel projection under `jax.shard_map`: this
+  device's rows of the kernel times its features of h, summed over the mesh axis (one
+  all-reduce, in f32 so that the sum is as exact as one device's accumulator), then the
+  (replicated) bias once."""
+  h_c, kernel = _operands(proj, h)
+  mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
+  if mode is None:
+    y = jnp.dot(h_c, kernel, preferred_element_type=jnp.float32)
+  else:
+    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode), axis=0)
+  y = jax.lax.psum(y, _reduce_axis(proj))
+  return y if proj.bias is None else y + proj.bias[...].astype(jnp.float32)
+
+
+def projection(proj: nnx.Linear, h: jax.Array, *, interpret: bool | None = None) -> jax.Array:
+  """proj(h), summed over the mesh axis for a row-parallel projection (in its compute
+  dtype either way)."""
+  if _reduce_axis(proj) is None:
+    return proj(h)
+  return _row_parallel(proj, h, interpret).astype(_operands(proj, h)[0].dtype)
+
+
 def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
                      norm: LayerNorm, *, interpret: bool | None = None
                      ) -> tuple[jax.Array, jax.Array]:
@@ -257,6 +286,10 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
   Returns:
     (x [..., N] in the stream's dtype, norm(x)).
   """
+  if _reduce_axis(proj) is not None:  # tensor parallel: the sum first, then the norm
+    x = (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret)).astype(
+        residual.dtype)
+    return x, norm(x)
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
@@ -289,6 +322,9 @@ def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
   Returns:
     [..., N] in the residual's dtype.
   """
+  if _reduce_axis(proj) is not None:  # tensor parallel
+    return (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret)).astype(
+        residual.dtype)
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
@@ -421,7 +457,7 @@ class PagedAttention(nnx.Module):
           **({"k_scales": kv.k_scales, "v_scales": kv.v_scales} if kv.quantized else {})
       ).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
-    return (self.out(y) if project else y), kv
+    return (projection(self.out, y) if project else y), kv
 
   def decode(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
              page_table: jax.Array, lengths: jax.Array, *,
@@ -465,4 +501,4 @@ class PagedAttention(nnx.Module):
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
                scale=self.scale, sliding_window=self.sliding_window)
     y = y.reshape(b, -1).astype(x.dtype)
-    return (self.out(y) if project else y), kv
+    return (projection(self.out, y) if project else y), kv

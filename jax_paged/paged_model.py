@@ -71,6 +71,13 @@ class PagedModel(Protocol):
   Both forwards are traced inside the runner's `jax.jit` (the module split into graph and
   parameters, the pool donated), so they must be pure functions of their arguments and
   the module's parameters. Neither reserves nor releases pages: the slots are given.
+
+  Optional, for tensor parallel serving (`Engine(mesh=...)`, `jax_paged.tensor_parallel`):
+  `tensor_parallel_splits() -> [(nnx.Linear, tensor_parallel.Split), ...]`, the model's
+  linears outside its `nn.PagedAttention` layers to split over the devices (an MLP's
+  first projection column-parallel, its second row-parallel, applied through
+  `nn.project_add` / `project_add_norm` / `projection`, which sum a row-parallel
+  projection over the devices). The attention layers are split by head without it.
   """
 
   @property

@@ -31,6 +31,7 @@ from flax import nnx
 
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
+from jax_paged import tensor_parallel
 from jax_paged.kernels import linear
 from jax_paged.paged_model import ModelFamily, ModelSpec
 
@@ -177,6 +178,13 @@ class GPT2LMHeadModel(nnx.Module):
     return ModelSpec(num_layers=c.n_layer, num_kv_heads=c.n_head, head_dim=c.head_dim,
                      vocab_size=c.vocab_size, max_positions=c.n_positions, dtype=self.dtype,
                      eos_token_id=c.eos_token_id)
+
+  def tensor_parallel_splits(self) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
+    """The MLP's c_fc column-parallel and c_proj row-parallel (`jax_paged.PagedModel`;
+    the attention is split by head by `jax_paged.tensor_parallel` itself)."""
+    return [split for block in self.h
+            for split in ((block.mlp.c_fc, tensor_parallel.COLUMN),
+                          (block.mlp.c_proj, tensor_parallel.ROW))]
 
   def _forward(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
                attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:

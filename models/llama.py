@@ -34,6 +34,7 @@ from flax import nnx
 
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
+from jax_paged import tensor_parallel
 from jax_paged.kernels import linear
 from jax_paged.paged_model import ModelFamily, ModelSpec
 
@@ -204,17 +205,18 @@ class MLP(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     init = nnx.initializers.normal(config.initializer_range)
-    self.width = config.intermediate_size
-    self.gate_up = nnx.Linear(config.hidden_size, 2 * self.width, use_bias=config.mlp_bias,
+    self.gate_up = nnx.Linear(config.hidden_size, 2 * config.intermediate_size, use_bias=config.mlp_bias,
                               kernel_init=init, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
-    self.down = nnx.Linear(self.width, config.hidden_size, use_bias=config.mlp_bias,
+    self.down = nnx.Linear(config.intermediate_size, config.hidden_size, use_bias=config.mlp_bias,
                            kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def hidden(self, x: jax.Array) -> jax.Array:
     """silu(gate(x)) * up(x) [..., intermediate]; the block applies `down` with its
     residual add (`jax_paged.nn.project_add`)."""
-    gate, up = paged_nn.dense(self.gate_up, x, sections=(self.width, self.width))
+    # The width from the kernel: a tensor parallel device holds its share of it.
+    width = self.gate_up.kernel.shape[1] // 2
+    gate, up = paged_nn.dense(self.gate_up, x, sections=(width, width))
     return jax.nn.silu(gate) * up
 
 
@@ -285,6 +287,15 @@ class LlamaForCausalLM(nnx.Module):
                      head_dim=c.head_dim, vocab_size=c.vocab_size,
                      max_positions=c.max_position_embeddings, dtype=self.dtype,
                      eos_token_id=c.eos_token_id)
+
+  def tensor_parallel_splits(self) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
+    """The MLP's gate_up column-parallel (gate and up each split, so that a device gets
+    the matching columns of both) and down row-parallel (`jax_paged.PagedModel`; the
+    attention is split by head by `jax_paged.tensor_parallel` itself)."""
+    return [split for layer in self.layers
+            for split in ((layer.mlp.gate_up, tensor_parallel.Split(
+                "column", (self.config.intermediate_size,) * 2)),
+                          (layer.mlp.down, tensor_parallel.ROW))]
 
   def _forward(self, tokens: jax.Array, kv: pool_lib.KVPool, attend: Attend
                ) -> tuple[jax.Array, pool_lib.KVPool]:

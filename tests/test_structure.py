@@ -11,15 +11,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool <- nn <- paged_model <- serving <- cli).
+# kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
     "nn": {"kernels", "pool", "nn"},
     "sampling": {"sampling"},
     "paged_model": {"pool", "paged_model"},
-    "serving": {"kernels", "pool", "nn", "sampling", "paged_model", "serving"},
-    "cli": {"kernels", "paged_model", "serving", "cli"},
+    "tensor_parallel": {"kernels", "pool", "nn", "tensor_parallel"},
+    "serving": {"kernels", "pool", "nn", "sampling", "paged_model", "tensor_parallel",
+                "serving"},
+    "cli": {"kernels", "paged_model", "tensor_parallel", "serving", "cli"},
 }
 
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jax_paged import pool as pool_lib
+from jax_paged import tensor_parallel
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import validation
 from jax_paged.kernels.validation import check_positive_int
@@ -66,6 +67,12 @@ class Engine:
       prefills only the rest; cached pages no sequence uses are evicted, least recently
       used first, when the pool needs room (`jax_paged.serving.kv_cache_manager`). Tokens
       are the same either way.
+    mesh: None runs on one device; a 1-D mesh (`jax_paged.tensor_parallel.make_mesh(N)`,
+      axis "tp") runs the model tensor parallel over its N devices: attention heads, the
+      pool's K/V (by kv head) and the MLPs split, the pool's bookkeeping replicated
+      (`jax_paged.tensor_parallel`). The model must list its splits
+      (`tensor_parallel_splits()`) and N divide its heads, kv heads and MLP width.
+      Tokens are those of one device up to floating point summation order.
   """
 
   def __init__(self, model: PagedModel, *, max_batch: int = 32,
@@ -73,7 +80,7 @@ class Engine:
                page_size: int = 16, steps_per_call: int = 128,
                max_prefill_tokens: int = 16384, admission: str = "optimistic",
                eos_token_id: int | None = None, cache_dtype=None,
-               prefix_caching: bool = True):
+               prefix_caching: bool = True, mesh=None):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)
     self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -84,7 +91,8 @@ class Engine:
     self.admission = admission
     self.eos_token_id = eos_token_id
     self.prefix_caching = bool(prefix_caching)
-    self.runner = ModelRunner(model)
+    self.runner = ModelRunner(model, mesh)
+    self.mesh = mesh
     self.spec = spec = self.runner.spec
     cache_dtype = validation.check_cache_dtype(
         "cache_dtype", spec.dtype if cache_dtype is None else cache_dtype)
@@ -95,8 +103,10 @@ class Engine:
           isinstance(memory_fraction, (int, float)) and 0.0 < memory_fraction <= 1.0):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
       try:
+        # Each device of a mesh holds 1 / N of the kv heads (checked by the runner).
+        tp = 1 if mesh is None else tensor_parallel.mesh_size(mesh)
         self.sizing = pool_lib.size_pool(num_layers=spec.num_layers,
-                                         num_kv_heads=spec.num_kv_heads,
+                                         num_kv_heads=spec.num_kv_heads // tp,
                                          head_dim=spec.head_dim, page_size=page_size,
                                          dtype=cache_dtype, utilization=memory_fraction)
       except ValueError as e:

@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jax_paged import pool as pool_lib
 from jax_paged import sampling
+from jax_paged import tensor_parallel
 from jax_paged.paged_model import ModelSpec, PagedModel
 
 
@@ -242,7 +244,8 @@ class JittedSteps:
   graphdef is bound rather than static: hashing it per call costs ~1 ms.
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, treedef):
+  def __init__(self, graphdef: nnx.GraphDef, treedef,
+               sharding: tuple[Mesh, tuple] | None = None):
     model = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
     def prefill(leaves, kv, tokens, lengths, seq_ids, start=None):
@@ -263,6 +266,9 @@ class JittedSteps:
       return decode_loop(model(leaves), kv, num_steps, max_steps=max_steps, greedy=greedy,
                          checked=checked, **unpack_decode_rows(rows))
 
+    if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
+      prefill, decode, prefill_sample, loop = (
+          _per_device(fn, *sharding) for fn in (prefill, decode, prefill_sample, loop))
     self.prefill = jax.jit(prefill, donate_argnums=1)
     self.decode = jax.jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = jax.jit(prefill_sample, donate_argnums=1,
@@ -271,9 +277,19 @@ class JittedSteps:
                                static_argnames=("max_steps", "greedy", "checked"))
 
 
+def _per_device(fn, mesh: Mesh, specs: tuple):
+  """fn(leaves, kv, *args, **static) as one `shard_map` over a tensor parallel mesh
+  (`tensor_parallel.per_device`); static keywords are bound outside it, and None
+  arguments (no leaves) pass through."""
+  def call(leaves, kv, *args, **static):
+    inner = lambda leaves, kv, *args: fn(leaves, kv, *args, **static)
+    return tensor_parallel.per_device(inner, mesh, specs, len(args))(leaves, kv, *args)
+  return call
+
+
 @functools.lru_cache(maxsize=8)
-def _jitted_steps(graphdef: nnx.GraphDef, treedef) -> JittedSteps:
-  return JittedSteps(graphdef, treedef)
+def _jitted_steps(graphdef: nnx.GraphDef, treedef, sharding=None) -> JittedSteps:
+  return JittedSteps(graphdef, treedef, sharding)
 
 
 _update_pages = jax.jit(update_pages, donate_argnums=0)
@@ -332,18 +348,30 @@ class ModelRunner:
     execute(kv, plan) -> (kv, first tokens, decoded tokens)       a scheduler's `Plan`
   """
 
-  def __init__(self, model: PagedModel):
+  def __init__(self, model: PagedModel, mesh: Mesh | None = None):
     if not isinstance(model, PagedModel):
       raise TypeError(f"{type(model).__name__} does not meet jax_paged.PagedModel: it needs "
                       "a `spec` and `prefill` / `decode` forwards over the pool")
     self.spec: ModelSpec = model.spec
-    graphdef, params = nnx.split(model)
-    self.leaves = jax.tree.leaves(params)
-    self.jitted = _jitted_steps(graphdef, jax.tree.structure(params))
+    self.mesh = mesh
+    if mesh is None:
+      graphdef, params = nnx.split(model)
+      self.leaves = jax.tree.leaves(params)
+      self.jitted = _jitted_steps(graphdef, jax.tree.structure(params))
+    else:
+      tensor_parallel.check_kv_heads(self.spec.num_kv_heads,
+                                     tensor_parallel.mesh_size(mesh))
+      sharded = tensor_parallel.shard_model(model, mesh)
+      self.leaves = sharded.leaves
+      self.jitted = _jitted_steps(sharded.graphdef, sharded.treedef,
+                                  (mesh, sharded.specs))
 
   def create_pool(self, **kwargs) -> pool_lib.KVPool:
-    """An empty pool shaped for the model (`ModelSpec.create_pool`)."""
-    return self.spec.create_pool(**kwargs)
+    """An empty pool shaped for the model (`ModelSpec.create_pool`), its K/V split over
+    the mesh by kv head when there is one."""
+    if self.mesh is None:
+      return self.spec.create_pool(**kwargs)
+    return tensor_parallel.create_pool(self.spec, self.mesh, **kwargs)
 
   def prefill(self, kv, tokens, lengths, seq_ids, start=None):
     return self.jitted.prefill(self.leaves, kv, tokens, lengths, seq_ids, start)

@@ -18,7 +18,7 @@ from jax_paged.serving.request import Request
 def generate(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, page_size: int = 16, eos_token_id: int | None = None,
-             cache_dtype=None) -> list[list[int]]:
+             cache_dtype=None, mesh=None) -> list[list[int]]:
   """Continues each prompt by up to `max_new_tokens` tokens.
 
   Args:
@@ -31,6 +31,7 @@ def generate(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens
     page_size: tokens per KV page.
     eos_token_id: if given, a row stops after generating it (the eos token is included).
     cache_dtype: the pool's dtype (default: the model's compute dtype).
+    mesh: None for one device, or a tensor parallel mesh (see `jax_paged.Engine`).
 
   Returns:
     The new tokens only, one list per prompt.
@@ -44,6 +45,7 @@ def generate(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens
   pages = sum(-(-(len(p) + max(max_new_tokens, 1) - 1) // page_size) for p in prompts)
   # "peak" admission admits every request at once: their summed peaks fit the pool.
   engine = Engine(model, max_batch=len(prompts), num_pages=pages, page_size=page_size,
-                  admission="peak", eos_token_id=eos_token_id, cache_dtype=cache_dtype)
+                  admission="peak", eos_token_id=eos_token_id, cache_dtype=cache_dtype,
+                  mesh=mesh)
   outputs, _ = engine.generate(requests)
   return outputs

@@ -1,0 +1,260 @@
+"""Tensor parallelism over the devices of one host (Megatron-LM's split, with jax.sharding).
+
+A model is split over a 1-D mesh axis (`AXIS`, "tp") of N devices:
+
+* attention: each device holds H / N query heads and Hkv / N kv heads. The fused q/k/v
+  projection is column-parallel and the output projection row-parallel: its partial
+  products are summed over the devices (one all-reduce, `nn.project_add` and friends);
+* the pool's K/V [L, Hkv, P, page, D] is split on the kv-head axis (`P(None, "tp")`):
+  every device holds its heads' pages of every layer. The page table, lengths, free
+  stack and reference counts are replicated: one scheduler and one bookkeeping on the
+  host, whose plans every device executes identically;
+* the MLP: its first projection column-parallel, its second row-parallel (one
+  all-reduce);
+* embeddings and the LM head replicated. A vocabulary-sharded head would read 1 / N of
+  the head per device, but sampling needs whole rows of logits (an all-gather of [B,
+  vocab] f32 per step) and the embedding a masked lookup plus an all-reduce; for the
+  models served here the head is a few percent of the weights read per step, so the
+  simpler layout was kept (not measured: see benchmarks/bench_tensor_parallel.py).
+
+How it runs: the runner wraps each jitted step (reservation, forward, sampling) in one
+`jax.shard_map` over the mesh. Inside, every array is a device's local block and the
+model is a *local* copy of itself (`ShardedModel.graphdef`: attention layers with H / N
+and Hkv / N heads, row-parallel projections marked with the axis they sum over), so the
+Pallas kernels (paged decode and prefill attention, the cache write, the decode
+reservation with its copy-on-write of K/V pages, the linear kernels) run unchanged on
+their device's heads: a `pallas_call` cannot be partitioned by XLA, and under
+`shard_map` nothing needs to be. The only communication is the `psum` after each
+row-parallel projection (XLA lowers it to an NCCL all-reduce). The bookkeeping is
+computed redundantly on every device from identical inputs, so it stays identical
+(`check_vma=False`: shard_map then trusts the replicated `out_specs`, which the Pallas
+reservation kernel, mixing replicated and sharded operands, could not prove).
+
+Fused projections pack several blocks along their output columns (`qkv`: [q heads | k
+heads | v heads]; a SwiGLU `gate_up`: [gate | up]). A plain column split would give
+device 0 all q heads, so `shard_model` reorders the columns once, at shard time, to
+[q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (section j's i-th 1 / N after section j-1's): device
+i's block is then its own q heads, kv heads (head i * Hkv / N onwards, the group of its
+q heads) and their v, in the local layer's own [q | k | v] layout.
+
+A model opts in with `tensor_parallel_splits()` (see `PagedModel`): its linears outside
+attention to split and how (`Split`, e.g. its MLP's); every `nn.PagedAttention` is split
+by head here (`attention_splits`), so nothing in `nn` or the kernels knows the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_paged import nn as paged_nn
+from jax_paged import pool as pool_lib
+from jax_paged.kernels import kv_quant
+
+AXIS = "tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """How one `nnx.Linear` (kernel [K, N], bias [N]) is split over the mesh axis.
+
+  Attributes:
+    kind: "column": the output columns (and bias) split, each device computing its own
+      columns; "row": the input rows split, each device's partial product summed over
+      the devices, the bias (replicated) added once after the sum.
+    sections: for "column", the widths of the blocks packed along the columns (summing
+      to N; None = one block), each split evenly: device i gets the i-th 1 / N of every
+      section, in order.
+  """
+
+  kind: Literal["column", "row"]
+  sections: tuple[int, ...] | None = None
+
+
+COLUMN = Split("column")
+ROW = Split("row")
+
+
+def make_mesh(tensor_parallel: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A 1-D mesh (axis `AXIS`) over the first `tensor_parallel` devices (default: the
+  local devices of the default backend)."""
+  devices = list(jax.local_devices() if devices is None else devices)
+  if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or (
+      tensor_parallel < 1):
+    raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
+  if tensor_parallel > len(devices):
+    raise ValueError(f"tensor_parallel={tensor_parallel} needs that many devices, but "
+                     f"{len(devices)} {devices[0].platform if devices else ''} device(s) "
+                     "are available")
+  return Mesh(np.asarray(devices[:tensor_parallel]), (AXIS,))
+
+
+def mesh_size(mesh: Mesh) -> int:
+  """N, the devices along `AXIS`; raises ValueError for a mesh without that one axis."""
+  if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (AXIS,):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh with the one axis {AXIS!r} "
+                     f"(tensor_parallel.make_mesh), got {mesh!r}")
+  return int(mesh.shape[AXIS])
+
+
+def pool_specs(quantized: bool = False) -> pool_lib.KVPool:
+  """The pool's partition specs: K/V (and a quantized pool's scales) split on the kv-head
+  axis, the rest replicated."""
+  kv = P(None, AXIS)
+  return pool_lib.KVPool(k_pages=kv, v_pages=kv, page_table=P(), lengths=P(),
+                         free_pages=P(), num_free=P(), refcounts=P(),
+                         k_scales=kv if quantized else None,
+                         v_scales=kv if quantized else None)
+
+
+def pool_shardings(mesh: Mesh, quantized: bool = False) -> pool_lib.KVPool:
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_specs(quantized))
+
+
+def check_kv_heads(num_kv_heads: int, n: int) -> None:
+  """Raises ValueError unless the kv heads split evenly over n devices."""
+  if num_kv_heads % n:
+    raise ValueError(
+        f"tensor parallel {n} splits the kv heads over {n} devices, but the model has "
+        f"num_kv_heads={num_kv_heads}, not a multiple of {n} (kv heads are not "
+        f"replicated): use a tensor parallel size dividing {num_kv_heads}")
+
+
+def _column_order(width: int, sections: Sequence[int], n: int) -> np.ndarray:
+  """Column permutation putting device i's 1 / n of every section together, in order."""
+  starts = np.cumsum([0, *sections[:-1]])
+  blocks = [np.arange(s + i * w // n, s + (i + 1) * w // n)
+            for i in range(n) for s, w in zip(starts, sections)]
+  order = np.concatenate(blocks)
+  assert order.size == width
+  return order
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+  """A model split over a mesh: what the runner's shard_map needs.
+
+  Attributes:
+    graphdef: the local model's structure (attention layers with H / N and Hkv / N heads,
+      row-parallel linears marked), which `nnx.merge` joins to a device's blocks.
+    leaves: the parameters (`jax.tree.leaves` of the state), global arrays placed on the
+      mesh with `specs`.
+    treedef: their structure.
+    specs: a `PartitionSpec` per leaf (a tuple, hashable).
+    mesh: the mesh.
+  """
+
+  graphdef: nnx.GraphDef
+  leaves: list
+  treedef: object
+  specs: tuple
+  mesh: Mesh
+
+
+def _path(key_path) -> tuple:
+  return tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+
+
+def attention_splits(model: nnx.Module) -> list[tuple[nnx.Linear, Split]]:
+  """The splits of every `nn.PagedAttention` in a model, by head: `qkv` column-parallel
+  with its q, k and v sections each split (a device gets its q heads and their kv
+  heads), `out` row-parallel. Sections from the layers' (global) head counts."""
+  splits = []
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, paged_nn.PagedAttention):
+      h, hkv, d = node.num_heads, node.num_kv_heads, node.head_dim
+      splits += [(node.qkv, Split("column", (h * d, hkv * d, hkv * d))), (node.out, ROW)]
+  return splits
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
+  """Splits a model's parameters over `mesh` (Megatron-style, see the module docstring).
+
+  Every `nn.PagedAttention` is split by head; the model lists its other linears to split
+  (`tensor_parallel_splits()`, e.g. its MLP's); every other parameter (embeddings,
+  norms, the LM head, row-parallel biases) is replicated.
+
+  Raises:
+    TypeError: the model has no `tensor_parallel_splits`.
+    ValueError: a head count or a split width is not a multiple of N (naming both).
+  """
+  n = mesh_size(mesh)
+  if not callable(getattr(model, "tensor_parallel_splits", None)):
+    raise TypeError(f"{type(model).__name__} cannot run tensor parallel: it lists no "
+                    "`tensor_parallel_splits()` (see jax_paged.PagedModel)")
+  # A copy with its own Variables (sharing the arrays; nnx.merge of a split alone would
+  # reuse the Variables): reordered and relabelled below, the caller's model untouched.
+  graphdef, state = nnx.split(model)
+  local = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+  splits = attention_splits(local) + list(local.tensor_parallel_splits())
+  for path, node in nnx.iter_graph(local):
+    if isinstance(node, paged_nn.PagedAttention):
+      where = "/".join(map(str, path))
+      if node.num_heads % n:
+        raise ValueError(f"tensor parallel {n}: attention {where} has num_heads="
+                         f"{node.num_heads}, not a multiple of {n}")
+      check_kv_heads(node.num_kv_heads, n)
+      node.num_heads //= n
+      node.num_kv_heads //= n
+  ids = {id(node): path for path, node in nnx.iter_graph(local)}
+  specs = {}
+  for linear, split in splits:
+    path = ids[id(linear)]
+    where = "/".join(map(str, path))
+    k, width = linear.kernel[...].shape
+    if split.kind == "column":
+      sections = split.sections or (width,)
+      if sum(sections) != width or any(s % n for s in sections):
+        raise ValueError(f"tensor parallel {n}: {where} has column sections {sections} "
+                         f"(of {width} columns); each must be a multiple of {n}")
+      if n > 1 and len(sections) > 1:
+        order = _column_order(width, sections, n)
+        linear.kernel.value = linear.kernel[...][:, order]
+        if linear.bias is not None:
+          linear.bias.value = linear.bias[...][order]
+      specs[path + ("kernel",)] = P(None, AXIS)
+      specs[path + ("bias",)] = P(AXIS)
+    elif split.kind == "row":
+      if k % n:
+        raise ValueError(f"tensor parallel {n}: {where} has {k} input rows, not a "
+                         f"multiple of {n}")
+      specs[path + ("kernel",)] = P(AXIS, None)
+      linear.reduce_axis = AXIS  # read by nn.projection / project_add / project_add_norm
+    else:
+      raise ValueError(f"Split.kind must be 'column' or 'row', got {split.kind!r}")
+  graphdef, state = nnx.split(local)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  leaf_specs = tuple(specs.get(_path(kp), P()) for kp, _ in flat)
+  leaves = [jax.device_put(x, NamedSharding(mesh, spec))
+            for (_, x), spec in zip(flat, leaf_specs)]
+  return ShardedModel(graphdef=graphdef, leaves=leaves, treedef=treedef, specs=leaf_specs,
+                      mesh=mesh)
+
+
+def create_pool(spec, mesh: Mesh, **kwargs) -> pool_lib.KVPool:
+  """An empty pool for a model spec (`ModelSpec.create_pool` arguments), created in
+  place on the mesh: each device allocates only its kv heads' pages."""
+  check_kv_heads(spec.num_kv_heads, mesh_size(mesh))
+  dtype = kwargs.get("dtype")
+  quantized = dtype is not None and kv_quant.is_quantized(dtype)
+  return jax.jit(lambda: spec.create_pool(**kwargs),
+                 out_shardings=pool_shardings(mesh, quantized))()
+
+
+def per_device(fn, mesh: Mesh, specs: Sequence[P], num_args: int):
+  """fn(leaves, kv, *args) -> (out, kv) run as one shard_map over the mesh: the
+  parameters (one spec per leaf, `ShardedModel.specs`) and the pool's K/V as each
+  device's blocks, the other arguments and `out` replicated (identical on every
+  device)."""
+  def call(leaves, kv, *args):  # the pool's specs follow its dtype (scales or not)
+    pool = pool_specs(kv.quantized)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(list(specs), pool) + (P(),) * num_args,
+                         out_specs=(P(), pool), check_vma=False)(leaves, kv, *args)
+
+  return call

@@ -1,0 +1,339 @@
+"""Tensor parallelism (`jax_paged.tensor_parallel`, `Engine(mesh=...)`) on 4 fake CPU devices.
+
+The checks run in subprocesses started with XLA_FLAGS=--xla_force_host_platform_device_count=4
+(the device count is fixed when jax starts, so the main pytest process keeps its one
+device): this file is also their script (`python tests/test_tensor_parallel.py CASE`),
+each case printing one JSON object that the tests below assert on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def _run_case(case: str) -> dict:
+  # Backend optimisation off: the cases are compile-bound (~30% faster), not run-bound.
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                       "--xla_backend_optimization_level=0")
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), case], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------- the tests (main process)
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_engine_tokens_match_one_device(model):
+  """Continuous batching with preemption, prefix caching and parallel samples (forks):
+  TP 2 and 4 give one device's greedy tokens."""
+  result = _run_case("engine")[model]
+  assert result["preemptions"] > 0 and result["cached_prompt_tokens"] > 0  # exercised
+  ref = result["tokens"]["1"]
+  assert any(len(t) for t in ref)
+  for n in ("2", "4"):
+    assert result["tokens"][n] == ref, f"tensor parallel {n}"
+  assert result["int8_tokens"]["2"] == result["int8_tokens"]["1"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_logits_and_pool_match_one_device(model):
+  """Prefill, a decode step and a prefill over the cached tokens (start): f32 logits within
+  1e-5 of one device's, and the gathered pool equal to one device's pool."""
+  result = _run_case("engine")[model]
+  for n in ("2", "4"):
+    for step, err in result["logit_errors"][n].items():
+      assert err < 1e-5, (n, step, err)
+    assert result["pool_errors"][n] < 1e-6, n
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_pool_kv_is_sharded_by_kv_head(model):
+  result = _run_case("engine")[model]
+  layers, hkv, rest = result["pool_shape"][0], result["pool_shape"][1], result["pool_shape"][2:]
+  for n in ("2", "4"):
+    shards = result["shards"][n]
+    assert len(shards) == int(n) and len({s["device"] for s in shards}) == int(n)
+    for i, s in enumerate(sorted(shards, key=lambda s: s["start"])):
+      assert s["shape"] == [layers, hkv // int(n)] + rest  # only its kv heads
+      assert s["start"] == i * hkv // int(n)
+    assert result["replicated"][n]  # page table, lengths, free stack, refcounts
+
+
+def test_the_model_is_left_unchanged():
+  for model in ("gpt2", "llama"):
+    assert _run_case("engine")[model]["model_unchanged"]
+
+
+def test_pallas_kernels_per_device_in_interpret_mode():
+  """Every kernel (cache write, fused projection-write, paged decode and prefill
+  attention, the decode reservation with copy-on-write, the linear and norm kernels) in
+  Pallas interpret mode under shard_map: TP 2 matches one device."""
+  result = _run_case("kernels")
+  for model in ("gpt2", "llama"):
+    assert result[model]["tokens"]["2"] == result[model]["tokens"]["1"], model
+    assert result[model]["logit_error"] < 1e-5, model
+
+
+def test_errors_name_the_numbers():
+  errors = _run_case("errors")
+  assert "num_kv_heads=2" in errors["kv_heads"] and "4" in errors["kv_heads"]
+  assert "num_kv_heads=6" in errors["gpt2_heads"]  # GPT-2: one kv head per head
+  assert "(90, 90)" in errors["mlp_width"] and "multiple of 4" in errors["mlp_width"]
+  assert "tensor_parallel=8" in errors["devices"] and "4 cpu device" in errors["devices"]
+  assert "tensor_parallel_splits" in errors["no_splits"]
+  assert "'tp'" in errors["axis"]
+
+
+def test_cli_tensor_parallel():
+  result = _run_case("cli")
+  assert result["rc"] == 0 and result["tokens_1"] == result["tokens_2"]
+  assert result["rc_too_many"] == 2 and "tensor_parallel=8" in result["err_too_many"]
+
+
+def test_make_mesh_needs_the_devices():
+  """In this (one-device) process."""
+  from jax_paged import tensor_parallel
+  with pytest.raises(ValueError, match="tensor_parallel=2 needs that many devices"):
+    tensor_parallel.make_mesh(2)
+  with pytest.raises(ValueError, match="positive int"):
+    tensor_parallel.make_mesh(0)
+
+
+# ------------------------------------------------------ the cases (subprocesses, 4 devices)
+
+def _models():
+  import jax.numpy as jnp
+  from flax import nnx
+  from models import gpt2, llama
+  g = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=128, n_embd=64,
+                                           n_layer=1, n_head=4, bos_token_id=None,
+                                           eos_token_id=None),
+                           dtype=jnp.float32, rngs=nnx.Rngs(0))
+  # GQA: 8 q heads sharing 4 kv heads (2 per group), q/k/v biases (Qwen2-style).
+  l = llama.LlamaForCausalLM(llama.LlamaConfig(vocab_size=256, hidden_size=64,
+                                               intermediate_size=96, num_hidden_layers=2,
+                                               num_attention_heads=8, num_key_value_heads=4,
+                                               max_position_embeddings=128,
+                                               model_type="qwen2", eos_token_id=None),
+                             dtype=jnp.float32, rngs=nnx.Rngs(1))
+  return {"gpt2": g, "llama": l}
+
+
+def _requests():
+  from jax_paged import Request
+  rng = np.random.default_rng(0)
+  shared = rng.integers(0, 256, 16).tolist()  # two full pages of 8: prefix cache hits
+  prompts = [shared + rng.integers(0, 256, k).tolist() for k in (3, 9, 5)]
+  prompts += [rng.integers(0, 256, 13).tolist()]
+  reqs = [Request(p, 14) for p in prompts]
+  reqs.append(Request(shared + [7, 7, 7], 8, n=2, temperature=0.8, seed=5))  # forks
+  return reqs
+
+
+def _engine(model, mesh, **kwargs):
+  from jax_paged import Engine
+  return Engine(model, max_batch=6, num_pages=8, page_size=8, steps_per_call=8,
+                mesh=mesh, **kwargs)
+
+
+def case_engine() -> dict:
+  import jax
+  from jax_paged import tensor_parallel
+  from jax_paged.serving.runner import ModelRunner
+  out = {}
+  for name, model in _models().items():
+    qkv_before = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
+                            else model.layers[0].self_attn.qkv.kernel[...])
+    res = {"tokens": {}, "logit_errors": {}, "pool_errors": {}, "shards": {},
+           "replicated": {}}
+    ref_logits = ref_pool = None
+    for n in (1, 2, 4):
+      mesh = None if n == 1 else tensor_parallel.make_mesh(n)
+      engine = _engine(model, mesh)
+      tokens, report = engine.generate(_requests())
+      res["tokens"][str(n)] = tokens
+      if n in (1, 2):  # an int8 pool: its scales are split by kv head like its pages
+        res.setdefault("int8_tokens", {})[str(n)] = _engine(
+            model, mesh, cache_dtype="int8").generate(_requests())[0]
+      if n == 1:
+        res["preemptions"] = report.preemptions
+        res["cached_prompt_tokens"] = report.cached_prompt_tokens
+        res["pool_shape"] = list(engine.kv.k_pages.shape)
+      else:
+        k = engine.kv.k_pages
+        res["shards"][str(n)] = [{"shape": list(s.data.shape), "device": str(s.device),
+                                  "start": s.index[1].start or 0}
+                                 for s in k.addressable_shards]
+        res["replicated"][str(n)] = all(
+            x.sharding.is_fully_replicated for x in
+            (engine.kv.page_table, engine.kv.lengths, engine.kv.free_pages,
+             engine.kv.num_free, engine.kv.refcounts))
+      # Logits of the three forwards, and the pool they leave.
+      runner = ModelRunner(model, mesh)
+      kv = runner.create_pool(num_pages=16, page_size=8, max_seqs=3, max_pages_per_seq=8)
+      rng = np.random.default_rng(1)
+      tok = rng.integers(0, 256, (3, 16)).astype(np.int32)
+      lengths = np.array([16, 5, 11], np.int32)
+      ids = np.arange(3, dtype=np.int32)
+      logits = {}
+      logits["prefill"], kv = runner.prefill(kv, tok, lengths, ids)
+      logits["decode"], kv = runner.decode(kv, tok[:, 0], ids)
+      logits["prefill_start"], kv = runner.prefill(kv, tok, lengths, ids,
+                                                   np.asarray(kv.lengths))
+      logits = {k: np.asarray(v) for k, v in logits.items()}
+      pool = jax.device_get((kv.k_pages, kv.v_pages, kv.page_table, kv.lengths))
+      if n == 1:
+        ref_logits, ref_pool = logits, pool
+      else:
+        res["logit_errors"][str(n)] = {
+            k: float(np.abs(v - ref_logits[k]).max() / np.abs(ref_logits[k]).max())
+            for k, v in logits.items()}
+        res["pool_errors"][str(n)] = max(float(np.abs(a - b).max())
+                                         for a, b in zip(pool, ref_pool))
+    qkv_after = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
+                           else model.layers[0].self_attn.qkv.kernel[...])
+    outs = model.h[0].attn.out if name == "gpt2" else model.layers[0].self_attn.out
+    res["model_unchanged"] = bool(np.array_equal(qkv_before, qkv_after)
+                                  and not hasattr(outs, "reduce_axis"))
+    out[name] = res
+  return out
+
+
+def case_kernels() -> dict:
+  """Every kernel in Pallas interpret mode (kernel_mode's None read as True), 1 layer."""
+  from jax_paged.kernels import triton_backend
+  original = triton_backend.kernel_mode
+  triton_backend.kernel_mode = lambda interpret, *, supported=True: original(
+      True if interpret is None else interpret, supported=supported)
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_paged import Request, tensor_parallel
+  from jax_paged.serving.runner import ModelRunner
+  from models import gpt2, llama
+  models = {
+      "gpt2": gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=64, n_embd=64,
+                                                   n_layer=1, n_head=4, bos_token_id=None,
+                                                   eos_token_id=None),
+                                   dtype=jnp.float32, rngs=nnx.Rngs(0)),
+      "llama": llama.LlamaForCausalLM(llama.LlamaConfig(
+          vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+          max_position_embeddings=64, eos_token_id=None), dtype=jnp.float32,
+          rngs=nnx.Rngs(1)),
+  }
+  out = {}
+  for name, model in models.items():
+    res = {"tokens": {}}
+    logits = {}
+    for n in (1, 2):
+      mesh = None if n == 1 else tensor_parallel.make_mesh(n)
+      # A fork (n=2) whose samples write into their shared last page: the decode
+      # reservation kernel's copy-on-write, per device.
+      requests = [Request([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 6, n=2, temperature=1.0),
+                  Request([1, 2, 3], 6)]
+      engine = _engine(model, mesh, max_prefill_tokens=64)
+      res["tokens"][str(n)], _ = engine.generate(requests)
+      runner = ModelRunner(model, mesh)
+      kv = runner.create_pool(num_pages=8, page_size=8, max_seqs=2, max_pages_per_seq=4)
+      tok = np.array([[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 0, 0, 0, 0, 0]], np.int32)
+      lg, kv = runner.prefill(kv, tok, np.array([8, 3], np.int32), np.arange(2, dtype=np.int32))
+      logits[n] = np.asarray(lg)
+    res["logit_error"] = float(np.abs(logits[2] - logits[1]).max() / np.abs(logits[1]).max())
+    out[name] = res
+  return out
+
+
+def case_errors() -> dict:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import Mesh
+  from jax_paged import Engine, tensor_parallel
+  from models import gpt2, llama
+
+  def message(fn) -> str:
+    try:
+      fn()
+    except (ValueError, TypeError) as e:
+      return str(e)
+    return "no error"
+
+  def small_llama(**kw):
+    cfg = dict(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+               max_position_embeddings=64)
+    cfg.update(kw)
+    return llama.LlamaForCausalLM(llama.LlamaConfig(**cfg), dtype=jnp.float32,
+                                  rngs=nnx.Rngs(0))
+
+  mesh4 = tensor_parallel.make_mesh(4)
+  engine = lambda model, mesh=mesh4: Engine(model, max_batch=2, num_pages=8, page_size=8,
+                                            mesh=mesh)
+  tiny_gpt2 = gpt2.GPT2LMHeadModel(
+      gpt2.GPT2Config(vocab_size=256, n_positions=64, n_embd=48, n_layer=1, n_head=6),
+      rngs=nnx.Rngs(0))
+
+  class NoSplits(nnx.Module):  # meets PagedModel but lists no splits
+    def __init__(self, inner):
+      self.inner = inner
+
+    @property
+    def spec(self):
+      return self.inner.spec
+
+    def prefill(self, *a, **k):
+      return self.inner.prefill(*a, **k)
+
+    def decode(self, *a, **k):
+      return self.inner.decode(*a, **k)
+
+  return {
+      "kv_heads": message(lambda: engine(small_llama(num_key_value_heads=2))),
+      "gpt2_heads": message(lambda: engine(tiny_gpt2, tensor_parallel.make_mesh(4))),
+      "mlp_width": message(lambda: engine(small_llama(intermediate_size=90))),
+      "devices": message(lambda: tensor_parallel.make_mesh(8)),
+      "no_splits": message(lambda: engine(NoSplits(small_llama()))),
+      "axis": message(lambda: engine(small_llama(),
+                                     Mesh(np.asarray(jax.devices()[:2]), ("x",)))),
+  }
+
+
+def case_cli() -> dict:
+  import contextlib
+  import io
+  from jax_paged import cli
+  from models import gpt2
+  families = [gpt2.FAMILY]
+  result = {}
+  for n in (1, 2):
+    stdout = io.StringIO()
+    args = cli.parse_args(["--model", "tiny", "--prompt-ids", "1,2,3", "--prompt", "hi",
+                           "--max-new-tokens", "5", "--no-progress", "--num-pages", "16",
+                           "--tensor-parallel", str(n)], families)
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+      result["rc"] = cli.run(args, families)
+    result[f"tokens_{n}"] = [line for line in stdout.getvalue().splitlines()
+                             if not line.startswith("---")][:2]
+  stderr = io.StringIO()
+  with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.suppress(SystemExit):
+      result["rc_too_many"] = cli.main(["--model", "tiny", "--prompt-ids", "1",
+                                        "--num-pages", "8", "--tensor-parallel", "8"])
+  result["err_too_many"] = stderr.getvalue()
+  return result
+
+
+if __name__ == "__main__":
+  print(json.dumps(globals()[f"case_{sys.argv[1]}"]()))
