@@ -317,9 +317,9 @@ def test_concrete_out_of_range_values_raise(fn, lengths, table_fix, match):
   fn(q, k_pages, v_pages, table.at[1, 2].set(99), jnp.array([16, 3], jnp.int32))
 
 
-def test_traced_out_of_range_lengths_are_clamped_alike():
+def test_traced_out_of_range_values_are_clamped_alike():
   """Under jit the kernel (interpret mode) and the reference agree on lengths past the
-  capacity and negative lengths: both clamp. The reference also clamps page ids."""
+  capacity, negative lengths and page ids outside the pool: both clamp."""
   q, k_pages, v_pages, table = _bad_value_inputs()
   lengths = jnp.array([40, -3], jnp.int32)
   kernel = jax.jit(lambda *a: jax_paged.paged_decode_attention(*a, interpret=True,
@@ -331,6 +331,9 @@ def test_traced_out_of_range_lengths_are_clamped_alike():
   chex.assert_trees_all_close(want, ref(q, k_pages, v_pages, table, jnp.array([24, 0])),
                               rtol=1e-6, atol=1e-6)
   wild = jnp.array([[3, 9, 5], [-4, 2, 4]], jnp.int32)  # 9 -> 5, -4 -> 0
-  chex.assert_trees_all_close(ref(q, k_pages, v_pages, wild, lengths),
-                              ref(q, k_pages, v_pages, jnp.array([[3, 5, 5], [0, 2, 4]]),
-                                  lengths), rtol=1e-6, atol=1e-6)
+  want = ref(q, k_pages, v_pages, wild, lengths)
+  chex.assert_trees_all_close(want, ref(q, k_pages, v_pages,
+                                        jnp.array([[3, 5, 5], [0, 2, 4]]), lengths),
+                              rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(kernel(q, k_pages, v_pages, wild, lengths), want, rtol=1e-5,
+                              atol=1e-5)

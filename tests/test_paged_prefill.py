@@ -205,17 +205,24 @@ def test_fresh_prompt_equals_dense_causal_attention_interpret(num_heads, num_kv_
 
 def test_traced_out_of_range_values_are_clamped_alike():
   """Under jit the kernel (interpret mode) and the reference clamp alike: q_lengths into
-  [0, T], then q_start so that the row fits its page table."""
-  # Every row's 3 pages live: the reference also clamps page ids, the kernel does not.
+  [0, T], then q_start so that the row fits its page table, and page ids into the pool."""
   q, k_pages, v_pages, table, _, _ = make_inputs(6, 4, 2, 64, 8, jnp.float32, [18, 18, 18],
                                                  [6, 6, 6])
+  # Row 1 (clamped to all 24 tokens) uses ids past either end, which clamp to the last and
+  # first page: those hold copies of its live pages (unused pages are NaN).
+  last = k_pages.shape[1] - 1
+  k_pages, v_pages = (pages.at[:, last].set(pages[:, table[1, 1]])
+                      .at[:, 0].set(pages[:, table[1, 0]]) for pages in (k_pages, v_pages))
+  table = table.at[1, 1].set(last + 8).at[1, 0].set(-3)
   q_start, q_lengths = jnp.array([-4, 30, 5], jnp.int32), jnp.array([9, 2, -1], jnp.int32)
   kernel = jax.jit(functools.partial(jax_paged.paged_prefill_attention, interpret=True))
   ref = _reference
   got = kernel(q, k_pages, v_pages, table, q_start, q_lengths)
   want = ref(q, k_pages, v_pages, table, q_start, q_lengths)
+  assert not jnp.isnan(got).any()
   chex.assert_trees_all_close(got, want, atol=2e-5, rtol=1e-5)
-  clamped = ref(q, k_pages, v_pages, table, jnp.array([0, 22, 5]), jnp.array([6, 2, 0]))
+  clamped = ref(q, k_pages, v_pages, table.at[1, 1].set(last).at[1, 0].set(0),
+                jnp.array([0, 22, 5]), jnp.array([6, 2, 0]))
   chex.assert_trees_all_close(want, clamped, atol=1e-6, rtol=1e-6)
 
 

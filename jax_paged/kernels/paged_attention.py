@@ -112,9 +112,9 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     o_ref, lse_ref = refs
   b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   # Clamped as the reference clamps: a traced length out of range never reads past the
-  # sequence's page table row and gives the reference's result. (Page ids are not clamped:
-  # two integer ops per token in the loop cost 3 points of the read ceiling at GPT-2's
-  # batch 256, H100.)
+  # sequence's page table row and gives the reference's result. (Traced page ids are
+  # clamped by the wrapper, once per table: two integer ops per token here cost 3 points
+  # of the read ceiling at GPT-2's batch 256, H100.)
   length = validation.clamp_lengths(lengths_ref[b], max_pages * page_size)
   # The first K/V row of this (layer, kv head): the pool is [L, Hkv, pages, page_size, D].
   head_base = (layer_ref[0] * num_kv_heads + kv_head) * (num_pages * page_size)
@@ -285,10 +285,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       past a sequence's last page are never read.
     lengths: int32 [B] in [0, max_pages_per_seq * page_size], tokens in each sequence's
       cache (0 = empty). Concrete lengths or used page ids out of range raise ValueError.
-      Under jit, lengths are clamped into range exactly as `reference.paged_decode_attention`
-      clamps them (the two agree, and no page table entry past a row is read); page ids
-      are the caller's contract there: the kernel reads whatever page an out-of-range id
-      addresses (`KVPool`'s tables only ever hold valid ids).
+      Under jit, lengths are clamped into range and page ids into [0, num_pages) exactly
+      as `reference.paged_decode_attention` clamps them: the two agree, no page table entry
+      past a row is read, and no read leaves the pool.
     layer: None, or the layer of 5-D pools to attend to: a Python int in [0, num_layers),
       or a traced int32 scalar (clamped into that range).
     k_scales, v_scales: for int8 / float8_e4m3fn pages, their float32 scales of shape
@@ -333,6 +332,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     layer = 0
   elif not isinstance(layer, (int, np.integer)):  # traced: keep the reads inside the pool
     layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
+  page_table = validation.clamp_unchecked_page_ids(page_table, k_pages.shape[-3], lengths)
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
   if num_splits is None:

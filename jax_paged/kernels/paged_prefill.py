@@ -223,8 +223,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       are padding and give exactly 0 (a row of length 0 is all padding).
       q_start + q_lengths <= max_pages_per_seq * page_size. Concrete values out of range
       (and used page ids out of range) raise ValueError; under jit the kernel and the
-      reference clamp alike (`validation.clamp_prefill`), and page ids are the caller's
-      contract, as in `paged_decode_attention`.
+      reference clamp alike (`validation.clamp_prefill`; page ids into [0, num_pages)).
     layer: None, or the layer of 5-D pools to attend to: a Python int in [0, num_layers),
       or a traced int32 scalar (clamped into that range).
     scale: logits = scale * q.k; defaults to D ** -0.5.
@@ -269,6 +268,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     layer = 0
   elif not isinstance(layer, (int, np.integer)):  # traced: keep the reads inside the pool
     layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
+  page_table = validation.clamp_unchecked_page_ids(page_table, k_layer.shape[1], q_start,
+                                                   q_lengths)
   d_q, d_n, d_warps, d_stages = default_config(group, head_dim, num_tokens,
                                                 jnp.dtype(q.dtype).itemsize)
   return _paged_prefill_pallas(

@@ -60,7 +60,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       pages a sequence uses (the rest is never read).
     lengths: int32 [B] in [0, max_pages_per_seq * page_size], tokens in each sequence's
       cache (0 = empty). Concrete values out of range raise ValueError; traced ones are
-      clamped (lengths into that range, as the kernel does; page ids into [0, num_pages)).
+      clamped, as the kernel clamps them (lengths into that range, page ids into
+      [0, num_pages)).
     layer: None, or the pools' layer to attend to (an int, or an integer scalar array,
       clamped into [0, num_layers)).
     scale: logits = scale * q.k; defaults to D ** -0.5.

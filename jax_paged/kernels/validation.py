@@ -183,8 +183,8 @@ def check_decode_values(page_table, lengths, *, num_pages: int, page_size: int) 
   """Where `paged_decode_attention`'s lengths and page table are concrete (outside jit),
   raises ValueError for lengths outside [0, max_pages_per_seq * page_size] and for page
   ids outside [0, num_pages) in any sequence's used pages. Under jit nothing can raise:
-  the kernel and the reference both clamp lengths into that range (`clamp_lengths`);
-  the reference also clamps page ids (`clamp_page_ids`), the kernel does not."""
+  the kernel and the reference both clamp lengths into that range (`clamp_lengths`) and
+  page ids into [0, num_pages) (`clamp_page_ids`, `clamp_unchecked_page_ids`)."""
   lens = concrete(lengths)
   if lens is None:
     return
@@ -209,6 +209,17 @@ def check_decode_values(page_table, lengths, *, num_pages: int, page_size: int) 
 def clamp_page_ids(page_ids, num_pages: int):
   """Page ids into [0, num_pages)."""
   return jnp.clip(page_ids, 0, num_pages - 1)
+
+
+def clamp_unchecked_page_ids(page_table, num_pages: int, *lengths):
+  """page_table with its ids clamped into [0, num_pages) where `check_decode_values` /
+  `check_prefill_values` could not check them (the table or the `lengths` that say which
+  entries are used are traced); unchanged where they did. The kernels' wrappers call this,
+  so that under jit a kernel reads the pages the reference reads and nothing outside the
+  pool. (Every layer of a model step clamps the same table: XLA computes it once.)"""
+  if any(isinstance(x, jax.core.Tracer) for x in (page_table, *lengths)):
+    return clamp_page_ids(page_table, num_pages)
+  return page_table
 
 
 def clamp_lengths(lengths, capacity: int):
@@ -253,7 +264,8 @@ def check_prefill_values(page_table, q_start, q_lengths, *, num_tokens: int, num
   """Where they are concrete (outside jit), raises ValueError for q_start < 0, q_lengths
   outside [0, num_tokens], q_start + q_lengths past max_pages_per_seq * page_size, and page
   ids outside [0, num_pages) in the pages a sequence uses (its first q_start + q_lengths
-  tokens). Under jit the kernel and the reference clamp alike (`clamp_prefill`)."""
+  tokens). Under jit the kernel and the reference clamp alike (`clamp_prefill`, and page
+  ids as `check_decode_values` says)."""
   start, lens = concrete(q_start), concrete(q_lengths)
   if start is not None:
     bad = np.flatnonzero(start < 0)
