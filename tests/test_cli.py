@@ -64,6 +64,31 @@ def test_clear_errors(args, message):
   assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_user_errors_in_a_real_process_are_one_line(tmp_path):
+  """The cases that once printed tracebacks, through the installed entry point: a bad flag,
+  a prompts file that is not UTF-8, a truncated weights file. (The other bad inputs run
+  in-process below: the same `main`, ~3 s less each.)"""
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_bytes(b"caf\xe9\n")
+  checkpoint = tmp_path / "gpt2"
+  checkpoint.mkdir()
+  (checkpoint / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 300, '
+                                          '"n_positions": 64, "n_embd": 32, "n_layer": 2, '
+                                          '"n_head": 2}')
+  (checkpoint / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"")
+  for args, message in [
+      (["--model", "tiny", "--prompt", "x", "--page-size", "0"],
+       "argument --page-size: must be a positive integer, got 0"),
+      (["--model", "tiny", "--prompts-file", str(prompts)],
+       f"--prompts-file {prompts}: not UTF-8 text"),
+      (["--checkpoint", str(checkpoint), "--prompt-ids", "1"],
+       f"{checkpoint / 'model.safetensors'}: not a readable safetensors file"),
+  ]:
+    proc = run_cli(*args, "--no-progress")
+    assert proc.returncode == 2, (args, proc.stderr)
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def _main(capsys, *args) -> tuple[int, str, str]:
   """`jax-paged-generate ARGS` in this process: (exit status, stdout, stderr)."""
   from jax_paged import cli  # pylint: disable=import-outside-toplevel
@@ -76,7 +101,6 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--page-size", "0"], "argument --page-size: must be a positive integer, got 0"),
     (["--max-batch", "x"], "argument --max-batch: expected a positive integer, got 'x'"),
     (["--memory-fraction", "0"], "argument --memory-fraction: must be a fraction in (0, 1]"),
     (["--memory-fraction", "0.5"], "--memory-fraction sizes the pool from an accelerator"),
@@ -93,10 +117,6 @@ def test_bad_arguments_are_one_line_errors(capsys, args, message):
 
 
 def test_bad_files_are_named(capsys, tmp_path):
-  prompts = tmp_path / "prompts.txt"
-  prompts.write_bytes(b"caf\xe9\n")
-  status, _, err = _main(capsys, "--model", "tiny", "--prompts-file", str(prompts))
-  assert status == 2 and f"--prompts-file {prompts}: not UTF-8 text" in err
   (tmp_path / "config.json").write_text("{not json")
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
   assert status == 2 and f"{tmp_path / 'config.json'}: not a readable JSON file" in err
