@@ -167,17 +167,22 @@ class KVCacheManager:
       pages.append(page)
     return pages
 
-  def attach(self, slot: int, pages: list[int], context_length: int) -> None:
-    """Records an admission of a `context_length`-token context into empty `slot`, which
-    starts on the cached `pages` (`pool.attach`)."""
-    self.prompt_tokens += context_length
-    if not pages:
-      return
-    self.cached_prompt_tokens += len(pages) * self.page_size
-    self.pages_saved += len(pages)
-    self.slot_pages[slot] = np.asarray(pages, np.int64)
-    self.cached[slot] = len(pages) * self.page_size
-    self._add_refs(pages, +1)
+  def attach(self, contexts: list[tuple[int, list[int], int]]) -> None:
+    """Records admissions: for each (slot, pages, context_length), a
+    `context_length`-token context in empty `slot`, which starts on the cached `pages`
+    (`pool.attach`). (One call for a device call's admissions: the reference counts are
+    updated once.)"""
+    added = []
+    for slot, pages, context_length in contexts:
+      self.prompt_tokens += context_length
+      if not pages:
+        continue
+      self.cached_prompt_tokens += len(pages) * self.page_size
+      self.pages_saved += len(pages)
+      self.slot_pages[slot] = np.asarray(pages, np.int64)
+      self.cached[slot] = len(pages) * self.page_size
+      added += pages
+    self._add_refs(added, +1)
 
   def fork(self, src: int, dsts) -> None:
     """Records that `dsts` became copies of `src` sharing its pages (`pool.fork`, in the
@@ -214,43 +219,49 @@ class KVCacheManager:
     Raises:
       RuntimeError: they differ (a reservation failed on device: a scheduler bug).
     """
-    added, dropped = [], []
-    for slot in self._grown:
-      row = np.asarray(page_table[slot, :int(self.pages(self.cached[slot]))], np.int64)
-      old = self.slot_pages[slot]
+    if self._grown:
+      slots = np.fromiter(self._grown, np.int64, len(self._grown))
+      self._grown.clear()
+      n_new = self.pages(self.cached[slots])
+      n_old = np.fromiter((len(self.slot_pages[s]) for s in slots.tolist()), np.int64,
+                          len(slots))
+      width = int(max(n_new.max(), n_old.max()))
+      j = np.arange(width)[None, :]
+      in_new, in_old = j < n_new[:, None], j < n_old[:, None]
+      new = np.where(in_new, np.asarray(page_table)[slots, :width], -1).astype(np.int64)
+      old = np.full_like(new, -1)
+      for i, pages in enumerate(self.slot_pages[s] for s in slots.tolist()):
+        old[i, :len(pages)] = pages
       # Rows grow at their end (and a copy-on-write replaces the last page): only the
       # entries from the first difference on change references.
-      n = min(len(old), len(row))
-      same = np.flatnonzero(old[:n] != row[:n])
-      first = int(same[0]) if same.size else n
-      added.append(row[first:])
-      dropped.append(old[first:])
-      self.slot_pages[slot] = row
-    self._grown.clear()
-    if added:
-      self._add_refs(np.concatenate(added), +1)
-      self._add_refs(np.concatenate(dropped), -1)
+      differ = new != old
+      first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)[:, None]
+      self._add_refs(new[in_new & (j >= first)], +1)
+      self._add_refs(old[in_old & (j >= first)], -1)
+      for i, slot in enumerate(slots.tolist()):
+        self.slot_pages[slot] = new[i, :n_new[i]]
     self._record_peak()
     if self.num_pages - self._in_use != num_free:
       raise RuntimeError(f"the pool has {num_free} free pages, the scheduler expected "
                          f"{self.num_pages - self._in_use}: a reservation found no free "
                          "page (scheduler bug)")
 
-  def register(self, slot: int, keys: list[int], upto: int) -> None:
-    """Caches the full pages among the first `upto` tokens of `slot`'s context (after
-    `sync`), each under its hash-chain key (`keys`: `page_keys` of the context), holding
-    them (sent to the device by `take_retains`). A key already cached keeps its page."""
+  def register(self, contexts: list[tuple[int, list[int], int]]) -> None:
+    """For each (slot, keys, upto) in order: caches the full pages among the first `upto`
+    tokens of `slot`'s context (after `sync`), each under its hash-chain key (`keys`:
+    `page_keys` of the context), holding them (sent to the device by `take_retains`). A
+    key already cached keeps its page. (One call for a device call's contexts: the
+    reference counts are updated once.)"""
     if not self.prefix_caching:
       return
-    pages = self.slot_pages[slot]
     new = []
-    for j, key in enumerate(keys[:upto // self.page_size]):
-      page = int(pages[j])
-      if key in self._cache or page in self._page_key:
-        continue
-      self._cache[key] = page
-      self._page_key[page] = key
-      new.append(page)
+    for slot, keys, upto in contexts:
+      for key, page in zip(keys[:upto // self.page_size], self.slot_pages[slot].tolist()):
+        if key in self._cache or page in self._page_key:
+          continue
+        self._cache[key] = page
+        self._page_key[page] = key
+        new.append(page)
     self._held[new] = True
     self._add_refs(new, +1)
     self._retain += new
@@ -274,31 +285,35 @@ class KVCacheManager:
     self.evicted_pages += len(evicted)
     return evicted
 
-  def free(self, slot: int) -> None:
-    """Records that `slot`'s references go (`pool.release`)."""
-    self._add_refs(self.slot_pages[slot], -1)
-    self.slot_pages[slot] = np.zeros(0, np.int64)
-    self.cached[slot] = 0
-    self._grown.discard(slot)
+  def free(self, slots: list[int]) -> None:
+    """Records that the references of `slots` go (`pool.release`)."""
+    if not slots:
+      return
+    self._add_refs(np.concatenate([self.slot_pages[s] for s in slots]), -1)
+    for slot in slots:
+      self.slot_pages[slot] = np.zeros(0, np.int64)
+      self._grown.discard(slot)
+    self.cached[slots] = 0
 
   # Questions the scheduler asks.
 
-  def copy_on_write(self, slot: int) -> bool:
-    """Whether `slot`'s next token falls in a partly filled page it shares (its first
-    decode step after a fork then takes a page for a copy)."""
-    pages = self.slot_pages[slot]
-    return bool(self.cached[slot] % self.page_size and len(pages)
-                and self.refs[pages[-1]] > 1)
+  def copies_on_write(self, slots: list[int]) -> int:
+    """How many of `slots` have their next token in a partly filled page they share (the
+    first decode step after a fork then takes a page for a copy)."""
+    last = np.fromiter((p[-1] if len(p) else -1 for p in map(self.slot_pages.__getitem__,
+                                                               slots)), np.int64, len(slots))
+    partial = (self.cached[slots] % self.page_size != 0) & (last >= 0)
+    return int((partial & (self.refs[np.maximum(last, 0)] > 1)).sum())
 
   def decode_growth(self, slots: list[int], steps_left: list[int], max_steps: int
                     ) -> np.ndarray:
     """int64 [max_steps]: entry k - 1 is the pages k decode steps of these slots take;
     slot i grows one token per step for at most steps_left[i] steps, and takes a page for
-    a copy at its first (`copy_on_write`)."""
+    a copy at its first (`copies_on_write`)."""
     cached = self.cached[slots]
     steps = np.arange(1, max_steps + 1)[:, None]
     grown = self.pages(cached + np.minimum(steps, steps_left)) - self.pages(cached)
-    return grown.sum(axis=1) + sum(self.copy_on_write(s) for s in slots)
+    return grown.sum(axis=1) + self.copies_on_write(slots)
 
   def steps_that_fit(self, slots: list[int], steps_left: list[int], max_steps: int,
                      reserved: int = 0) -> int:

@@ -228,11 +228,11 @@ class Scheduler:
         running.append((held, s.budget))
     self.admission.open(running, promised=self._promised_pages())
     admitted = []
+    free = [i for i, s in enumerate(self.slots) if s is None]
     while self.waiting and self.requests[self.waiting[0][0]].arrival_s <= now:
       rid, sample, done = self.waiting[0]
       request = self.requests[rid]
       samples = range(request.n) if sample is None else [sample]
-      free = [i for i, s in enumerate(self.slots) if s is None]
       if len(free) < len(samples):
         break
       # Prefill caches the context and samples one token; then decode steps. (Pages a
@@ -247,8 +247,9 @@ class Scheduler:
       self.waiting.popleft()
       stops = (() if self.eos_token_id is None else (self.eos_token_id,)) + tuple(
           int(t) for t in request.stop_token_ids)
-      first = free[0]
-      for j, slot in zip(samples, free):
+      taken, free = free[:len(samples)], free[len(samples):]
+      first = taken[0]
+      for j, slot in zip(samples, taken):
         self.slots[slot] = RunningRequest(
             rid, request, list(done), self._admissions, stops, sample=j,
             prefill_stop=context_length if slot == first else 0,
@@ -273,6 +274,11 @@ class Scheduler:
     width = 0
     page_size = self.cache.page_size
     computing: set[int] = set()  # first keys of the pages this call computes
+    looked_up = []  # (slot, cached pages, context length): `KVCacheManager.attach`
+    forks = collections.defaultdict(list)  # parent slot -> its samples' (slot, sequence)
+    for i, f in enumerate(self.slots):
+      if f is not None and f.parent is not None:
+        forks[f.parent].append((i, f))
     for slot in list(self._prefill_queue):
       s = self.slots[slot]
       context = s.context
@@ -284,7 +290,7 @@ class Scheduler:
           if s.keys[len(hit)] in computing:
             continue
         s.looked_up = True
-        self.cache.attach(slot, hit, len(context))
+        looked_up.append((slot, hit, len(context)))
         if hit:
           self._attach.append((slot, tuple(hit), len(hit) * page_size))
           s.prefilled = len(hit) * page_size
@@ -298,14 +304,14 @@ class Scheduler:
         computing.add(s.keys[first_page])  # keys: set at the sequence's lookup
       samples = ()
       if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
-        samples = ((slot, s),) + tuple((i, f) for i, f in enumerate(self.slots)
-                                       if f is not None and f.parent == slot)
+        samples = ((slot, s),) + tuple(forks.get(slot, ()))
         self._prefill_queue.remove(slot)
       chunks.append(PrefillChunk(slot, s.prefilled, tuple(context[s.prefilled:stop]),
                                  samples))
       s.prefilled = stop
       if stop != s.prefill_stop:
         break  # a chunked context: its next chunk goes into the next call
+    self.cache.attach(looked_up)
     return chunks
 
   def _fit_decode(self, max_steps: int, prefill: list[PrefillChunk]) -> int:
@@ -325,13 +331,14 @@ class Scheduler:
       victim = max(decoding, key=lambda i: self.slots[i].admitted_at)
       s = self.slots[victim]
       self.waiting.appendleft((s.request_id, s.sample, s.tokens))
-      self._retire(victim)
+      self._retire([victim])
       self.num_preemptions += 1
 
-  def _retire(self, slot: int) -> None:
-    self.slots[slot] = None
-    self.cache.free(slot)
-    self._release.append(slot)
+  def _retire(self, slots: list[int]) -> None:
+    for slot in slots:
+      self.slots[slot] = None
+    self.cache.free(slots)
+    self._release += slots
 
   def _stop_reason(self, s: RunningRequest) -> str | None:
     """Why the sequence ends after its newest token, or None if it goes on."""
@@ -379,15 +386,15 @@ class Scheduler:
         new[slot] = [next(sampled)]
         s.decoding, s.parent = True, None
     self.cache.sync(page_table, num_free)
-    for chunk in plan.prefill:
-      self.cache.register(chunk.slot, self.slots[chunk.slot].keys,
-                          chunk.start + len(chunk.tokens))
-    events = []
+    self.cache.register([(c.slot, self.slots[c.slot].keys, c.start + len(c.tokens))
+                         for c in plan.prefill])
+    events, finished = [], []
     for slot, t in new.items():
       s = self.slots[slot]
       s.tokens += t
       reason = self._stop_reason(s)
       if reason is not None:
-        self._retire(slot)
+        finished.append(slot)
       events.append((s.request_id, s.sample, t, reason))
+    self._retire(finished)
     return events
