@@ -205,6 +205,15 @@ def _operands(proj: nnx.Linear, h: jax.Array) -> tuple[jax.Array, jax.Array]:
   return h.astype(dtype), proj.kernel[...].astype(dtype)
 
 
+def attend_argmax(embed: nnx.Embed, h: jax.Array) -> jax.Array:
+  """int32 [...] argmax over the vocabulary of `embed.attend(h)` (h [..., features]), an
+  LM head's greedy tokens, without writing the logits (`linear.argmax_attend`); h and the
+  table in the dtype `nnx.Embed.attend` computes in."""
+  embedding = embed.embedding[...]
+  dtype = embed.dtype or jnp.result_type(h, embedding)
+  return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
+
+
 def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
           sections: Sequence[int] | None = None, interpret: bool | None = None
           ) -> jax.Array | tuple[jax.Array, ...]:

@@ -32,7 +32,6 @@ from flax import nnx
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
-from jax_paged.kernels import linear
 from jax_paged.paged_model import ModelFamily, ModelSpec
 
 
@@ -200,10 +199,8 @@ class GPT2LMHeadModel(nnx.Module):
     return self.wte.attend(h).astype(jnp.float32)
 
   def _greedy(self, h: jax.Array) -> jax.Array:
-    """int32 argmax of `_logits(h)` without writing the logits (`linear.argmax_attend`)."""
-    embedding = self.wte.embedding[...]
-    dtype = self.wte.dtype or jnp.result_type(h, embedding)  # as nnx.Embed.attend promotes
-    return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
+    """int32 argmax of `_logits(h)` without writing the logits."""
+    return paged_nn.attend_argmax(self.wte, h)
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,

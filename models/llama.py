@@ -35,7 +35,6 @@ from flax import nnx
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
-from jax_paged.kernels import linear
 from jax_paged.paged_model import ModelFamily, ModelSpec
 
 # config.json `model_type` values this module loads.
@@ -313,11 +312,8 @@ class LlamaForCausalLM(nnx.Module):
     return self._head().attend(h).astype(jnp.float32)
 
   def _greedy(self, h: jax.Array) -> jax.Array:
-    """int32 argmax of `_logits(h)` without writing the logits (`linear.argmax_attend`)."""
-    head = self._head()
-    embedding = head.embedding[...]
-    dtype = head.dtype or jnp.result_type(h, embedding)  # as nnx.Embed.attend promotes
-    return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
+    """int32 argmax of `_logits(h)` without writing the logits."""
+    return paged_nn.attend_argmax(self._head(), h)
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
