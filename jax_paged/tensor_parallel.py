@@ -48,7 +48,6 @@ import dataclasses
 from typing import Literal, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -19,7 +19,6 @@ import time
 from typing import Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
