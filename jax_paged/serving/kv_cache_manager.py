@@ -220,25 +220,25 @@ class KVCacheManager:
       RuntimeError: they differ (a reservation failed on device: a scheduler bug).
     """
     if self._grown:
-      slots = np.fromiter(self._grown, np.int64, len(self._grown))
+      slots = sorted(self._grown)
       self._grown.clear()
+      rows = [self.slot_pages[s] for s in slots]
       n_new = self.pages(self.cached[slots])
-      n_old = np.fromiter((len(self.slot_pages[s]) for s in slots.tolist()), np.int64,
-                          len(slots))
+      n_old = np.array([len(row) for row in rows], np.int64)
       width = int(max(n_new.max(), n_old.max()))
       j = np.arange(width)[None, :]
       in_new, in_old = j < n_new[:, None], j < n_old[:, None]
       new = np.where(in_new, np.asarray(page_table)[slots, :width], -1).astype(np.int64)
       old = np.full_like(new, -1)
-      for i, pages in enumerate(self.slot_pages[s] for s in slots.tolist()):
-        old[i, :len(pages)] = pages
+      for i, row in enumerate(rows):
+        old[i, :len(row)] = row
       # Rows grow at their end (and a copy-on-write replaces the last page): only the
       # entries from the first difference on change references.
       differ = new != old
       first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)[:, None]
       self._add_refs(new[in_new & (j >= first)], +1)
       self._add_refs(old[in_old & (j >= first)], -1)
-      for i, slot in enumerate(slots.tolist()):
+      for i, slot in enumerate(slots):
         self.slot_pages[slot] = new[i, :n_new[i]]
     self._record_peak()
     if self.num_pages - self._in_use != num_free:
@@ -300,8 +300,8 @@ class KVCacheManager:
   def copies_on_write(self, slots: list[int]) -> int:
     """How many of `slots` have their next token in a partly filled page they share (the
     first decode step after a fork then takes a page for a copy)."""
-    last = np.fromiter((p[-1] if len(p) else -1 for p in map(self.slot_pages.__getitem__,
-                                                               slots)), np.int64, len(slots))
+    last = np.array([pages[-1] if len(pages) else -1
+                     for pages in (self.slot_pages[s] for s in slots)], np.int64)
     partial = (self.cached[slots] % self.page_size != 0) & (last >= 0)
     return int((partial & (self.refs[np.maximum(last, 0)] > 1)).sum())
 
