@@ -144,10 +144,14 @@ def test_cpu_default_is_reference_path():
                               reference.paged_decode_attention(*args), atol=1e-6)
 
 
-def test_auto_num_splits():
+def test_auto_num_splits(monkeypatch):
+  monkeypatch.setattr(pa.triton_backend, "sm_count", lambda: 132)
   # Small batch, long context: split to fill the GPU; big batch: no split.
   assert pa.auto_num_splits(1, 8, 32768, 32) > 16
   assert pa.auto_num_splits(256, 12, 1024, 64) == 1
+  # 3.5 programs per SM run unsplit (Llama-1B's 8 kv heads at batch 64); fewer split.
+  assert pa.auto_num_splits(64, 8, 2048, 64) == 1
+  assert pa.auto_num_splits(48, 8, 2048, 64) == 2
   # Short sequences are never split into less than a few blocks each.
   assert pa.auto_num_splits(1, 1, 128, 32) == 1
 

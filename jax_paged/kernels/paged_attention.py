@@ -14,15 +14,15 @@ table entries of tokens below the sequence length are read or used as indices. W
 several splits the per-split (o, lse) partials go through the merge kernel.
 
 A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow: each K/V tile
-is converted to q's dtype in registers (exact), the tile's per-token f32 scales are
-gathered beside it, K's multiply the logits and V's the probabilities before the p.v dot,
-so dequantization costs no [block_n, D] multiply. The float path is unchanged (the
-quantized one is a separate compilation). On an H200 the quantized kernel reads its
-(half as many) bytes at 44-56% of the read ceiling: 0.90x the bf16 kernel's time for
-int8, 0.99-1.06x for float8 at the default knobs. That is ~9 K/V elements per SM cycle on
-every shape and knob setting (bf16: ~8, at the read ceiling). That is consistent with the tile converts (int8 / e4m3 -> bf16, one or two
-convert instructions per element; an SM retires 16 converts per cycle on sm_90) bounding
-the loop, not memory (measurements beside `_QUANT_MHA_CONFIG`).
+is converted in registers (exact) to q's dtype, or for float8 pages with a 16-bit q to f16
+(one convert per two values), the tile's per-token f32 scales are gathered beside it, K's
+multiply the logits and V's the probabilities before the p.v dot, so dequantization costs
+no [block_n, D] multiply. The float path is unchanged (the quantized one is a separate
+compilation). On an H200 the quantized kernel reads its (half as many) bytes at 44-59% of
+the read ceiling: 0.90-1.0x the bf16 kernel's time for int8, 0.84-0.94x for float8.
+Neither the conversion (int8 -> f16 with integer tricks instead of converts: no gain) nor
+the scale loads (prefetched a block ahead: no gain) nor the knobs moved it far
+(measurements beside `_QUANT_MHA_CONFIG`, benchmarks/LOG.md).
 
 q.k and p.v are tensor-core dots for every group size, MHA included: the group of q heads is
 padded to 16 rows (15 of them masked for MHA). The wasted math is free in a memory-bound
@@ -50,6 +50,10 @@ from jax_paged.kernels import validation
 # Auto split heuristic: aim for this many programs per SM so every SM has work and the
 # ragged tail of the last wave is small.
 _PROGRAMS_PER_SM = 4
+# From this many programs per SM the grid runs unsplit: at 512 programs (Llama-3.2-1B's 8
+# kv heads at batch 64, head dim 64, context 2k) one split read at 82.8% of the ceiling, two
+# (the rule above) at 66.2%; at 384, two splits still won (80.9 vs 73.7%). H200, 2026-11-25.
+_UNSPLIT_PROGRAMS_PER_SM = 3.5
 # A split should walk at least this many blocks of tokens, else its fixed costs (q load,
 # partial write, merge) dominate.
 _MIN_BLOCKS_PER_SPLIT = 4
@@ -72,8 +76,9 @@ _MHA_MANY_BLOCK_N = 32
 # H200 sweep (2026-11-24 19:50, kernel time, % of the read ceiling, int8 / fp8): GPT-2
 # b256-l1k 55.6 / 47.0% at 64/2/3 (32/2/2: 48.1%; 32/2/4: 47.9%); mha-b64-l2k 54.3 / 49.2%
 # (32/2/2: 52.9%); gqa-b32-l4k 51.2 / 44.2% at 128/4/3 (64/4/3: 41.7%, 64/4/5: 41.6%,
-# 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it far: the loop is bound by converting
-# the narrow tiles (see the module docstring), not by bytes in flight.
+# 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it far, nor did converting int8 to f16
+# without convert instructions or prefetching the scales a block ahead (2026-11-25): what
+# bounds the loop is not known (not the bytes in flight, not the converts alone).
 _QUANT_MHA_CONFIG = (64, 2, 3)
 _QUANT_GQA_CONFIG = (128, 4, 3)
 
@@ -133,6 +138,23 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   q_idx = (b, heads[:, None], cols[None, :])
   q_mask = triton_backend.and_masks(head_mask, col_mask)
   q = plgpu.load(q_ref.at[q_idx], mask=q_mask, other=None if q_mask is None else 0.0)
+  # Logits = q.k * row_scale (* the tokens' K scales when quantized).
+  row_scale = scale
+  # float8 pages with a 16-bit q: the dots run in f16, not q's dtype. e4m3 -> f16 is one
+  # convert per two values; to bf16 it goes through f16 and f32 (H200, same run: 0.84-0.94x
+  # the bf16 kernel's time vs 1.10-1.15x). int8 stays in q's dtype: converting it to f16,
+  # natively (1.06-1.18x) or with integer tricks (0.92-1.02x vs 0.95-1.01x), did not help.
+  f16_dots = quantized and k_ref.dtype == kv_quant.FP8 and q.dtype != jnp.float32
+  if f16_dots:
+    # Each q row is divided by the power of two at or below its largest magnitude (its
+    # exponent bits), so that a bf16 q of any range fits f16 exactly (f16 has 3 more
+    # mantissa bits); the logits multiply it back.
+    q32 = q.astype(jnp.float32)
+    exponent = lax.bitcast_convert_type(jnp.max(jnp.abs(q32), axis=1), jnp.int32) & 0x7F800000
+    row_pow2 = lax.bitcast_convert_type(exponent, jnp.float32)
+    row_pow2 = jnp.where(row_pow2 > 0, row_pow2, 1.0)
+    q = (q32 / row_pow2[:, None]).astype(jnp.float16)
+    row_scale = (scale * row_pow2)[:, None]
 
   def body(i, carry):
     m, l, acc = carry
@@ -146,14 +168,14 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     # kernels left in L2 (their dirty outputs would be written back to HBM meanwhile, at
     # this kernel's expense: 79 -> 83% of the read ceiling between GPT-2's projections).
     k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
-    token_scale = scale
+    token_scale = row_scale
     if quantized:
-      # Narrow values -> q's dtype is exact; the per-token scales multiply the logits
-      # (block_g x block_n products, not a [block_n, D] dequantization).
-      k = k.astype(q.dtype)
+      # The per-token scales multiply the logits (block_g x block_n products, not a
+      # [block_n, D] dequantization).
+      k = k.astype(q.dtype)  # exact: int8 / e4m3 values are f16 / bf16 / f32 values
       k_scales = plgpu.load(ks_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
-      token_scale = (scale * k_scales)[None, :]
+      token_scale = row_scale * k_scales[None, :]
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32) * token_scale
     if logits_soft_cap is not None:
@@ -164,15 +186,23 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])
     v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
-    weights = p
+    weights, v_max = p, None
     if quantized:
       # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the V scales go into the probabilities.
       v = v.astype(q.dtype)
       v_scales = plgpu.load(vs_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
+      if f16_dots:
+        # Over the block's largest scale, so that the weights stay in [0, 1]: tiny scales
+        # would make them f16 subnormals.
+        v_max = jnp.max(v_scales)
+        v_max = jnp.where(v_max > 0, v_max, 1.0)
+        v_scales = v_scales / v_max
       weights = p * v_scales[None, :]
     pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if v_max is not None:
+      pv = pv * v_max
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
 
   init = (jnp.full((block_g,), -jnp.inf, jnp.float32), jnp.zeros((block_g,), jnp.float32),
@@ -254,7 +284,10 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int
     max_tokens: most tokens a sequence can attend to (static bound on the lengths).
     block_n: tokens per kernel step.
   """
-  wanted = pl.cdiv(_PROGRAMS_PER_SM * triton_backend.sm_count(), batch * num_kv_heads)
+  programs = batch * num_kv_heads
+  if programs >= _UNSPLIT_PROGRAMS_PER_SM * triton_backend.sm_count():
+    return 1
+  wanted = pl.cdiv(_PROGRAMS_PER_SM * triton_backend.sm_count(), programs)
   most = max(1, max_tokens // (_MIN_BLOCKS_PER_SPLIT * block_n))
   splits = max(1, min(wanted, most, _MAX_SPLITS))
   # Round down to a power of two: measured on an H200, 3 splits at B*Hkv=256 ran at 71%
