@@ -279,12 +279,15 @@ class Scheduler:
     for i, f in enumerate(self.slots):
       if f is not None and f.parent is not None:
         forks[f.parent].append((i, f))
+    if self.cache.prefix_caching:  # the queue's new contexts' keys, in one pass
+      new = [self.slots[i] for i in self._prefill_queue]
+      new = [s for s in new if s.prefilled == 0 and not s.looked_up and not s.keys]
+      for s, keys in zip(new, page_keys([s.context for s in new], page_size)):
+        s.keys = keys
     for slot in list(self._prefill_queue):
       s = self.slots[slot]
       context = s.context
       if s.prefilled == 0 and not s.looked_up:
-        if self.cache.prefix_caching and not s.keys:
-          s.keys = page_keys(context, page_size, len(context) // page_size)
         hit = self.cache.lookup(s.keys, len(context))
         if self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
           if s.keys[len(hit)] in computing:
@@ -379,8 +382,8 @@ class Scheduler:
       # Each step cached the previous newest token.
       self.cache.grow_decode(list(new), [len(t) for t in new.values()])
     sampled = iter(np.asarray(prefill_tokens).tolist())
+    self.cache.grow([c.slot for c in plan.prefill], [len(c.tokens) for c in plan.prefill])
     for chunk in plan.prefill:
-      self.cache.grow([chunk.slot], [len(chunk.tokens)])
       self.cache.fork(chunk.slot, chunk.forks)
       for slot, s in chunk.samples:
         new[slot] = [next(sampled)]
