@@ -19,7 +19,7 @@ is converted in registers (exact) to q's dtype, or for float8 pages with a 16-bi
 multiply the logits and V's the probabilities before the p.v dot, so dequantization costs
 no [block_n, D] multiply. The float path is unchanged (the quantized one is a separate
 compilation). On an H200 the quantized kernel reads its (half as many) bytes at 44-59% of
-the read ceiling: 0.90-1.0x the bf16 kernel's time for int8, 0.84-0.94x for float8.
+the read ceiling: 0.90-0.92x the bf16 kernel's time for int8, 0.84-1.13x for float8.
 Neither the conversion (int8 -> f16 with integer tricks instead of converts: no gain) nor
 the scale loads (prefetched a block ahead: no gain) nor the knobs moved it far
 (measurements beside `_QUANT_MHA_CONFIG`, benchmarks/LOG.md).
@@ -141,9 +141,10 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   # Logits = q.k * row_scale (* the tokens' K scales when quantized).
   row_scale = scale
   # float8 pages with a 16-bit q: the dots run in f16, not q's dtype. e4m3 -> f16 is one
-  # convert per two values; to bf16 it goes through f16 and f32 (H200, same run: 0.84-0.94x
-  # the bf16 kernel's time vs 1.10-1.15x). int8 stays in q's dtype: converting it to f16,
-  # natively (1.06-1.18x) or with integer tricks (0.92-1.02x vs 0.95-1.01x), did not help.
+  # convert per two values; to bf16 it goes through f16 and f32 (H200, same run, the bf16
+  # kernel's time: 0.84x vs 1.08x at mha-b64-l2k, 0.94x vs 1.10x at gqa-b32-l4k, 1.13x vs
+  # 1.15x at gpt2-b256-l1k). int8 stays in q's dtype: converting it to f16, natively
+  # (1.06-1.18x) or with integer tricks (0.92-1.02x vs 0.95-1.01x), did not help.
   f16_dots = quantized and k_ref.dtype == kv_quant.FP8 and q.dtype != jnp.float32
   if f16_dots:
     # Each q row is divided by the power of two at or below its largest magnitude (its
