@@ -157,11 +157,29 @@ def test_decode_kernel_matches_dequantize_then_attend_interpret(heads, kv_heads,
 @pytest.mark.parametrize("cache_dtype", [FP8])
 def test_decode_kernel_reads_a_layer_of_the_pool_and_bf16_queries_interpret(cache_dtype):
   """MQA on a layer of a 3-layer pool (an int32 array index), with bf16 q (bf16
-  tolerance: the kernel's dots run in bf16 as with a bf16 cache)."""
+  tolerance: the kernel's dots run in f16 for float8 pages, bf16 for int8)."""
   args = _quantized_inputs(3, 8, 1, 64, 8, 4, jnp.bfloat16, cache_dtype, [0, 30, 17],
                            layers=3)
   _check_decode(args, interpret=True, layer=jnp.int32(1), num_splits=2, block_n=16,
                 tol=dict(atol=2e-2, rtol=2e-2))
+
+
+@pytest.mark.parametrize("q_scale,v_scale", [(3e5, 1.0), (1.0, 1e-6)])
+def test_float8_f16_dots_keep_any_bf16_range_interpret(q_scale, v_scale):
+  """float8 pages with a bf16 q dot in f16: a q past f16's range (65504) and V scales
+  whose products with the probabilities would be f16 subnormals still give the reference's
+  output (within bf16 tolerance, relative to the output's size), never inf or NaN."""
+  q, kq, vq, ks, vs, table, lengths = _quantized_inputs(3, 8, 2, 64, 8, 5, jnp.bfloat16,
+                                                        FP8, [33, 1, 40])
+  # Large q against small K scales keeps the logits moderate; V's scales shrink alike.
+  q, ks, vs = (q.astype(jnp.float32) * q_scale).astype(jnp.bfloat16), ks / q_scale, vs * v_scale
+  out = jax_paged.paged_decode_attention(q, kq, vq, table, lengths, k_scales=ks, v_scales=vs,
+                                         interpret=True, block_n=16, num_splits=2)
+  want = reference.paged_decode_attention(q, kq, vq, table, lengths, k_scales=ks,
+                                          v_scales=vs)
+  out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
 def test_decode_kernel_never_reads_scales_or_values_past_a_length_interpret():
