@@ -48,9 +48,11 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias, activation):
   np.testing.assert_allclose(y64, _numpy_linear(x, w, b, activation), **_TOL[dtype])
 
 
-# Default splits: 4 (K <= 1024) or 8 work units per column block, 64-row blocks first.
+# Default splits: 4 work units per column block (8 for a K over 1024 into fewer than
+# 2048 columns), 64-row blocks first.
 @pytest.mark.parametrize("rows,depth,cols,splits,want_splits", [
     (7, 768, 96, None, 4), (128, 3072, 128, None, 4), (200, 768, 64, None, 1),
+    (9, 2048, 2048, None, 4),
     (3, 100, 40, 4, 4), (16, 48, 32, 2, 2), (9, 40, 16, 8, 3), (130, 96, 32, 2, 2)])
 def test_linear_partials_sum_to_product(rows, depth, cols, splits, want_splits):
   x, w, _ = _inputs(rows, depth, cols, jnp.float32, depth)
@@ -62,6 +64,27 @@ def test_linear_partials_sum_to_product(rows, depth, cols, splits, want_splits):
   # The same K ranges as the plain-XLA path (CPU default).
   chex.assert_trees_all_close(parts, linear.linear_partials(x, w, splits=splits),
                               rtol=1e-5, atol=1e-5)
+
+
+def test_whole_k_tiles_widen_the_grid_at_a_long_k():
+  """GPT-2's K (768) keeps 64-column programs of 8 warps; a long K (2048) takes 32 columns
+  (qkv-wide outputs) or 128 columns of 64-deep steps (>= 8192 columns), 4 warps, narrowed
+  to whole divisors of the sections, or the columns a caller fixes."""
+  assert linear.whole_k_tiles(128, 768, 2304, 2, (768,) * 3) == (64, 64, 128, 8)
+  assert linear.whole_k_tiles(64, 2048, 3072, 2, (2048, 512, 512)) == (64, 32, 128, 4)
+  assert linear.whole_k_tiles(64, 2048, 16384, 2, (8192, 8192)) == (64, 128, 64, 4)
+  assert linear.whole_k_tiles(64, 2048, 16384, 2, (8192, 64)) == (64, 64, 128, 4)
+  assert linear.whole_k_tiles(256, 2048, 16384, 2, block_n=64) == (64, 64, 128, 4)
+
+
+@pytest.mark.parametrize("rows,cols,sections", [(5, 96, (32, 32, 32)),
+                                                (3, 8192, (4096, 4096))])
+def test_long_k_tiles_match_numpy(rows, cols, sections):
+  """The long-K tiles (narrow, and wide with 64-deep steps) in interpret mode."""
+  x, w, b = _inputs(rows, 2048, cols, jnp.float32, cols)
+  ys = linear.linear(x, w, b, activation=_GELU, sections=sections, interpret=True)
+  np.testing.assert_allclose(np.concatenate([np.asarray(y, np.float64) for y in ys], -1),
+                             _numpy_linear(x, w, b, _GELU), **_TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("sections", [(64, 64), (64, 32, 32), (40, 50, 38)])
@@ -164,7 +187,8 @@ def test_argmax_attend_compiled_gpu(rows, vocab, depth, dtype):
 @pytest.mark.parametrize("rows,depth,cols,dtype", [
     (128, 768, 2304, jnp.bfloat16), (128, 768, 3072, jnp.float16), (37, 3072, 768, jnp.bfloat16),
     (256, 100, 70, jnp.float32), (128, 768, 192, jnp.float32), (256, 3072, 96, jnp.float32),
-    (256, 768, 96, jnp.bfloat16)])
+    (256, 768, 96, jnp.bfloat16), (64, 2048, 3072, jnp.bfloat16),
+    (256, 2048, 16384, jnp.bfloat16), (64, 8192, 2048, jnp.bfloat16)])
 def test_compiled_matches_numpy_gpu(rows, depth, cols, dtype):
   x, w, b = _inputs(rows, depth, cols, dtype, rows)
   for activation in (_GELU, _GELU_EXACT):  # in the kernel / by XLA after it

@@ -177,8 +177,9 @@ def can_project_write(rows: int, head_dim: int, num_layers: int, *,
   of whole column blocks (so each program writes one head), more than one layer; for a
   quantized pool, heads of exactly one column block (a program quantizes whole heads:
   their absmax is a row reduction of its tile)."""
-  _, block_n, _ = linear.whole_k_tiles(rows, 1, 2, (head_dim,))
-  whole = head_dim == block_n if quantized else head_dim % block_n == 0
+  # Unquantized, the tiles narrow to whole divisors of the head (`whole_k_tiles`'
+  # sections); quantized, the column block is the head itself.
+  whole = head_dim in (32, 64) if quantized else head_dim % 32 == 0
   return 0 < rows <= linear.MAX_ROWS and whole and num_layers > 1
 
 
@@ -212,12 +213,14 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
   rows, depth = x.shape
   slots_per_head = pages * page_size
   flat, shapes = _flat_pool(k_pages, v_pages, k_scales, v_scales)
-  block_m, block_n, block_k = linear.whole_k_tiles(rows, depth, x.dtype.itemsize,
-                                                   (q_width, d))
   quantized = k_scales is not None
-  if quantized and block_n != d:
-    raise ValueError(f"a quantized pool's fused write needs head_dim == the column block "
-                     f"({block_n}), got head_dim {d}: use linear + write_kv")
+  if quantized and d not in (32, 64):
+    raise ValueError(f"a quantized pool's fused write needs head_dim 32 or 64 (one column "
+                     f"block per head), got {d}: use linear + write_kv")
+  # Quantized, a program's columns are one head: its epilogue quantizes whole heads.
+  block_m, block_n, block_k, num_warps = linear.whole_k_tiles(
+      rows, depth, kernel.shape[1], x.dtype.itemsize, (q_width, d),
+      block_n=d if quantized else None)
   kernel_fn = functools.partial(
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
       head_dim=d, num_layers=layers, num_kv_heads=hkv, slots_per_head=slots_per_head,
@@ -232,7 +235,7 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
       out_shape=[jax.ShapeDtypeStruct((rows, q_width), x.dtype)]
                 + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat],
       input_output_aliases={len(inputs) + i: 1 + i for i in range(len(flat))},
-      compiler_params=linear.compiler_params(),
+      compiler_params=linear.compiler_params(num_warps),
       interpret=interpret,
       name="project_write_kv",
   )(*inputs, *flat)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 from jax import lax
@@ -46,9 +46,20 @@ _BLOCK_K, _NUM_STAGES = 128, 4
 _NUM_WARPS, _PARTIALS_NUM_WARPS = 8, 4
 # Columns per whole-K program: 64 (qkv and c_fc of GPT-2 at 128 rows on an H200: 4.9 / 5.2
 # µs vs 5.4 / 5.7 at 32; LOG.md, "GEMMs / linear"), or 32 where the output's
-# sections (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32 (64
-# when K is long): 64 was slower for the attention's out projection there (3.1 vs 2.7 µs).
+# sections (q / k / v, heads) are not whole blocks of 64. `linear_partials` keeps 32: 64
+# was slower for the attention's out projection there (3.1 vs 2.7 µs).
 _BLOCK_N, _NARROW_BLOCK_N = 64, 32
+# A long K (Llama-3.2-1B's 2048 and 8192; LOG.md, "GEMMs / linear", 2026-11-25) makes each
+# whole-K program's serial loop long, so the grid must fill the GPU: 4 warps, and 32-column
+# programs (qkv's 3072 columns at 64 rows: 96 programs rather than 48), or for an output
+# of at least _WIDE_N columns 128-column programs of 64-deep steps (gate/up's 16384: 128
+# programs). `linear_partials` into 2048 columns and more takes 32 columns and 4 work
+# units (`_partials_shape`) where it took 64 and 8: each K split writes an f32 partial the
+# consumer reads back. With both, the Llama decode step on an H200 ran 2325 -> 2200 µs at
+# batch 64 and 6900 -> 6400 at batch 256.
+_LONG_K, _WIDE_N = 2048, 8192
+_LONG_K_NUM_WARPS = 4
+_WIDE_BLOCK_N, _WIDE_BLOCK_K = 128, 64
 # Rows per program (H100, 128 rows, LOG.md "GEMMs / linear"): 64-row blocks
 # made c_fc 0.4 µs faster than one 128-row block, and `linear_partials` splits rows before
 # K, since every K split adds a partial for the consumer to read and a row block does not
@@ -155,14 +166,13 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
 
 
 @functools.partial(jax.jit, static_argnames=[
-    "activation", "out_dtype", "k_split", "sections", "block_m", "block_n", "block_k",
-    "interpret"])
+    "activation", "out_dtype", "k_split", "sections", "tiles", "interpret"])
 def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | None,
-                   sections: tuple[int, ...], block_m: int, block_n: int, block_k: int,
-                   interpret: bool):
+                   sections: tuple[int, ...], tiles: Tiles, interpret: bool):
   """x [rows, K] -> a tuple of [rows, section] for `sections` of N (k_split None:
   whole-K programs), or f32 partials [cdiv(K, k_split), rows, N] (k_split a multiple of
-  block_k)."""
+  tiles.block_k)."""
+  block_m, block_n, block_k, num_warps = tiles
   rows, depth = x.shape
   cols = kernel.shape[1]
   partials = k_split is not None
@@ -179,26 +189,45 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
       kernel_fn,
       grid=(pl.cdiv(cols, block_n), splits, pl.cdiv(rows, block_m)),
       out_shape=out_shape,
-      compiler_params=compiler_params(_PARTIALS_NUM_WARPS if partials else _NUM_WARPS),
+      compiler_params=compiler_params(num_warps),
       interpret=interpret,
       name="linear_partials" if partials else "linear",
   )(x, kernel, *(() if bias is None else (bias,)))
 
 
-def whole_k_tiles(rows: int, depth: int, itemsize: int, sections: Sequence[int] = ()
-                  ) -> tuple[int, int, int]:
-  """(block_m, block_n, block_k) of whole-K programs (`linear`, or a kernel built on
-  `matmul_tile`) for `rows` x `depth` inputs of `itemsize` bytes, whose column blocks
-  must each lie inside one of `sections` (widths; block_n divides each where 64 or 32
-  does)."""
+class Tiles(NamedTuple):
+  """A GEMM kernel's program shape: rows, columns and K depth per step, and warps."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+
+
+def whole_k_tiles(rows: int, depth: int, cols: int, itemsize: int,
+                  sections: Sequence[int] = (), block_n: int | None = None) -> Tiles:
+  """The tiles of whole-K programs (`linear`, or a kernel built on `matmul_tile`) for
+  `rows` x `depth` inputs of `itemsize` bytes and `cols` output columns. Column blocks
+  must each lie inside one of `sections` (widths): the block narrows to 64 or 32 columns
+  until it divides each. `block_n` fixes the columns (a kernel whose epilogue needs it)."""
   block_m = _block_m(rows)
-  block_n = _BLOCK_N if all(w % _BLOCK_N == 0 for w in sections) else _NARROW_BLOCK_N
-  return block_m, block_n, _block_k(block_m, depth, block_n, itemsize)
+  block_k = None
+  if block_n is None:
+    block_n = _BLOCK_N
+    if depth >= _LONG_K:
+      block_n = _WIDE_BLOCK_N if cols >= _WIDE_N else _NARROW_BLOCK_N
+    while block_n > _NARROW_BLOCK_N and any(w % block_n for w in sections):
+      block_n //= 2
+    if block_n == _WIDE_BLOCK_N:
+      block_k = _WIDE_BLOCK_K
+  num_warps = _LONG_K_NUM_WARPS if depth >= _LONG_K else _NUM_WARPS
+  return Tiles(block_m, block_n, block_k or _block_k(block_m, depth, block_n, itemsize),
+               num_warps)
 
 
 def compiler_params(num_warps: int = _NUM_WARPS):
-  """The Triton warps (default: a whole-K program's) and stages the tiles above are sized
-  for."""
+  """The Triton warps (default: a whole-K program's at a short K) and stages the tiles
+  above are sized for."""
   return triton_backend.compiler_params(num_warps=num_warps, num_stages=_NUM_STAGES)
 
 
@@ -287,12 +316,10 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
-  block_m, block_n, block_k = whole_k_tiles(*x2.shape, x.dtype.itemsize,
-                                            widths if len(widths) > 1 else ())
+  tiles = whole_k_tiles(*x2.shape, cols, x.dtype.itemsize, widths)
   ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
-                      sections=widths, block_m=block_m, block_n=block_n,
-                      block_k=block_k, interpret=mode)
+                      sections=widths, tiles=tiles, interpret=mode)
   if not fused:  # XLA applies it to the f32 output, fused with the cast.
     ys = tuple(activation(y).astype(out_dtype) for y in ys)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
@@ -325,12 +352,24 @@ def lowers_in_kernel(activation: Callable[[jax.Array], jax.Array]) -> bool:
   return True
 
 
-def default_splits(depth: int, rows: int) -> int:
-  """K splits of `linear_partials` for `rows` x `depth` inputs: 4 (K <= 1024) or 8 work
-  units per column block (~100 programs at GPT-2's widths; fewer and each walks a longer
-  serial K loop), made of row blocks first, K splits for the rest."""
-  row_blocks = pl.cdiv(rows, _block_m(rows))
-  return max(1, (4 if depth <= 1024 else 8) // row_blocks)
+def _partials_shape(depth: int, cols: int) -> tuple[int, int]:
+  """(columns per program, work units per column block) of `linear_partials`. A K over
+  1024 into fewer than _LONG_K columns (GPT-2's c_proj: 3072 x 768) has few column
+  blocks, so it finds its programs in K splits: 64 columns, 8 units. Otherwise 32
+  columns and 4 units: a short K needs no more (GPT-2's attention out, 768 x 768), and a
+  wide output has its programs in columns, each K split writing one more f32 partial for
+  the consumer to read (Llama-3.2-1B's 2048 columns: 64 blocks)."""
+  if 1024 < depth and cols < _LONG_K:
+    return 2 * _NARROW_BLOCK_N, 8
+  return _NARROW_BLOCK_N, 4
+
+
+def default_splits(depth: int, cols: int, rows: int) -> int:
+  """K splits of `linear_partials` for `rows` x `depth` inputs and `cols` outputs: its
+  work units per column block (`_partials_shape`; ~100 programs at GPT-2's widths, 256 at
+  Llama-3.2-1B's; fewer and each walks a longer serial K loop), made of row blocks
+  first, K splits for the rest."""
+  return max(1, _partials_shape(depth, cols)[1] // pl.cdiv(rows, _block_m(rows)))
 
 
 def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
@@ -341,7 +380,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
     x: [..., K] f32 / bf16 / f16 (any number of rows; over MAX_ROWS, plain XLA).
     kernel: [K, N], x's dtype.
     splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
-      None = `default_splits(K, rows)`.
+      None = `default_splits(K, N, rows)`.
     interpret: as `linear`.
 
   Returns:
@@ -351,11 +390,11 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   _check_args(x, kernel, None)
   depth = x.shape[-1]
   rows = math.prod(x.shape[:-1])
-  splits = default_splits(depth, rows) if splits is None else splits
+  cols = kernel.shape[1]
+  splits = default_splits(depth, cols, rows) if splits is None else splits
   if not (isinstance(splits, int) and splits > 0):
     raise ValueError(f"splits must be a positive int or None, got {splits!r}")
-  # Fewer, wider programs when K is long: about the same program count, fewer partials.
-  block_n = _NARROW_BLOCK_N if depth <= 1024 else 2 * _NARROW_BLOCK_N
+  block_n, _ = _partials_shape(depth, cols)
   block_m = _block_m(rows)
   block_k = _block_k(block_m, depth, block_n, x.dtype.itemsize)
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64
@@ -370,7 +409,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
                       for a, b in zip(bounds[:-1], bounds[1:])])
   parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, activation=None,
                           out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
-                          block_m=block_m, block_n=block_n, block_k=block_k,
+                          tiles=Tiles(block_m, block_n, block_k, _PARTIALS_NUM_WARPS),
                           interpret=mode)
   return parts.reshape((parts.shape[0],) + x.shape[:-1] + kernel.shape[1:])
 
