@@ -88,19 +88,19 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   once by the caller as `Engine` does: the lookup hashes the graphdef, ~2 ms per call
   during which the GPU would sit idle (30 µs per step at 64 steps per call, measured on an
   H200). It takes the parameters as `jax.tree.leaves(params)` and the per-row arguments
-  packed into one numpy array (`runner.pack_decode_rows`), as `Engine` passes them: that
-  array and `num_steps` are the call's two host-to-device copies.
+  packed with `num_steps` into one numpy array (`runner.pack_arrays`), as `Engine` passes
+  them: the call's one host-to-device copy.
   """
   active, budget = np.ones((batch,), bool), np.full((batch,), 1 << 30, np.int32)
   stop_ids = np.full((batch, 1), -1, np.int32)
-  rows = runner_lib.pack_decode_rows(
-      tokens=np.zeros((batch,), np.int32), active=active, index=np.zeros((batch,), np.int32),
-      budget=budget, stop_ids=stop_ids, seeds=np.zeros((batch,), np.uint32),
-      temperature=np.zeros((batch,), np.float32), top_k=np.zeros((batch,), np.int32),
-      top_p=np.ones((batch,), np.float32))
+  packed, layout = runner_lib.pack_arrays(
+      num_steps=np.int32(steps), tokens=np.zeros((batch,), np.int32), active=active,
+      index=np.zeros((batch,), np.int32), budget=budget, stop_ids=stop_ids,
+      seeds=np.zeros((batch,), np.uint32), temperature=np.zeros((batch,), np.float32),
+      top_k=np.zeros((batch,), np.int32), top_p=np.ones((batch,), np.float32))
   # As `Engine` decides: no row can stop early, so the call runs unchecked.
   checked = runner_lib.needs_checks(steps, steps, active, budget, stop_ids)
-  return loop(leaves, kv, np.int32(steps), rows, max_steps=steps, greedy=True,
+  return loop(leaves, kv, packed, layout=layout, max_steps=steps, greedy=True,
               checked=checked)
 
 

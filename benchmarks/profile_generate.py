@@ -44,10 +44,12 @@ def main():
   prompts = [rng.integers(0, config.vocab_size, args.prompt).tolist()
              for _ in range(args.batch)]
   page_size = 16
+  # The default passed only when asked against: engines from before prefix caching (a
+  # tree compared against) have no such argument.
+  caching = dict(prefix_caching=False) if args.no_prefix_caching else {}
   eng = Engine(model, max_batch=args.batch,
                num_pages=args.batch * -(-(args.prompt + args.new) // page_size),
-               page_size=page_size, steps_per_call=args.steps_per_call,
-               prefix_caching=not args.no_prefix_caching)
+               page_size=page_size, steps_per_call=args.steps_per_call, **caching)
   run = lambda: eng.generate([Request(p, args.new) for p in prompts])
   walls = []
   for _ in range(4):  # the first compiles

@@ -51,31 +51,32 @@ def test_greedy_matches_static_generate_whatever_order_and_capacity(
   assert int(eng.kv.num_free_pages()) == 64
 
 
-def test_decode_rows_pack_round_trips_every_field():
-  """The decode loop's per-row arguments survive the one-array transfer bit for bit: uint32
-  seeds past 2**31, float temperatures and top-p, bools and stop ids."""
+def test_packed_host_arrays_round_trip_every_field():
+  """A call's host arrays survive the one-array transfer bit for bit: uint32 seeds past
+  2**31, float temperatures and top-p, bools, a 2-D array and a scalar."""
   rng = np.random.default_rng(0)
   b, s = 5, 3
-  rows = dict(tokens=rng.integers(0, 50257, b, np.int32), active=rng.random(b) < 0.5,
-              index=rng.integers(0, 1000, b, np.int32),
-              budget=rng.integers(-3, 1000, b, np.int32),
+  rows = dict(num_steps=np.int32(37), tokens=rng.integers(0, 50257, b, np.int32),
+              active=rng.random(b) < 0.5, budget=rng.integers(-3, 1000, b, np.int32),
               stop_ids=rng.integers(-1, 50257, (b, s), np.int32),
               seeds=rng.integers(0, 2**32, b, np.uint32),
               temperature=rng.random(b).astype(np.float32) * 2,
-              top_k=rng.integers(0, 100, b, np.int32),
               top_p=rng.random(b).astype(np.float32))
-  packed = runner_lib.pack_decode_rows(**rows)
-  assert packed.dtype == np.int32 and packed.shape == (8 + s, b)
-  unpacked = jax.jit(runner_lib.unpack_decode_rows)(packed)
+  packed, layout = runner_lib.pack_arrays(**rows)
+  assert packed.dtype == np.int32 and packed.shape == (1 + 6 * b + b * s,)
+  unpacked = jax.jit(runner_lib.unpack_arrays, static_argnums=1)(packed, layout)
   assert sorted(unpacked) == sorted(rows)
   for name, value in rows.items():
-    assert unpacked[name].dtype == value.dtype, name
+    assert unpacked[name].dtype == value.dtype and unpacked[name].shape == value.shape, name
     np.testing.assert_array_equal(np.asarray(unpacked[name]), value, err_msg=name)
+  with pytest.raises(TypeError, match="tokens: pack_arrays takes"):
+    runner_lib.pack_arrays(tokens=np.zeros(3, np.int64))
 
 
 def _prefilled(model, prompts):
   """The model's runner, a pool holding prompts[0] and prompts[1] after prefill, their
-  lengths, and decode rows packed for both (greedy; budget to be filled in by the caller)."""
+  lengths, and the decode rows of both by name (greedy; budget to be filled in by the
+  caller)."""
   runner = runner_lib.ModelRunner(model)
   kv = runner.create_pool(num_pages=32, page_size=8, max_seqs=2, max_pages_per_seq=12)
   rows = np.arange(2, dtype=np.int32)
@@ -87,8 +88,8 @@ def _prefilled(model, prompts):
                   top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32))
   logits, kv = runner.prefill(kv, tokens, lengths, rows)
   first = np.argmax(np.asarray(logits), axis=-1)
-  pack = lambda budget: runner_lib.pack_decode_rows(
-      tokens=np.asarray(first), active=np.ones(2, bool), index=np.ones(2, np.int32),
+  pack = lambda budget: dict(
+      tokens=np.asarray(first, np.int32), active=np.ones(2, bool), index=np.ones(2, np.int32),
       budget=np.asarray(budget, np.int32), stop_ids=np.full((2, 1), -1, np.int32), **sampling)
   return runner, kv, lengths, pack
 
@@ -100,7 +101,8 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   assert runner_lib.STEPS_PER_CHECK == 16
   reference = generate(model, prompts[:2], 38, page_size=8)
   runner, kv, lengths, pack = _prefilled(model, prompts)
-  out, kv = runner.decode_loop(kv, 37, pack([40, 2]), max_steps=40, greedy=True, checked=True)
+  out, kv = runner.decode_loop(kv, 37, max_steps=40, greedy=True, checked=True,
+                               **pack([40, 2]))
   out = np.asarray(out)
   assert out.shape == (40, 2)  # max_steps rows, though 3 groups of 16 ran
   np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
@@ -120,8 +122,8 @@ def test_unchecked_decode_loop_matches_the_checked_one(model, prompts):
   results = []
   for checked in (True, False):
     runner, kv, lengths, pack = _prefilled(model, prompts)
-    out, kv = runner.decode_loop(kv, 40, pack(budget), max_steps=40, greedy=True,
-                                 checked=checked)
+    out, kv = runner.decode_loop(kv, 40, max_steps=40, greedy=True, checked=checked,
+                                 **pack(budget))
     results.append((np.asarray(out), kv))
   (out_c, kv_c), (out_u, kv_u) = results
   assert out_u.shape == (40, 2) and (out_u[:, 0] >= 0).all() and (out_u[5:, 1] == -1).all()
@@ -148,7 +150,7 @@ def test_needs_checks_only_where_a_call_can_end_early(num_steps, active, budget,
 def test_prefill_calls_group_similar_lengths_within_the_token_budget(model, prompts,
                                                                      greedy_reference):
   lengths = [5, 30, 9, 17, 3, 8, 70]
-  cache = KVCacheManager(num_pages=64, page_size=8, max_seqs=16)
+  cache = KVCacheManager(num_pages=64, page_size=8, max_seqs=16, max_pages_per_seq=16)
   scheduler = Scheduler([Request([1] * n, 4) for n in lengths], max_batch=16, cache=cache,
                         admission=admission.OptimisticAdmission(cache), steps_per_call=8,
                         max_prefill_tokens=64)
@@ -237,7 +239,7 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
   """Two requests of up to 3 pages each in a 4-page pool: when not one more decode step
   fits, the newer one is preempted, its slot freed in the next plan's `release`; it comes
   back once the first finishes, recomputed from its prompt and the tokens it had."""
-  cache = KVCacheManager(num_pages=4, page_size=4, max_seqs=2)
+  cache = KVCacheManager(num_pages=4, page_size=4, max_seqs=2, max_pages_per_seq=16)
   scheduler = Scheduler([Request([1, 2, 3], 10), Request([4, 5, 6], 10)], max_batch=2,
                         cache=cache, admission=admission.OptimisticAdmission(cache),
                         steps_per_call=4, max_prefill_tokens=64)
@@ -405,8 +407,10 @@ def test_a_short_chunk_runs_a_loop_of_its_own_length(model, prompts):
   reference = generate(model, prompts[:2], 5, page_size=8)
   runner, kv, lengths, pack = _prefilled(model, prompts)
   first = [r[0] for r in reference]
-  rows = tuple(RunningRequest(i, Request(prompts[i], 40), [first[i]], i, ()) for i in (0, 1))
-  kv, _, out = runner.execute(kv, Plan(rows=rows, decode_steps=3, max_steps=16))
+  rows = tuple(RunningRequest(i, Request(prompts[i], 40), np.asarray(prompts[i], np.int32),
+                             [first[i]], i, ()) for i in (0, 1))
+  kv, executed = runner.execute(kv, Plan(rows=rows, decode_steps=3, max_steps=16))
+  out = executed.decoded
   assert out.shape == (4, 2)
   np.testing.assert_array_equal(out[:3].T, [r[1:4] for r in reference])
   assert (out[3] == -1).all()

@@ -135,7 +135,8 @@ def test_many_random_requests_with_shared_prefixes_leave_nothing_referenced():
     prompt = base[:rng.integers(1, len(base) + 1)] + rng.integers(0, 50, rng.integers(0, 6)).tolist()
     requests.append(Request(prompt, int(rng.integers(1, 12)), n=int(rng.integers(1, 4)),
                             stop_token_ids=[int(rng.integers(0, 50))]))
-  cache = KVCacheManager(num_pages=24, page_size=4, max_seqs=8, prefix_caching=True)
+  cache = KVCacheManager(num_pages=24, page_size=4, max_seqs=8, max_pages_per_seq=16,
+                         prefix_caching=True)
   scheduler = Scheduler(requests, max_batch=8, cache=cache,
                         admission=admission.OptimisticAdmission(cache), steps_per_call=5,
                         max_prefill_tokens=32)

@@ -5,8 +5,8 @@ runner executes it over the pool (`jax_paged.serving.runner`), and the scheduler
 the new tokens, which the engine streams and counts in its `Report`:
 
     plan = scheduler.schedule(now)                 # bookkeeping, a prefill, a decode chunk
-    kv, first, decoded = runner.execute(kv, plan)  # jitted calls, pool donated
-    events = scheduler.update(plan, first, decoded, kv.page_table, kv.num_free)
+    kv, out = runner.execute(kv, plan)             # jitted calls, pool donated
+    events = scheduler.update(plan, out.first, out.decoded, out.page_table, out.num_free)
 
 Each token is drawn with the key `fold_in(key(seed), index)` where index counts the
 sample's own tokens (and seed is the sample's, `request.sample_seed`), so results do not
@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Sequence
 
-import jax
 
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
@@ -147,18 +146,19 @@ class Engine:
            ) -> Iterator[tuple[int, int, list[int], str | None]]:
     """schedule -> execute -> update until every request has finished. Yields (request
     id, sample, new tokens, finish reason) per sequence per device call."""
-    validate_requests(requests, self.spec, page_size=self.page_size,
-                      max_pages=min(self.num_pages, self.max_pages_per_seq),
-                      max_batch=self.max_batch)
+    prompts = validate_requests(requests, self.spec, page_size=self.page_size,
+                                max_pages=min(self.num_pages, self.max_pages_per_seq),
+                                max_batch=self.max_batch)
     cache = KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
-                           max_seqs=self.max_batch, prefix_caching=self.prefix_caching)
+                           max_seqs=self.max_batch, max_pages_per_seq=self.max_pages_per_seq,
+                           prefix_caching=self.prefix_caching)
     policy = admission_lib.make_policy(self.admission, cache,
                                        max_positions=self.spec.max_positions,
                                        steps_per_call=self.steps_per_call)
     scheduler = Scheduler(requests, max_batch=self.max_batch, cache=cache, admission=policy,
                           steps_per_call=self.steps_per_call,
                           max_prefill_tokens=self.max_prefill_tokens,
-                          eos_token_id=self.eos_token_id)
+                          eos_token_id=self.eos_token_id, prompts=prompts)
     self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
     start = time.perf_counter()
     started: set[int] = set()
@@ -168,13 +168,13 @@ class Engine:
         time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - start)))
         continue
       called = time.perf_counter()
-      self.kv, first, decoded = self.runner.execute(self.kv, plan)
+      self.kv, out = self.runner.execute(self.kv, plan)
       seconds = time.perf_counter() - called
       if plan.prefill:
         report.prefill_calls += 1
       if plan.decode_steps:
         report.decode_calls += 1
-        produced = (decoded >= 0).sum(axis=0)
+        produced = (out.decoded >= 0).sum(axis=0)
         report.decode_steps += int(produced.max())
         report.decode_tokens += int(produced.sum())
       # A call with both is counted as decode time: its prefill interleaves.
@@ -182,8 +182,7 @@ class Engine:
         report.decode_s += seconds
       else:
         report.prefill_s += seconds
-      page_table, num_free = jax.device_get((self.kv.page_table, self.kv.num_free))
-      events = scheduler.update(plan, first, decoded, page_table, int(num_free))
+      events = scheduler.update(plan, out.first, out.decoded, out.page_table, out.num_free)
       report.peak_pages_in_use = cache.peak_used_pages
       now = time.perf_counter()
       for rid, sample, new, reason in events:

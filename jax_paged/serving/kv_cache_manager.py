@@ -37,17 +37,17 @@ _B_INV = np.uint64(pow(int(_B), -1, 2 ** 64))
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
-def page_keys(contexts: Sequence[Sequence[int]], page_size: int) -> list[list[int]]:
-  """The hash-chain keys of each context's full pages (64-bit: equal keys for different
-  contents are possible, with probability ~2**-64 per pair). One numpy pass for all the
-  contexts: per context, its dozen small array operations cost ~40 µs of host time."""
+def page_keys(contexts: Sequence[np.ndarray], page_size: int) -> list[np.ndarray]:
+  """The hash-chain keys (uint64 [full pages]) of each context's (int [tokens]) full
+  pages (64-bit: equal keys for different contents are possible, with probability
+  ~2**-64 per pair). One numpy pass for all the contexts: per context, its dozen small
+  array operations cost ~40 µs of host time."""
   counts = np.array([len(c) // page_size for c in contexts], np.int64)
   total = int(counts.sum())
   if not total:
-    return [[] for _ in contexts]
-  pages = np.fromiter(
-      itertools.chain.from_iterable(c[:n * page_size] for c, n in zip(contexts, counts)),
-      np.uint64, total * page_size).reshape(total, page_size)
+    return [np.zeros(0, np.uint64) for _ in contexts]
+  pages = np.concatenate([c[:n * page_size] for c, n in zip(contexts, counts.tolist())]
+                         ).astype(np.uint64).reshape(total, page_size)
   starts = np.cumsum(counts) - counts  # each context's first page among all pages
   local = np.arange(total) - np.repeat(starts, counts)  # a page's index in its context
   mix, up, down = _powers(max(page_size + 1, int(counts.max())))
@@ -60,8 +60,15 @@ def page_keys(contexts: Sequence[Sequence[int]], page_size: int) -> list[list[in
     # page (mod 2**64, like the rest) it is that context's own.
     sums = np.cumsum(h * down[local], dtype=np.uint64)
     before = np.where(starts > 0, sums[starts - 1], np.uint64(0))
-    keys = (up[local] * (sums - np.repeat(before, counts))).tolist()
+    keys = up[local] * (sums - np.repeat(before, counts))
   return [keys[a:a + n] for a, n in zip(starts.tolist(), counts.tolist())]
+
+
+def _first_occurrences(a: np.ndarray) -> np.ndarray:
+  """bool [n]: whether a[i] is the first of its value in the 1-D array a."""
+  first = np.zeros(a.shape, bool)
+  first[np.unique(a, return_index=True)[1]] = True
+  return first
 
 
 @functools.lru_cache(maxsize=4)
@@ -79,16 +86,20 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class KVCacheManager:
-  """Page accounting for `max_seqs` sequence slots sharing `num_pages` pages, with an
-  optional prefix cache."""
+  """Page accounting for `max_seqs` sequence slots sharing `num_pages` pages (at most
+  `max_pages_per_seq` each: the pool's page-table width), with an optional prefix
+  cache."""
 
   def __init__(self, *, num_pages: int, page_size: int, max_seqs: int,
-               prefix_caching: bool = False):
+               max_pages_per_seq: int, prefix_caching: bool = False):
     self.num_pages = num_pages
     self.page_size = page_size
     self.prefix_caching = prefix_caching
     self.cached = np.zeros((max_seqs,), np.int64)  # tokens in the pool per slot
-    self.slot_pages = [np.zeros(0, np.int64) for _ in range(max_seqs)]
+    # The mirror of the pool's page-table rows as of the last `sync` (-1 past each row's
+    # `row_pages`): one array, so a call's rows are read, diffed and stored at once.
+    self.page_rows = np.full((max_seqs, max_pages_per_seq), -1, np.int64)
+    self.row_pages = np.zeros((max_seqs,), np.int64)
     self.refs = np.zeros((num_pages,), np.int64)   # the mirror of KVPool.refcounts
     self._in_use = 0                               # pages with refs > 0
     self._cache: dict[int, int] = {}               # key -> page
@@ -149,13 +160,13 @@ class KVCacheManager:
                          "they had: scheduler bug")
     self.refs[unique] = after
     self._in_use += int(((after > 0) & (before == 0)).sum() - ((after == 0) & (before > 0)).sum())
-    held = self._held[unique]
-    for page, n in zip(unique[held].tolist(), after[held].tolist()):
-      if n == 1:
-        self._evictable[page] = None
-        self._evictable.move_to_end(page)
-      else:
-        self._evictable.pop(page, None)
+    # A held page is evictable while the hold is its only reference (count 1).
+    changed = self._held[unique] & ((before == 1) != (after == 1))
+    if changed.any():
+      for page in unique[changed & (before == 1)].tolist():
+        del self._evictable[page]
+      # Most recently used: at the end.
+      self._evictable.update(dict.fromkeys(unique[changed & (after == 1)].tolist()))
 
   def _record_peak(self) -> None:
     self.peak_used_pages = max(self.peak_used_pages, self.num_used_pages)
@@ -165,14 +176,14 @@ class KVCacheManager:
 
   # What the scheduler records as it plans and as calls return.
 
-  def lookup(self, keys: list[int], context_length: int) -> list[int]:
+  def lookup(self, keys: np.ndarray, context_length: int) -> list[int]:
     """The cached pages a context starts with, given its full pages' keys (`page_keys`):
     its longest prefix of full pages in the cache, leaving at least its last token to
     compute (its logits give the next token)."""
     if not self.prefix_caching:
       return []
     pages = []
-    for key in keys[:(context_length - 1) // self.page_size]:
+    for key in keys[:(context_length - 1) // self.page_size].tolist():
       page = self._cache.get(key)
       if page is None:
         break
@@ -191,7 +202,8 @@ class KVCacheManager:
         continue
       self.cached_prompt_tokens += len(pages) * self.page_size
       self.pages_saved += len(pages)
-      self.slot_pages[slot] = np.asarray(pages, np.int64)
+      self.page_rows[slot, :len(pages)] = pages
+      self.row_pages[slot] = len(pages)
       self.cached[slot] = len(pages) * self.page_size
       added += pages
     self._add_refs(added, +1)
@@ -232,50 +244,50 @@ class KVCacheManager:
       RuntimeError: they differ (a reservation failed on device: a scheduler bug).
     """
     if self._grown:
-      slots = sorted(self._grown)
+      slots = np.fromiter(sorted(self._grown), np.int64, len(self._grown))
       self._grown.clear()
-      rows = [self.slot_pages[s] for s in slots]
-      n_new = self.pages(self.cached[slots])
-      n_old = np.array([len(row) for row in rows], np.int64)
+      n_new, n_old = self.pages(self.cached[slots]), self.row_pages[slots]
       width = int(max(n_new.max(), n_old.max()))
       j = np.arange(width)[None, :]
       in_new, in_old = j < n_new[:, None], j < n_old[:, None]
       new = np.where(in_new, np.asarray(page_table)[slots, :width], -1).astype(np.int64)
-      old = np.full_like(new, -1)
-      for i, row in enumerate(rows):
-        old[i, :len(row)] = row
+      old = self.page_rows[slots, :width]
       # Rows grow at their end (and a copy-on-write replaces the last page): only the
       # entries from the first difference on change references.
       differ = new != old
       first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)[:, None]
       self._add_refs(new[in_new & (j >= first)], +1)
       self._add_refs(old[in_old & (j >= first)], -1)
-      for i, slot in enumerate(slots):
-        self.slot_pages[slot] = new[i, :n_new[i]]
+      self.page_rows[slots, :width] = new
+      self.row_pages[slots] = n_new
     self._record_peak()
     if self.num_pages - self._in_use != num_free:
       raise RuntimeError(f"the pool has {num_free} free pages, the scheduler expected "
                          f"{self.num_pages - self._in_use}: a reservation found no free "
                          "page (scheduler bug)")
 
-  def register(self, contexts: list[tuple[int, list[int], int]]) -> None:
+  def register(self, contexts: list[tuple[int, np.ndarray, int]]) -> None:
     """For each (slot, keys, upto) in order: caches the full pages among the first `upto`
     tokens of `slot`'s context (after `sync`), each under its hash-chain key (`keys`:
     `page_keys` of the context), holding them (sent to the device by `take_retains`). A
-    key already cached keeps its page. (One call for a device call's contexts: the
-    reference counts are updated once.)"""
-    if not self.prefix_caching:
+    key already cached keeps its page, and so does a page already cached. (One call for
+    a device call's contexts, in numpy: ~2000 pages per call after a batch of prompts.)"""
+    if not self.prefix_caching or not contexts:
       return
-    new = []
-    for slot, keys, upto in contexts:
-      for key, page in zip(keys[:upto // self.page_size], self.slot_pages[slot].tolist()):
-        if key in self._cache or page in self._page_key:
-          continue
-        self._cache[key] = page
-        self._page_key[page] = key
-        new.append(page)
+    n = [upto // self.page_size for _, _, upto in contexts]
+    keys = np.concatenate([k[:m] for (_, k, _), m in zip(contexts, n)])
+    pages = np.concatenate([self.page_rows[slot, :m] for (slot, _, _), m in zip(contexts, n)])
+    key_list = keys.tolist()
+    fresh = ~self._held[pages] & ~np.fromiter(map(self._cache.__contains__, key_list), bool,
+                                               len(key_list))
+    # Within the call the first of equal keys wins, and the first of equal pages: a key
+    # holds one page, a page is held under one key.
+    fresh &= _first_occurrences(keys) & _first_occurrences(pages)
+    new_keys, new = keys[fresh].tolist(), pages[fresh].tolist()
+    self._cache.update(zip(new_keys, new))
+    self._page_key.update(zip(new, new_keys))
+    self._add_refs(new, +1)  # its sequence's reference and the hold: not evictable
     self._held[new] = True
-    self._add_refs(new, +1)
     self._retain += new
 
   def take_retains(self) -> list[int]:
@@ -286,12 +298,19 @@ class KVCacheManager:
   def evict_for(self, pages_needed: int) -> list[int]:
     """Drops least recently used evictable cached pages until `pages_needed` pages are
     free on the device; returns them (`pool.release_pages`)."""
-    evicted = []
     # Each evictable page has one reference (the hold): dropping it frees the page.
-    while self.num_pages - self._in_use + len(evicted) < pages_needed and self._evictable:
-      page, _ = self._evictable.popitem(last=False)
-      del self._cache[self._page_key.pop(page)]
-      evicted.append(page)
+    k = min(pages_needed - (self.num_pages - self._in_use), len(self._evictable))
+    if k <= 0:
+      return []
+    if k == len(self._evictable):  # all of them (a run's end empties the cache)
+      evicted = list(self._evictable)
+      self._evictable.clear()
+    else:
+      evicted = list(itertools.islice(self._evictable, k))
+      for page in evicted:
+        del self._evictable[page]
+    for key in map(self._page_key.pop, evicted):
+      del self._cache[key]
     self._held[evicted] = False
     self._add_refs(evicted, -1)
     self.evicted_pages += len(evicted)
@@ -301,10 +320,11 @@ class KVCacheManager:
     """Records that the references of `slots` go (`pool.release`)."""
     if not slots:
       return
-    self._add_refs(np.concatenate([self.slot_pages[s] for s in slots]), -1)
-    for slot in slots:
-      self.slot_pages[slot] = np.zeros(0, np.int64)
-      self._grown.discard(slot)
+    rows = self.page_rows[slots]
+    self._add_refs(rows[rows >= 0], -1)
+    self.page_rows[slots] = -1
+    self.row_pages[slots] = 0
+    self._grown.difference_update(slots)
     self.cached[slots] = 0
 
   # Questions the scheduler asks.
@@ -312,8 +332,8 @@ class KVCacheManager:
   def copies_on_write(self, slots: list[int]) -> int:
     """How many of `slots` have their next token in a partly filled page they share (the
     first decode step after a fork then takes a page for a copy)."""
-    last = np.array([pages[-1] if len(pages) else -1
-                     for pages in (self.slot_pages[s] for s in slots)], np.int64)
+    slots = np.asarray(slots, np.int64)
+    last = self.page_rows[slots, np.maximum(self.row_pages[slots] - 1, 0)]
     partial = (self.cached[slots] % self.page_size != 0) & (last >= 0)
     return int((partial & (self.refs[np.maximum(last, 0)] > 1)).sum())
 

@@ -72,9 +72,9 @@ def _is_int(x) -> bool:
 
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
-                      max_pages: int, max_batch: int) -> None:
+                      max_pages: int, max_batch: int) -> list[np.ndarray]:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
-  serve as asked.
+  serve as asked; returns the prompts as int32 arrays [prompt tokens].
 
   Args:
     requests: the requests.
@@ -86,6 +86,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
   """
   if not isinstance(requests, Sequence) or not requests:
     raise ValueError("requests must be a non-empty list of Request")
+  prompts = []
   for i, r in enumerate(requests):
     if not isinstance(r, Request):
       raise ValueError(f"request {i}: expected a jax_paged.Request, got {type(r).__name__}")
@@ -130,3 +131,5 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if pages > max_pages:
       raise ValueError(f"request {i}: needs {pages} pages of {page_size} tokens but the "
                        f"pool holds {max_pages}: the pool is too small for this request")
+    prompts.append(prompt.astype(np.int32))
+  return prompts

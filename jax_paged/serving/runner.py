@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,40 +203,48 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   return out[:max_steps], kv
 
 
-# The decode loop's per-row arguments travel as one int32 array [8 + S, B]: a call
-# with nine numpy arrays spent ~215 µs of its ~840 µs of fixed cost copying them to the
-# device one by one (H200, benchmarks/LOG.md, "Engine / decode loop"), while the GPU waited.
-_ROW_FIELDS = (("tokens", np.int32), ("active", np.int32), ("index", np.int32),
-               ("budget", np.int32), ("seeds", np.uint32), ("top_k", np.int32),
-               ("temperature", np.float32), ("top_p", np.float32))
+# A jitted call copies each numpy argument to the device on its own: nine of them cost
+# ~215 µs of a decode call's ~840 µs of fixed host time (H200, benchmarks/LOG.md, "Engine /
+# decode loop"), while the GPU waited. So each call's host arrays travel as one.
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
-def pack_decode_rows(*, tokens, active, index, budget, stop_ids, seeds, temperature,
-                     top_k, top_p) -> np.ndarray:
-  """The decode loop's per-row arguments (see `decode_loop`) as int32 [8 + S, B]: the
-  fields of `_ROW_FIELDS` in order (uint32 seeds and float32 temperature / top_p by their
-  bits), then stop_ids [B, S] transposed."""
-  fields = dict(tokens=tokens, active=active, index=index, budget=budget, seeds=seeds,
-                top_k=top_k, temperature=temperature, top_p=top_p)
-  rows = [np.asarray(fields[name]).astype(dtype).view(np.int32)
-          for name, dtype in _ROW_FIELDS]
-  return np.concatenate([np.stack(rows), np.asarray(stop_ids, np.int32).T])
+def pack_arrays(**arrays) -> tuple[np.ndarray, Layout]:
+  """Host arrays (int32, uint32, float32 or bool, any shapes) as one int32 array of their
+  bits, and its layout: (name, dtype, shape) per array, hashable (a static argument of the
+  jitted call that `unpack_arrays` them)."""
+  layout, parts = [], []
+  for name, value in arrays.items():
+    value = np.asarray(value)
+    if value.dtype == bool:
+      bits = value.astype(np.int32)
+    elif value.dtype in (np.int32, np.uint32, np.float32):
+      bits = np.ascontiguousarray(value).view(np.int32)
+    else:
+      raise TypeError(f"{name}: pack_arrays takes int32, uint32, float32 or bool arrays, "
+                      f"got {value.dtype}")
+    layout.append((name, value.dtype.str, value.shape))
+    parts.append(bits.reshape(-1))
+  return np.concatenate(parts), tuple(layout)
 
 
-def unpack_decode_rows(rows: jax.Array) -> dict[str, jax.Array]:
-  """On device: `pack_decode_rows`' array back to the keyword arguments of `decode_loop`."""
-  args = {name: jax.lax.bitcast_convert_type(row, dtype)
-          for (name, dtype), row in zip(_ROW_FIELDS, rows)}
-  args["active"] = args["active"] != 0
-  args["stop_ids"] = rows[len(_ROW_FIELDS):].T
-  return args
+def unpack_arrays(packed: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+  """On device: `pack_arrays`' array back to its arrays, by name."""
+  arrays, at = {}, 0
+  for name, dtype, shape in layout:
+    size = math.prod(shape)
+    bits = packed[at:at + size].reshape(shape)
+    at += size
+    dtype = np.dtype(dtype)
+    arrays[name] = bits != 0 if dtype == bool else jax.lax.bitcast_convert_type(bits, dtype)
+  return arrays
 
 
 class JittedSteps:
   """The jitted device functions of one model structure, pool donated: `prefill` and
   `decode` (`prefill_step` / `decode_step`), `prefill_sample` (prefill, fork parallel
-  samples, then sample first tokens from the rows' last logits) and `decode_loop` (its
-  rows packed by `pack_decode_rows`).
+  samples, then sample first tokens from the rows' last logits) and `decode_loop`; those
+  two take their host arrays packed (`pack_arrays`).
 
   They take the parameters as the list `jax.tree.leaves(params)` (`treedef` = their
   `jax.tree.structure`): flattening an `nnx.State` of GPT-2 124M's 148 arrays costs
@@ -254,17 +262,22 @@ class JittedSteps:
     def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
-    def prefill_sample(leaves, kv, tokens, lengths, seq_ids, start, fork_src, fork_dst,
-                       sample_rows, seeds, index, temperature, top_k, top_p, *,
-                       greedy: bool):
-      logits, kv = prefill_step(model(leaves), kv, tokens, lengths, seq_ids, start)
-      kv = pool_lib.fork(kv, fork_src, fork_dst)
-      return sampling.sample_rows(logits[sample_rows], seeds, index, temperature, top_k,
-                                  top_p, all_greedy=greedy), kv
+    def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool):
+      """Packed: tokens, lengths, seq_ids, start (absent: None), fork_src, fork_dst,
+      sample_rows and the sample rows' seeds, index, temperature, top_k, top_p."""
+      a = unpack_arrays(packed, layout)
+      logits, kv = prefill_step(model(leaves), kv, a["tokens"], a["lengths"], a["seq_ids"],
+                                a.get("start"))
+      kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
+      return sampling.sample_rows(logits[a["sample_rows"]], a["seeds"], a["index"],
+                                  a["temperature"], a["top_k"], a["top_p"],
+                                  all_greedy=greedy), kv
 
-    def loop(leaves, kv, num_steps, rows, *, max_steps: int, greedy: bool, checked: bool):
-      return decode_loop(model(leaves), kv, num_steps, max_steps=max_steps, greedy=greedy,
-                         checked=checked, **unpack_decode_rows(rows))
+    def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
+             checked: bool):
+      """Packed: `decode_loop`'s num_steps and per-row arguments, by name."""
+      return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
+                         checked=checked, **unpack_arrays(packed, layout))
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
@@ -272,9 +285,9 @@ class JittedSteps:
     self.prefill = jax.jit(prefill, donate_argnums=1)
     self.decode = jax.jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = jax.jit(prefill_sample, donate_argnums=1,
-                                  static_argnames="greedy")
+                                  static_argnames=("layout", "greedy"))
     self.decode_loop = jax.jit(loop, donate_argnums=1,
-                               static_argnames=("max_steps", "greedy", "checked"))
+                               static_argnames=("layout", "max_steps", "greedy", "checked"))
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
@@ -292,7 +305,10 @@ def _jitted_steps(graphdef: nnx.GraphDef, treedef, sharding=None) -> JittedSteps
   return JittedSteps(graphdef, treedef, sharding)
 
 
-_update_pages = jax.jit(update_pages, donate_argnums=0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="layout")
+def _update_pages(kv: pool_lib.KVPool, packed: jax.Array, layout: Layout) -> pool_lib.KVPool:
+  """`update_pages` with its arrays packed (`pack_arrays`), by its argument names."""
+  return update_pages(kv, **unpack_arrays(packed, layout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +351,24 @@ def _padded(values: Sequence[int], lo: int = 1) -> np.ndarray:
   return out
 
 
+class Executed(NamedTuple):
+  """A plan's results, on the host.
+
+  Attributes:
+    first: int32 [samples], the first tokens its prefill sampled, in the order of its
+      chunks' `samples`.
+    decoded: int32 [steps run, max_batch], its decode chunk's tokens, -1 where a row
+      produced nothing (at most `plan.max_steps` rows; none without a decode chunk).
+    page_table, num_free: the pool's after the call (the scheduler's page accounting
+      checks them).
+  """
+
+  first: np.ndarray
+  decoded: np.ndarray
+  page_table: np.ndarray
+  num_free: int
+
+
 class ModelRunner:
   """Runs a `PagedModel` over a pool: the step functions jitted once per model structure.
 
@@ -345,7 +379,7 @@ class ModelRunner:
     decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=) -> (tokens, kv)
     release(kv, seq_ids) -> kv
     update_pages(kv, retain=, release=, evict=, attach=) -> kv     `update_pages`
-    execute(kv, plan) -> (kv, first tokens, decoded tokens)       a scheduler's `Plan`
+    execute(kv, plan) -> (kv, Executed)                           a scheduler's `Plan`
   """
 
   def __init__(self, model: PagedModel, mesh: Mesh | None = None):
@@ -379,11 +413,12 @@ class ModelRunner:
   def decode(self, kv, tokens, seq_ids, active=None, *, greedy: bool = False):
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
 
-  def decode_loop(self, kv, num_steps, rows, *, max_steps: int, greedy: bool,
-                  checked: bool):
-    """`decode_loop` with the rows packed by `pack_decode_rows`: that array and num_steps
-    are the call's only host-to-device copies."""
-    return self.jitted.decode_loop(self.leaves, kv, np.int32(num_steps), rows,
+  def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
+                  **rows: np.ndarray):
+    """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
+    call's one host-to-device copy (`pack_arrays`)."""
+    packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
+    return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked)
 
   def release(self, kv: pool_lib.KVPool, seq_ids: Sequence[int]) -> pool_lib.KVPool:
@@ -406,15 +441,15 @@ class ModelRunner:
       pages[j, :len(cached)] = cached
     release_ids = np.full((kv.max_seqs,), -1, np.int32)  # the pool's max_seqs: one shape
     release_ids[:len(release)] = release
-    return _update_pages(kv, _padded(retain, 16), release_ids, _padded(evict, 16), ids,
-                         pages, tokens)
+    packed, layout = pack_arrays(retain=_padded(retain, 16), release=release_ids,
+                                 evict=_padded(evict, 16), attach_ids=ids,
+                                 attach_pages=pages, attach_tokens=tokens)
+    return _update_pages(kv, packed, layout)
 
-  def execute(self, kv: pool_lib.KVPool, plan
-              ) -> tuple[pool_lib.KVPool, np.ndarray, np.ndarray]:
-    """Runs a scheduler's `Plan`: its page bookkeeping, then its prefill (-> int32
-    [samples] first tokens, in the order of its chunks' `samples`), then its decode chunk
-    (-> int32 [steps run, max_batch], -1 where a row produced nothing; at most
-    `plan.max_steps` rows). The calls are dispatched back to back; the host waits once."""
+  def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, Executed]:
+    """Runs a scheduler's `Plan`: its page bookkeeping, then its prefill, then its decode
+    chunk, dispatched back to back; the host then waits once, reading every result back
+    in one transfer (`Executed`)."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict,
                            attach=plan.attach)
     first = decoded = None
@@ -422,10 +457,14 @@ class ModelRunner:
       first, kv = self._prefill_plan(kv, plan)
     if plan.decode_steps:
       decoded, kv = self._decode_plan(kv, plan)
-    first = np.zeros((0,), np.int32) if first is None else np.asarray(first)
-    decoded = (np.zeros((0, len(plan.rows)), np.int32) if decoded is None
-               else np.asarray(decoded))
-    return kv, first, decoded
+    first, decoded, page_table, num_free = jax.device_get(
+        (first, decoded, kv.page_table, kv.num_free))
+    # Sliced on the host: a jnp slice of a device array dispatches a kernel (~0.5 ms).
+    first = (np.zeros((0,), np.int32) if first is None
+             else first[:sum(len(c.samples) for c in plan.prefill)])
+    if decoded is None:
+      decoded = np.zeros((0, len(plan.rows)), np.int32)
+    return kv, Executed(first, decoded, page_table, int(num_free))
 
   def _prefill_plan(self, kv, plan):
     chunks = plan.prefill
@@ -445,14 +484,16 @@ class ModelRunner:
     sample_rows[:len(samples)] = [j for j, _ in samples]
     seqs = [s for _, s in samples] + [None] * (m - len(samples))
     sampling_ = _Sampling.of(seqs)
-    new, kv = self.jitted.prefill_sample(
-        self.leaves, kv, tokens, lengths, seq_ids,
-        # Static None: fresh prompts take the model's attention over the new tokens alone.
-        start if start.any() else None,
-        _padded([src for src, _ in forks]), _padded([dst for _, dst in forks]),
-        sample_rows, index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
-        greedy=sampling_.greedy, **sampling_.arrays())
-    return new[:len(samples)], kv
+    # No start: fresh prompts take the model's attention over the new tokens alone.
+    packed, layout = pack_arrays(
+        tokens=tokens, lengths=lengths, seq_ids=seq_ids,
+        **(dict(start=start) if start.any() else {}),
+        fork_src=_padded([src for src, _ in forks]), fork_dst=_padded([dst for _, dst in forks]),
+        sample_rows=sample_rows,
+        index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
+        **sampling_.arrays())
+    return self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
+                                      greedy=sampling_.greedy)
 
   def _decode_plan(self, kv, plan):
     rows, max_steps = plan.rows, plan.max_steps
@@ -474,10 +515,8 @@ class ModelRunner:
       # Whole groups of checked steps: a partial group would run idle steps to its end.
       steps -= steps % per_check
     sampling_ = _Sampling.of(rows)
-    packed = pack_decode_rows(
-        tokens=[s.tokens[-1] if s else 0 for s in rows], active=active,
-        index=[len(s.tokens) if s else 0 for s in rows], budget=budget, stop_ids=stop_ids,
-        **sampling_.arrays())
-    out, kv = self.decode_loop(kv, steps, packed, max_steps=max_steps,
-                               greedy=sampling_.greedy, checked=checked)
-    return out, kv
+    return self.decode_loop(
+        kv, steps, max_steps=max_steps, greedy=sampling_.greedy, checked=checked,
+        tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
+        active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
+        budget=budget, stop_ids=stop_ids, **sampling_.arrays())

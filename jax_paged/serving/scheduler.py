@@ -46,6 +46,7 @@ class RunningRequest:
 
   request_id: int
   request: Request
+  prompt: np.ndarray      # int32 [prompt tokens]: the request's
   tokens: list[int]       # generated so far (all of them, across preemptions)
   admitted_at: int        # admission counter: the newest is preempted first
   stop_token_ids: tuple[int, ...]
@@ -55,21 +56,24 @@ class RunningRequest:
   parent: int | None = None  # the slot this sample is forked from after its prefill
   decoding: bool = False
   looked_up: bool = False  # its context was looked up in the prefix cache
-  keys: list[int] = dataclasses.field(default_factory=list)  # its full pages' page_keys
+  keys: np.ndarray | None = None  # uint64: its context's full pages' `page_keys`
 
   @property
   def seed(self) -> int:
     return sample_seed(self.request.seed, self.sample)
 
   @property
-  def context(self) -> list[int]:
-    """What a prefill caches: the prompt and every token generated so far."""
-    return list(self.request.prompt) + self.tokens
+  def context(self) -> np.ndarray:
+    """int32 [context_length]: what a prefill caches, the prompt and every token
+    generated so far."""
+    if not self.tokens:
+      return self.prompt
+    return np.concatenate([self.prompt, np.asarray(self.tokens, np.int32)])
 
   @property
   def context_length(self) -> int:
     """len(context), without building it."""
-    return len(self.request.prompt) + len(self.tokens)
+    return len(self.prompt) + len(self.tokens)
 
   @property
   def budget(self) -> int:
@@ -77,9 +81,10 @@ class RunningRequest:
     return self.request.max_new_tokens - len(self.tokens)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PrefillChunk:
-  """context[start:stop] of the sequence in `slot`, prefilled in one call.
+  """context[start:stop] of the sequence in `slot` (`tokens`, int32), prefilled in one
+  call.
 
   Attributes:
     samples: the sequences that sample their first token from this chunk's last logits:
@@ -89,7 +94,7 @@ class PrefillChunk:
 
   slot: int
   start: int
-  tokens: tuple[int, ...]
+  tokens: np.ndarray
   samples: tuple[tuple[int, RunningRequest], ...] = ()
 
   @property
@@ -130,6 +135,8 @@ class Scheduler:
 
   Args:
     requests: the requests, their index being their id.
+    prompts: their prompts as int32 arrays (`validate_requests` returns them), or None
+      to convert them here.
     max_batch: decode slots (a request with n samples takes n).
     cache: the page accounting of the pool (empty).
     admission: the admission policy, over `cache`.
@@ -141,8 +148,12 @@ class Scheduler:
 
   def __init__(self, requests: Sequence[Request], *, max_batch: int, cache: KVCacheManager,
                admission: AdmissionPolicy, steps_per_call: int, max_prefill_tokens: int,
-               eos_token_id: int | None = None):
+               eos_token_id: int | None = None,
+               prompts: Sequence[np.ndarray] | None = None):
     self.requests = requests
+    # Arrays, so that page keys and prefill rows take whole prompts at numpy speed.
+    self.prompts = (prompts if prompts is not None
+                    else [np.asarray(r.prompt, np.int32) for r in requests])
     self.cache = cache
     self.admission = admission
     self.steps_per_call = steps_per_call
@@ -251,7 +262,7 @@ class Scheduler:
       first = taken[0]
       for j, slot in zip(samples, taken):
         self.slots[slot] = RunningRequest(
-            rid, request, list(done), self._admissions, stops, sample=j,
+            rid, request, self.prompts[rid], list(done), self._admissions, stops, sample=j,
             prefill_stop=context_length if slot == first else 0,
             parent=None if slot == first else first)
       self._admissions += 1
@@ -281,7 +292,7 @@ class Scheduler:
         forks[f.parent].append((i, f))
     if self.cache.prefix_caching:  # the queue's new contexts' keys, in one pass
       new = [self.slots[i] for i in self._prefill_queue]
-      new = [s for s in new if s.prefilled == 0 and not s.looked_up and not s.keys]
+      new = [s for s in new if s.prefilled == 0 and not s.looked_up and s.keys is None]
       for s, keys in zip(new, page_keys([s.context for s in new], page_size)):
         s.keys = keys
     for slot in list(self._prefill_queue):
@@ -290,7 +301,7 @@ class Scheduler:
       if s.prefilled == 0 and not s.looked_up:
         hit = self.cache.lookup(s.keys, len(context))
         if self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
-          if s.keys[len(hit)] in computing:
+          if int(s.keys[len(hit)]) in computing:
             continue
         s.looked_up = True
         looked_up.append((slot, hit, len(context)))
@@ -304,13 +315,12 @@ class Scheduler:
       width = w
       first_page = s.prefilled // page_size
       if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
-        computing.add(s.keys[first_page])  # keys: set at the sequence's lookup
+        computing.add(int(s.keys[first_page]))  # keys: set at the sequence's lookup
       samples = ()
       if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
         samples = ((slot, s),) + tuple(forks.get(slot, ()))
         self._prefill_queue.remove(slot)
-      chunks.append(PrefillChunk(slot, s.prefilled, tuple(context[s.prefilled:stop]),
-                                 samples))
+      chunks.append(PrefillChunk(slot, s.prefilled, context[s.prefilled:stop], samples))
       s.prefilled = stop
       if stop != s.prefill_stop:
         break  # a chunked context: its next chunk goes into the next call
