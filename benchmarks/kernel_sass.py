@@ -9,7 +9,8 @@ critical path, is there enough in flight?
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.5.1
     PYTHONPATH=. python benchmarks/kernel_sass.py --triton-python /tmp/tv/bin/python \\
-        [--batch 256 --heads 12 --kv-heads 12 --head-dim 64 --warps 2 --stages 2 --block-n 64]
+        [--batch 256 --heads 12 --kv-heads 12 --head-dim 64 --cache-dtype int8]
+        [--warps 2 --stages 2 --block-n 64]
 
 The Triton here need not be the one inside the GPU's jaxlib, so treat the output as a
 close reading of what the device compiles, not the exact binary.
@@ -43,8 +44,10 @@ print(f"{k.metadata.shared} bytes shared memory")
 
 
 def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, warps: int,
-                       stages: int, block_n: int, page_size: int = 16) -> str:
-  """The Triton IR of `paged_decode_attention`'s kernel (one split) for these shapes."""
+                       stages: int, block_n: int, page_size: int = 16,
+                       cache_dtype=jnp.bfloat16) -> str:
+  """The Triton IR of `paged_decode_attention`'s kernel (one split) for these shapes and
+  pages of `cache_dtype` (int8 / float8_e4m3fn: with their per-token scales)."""
   modules = []
   lower = lowering.lower_jaxpr_to_triton_module
 
@@ -55,7 +58,9 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
   pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
   try:
     q = jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((kv_heads, 4096, page_size, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((kv_heads, 4096, page_size, head_dim), cache_dtype)
+    quantized = jnp.dtype(cache_dtype).itemsize == 1
+    scales = jax.ShapeDtypeStruct(kv.shape[:-1], jnp.float32) if quantized else None
     table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
@@ -65,7 +70,8 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
         return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
         num_stages=stages))
     with triton_backend.cuda_lowering_context():
-      fn.trace(q, kv, kv, table, lengths, layer).lower(lowering_platforms=("cuda",))
+      fn.trace(q, kv, kv, table, lengths, layer, scales, scales).lower(
+          lowering_platforms=("cuda",))
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
   return modules[0].module.operation.get_asm(enable_debug_info=False)
@@ -78,19 +84,23 @@ def main():
   p.add_argument("--heads", type=int, default=12)
   p.add_argument("--kv-heads", type=int, default=12)
   p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--cache-dtype", default="bfloat16",
+                 choices=("bfloat16", "int8", "float8_e4m3fn"))
   p.add_argument("--warps", type=int, default=None, help="default: the kernel's choice")
   p.add_argument("--stages", type=int, default=None, help="default: the kernel's choice")
   p.add_argument("--block-n", type=int, default=None, help="default: the kernel's choice")
   p.add_argument("--out", default=tempfile.mkdtemp(), help="folder for .ttir/.ptx/.sass")
   args = p.parse_args()
+  cache_dtype = jnp.dtype(args.cache_dtype)
   block_n, warps, stages = paged_attention.default_config(
-      args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim)
+      args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim,
+      quantized=cache_dtype.itemsize == 1)
   block_n, warps, stages = args.block_n or block_n, args.warps or warps, args.stages or stages
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "decode")
   with open(stem + ".ttir", "w") as f:
     f.write(decode_kernel_ttir(args.batch, args.heads, args.kv_heads, args.head_dim, warps,
-                               stages, block_n))
+                               stages, block_n, cache_dtype=cache_dtype))
   shared = subprocess.run([args.triton_python, "-c", _COMPILE, stem + ".ttir", str(warps),
                            str(stages)], check=True, capture_output=True,
                           text=True).stdout.strip()
@@ -104,7 +114,8 @@ def main():
   with open(stem + ".sass", "w") as f:
     f.write(sass)
   print(f"# decode kernel B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
-        f" warps={warps} stages={stages} block_n={block_n}; files in {args.out}")
+        f" {cache_dtype.name} warps={warps} stages={stages} block_n={block_n}; files in "
+        f"{args.out}")
   print(" ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+", report.stderr)), shared)
   for line in sass.splitlines():
     m = re.search(r"/\*([0-9a-f]{4})\*/\s+(.*?);", line)
