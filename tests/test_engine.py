@@ -351,6 +351,10 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
 @pytest.mark.parametrize("request_,match", [
     (Request([], 3), "prompt is empty"),
     (Request([1], 0), "max_new_tokens must be an int >= 1"),
+    (Request([1], np.int64(0)), "max_new_tokens must be an int >= 1"),
+    (Request([1], True), "max_new_tokens must be an int >= 1"),
+    (Request([1], 3, stop_token_ids=[2, 1.5]), "stop_token_ids must be integer"),
+    (Request([1], 3, n=0), "n must be an int"),
     (Request([1] * 90, 10), "exceeds the model's n_positions"),
     (Request([1], 3, top_p=0.0), "top_p"),
     (Request([1], 3, seed=-1), "seed must be"),

@@ -68,7 +68,8 @@ class TokenEvent:
 
 def _is_int(x) -> bool:
   """A Python or numpy integer, not a bool."""
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+  # A plain int first: the ABC check costs ~1 µs, three per request.
+  return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
@@ -113,7 +114,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
       raise ValueError(f"request {i}: top_p must be in (0, 1], got {r.top_p}")
     if not _is_int(r.seed) or not 0 <= r.seed < 2 ** 32:
       raise ValueError(f"request {i}: seed must be an int in [0, 2**32), got {r.seed!r}")
-    if not all(_is_int(t) for t in r.stop_token_ids):
+    if len(r.stop_token_ids) and not all(_is_int(t) for t in r.stop_token_ids):
       raise ValueError(f"request {i}: stop_token_ids must be integer token ids, got "
                        f"{list(r.stop_token_ids)!r}")
     if not _is_int(r.n) or not 1 <= r.n <= max_batch:
