@@ -149,6 +149,8 @@ def test_many_random_requests_with_shared_prefixes_leave_nothing_referenced():
   assert cache.cached_prompt_tokens > 0 and scheduler.num_preemptions > 0
   kv = device.kv
   from jax_paged import pool
-  kv = pool.release(kv, scheduler.pending_release() or [0])
+  retain, release = scheduler.pending_release()
+  kv = pool.retain_pages(kv, retain or [-1])
+  kv = pool.release(kv, release or [0])
   kv = pool.release_pages(kv, cache.evict_for(cache.num_pages) or [-1])
   assert int(kv.num_free) == 24 and not np.asarray(kv.refcounts).any()

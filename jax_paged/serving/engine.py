@@ -193,7 +193,8 @@ class Engine:
         yield rid, sample, new, reason
     # Every page back: the prefix cache lives for one run.
     evicted = cache.evicted_pages
-    self.kv = self.runner.update_pages(self.kv, release=scheduler.pending_release(),
+    retain, release = scheduler.pending_release()
+    self.kv = self.runner.update_pages(self.kv, retain=retain, release=release,
                                        evict=cache.evict_for(self.num_pages))
     cache.evicted_pages = evicted  # emptying the cache at the end is not an eviction
     report.preemptions = scheduler.num_preemptions

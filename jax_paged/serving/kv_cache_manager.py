@@ -291,7 +291,7 @@ class KVCacheManager:
     self._retain += new
 
   def take_retains(self) -> list[int]:
-    """The holds placed since the last call, for the next plan (`pool.retain_pages`)."""
+    """The holds placed since the last take, for a plan (`pool.retain_pages`)."""
     retain, self._retain = self._retain, []
     return retain
 

@@ -110,7 +110,8 @@ class Plan:
   Attributes:
     rows: each slot's decoding sequence (None = empty, or not decoding in this call),
       max_batch long.
-    retain: pages the prefix cache starts holding.
+    retain: pages the prefix cache holds from now on (holds placed since the last plan
+      that released or evicted: a hold only matters from then).
     release: slots whose pages are released (finished or preempted sequences).
     evict: cached pages whose holds are dropped.
     attach: (slot, pages, tokens): admitted sequences starting on cached pages.
@@ -213,15 +214,20 @@ class Scheduler:
     rows = tuple(s if s is not None and s.decoding and steps else None for s in self.slots)
     release, self._release = self._release, []
     attach, self._attach = self._attach, []
-    return Plan(rows=rows, retain=tuple(self.cache.take_retains()), release=tuple(release),
+    # A hold matters on the device only once a cached page's last sequence lets it go, so
+    # the holds travel with a release: a plan without one sends none (the bookkeeping call
+    # of a static batch's prefills and first decode chunk is then skipped).
+    retain = self.cache.take_retains() if release or evict else []
+    return Plan(rows=rows, retain=tuple(retain), release=tuple(release),
                 evict=tuple(evict), attach=tuple(attach), prefill=tuple(prefill),
                 decode_steps=steps, max_steps=self.steps_per_call)
 
-  def pending_release(self) -> list[int]:
-    """Slots retired since the last plan, whose pages the pool still holds (the caller
-    frees them after the last plan)."""
+  def pending_release(self) -> tuple[list[int], list[int]]:
+    """(holds, slots) still to send after the last plan: the prefix cache's holds not
+    yet placed on the device and the slots retired since (the caller retains the one and
+    frees the other, in that order)."""
     release, self._release = self._release, []
-    return release
+    return self.cache.take_retains(), release
 
   def _promised_pages(self) -> int:
     """Pages the pending prefills will still take (admitted, not yet in the pool)."""
