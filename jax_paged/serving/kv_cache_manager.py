@@ -182,13 +182,8 @@ class KVCacheManager:
     compute (its logits give the next token)."""
     if not self.prefix_caching:
       return []
-    pages = []
-    for key in keys[:(context_length - 1) // self.page_size].tolist():
-      page = self._cache.get(key)
-      if page is None:
-        break
-      pages.append(page)
-    return pages
+    pages = list(map(self._cache.get, keys[:(context_length - 1) // self.page_size].tolist()))
+    return pages[:pages.index(None)] if None in pages else pages
 
   def attach(self, contexts: list[tuple[int, list[int], int]]) -> None:
     """Records admissions: for each (slot, pages, context_length), a
@@ -266,17 +261,19 @@ class KVCacheManager:
                          f"{self.num_pages - self._in_use}: a reservation found no free "
                          "page (scheduler bug)")
 
-  def register(self, contexts: list[tuple[int, np.ndarray, int]]) -> None:
-    """For each (slot, keys, upto) in order: caches the full pages among the first `upto`
-    tokens of `slot`'s context (after `sync`), each under its hash-chain key (`keys`:
-    `page_keys` of the context), holding them (sent to the device by `take_retains`). A
-    key already cached keeps its page, and so does a page already cached. (One call for
-    a device call's contexts, in numpy: ~2000 pages per call after a batch of prompts.)"""
+  def register(self, contexts: list[tuple[int, np.ndarray, int, int]]) -> None:
+    """For each (slot, keys, start, stop) in order: caches the full pages among tokens
+    [start, stop) of `slot`'s context (after `sync`; start on a page boundary: the pages
+    before it were attached from the cache or registered after earlier calls), each under
+    its hash-chain key (`keys`: `page_keys` of the context), holding them (sent to the
+    device by `take_retains`). A key already cached keeps its page, and so does a page
+    already cached. (One call for a device call's contexts, in numpy: ~2000 pages per call
+    after a batch of prompts.)"""
     if not self.prefix_caching or not contexts:
       return
-    n = [upto // self.page_size for _, _, upto in contexts]
-    keys = np.concatenate([k[:m] for (_, k, _), m in zip(contexts, n)])
-    pages = np.concatenate([self.page_rows[slot, :m] for (slot, _, _), m in zip(contexts, n)])
+    ps = self.page_size
+    keys = np.concatenate([k[a // ps:b // ps] for _, k, a, b in contexts])
+    pages = np.concatenate([self.page_rows[slot, a // ps:b // ps] for slot, _, a, b in contexts])
     key_list = keys.tolist()
     fresh = ~self._held[pages] & ~np.fromiter(map(self._cache.__contains__, key_list), bool,
                                                len(key_list))

@@ -405,7 +405,7 @@ class Scheduler:
         new[slot] = [next(sampled)]
         s.decoding, s.parent = True, None
     self.cache.sync(page_table, num_free)
-    self.cache.register([(c.slot, self.slots[c.slot].keys, c.start + len(c.tokens))
+    self.cache.register([(c.slot, self.slots[c.slot].keys, c.start, c.start + len(c.tokens))
                          for c in plan.prefill])
     events, finished = [], []
     for slot, t in new.items():
