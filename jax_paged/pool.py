@@ -101,8 +101,7 @@ class KVPool:
         v_pages=jnp.zeros(shape, dtype),
         page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
         lengths=jnp.zeros((max_seqs,), jnp.int32),
-        # Reversed so that pops hand out pages 0, 1, 2, ... in order.
-        free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+        free_pages=_initial_free_pages(num_pages),
         num_free=jnp.asarray(num_pages, jnp.int32),
         refcounts=jnp.zeros((num_pages,), jnp.int32),
         k_scales=scales,
@@ -421,7 +420,9 @@ def copy_pages(pool: KVPool, src, dst) -> KVPool:
 
 def _drop_references(pool: KVPool, pages: jax.Array, counted: jax.Array) -> KVPool:
   """Drops one reference per `counted` entry of `pages` (any shape); pages whose count
-  reaches zero go back onto the free stack, each once, in the order they first appear."""
+  reaches zero go back onto the free stack, each once, in the order they first appear.
+  A pool left with every page free gets its new pool's stack back, so that the same
+  requests on an emptied pool take the same pages (an engine's runs then plan alike)."""
   pages = pages.reshape(-1)
   counted = counted.reshape(-1) & (pages >= 0) & (pages < pool.num_pages)
   target = jnp.where(counted, pages, pool.num_pages)  # out of range -> dropped
@@ -435,8 +436,16 @@ def _drop_references(pool: KVPool, pages: jax.Array, counted: jax.Array) -> KVPo
   freed = counted & (first_at[safe] == index) & (refcounts[safe] == 0)
   dest = jnp.where(freed, pool.num_free + jnp.cumsum(freed) - 1, pool.num_pages)
   free_pages = pool.free_pages.at[dest].set(pages, mode="drop")
-  return pool.replace(refcounts=refcounts, free_pages=free_pages,
-                      num_free=pool.num_free + jnp.sum(freed))
+  num_free = pool.num_free + jnp.sum(freed)
+  free_pages = jnp.where(num_free == pool.num_pages, _initial_free_pages(pool.num_pages),
+                         free_pages)
+  return pool.replace(refcounts=refcounts, free_pages=free_pages, num_free=num_free)
+
+
+def _initial_free_pages(num_pages: int) -> jax.Array:
+  """A new pool's free stack: reversed, so that pops hand out pages 0, 1, 2, ... in
+  order."""
+  return jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
 
 
 def release(pool: KVPool, seq_ids) -> KVPool:

@@ -262,6 +262,24 @@ def test_released_pages_are_reused():
   assert bool(ok[0]) and set(owned_pages(p)[3]) == pages
 
 
+def test_an_emptied_pool_hands_out_pages_as_a_new_one():
+  """Pages released out of order scramble the free stack; once every page is free again
+  it is the new pool's, so the same requests take the same pages (and while pages are
+  still held, the stack keeps the order they were freed in)."""
+  fresh = make_pool()
+  p, _, _ = kvpool.reserve(fresh, jnp.array([0, 1, 2]), jnp.array([9, 3, 13]),
+                           max_new_tokens=WIDTH * PAGE_SIZE)
+  first = owned_pages(p)
+  p = kvpool.release(p, jnp.array([1, 0]))
+  assert not np.array_equal(np.asarray(p.free_pages), np.asarray(fresh.free_pages))
+  p = kvpool.release(p, jnp.array([2]))
+  np.testing.assert_array_equal(np.asarray(p.free_pages), np.asarray(fresh.free_pages))
+  assert int(p.num_free) == NUM_PAGES and not np.asarray(p.refcounts).any()
+  p, _, _ = kvpool.reserve(p, jnp.array([0, 1, 2]), jnp.array([9, 3, 13]),
+                           max_new_tokens=WIDTH * PAGE_SIZE)
+  assert owned_pages(p) == first
+
+
 def test_invalid_ids_under_jit_are_flagged_not_applied():
   p = make_pool()
   p, slots, ok = jax.jit(lambda p, ids: kvpool.reserve(p, ids, 2))(p, jnp.array([1, 1, 9, -1]))
