@@ -181,9 +181,9 @@ def _pad(values, n, fill=-1):
 
 class FakeDevice:
   """The runner's pool work for a scheduler's plans, on a pool of 1-wide K/V (no model):
-  every sampled or decoded token is `token`; its results go to `scheduler.update`. Each
-  pool function is jitted at one padded shape (eager, a run of hundreds of plans would
-  take minutes)."""
+  every sampled or decoded token is `token`; its results go to `scheduler.take_tokens`
+  and `.settle`. Each pool function is jitted at one padded shape (eager, a run of
+  hundreds of plans would take minutes)."""
 
   MAX_PAGES = 16
 
@@ -197,13 +197,15 @@ class FakeDevice:
 
   def run(self, scheduler, plan, token=7, num_free=None):
     n = self.max_seqs
-    attach_ids = _pad([a[0] for a in plan.attach], n)
+    kv = _fake_update_pages(self.kv, np.stack([_pad(plan.retain, 64), _pad(plan.evict, 64)]),
+                            _pad(plan.release, n))
+    # The prefill call attaches its rows that start on cached pages, before it reserves.
+    assert {a[0] for a in plan.attach} <= {c.slot for c in plan.prefill}
     attach_pages = np.full((n, self.MAX_PAGES), -1, np.int32)
     for j, (_, pages, _) in enumerate(plan.attach):
       attach_pages[j, :len(pages)] = pages
-    kv = _fake_update_pages(self.kv, _pad(plan.retain, 64), _pad(plan.release, n),
-                            _pad(plan.evict, 64), attach_ids, attach_pages,
-                            _pad([a[2] for a in plan.attach], n, 0))
+    kv = _fake_attach(kv, _pad([a[0] for a in plan.attach], n), attach_pages,
+                      _pad([a[2] for a in plan.attach], n, 0))
     first = []
     for c in plan.prefill:
       kv, ok = _fake_prefill(kv, np.int32(c.slot), np.int32(len(c.tokens)),
@@ -217,10 +219,13 @@ class FakeDevice:
       decoded[step, np.asarray(ok) & active] = token
     self.kv = kv
     free = int(kv.num_free) if num_free is None else num_free
-    return scheduler.update(plan, np.asarray(first), decoded, np.asarray(kv.page_table), free)
+    events = scheduler.take_tokens(plan, np.asarray(first), decoded)
+    scheduler.settle(plan, np.asarray(kv.page_table), free)
+    return events
 
 
 _fake_update_pages = jax.jit(runner_lib.update_pages)
+_fake_attach = jax.jit(pool.attach)
 
 
 @functools.partial(jax.jit, static_argnames="width")
@@ -350,6 +355,9 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
 
 @pytest.mark.parametrize("request_,match", [
     (Request([], 3), "prompt is empty"),
+    (Request([1, 2.5], 3), r"prompt must be a flat list of integer token ids .* shape \(2,\)"),
+    (Request([[1, 2]], 3), r"prompt must be a flat list of integer token ids .* \(1, 2\)"),
+    (Request(np.array([1.0]), 3), "prompt must be a flat list of integer token ids"),
     (Request([1], 0), "max_new_tokens must be an int >= 1"),
     (Request([1], np.int64(0)), "max_new_tokens must be an int >= 1"),
     (Request([1], True), "max_new_tokens must be an int >= 1"),

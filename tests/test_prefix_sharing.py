@@ -7,7 +7,7 @@ from flax import nnx
 
 from jax_paged import Engine, Request, generate
 from jax_paged.serving import admission
-from jax_paged.serving.kv_cache_manager import KVCacheManager
+from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys
 from jax_paged.serving.request import sample_seed
 from jax_paged.serving.scheduler import Scheduler
 from models import gpt2
@@ -154,3 +154,56 @@ def test_many_random_requests_with_shared_prefixes_leave_nothing_referenced():
   kv = pool.release(kv, release or [0])
   kv = pool.release_pages(kv, cache.evict_for(cache.num_pages) or [-1])
   assert int(kv.num_free) == 24 and not np.asarray(kv.refcounts).any()
+
+
+def test_lookup_finds_each_contexts_longest_cached_prefix():
+  """The batched lookup against a per-context walk of the cache, on random contexts over
+  a few shared bases: empty and one-page contexts, full hits (the last token is left to
+  compute), misses at the first page and mid-way."""
+  rng = np.random.default_rng(2)
+  page = 4
+  cache = KVCacheManager(num_pages=64, page_size=page, max_seqs=4, max_pages_per_seq=16,
+                         prefix_caching=True)
+  bases = [rng.integers(0, 9, 40) for _ in range(3)]
+  cached = [bases[0][:28], bases[1][:13]]  # 7 and 3 full pages
+  for slot, context in enumerate(cached):
+    n = len(context) // page
+    cache.page_rows[slot, :n] = rng.permutation(64)[:n] if slot else np.arange(n)
+    cache.register([(slot, page_keys([context], page)[0], 0, n * page)])
+  contexts = [bases[rng.integers(3)][:rng.integers(0, 41)] for _ in range(200)]
+  contexts += [bases[0][:28], bases[0][:29], bases[0][:3]]
+  keys = page_keys(contexts, page)
+  got = cache.lookup(keys, [len(c) for c in contexts])
+  for context, k, pages in zip(contexts, keys, got):
+    want = []
+    for key in k[:(len(context) - 1) // page].tolist():
+      if key not in cache._cache:
+        break
+      want.append(cache._cache[key])
+    np.testing.assert_array_equal(pages, want)
+  assert len(got[-3]) == 6 and len(got[-2]) == 7 and len(got[-1]) == 0
+  assert sum(map(len, got)) > 100
+  off = KVCacheManager(num_pages=64, page_size=page, max_seqs=4, max_pages_per_seq=16)
+  assert all(len(p) == 0 for p in off.lookup(keys, [len(c) for c in contexts]))
+
+
+def test_page_keys_chain_each_contexts_pages():
+  """A page's key depends on its tokens and every page before it, not on the other
+  contexts of the batch: keys of contexts together equal their keys one by one, equal
+  prefixes give equal keys, and one changed token changes its page's key and all later
+  ones."""
+  rng = np.random.default_rng(3)
+  page = 4
+  base = rng.integers(0, 50257, 40).astype(np.int32)
+  changed = base.copy()
+  changed[13] += 1  # in page 3
+  contexts = [base, base[:22], changed, rng.integers(0, 50257, 3).astype(np.int32),
+              rng.integers(0, 50257, 31).astype(np.int32)]
+  together = page_keys(contexts, page)
+  for context, keys in zip(contexts, together):
+    np.testing.assert_array_equal(keys, page_keys([context], page)[0])
+    assert keys.dtype == np.uint64 and len(keys) == len(context) // page
+  np.testing.assert_array_equal(together[1], together[0][:5])
+  np.testing.assert_array_equal(together[2][:3], together[0][:3])
+  assert not np.isin(together[2][3:], together[0]).any()
+  assert len(np.unique(np.concatenate(together))) == 10 + 7 + 7

@@ -2,11 +2,13 @@
 
 Each iteration the scheduler plans one device call (`jax_paged.serving.scheduler`), the
 runner executes it over the pool (`jax_paged.serving.runner`), and the scheduler takes
-the new tokens, which the engine streams and counts in its `Report`:
+the new tokens, which the engine streams and counts in its `Report`, then the pool's
+page state:
 
     plan = scheduler.schedule(now)                 # bookkeeping, a prefill, a decode chunk
     kv, out = runner.execute(kv, plan)             # jitted calls, pool donated
-    events = scheduler.update(plan, out.first, out.decoded, out.page_table, out.num_free)
+    events = scheduler.take_tokens(plan, out.first, out.decoded)   # streamed
+    scheduler.settle(plan, out.page_table, out.num_free)           # page accounting
 
 Each token is drawn with the key `fold_in(key(seed), index)` where index counts the
 sample's own tokens (and seed is the sample's, `request.sample_seed`), so results do not
@@ -182,8 +184,7 @@ class Engine:
         report.decode_s += seconds
       else:
         report.prefill_s += seconds
-      events = scheduler.update(plan, out.first, out.decoded, out.page_table, out.num_free)
-      report.peak_pages_in_use = cache.peak_used_pages
+      events = scheduler.take_tokens(plan, out.first, out.decoded)
       now = time.perf_counter()
       for rid, sample, new, reason in events:
         if rid not in started:
@@ -191,6 +192,9 @@ class Engine:
           report.ttft_s.append(now - start - requests[rid].arrival_s)
         report.generated_tokens += len(new)
         yield rid, sample, new, reason
+      # The page bookkeeping once the caller has the tokens.
+      scheduler.settle(plan, out.page_table, out.num_free)
+      report.peak_pages_in_use = cache.peak_used_pages
     # Every page back: the prefix cache lives for one run.
     evicted = cache.evicted_pages
     retain, release = scheduler.pending_release()

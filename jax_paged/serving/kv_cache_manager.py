@@ -27,6 +27,8 @@ import itertools
 
 import numpy as np
 
+from jax_paged.serving.runner import fill_rows
+
 
 # A 64-bit polynomial hash chain, vectorised: page j's key is K_j = K_{j-1} * B + h_j
 # (mod 2**64), h_j a hash of the page's tokens; so K_j = B**j * sum_{i <= j} h_i * B**-i,
@@ -53,7 +55,7 @@ def page_keys(contexts: Sequence[np.ndarray], page_size: int) -> list[np.ndarray
   mix, up, down = _powers(max(page_size + 1, int(counts.max())))
   with np.errstate(over="ignore"):
     # Each page's tokens: a polynomial in _MIX with a final avalanche.
-    h = (pages * mix[1:page_size + 1]).sum(axis=1, dtype=np.uint64)
+    h = pages @ mix[1:page_size + 1]  # a product's sum: half the time of `* .sum`
     h ^= h >> np.uint64(31)
     h *= _B
     # The cumulative sum runs over all the contexts: less the sum before each one's first
@@ -176,31 +178,52 @@ class KVCacheManager:
 
   # What the scheduler records as it plans and as calls return.
 
-  def lookup(self, keys: np.ndarray, context_length: int) -> list[int]:
-    """The cached pages a context starts with, given its full pages' keys (`page_keys`):
-    its longest prefix of full pages in the cache, leaving at least its last token to
-    compute (its logits give the next token)."""
-    if not self.prefix_caching:
-      return []
-    pages = list(map(self._cache.get, keys[:(context_length - 1) // self.page_size].tolist()))
-    return pages[:pages.index(None)] if None in pages else pages
+  def lookup(self, keys: Sequence[np.ndarray], context_lengths: Sequence[int]
+             ) -> list[np.ndarray]:
+    """The cached pages (int64 arrays) each context starts with, given its full pages'
+    keys (`page_keys`) and its length: its longest prefix of full pages in the cache,
+    leaving at least its last token to compute (its logits give the next token).
 
-  def attach(self, contexts: list[tuple[int, list[int], int]]) -> None:
+    One pass for all the contexts: requests sharing a system prompt repeat its keys, so
+    each distinct key is looked up once (per context, the dictionary lookups cost ~12 µs
+    of host time for 52 pages, 3 ms for a batch of 256 prompts).
+    """
+    if not self.prefix_caching or not self._cache:
+      return [np.zeros(0, np.int64) for _ in keys]
+    counts = np.array([min(len(k), max(n - 1, 0) // self.page_size)
+                       for k, n in zip(keys, context_lengths)], np.int64)
+    if not counts.sum():
+      return [np.zeros(0, np.int64) for _ in keys]
+    flat = np.concatenate([k[:n] for k, n in zip(keys, counts.tolist())])
+    unique, inverse = np.unique(flat, return_inverse=True)
+    found = np.fromiter(map(self._cache.get, unique.tolist(), itertools.repeat(-1)),
+                        np.int64, len(unique))
+    pages = found[inverse]
+    # Each context's hits: its pages up to its first miss.
+    starts = np.cumsum(counts) - counts
+    position = np.arange(len(flat)) - np.repeat(starts, counts)
+    misses = np.where(pages < 0, position, np.repeat(counts, counts))
+    hits = np.zeros_like(counts)
+    some = counts > 0  # reduceat over the non-empty segments: an empty one would take one
+    hits[some] = np.minimum.reduceat(misses, starts[some])
+    return [pages[a:a + h] for a, h in zip(starts.tolist(), hits.tolist())]
+
+  def attach(self, contexts: list[tuple[int, np.ndarray, int]]) -> None:
     """Records admissions: for each (slot, pages, context_length), a
     `context_length`-token context in empty `slot`, which starts on the cached `pages`
-    (`pool.attach`). (One call for a device call's admissions: the reference counts are
-    updated once.)"""
-    added = []
-    for slot, pages, context_length in contexts:
-      self.prompt_tokens += context_length
-      if not pages:
-        continue
-      self.cached_prompt_tokens += len(pages) * self.page_size
-      self.pages_saved += len(pages)
-      self.page_rows[slot, :len(pages)] = pages
-      self.row_pages[slot] = len(pages)
-      self.cached[slot] = len(pages) * self.page_size
-      added += pages
+    (`pool.attach`). (One call for a device call's admissions, in numpy.)"""
+    self.prompt_tokens += sum(n for _, _, n in contexts)
+    hits = [(slot, pages) for slot, pages, _ in contexts if len(pages)]
+    if not hits:
+      return
+    slots = np.array([slot for slot, _ in hits], np.int64)
+    counts = np.array([len(pages) for _, pages in hits], np.int64)
+    added = np.concatenate([pages for _, pages in hits])
+    fill_rows(self.page_rows, slots, [pages for _, pages in hits])
+    self.row_pages[slots] = counts
+    self.cached[slots] = counts * self.page_size
+    self.cached_prompt_tokens += len(added) * self.page_size
+    self.pages_saved += len(added)
     self._add_refs(added, +1)
 
   def fork(self, src: int, dsts) -> None:

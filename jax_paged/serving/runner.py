@@ -7,14 +7,14 @@ It owns the paging policy inside a step and the one jit wrapper of the serving l
   model's forward over the pool (`PagedModel.prefill` / `.decode`), which writes every
   layer's K/V at those slots. A prefill continues sequences that already hold tokens (a
   cached prefix, earlier chunks) when given their `start`.
-* `update_pages`: a plan's page bookkeeping (prefix-cache holds, releases, evictions,
-  attachments to cached pages) as one call.
+* `update_pages`: a plan's page bookkeeping (prefix-cache holds, releases, evictions) as
+  one call.
 * the decode loop: up to `max_steps` decode steps in one device call, sampling on device
   and stopping rows on stop tokens and budgets, so Python dispatch is paid once per chunk.
 * `ModelRunner`: those functions jitted once per model structure (pool donated, so XLA
   updates its buffers in place), the parameters held as a flat list of leaves, and
-  `execute(pool, plan)` for a scheduler's `Plan`: bookkeeping, prefill (forking parallel
-  samples), decode.
+  `execute(pool, plan)` for a scheduler's `Plan`: bookkeeping, prefill (attaching
+  sequences to cached pages first, forking parallel samples after), decode.
 """
 
 from __future__ import annotations
@@ -39,6 +39,17 @@ from jax_paged.paged_model import ModelSpec, PagedModel
 def bucket(n: int, lo: int) -> int:
   """n rounded up to a power of two times lo, so shapes (and compilations) stay few."""
   return lo * 2 ** max(0, math.ceil(math.log2(max(n, 1) / lo)))
+
+
+def fill_rows(out: np.ndarray, rows, values: Sequence[np.ndarray]) -> None:
+  """out[rows[i], :len(values[i])] = values[i] for every i, as one numpy assignment (a
+  Python loop over a batch's 256 rows costs ~0.5 ms of host time)."""
+  counts = np.array([len(v) for v in values], np.int64)
+  if not counts.sum():
+    return
+  flat = np.concatenate(values)
+  out[np.repeat(np.asarray(rows, np.int64), counts),
+      np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)] = flat
 
 
 def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
@@ -66,17 +77,15 @@ def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
   return model.prefill(tokens, kv, slots, lengths, start=start, page_table=page_table)
 
 
-def update_pages(kv: pool_lib.KVPool, retain: jax.Array, release: jax.Array,
-                 evict: jax.Array, attach_ids: jax.Array, attach_pages: jax.Array,
-                 attach_tokens: jax.Array) -> pool_lib.KVPool:
+def update_pages(kv: pool_lib.KVPool, holds: jax.Array, release: jax.Array
+                 ) -> pool_lib.KVPool:
   """A plan's page bookkeeping, in its order: holds placed on newly cached pages
-  (`pool.retain_pages`), finished or preempted sequences released, evicted cached pages'
-  holds dropped (`pool.release_pages`), and admitted sequences attached to cached pages
-  (`pool.attach`). Every argument is padded with -1 (ignored)."""
-  kv = pool_lib.retain_pages(kv, retain)
+  (`pool.retain_pages` of holds[0]), finished or preempted sequences released, and
+  evicted cached pages' holds dropped (`pool.release_pages` of holds[1]). Both arguments
+  are padded with -1 (ignored): holds int32 [2, n], release int32 [max_seqs]."""
+  kv = pool_lib.retain_pages(kv, holds[0])
   kv = pool_lib.release(kv, release)
-  kv = pool_lib.release_pages(kv, evict)
-  return pool_lib.attach(kv, attach_ids, attach_pages, attach_tokens)
+  return pool_lib.release_pages(kv, holds[1])
 
 
 def _rows(x: jax.Array, seq_ids) -> jax.Array:
@@ -242,9 +251,9 @@ def unpack_arrays(packed: jax.Array, layout: Layout) -> dict[str, jax.Array]:
 
 class JittedSteps:
   """The jitted device functions of one model structure, pool donated: `prefill` and
-  `decode` (`prefill_step` / `decode_step`), `prefill_sample` (prefill, fork parallel
-  samples, then sample first tokens from the rows' last logits) and `decode_loop`; those
-  two take their host arrays packed (`pack_arrays`).
+  `decode` (`prefill_step` / `decode_step`), `prefill_sample` (attach rows to cached
+  pages, prefill, fork parallel samples, then sample first tokens from the rows' last
+  logits) and `decode_loop`; those two take their host arrays packed (`pack_arrays`).
 
   They take the parameters as the list `jax.tree.leaves(params)` (`treedef` = their
   `jax.tree.structure`): flattening an `nnx.State` of GPT-2 124M's 148 arrays costs
@@ -263,9 +272,12 @@ class JittedSteps:
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
     def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool):
-      """Packed: tokens, lengths, seq_ids, start (absent: None), fork_src, fork_dst,
-      sample_rows and the sample rows' seeds, index, temperature, top_k, top_p."""
+      """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
+      fresh prompts), fork_src, fork_dst, sample_rows and the sample rows' seeds, index,
+      temperature, top_k, top_p."""
       a = unpack_arrays(packed, layout)
+      if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
+        kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
       logits, kv = prefill_step(model(leaves), kv, a["tokens"], a["lengths"], a["seq_ids"],
                                 a.get("start"))
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
@@ -378,7 +390,7 @@ class ModelRunner:
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
     decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=) -> (tokens, kv)
     release(kv, seq_ids) -> kv
-    update_pages(kv, retain=, release=, evict=, attach=) -> kv     `update_pages`
+    update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
     execute(kv, plan) -> (kv, Executed)                           a scheduler's `Plan`
   """
 
@@ -426,32 +438,27 @@ class ModelRunner:
     return self.update_pages(kv, release=seq_ids)
 
   def update_pages(self, kv: pool_lib.KVPool, *, retain: Sequence[int] = (),
-                   release: Sequence[int] = (), evict: Sequence[int] = (),
-                   attach: Sequence[tuple[int, Sequence[int], int]] = ()
+                   release: Sequence[int] = (), evict: Sequence[int] = ()
                    ) -> pool_lib.KVPool:
-    """`update_pages` in one call (none when there is nothing to do); attach holds
-    (slot, cached pages, tokens)."""
-    if not (len(retain) or len(release) or len(evict) or len(attach)):
+    """`update_pages` in one call (none when there is nothing to do)."""
+    if not (len(retain) or len(release) or len(evict)):
       return kv
-    ids = np.full((bucket(len(attach), 1),), -1, np.int32)
-    pages = np.full((len(ids), kv.max_pages_per_seq), -1, np.int32)
-    tokens = np.zeros((len(ids),), np.int32)
-    for j, (slot, cached, n) in enumerate(attach):
-      ids[j], tokens[j] = slot, n
-      pages[j, :len(cached)] = cached
     release_ids = np.full((kv.max_seqs,), -1, np.int32)  # the pool's max_seqs: one shape
     release_ids[:len(release)] = release
-    packed, layout = pack_arrays(retain=_padded(retain, 16), release=release_ids,
-                                 evict=_padded(evict, 16), attach_ids=ids,
-                                 attach_pages=pages, attach_tokens=tokens)
+    # Holds placed and dropped share one bucketed length: each new shape compiles the
+    # call anew (~0.4 s on an H200 with a large pool, a stall mid-serving), and two
+    # lengths bucketed apart made a shape for each of their combinations.
+    holds = np.full((2, bucket(max(len(retain), len(evict)), 256)), -1, np.int32)
+    holds[0, :len(retain)] = retain
+    holds[1, :len(evict)] = evict
+    packed, layout = pack_arrays(holds=holds, release=release_ids)
     return _update_pages(kv, packed, layout)
 
   def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, Executed]:
     """Runs a scheduler's `Plan`: its page bookkeeping, then its prefill, then its decode
     chunk, dispatched back to back; the host then waits once, reading every result back
     in one transfer (`Executed`)."""
-    kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict,
-                           attach=plan.attach)
+    kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
     first = decoded = None
     if plan.prefill:
       first, kv = self._prefill_plan(kv, plan)
@@ -474,9 +481,18 @@ class ModelRunner:
     lengths = np.ones((n,), np.int32)
     start = np.zeros((n,), np.int32)
     seq_ids = np.full((n,), -1, np.int32)  # padding rows: invalid ids reserve nothing
-    for j, c in enumerate(chunks):
-      tokens[j, :len(c.tokens)] = c.tokens
-      lengths[j], start[j], seq_ids[j] = len(c.tokens), c.start, c.slot
+    fill_rows(tokens, range(len(chunks)), [c.tokens for c in chunks])
+    lengths[:len(chunks)] = [len(c.tokens) for c in chunks]
+    start[:len(chunks)] = [c.start for c in chunks]
+    seq_ids[:len(chunks)] = [c.slot for c in chunks]
+    continued = {}
+    if start.any():  # rows continuing a sequence; those starting on cached pages attach
+      attached = {slot: pages for slot, pages, _ in plan.attach}
+      attach_ids = np.where(np.isin(seq_ids, list(attached)), seq_ids, -1)
+      attach_pages = np.full((n, kv.max_pages_per_seq), -1, np.int32)
+      rows = np.flatnonzero(attach_ids >= 0)
+      fill_rows(attach_pages, rows, [attached[slot] for slot in seq_ids[rows].tolist()])
+      continued = dict(start=start, attach_ids=attach_ids, attach_pages=attach_pages)
     forks = [(c.slot, f) for c in chunks for f in c.forks]
     samples = [(j, s) for j, c in enumerate(chunks) for _, s in c.samples]
     m = bucket(max(len(samples), 1), 1)
@@ -486,8 +502,7 @@ class ModelRunner:
     sampling_ = _Sampling.of(seqs)
     # No start: fresh prompts take the model's attention over the new tokens alone.
     packed, layout = pack_arrays(
-        tokens=tokens, lengths=lengths, seq_ids=seq_ids,
-        **(dict(start=start) if start.any() else {}),
+        tokens=tokens, lengths=lengths, seq_ids=seq_ids, **continued,
         fork_src=_padded([src for src, _ in forks]), fork_dst=_padded([dst for _, dst in forks]),
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),

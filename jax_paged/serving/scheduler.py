@@ -20,9 +20,10 @@ executes its plans. Each `schedule()` returns one `Plan`, a device call of:
    its prompt plus the tokens it already produced (vLLM's recompute preemption; its
    cached prompt pages make that cheap).
 
-When nothing decodes, prefill calls run back to back. `update` takes what the runner
-produced, checks that the device pool did exactly what the host accounting expected, and
-retires finished sequences; their slots' pages are released at the start of the next plan.
+When nothing decodes, prefill calls run back to back. `take_tokens` takes the tokens the
+runner produced (the engine streams them at once); `settle` then checks that the device
+pool did exactly what the host accounting expected, caches the new full pages and retires
+finished sequences, whose slots' pages are released at the start of the next plan.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class PrefillChunk:
   @property
   def forks(self) -> tuple[int, ...]:
     """Slots that become copies of `slot` after this chunk (`pool.fork`)."""
+    if len(self.samples) < 2:  # the common case, asked per chunk of a batch
+      return ()
     return tuple(s for s, _ in self.samples if s != self.slot)
 
 
@@ -114,7 +117,8 @@ class Plan:
       that released or evicted: a hold only matters from then).
     release: slots whose pages are released (finished or preempted sequences).
     evict: cached pages whose holds are dropped.
-    attach: (slot, pages, tokens): admitted sequences starting on cached pages.
+    attach: (slot, pages, tokens): admitted sequences starting on cached pages (int64
+      [pages]), each prefilled in this plan (the prefill call attaches them first).
     prefill: the chunks to prefill.
     decode_steps: steps the decode chunk may run (0: no decode).
     max_steps: the most steps of any decode chunk (`steps_per_call`: the shape of the
@@ -125,7 +129,7 @@ class Plan:
   retain: tuple[int, ...] = ()
   release: tuple[int, ...] = ()
   evict: tuple[int, ...] = ()
-  attach: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+  attach: tuple[tuple[int, np.ndarray, int], ...] = ()
   prefill: tuple[PrefillChunk, ...] = ()
   decode_steps: int = 0
   max_steps: int = 1
@@ -173,7 +177,8 @@ class Scheduler:
     # prefilled whole before it decodes, so that it decodes in step.
     self._cohort_starting = False
     self._release: list[int] = []
-    self._attach: list[tuple[int, tuple[int, ...], int]] = []
+    self._attach: list[tuple[int, np.ndarray, int]] = []
+    self._finished: list[int] = []  # slots whose sequence ended in the last plan
 
   @property
   def finished(self) -> bool:
@@ -205,8 +210,7 @@ class Scheduler:
     decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
     if not prefill and not steps:
       return None
-    need = sum(int(self.cache.pages(c.start + len(c.tokens)) - self.cache.pages(c.start))
-               for c in prefill)
+    need = self._new_pages(prefill)
     if steps:
       need += int(self.cache.decode_growth(
           decoding, [self.slots[i].budget for i in decoding], steps)[-1])
@@ -228,6 +232,12 @@ class Scheduler:
     frees the other, in that order)."""
     release, self._release = self._release, []
     return self.cache.take_retains(), release
+
+  def _new_pages(self, prefill: list[PrefillChunk]) -> int:
+    """Pages these chunks take (in one numpy pass: a batch has hundreds)."""
+    start = np.array([c.start for c in prefill], np.int64)
+    stop = start + np.array([len(c.tokens) for c in prefill], np.int64)
+    return int((self.cache.pages(stop) - self.cache.pages(start)).sum())
 
   def _promised_pages(self) -> int:
     """Pages the pending prefills will still take (admitted, not yet in the pool)."""
@@ -292,53 +302,59 @@ class Scheduler:
     page_size = self.cache.page_size
     computing: set[int] = set()  # first keys of the pages this call computes
     looked_up = []  # (slot, cached pages, context length): `KVCacheManager.attach`
+    done = set()  # slots whose last chunk is in this call
     forks = collections.defaultdict(list)  # parent slot -> its samples' (slot, sequence)
     for i, f in enumerate(self.slots):
       if f is not None and f.parent is not None:
         forks[f.parent].append((i, f))
-    if self.cache.prefix_caching:  # the queue's new contexts' keys, in one pass
-      new = [self.slots[i] for i in self._prefill_queue]
-      new = [s for s in new if s.prefilled == 0 and not s.looked_up and s.keys is None]
-      for s, keys in zip(new, page_keys([s.context for s in new], page_size)):
+    hits = {}  # slot -> the cached pages its context starts with
+    if self.cache.prefix_caching:  # the queue's new contexts' keys and lookups, in one pass
+      new = [i for i in self._prefill_queue
+             if self.slots[i].prefilled == 0 and not self.slots[i].looked_up]
+      unkeyed = [self.slots[i] for i in new if self.slots[i].keys is None]
+      for s, keys in zip(unkeyed, page_keys([s.context for s in unkeyed], page_size)):
         s.keys = keys
+      hits = dict(zip(new, self.cache.lookup([self.slots[i].keys for i in new],
+                                             [self.slots[i].context_length for i in new])))
     for slot in list(self._prefill_queue):
       s = self.slots[slot]
       context = s.context
-      if s.prefilled == 0 and not s.looked_up:
-        hit = self.cache.lookup(s.keys, len(context))
-        if self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
-          if int(s.keys[len(hit)]) in computing:
-            continue
-        s.looked_up = True
-        looked_up.append((slot, hit, len(context)))
-        if hit:
-          self._attach.append((slot, tuple(hit), len(hit) * page_size))
-          s.prefilled = len(hit) * page_size
-      stop = min(s.prefill_stop, s.prefilled + self.max_chunk)
-      w = max(width, bucket(stop - s.prefilled, page_size))
+      fresh = s.prefilled == 0 and not s.looked_up
+      hit = hits.get(slot, ()) if fresh else ()
+      if fresh and self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
+        if int(s.keys[len(hit)]) in computing:
+          continue
+      prefilled = len(hit) * page_size or s.prefilled
+      stop = min(s.prefill_stop, prefilled + self.max_chunk)
+      w = max(width, bucket(stop - prefilled, page_size))
       if chunks and bucket(len(chunks) + 1, 1) * w > self.max_prefill_tokens:
         break
       width = w
+      if fresh:  # attached in this call (before its prefill), so only once it is in it
+        s.looked_up = True
+        looked_up.append((slot, hit, len(context)))
+        if len(hit):
+          self._attach.append((slot, hit, len(hit) * page_size))
+          s.prefilled = prefilled
       first_page = s.prefilled // page_size
       if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
         computing.add(int(s.keys[first_page]))  # keys: set at the sequence's lookup
       samples = ()
       if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
         samples = ((slot, s),) + tuple(forks.get(slot, ()))
-        self._prefill_queue.remove(slot)
+        done.add(slot)
       chunks.append(PrefillChunk(slot, s.prefilled, context[s.prefilled:stop], samples))
       s.prefilled = stop
       if stop != s.prefill_stop:
         break  # a chunked context: its next chunk goes into the next call
+    self._prefill_queue = [i for i in self._prefill_queue if i not in done]
     self.cache.attach(looked_up)
     return chunks
 
   def _fit_decode(self, max_steps: int, prefill: list[PrefillChunk]) -> int:
     """Decode steps that fit for every decoding sequence (0 if none decodes), preempting
     the newest while not one step fits."""
-    reserved = self._promised_pages() + sum(
-        int(self.cache.pages(c.start + len(c.tokens)) - self.cache.pages(c.start))
-        for c in prefill)
+    reserved = self._promised_pages() + self._new_pages(prefill)
     while True:
       decoding = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
       if not decoding:
@@ -367,10 +383,11 @@ class Scheduler:
       return "length"
     return None
 
-  def update(self, plan: Plan, prefill_tokens: np.ndarray, decode_tokens: np.ndarray,
-             page_table: np.ndarray, num_free: int
-             ) -> list[tuple[int, int, list[int], str | None]]:
-    """Takes a plan's results and retires the sequences that finished.
+  def take_tokens(self, plan: Plan, prefill_tokens: np.ndarray, decode_tokens: np.ndarray
+                  ) -> list[tuple[int, int, list[int], str | None]]:
+    """Takes a plan's new tokens; `settle` takes the rest of its results before the next
+    `schedule`. (Two steps, so that the tokens reach the caller before the page
+    bookkeeping: ~2 ms of host time after a batch of prefills.)
 
     Args:
       plan: the plan the runner executed.
@@ -378,15 +395,10 @@ class Scheduler:
         of its chunks' `samples`.
       decode_tokens: int32 [steps, max_batch], its decode chunk's tokens (-1 where a row
         produced nothing).
-      page_table, num_free: the pool's after the call.
 
     Returns:
       (request id, sample, new tokens, finish reason or None) per sequence that produced
       tokens: whole chunks, so the host pays per sequence, not per token.
-
-    Raises:
-      RuntimeError: the pool differs from the host accounting (a reservation failed on
-        device: a scheduler bug).
     """
     new: dict[int, list[int]] = {}
     if plan.decode_steps:
@@ -404,16 +416,30 @@ class Scheduler:
       for slot, s in chunk.samples:
         new[slot] = [next(sampled)]
         s.decoding, s.parent = True, None
-    self.cache.sync(page_table, num_free)
-    self.cache.register([(c.slot, self.slots[c.slot].keys, c.start, c.start + len(c.tokens))
-                         for c in plan.prefill])
-    events, finished = [], []
+    events = []
     for slot, t in new.items():
       s = self.slots[slot]
       s.tokens += t
       reason = self._stop_reason(s)
       if reason is not None:
-        finished.append(slot)
+        self._finished.append(slot)
       events.append((s.request_id, s.sample, t, reason))
-    self._retire(finished)
     return events
+
+  def settle(self, plan: Plan, page_table: np.ndarray, num_free: int) -> None:
+    """Takes the pool's state after a plan (after `take_tokens`): the page-table rows
+    that grew, the prefix cache's new pages; and retires the sequences that finished.
+
+    Args:
+      plan: the plan the runner executed.
+      page_table, num_free: the pool's after the call.
+
+    Raises:
+      RuntimeError: the pool differs from the host accounting (a reservation failed on
+        device: a scheduler bug).
+    """
+    self.cache.sync(page_table, num_free)
+    self.cache.register([(c.slot, self.slots[c.slot].keys, c.start, c.start + len(c.tokens))
+                         for c in plan.prefill])
+    finished, self._finished = self._finished, []
+    self._retire(finished)
