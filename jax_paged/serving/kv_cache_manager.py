@@ -217,11 +217,9 @@ class KVCacheManager:
     if not hits:
       return
     slots = np.array([slot for slot, _ in hits], np.int64)
-    counts = np.array([len(pages) for _, pages in hits], np.int64)
-    added = np.concatenate([pages for _, pages in hits])
-    fill_rows(self.page_rows, slots, [pages for _, pages in hits])
-    self.row_pages[slots] = counts
-    self.cached[slots] = counts * self.page_size
+    added = fill_rows(self.page_rows, slots, [pages for _, pages in hits])
+    self.row_pages[slots] = [len(pages) for _, pages in hits]
+    self.cached[slots] = self.row_pages[slots] * self.page_size
     self.cached_prompt_tokens += len(added) * self.page_size
     self.pages_saved += len(added)
     self._add_refs(added, +1)
