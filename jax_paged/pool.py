@@ -448,6 +448,17 @@ def _initial_free_pages(num_pages: int) -> jax.Array:
   return jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
 
 
+def clear(pool: KVPool) -> KVPool:
+  """Every sequence emptied and every page freed, holds included: the pool as `create`
+  made it. The K/V pages keep their contents (no page is read before it is written
+  again), so no buffer is reallocated."""
+  return pool.replace(page_table=jnp.zeros_like(pool.page_table),
+                      lengths=jnp.zeros_like(pool.lengths),
+                      free_pages=_initial_free_pages(pool.num_pages),
+                      num_free=jnp.asarray(pool.num_pages, jnp.int32),
+                      refcounts=jnp.zeros_like(pool.refcounts))
+
+
 def release(pool: KVPool, seq_ids) -> KVPool:
   """Drops the listed sequences' references to their pages and sets their lengths to 0.
 

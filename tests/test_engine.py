@@ -353,6 +353,26 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
   assert str(report).splitlines()[-1].endswith("tokens/s")
 
 
+def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_reference):
+  """An abandoned stream, or a callback that raises, ends the run with every page free
+  (holds of the prefix cache included), and the next run gives the same tokens."""
+  eng = Engine(model, max_batch=2, num_pages=64, page_size=8, steps_per_call=3)
+  requests = [Request(p, 14) for p in prompts]
+  for _ in eng.stream(requests):  # the first tokens: pages are held
+    assert int(eng.kv.num_free) < 64
+    break
+  assert int(eng.kv.num_free) == 64 and not np.asarray(eng.kv.refcounts).any()
+  assert not np.asarray(eng.kv.lengths).any()
+
+  def fail(event):
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    eng.generate(requests, on_token=fail)
+  assert int(eng.kv.num_free) == 64 and not np.asarray(eng.kv.refcounts).any()
+  assert eng.generate(requests)[0] == greedy_reference
+
+
 @pytest.mark.parametrize("request_,match", [
     (Request([], 3), "prompt is empty"),
     (Request([1, 2.5], 3), r"prompt must be a flat list of integer token ids .* shape \(2,\)"),

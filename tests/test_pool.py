@@ -280,6 +280,26 @@ def test_an_emptied_pool_hands_out_pages_as_a_new_one():
   assert owned_pages(p) == first
 
 
+def test_clear_frees_every_page_and_empties_every_sequence():
+  """After reserves, a fork and holds, `clear` gives a new pool's bookkeeping (the same
+  pages handed out next) and keeps the K/V buffers."""
+  fresh = make_pool()
+  p, _, _ = kvpool.reserve(fresh, jnp.array([0, 1]), jnp.array([9, 13]),
+                           max_new_tokens=WIDTH * PAGE_SIZE)
+  first = owned_pages(p)
+  p = kvpool.fork(p, 0, jnp.array([2]))
+  p = kvpool.retain_pages(p, jnp.array(first[1][:1]))
+  p = kvpool.write_kv(p, 0, jnp.arange(4), *[jnp.ones((4, HKV, D))] * 2)
+  k = np.asarray(p.k_pages)
+  p = jax.jit(kvpool.clear)(p)
+  for name in ("page_table", "lengths", "free_pages", "num_free", "refcounts"):
+    np.testing.assert_array_equal(np.asarray(getattr(p, name)), np.asarray(getattr(fresh, name)))
+  np.testing.assert_array_equal(np.asarray(p.k_pages), k)
+  p, _, _ = kvpool.reserve(p, jnp.array([0, 1]), jnp.array([9, 13]),
+                           max_new_tokens=WIDTH * PAGE_SIZE)
+  assert owned_pages(p) == first
+
+
 def test_invalid_ids_under_jit_are_flagged_not_applied():
   p = make_pool()
   p, slots, ok = jax.jit(lambda p, ids: kvpool.reserve(p, ids, 2))(p, jnp.array([1, 1, 9, -1]))

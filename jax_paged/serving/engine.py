@@ -139,7 +139,8 @@ class Engine:
 
   def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
     """Yields each token as soon as the host has it. `self.report` is complete once the
-    iterator is exhausted."""
+    iterator is exhausted; closing it early (or breaking out of a loop over it) ends the
+    run and frees every page."""
     for rid, sample, tokens, reason in self._run(requests):
       for j, token in enumerate(tokens):
         yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample)
@@ -164,43 +165,51 @@ class Engine:
     self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
     start = time.perf_counter()
     started: set[int] = set()
-    while not scheduler.finished:
-      plan = scheduler.schedule(time.perf_counter() - start)
-      if plan is None:  # the next request has not arrived yet
-        time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - start)))
-        continue
-      called = time.perf_counter()
-      self.kv, out = self.runner.execute(self.kv, plan)
-      seconds = time.perf_counter() - called
-      if plan.prefill:
-        report.prefill_calls += 1
-      if plan.decode_steps:
-        report.decode_calls += 1
-        produced = (out.decoded >= 0).sum(axis=0)
-        report.decode_steps += int(produced.max())
-        report.decode_tokens += int(produced.sum())
-      # A call with both is counted as decode time: its prefill interleaves.
-      if plan.decode_steps:
-        report.decode_s += seconds
-      else:
-        report.prefill_s += seconds
-      events = scheduler.take_tokens(plan, out.first, out.decoded)
-      now = time.perf_counter()
-      for rid, sample, new, reason in events:
-        if rid not in started:
-          started.add(rid)
-          report.ttft_s.append(now - start - requests[rid].arrival_s)
-        report.generated_tokens += len(new)
-        yield rid, sample, new, reason
-      # The page bookkeeping once the caller has the tokens.
-      scheduler.settle(plan, out.page_table, out.num_free)
-      report.peak_pages_in_use = cache.peak_used_pages
-    # Every page back: the prefix cache lives for one run.
-    evicted = cache.evicted_pages
-    retain, release = scheduler.pending_release()
-    self.kv = self.runner.update_pages(self.kv, retain=retain, release=release,
-                                       evict=cache.evict_for(self.num_pages))
-    cache.evicted_pages = evicted  # emptying the cache at the end is not an eviction
+    try:
+      while not scheduler.finished:
+        plan = scheduler.schedule(time.perf_counter() - start)
+        if plan is None:  # the next request has not arrived yet
+          time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - start)))
+          continue
+        called = time.perf_counter()
+        self.kv, out = self.runner.execute(self.kv, plan)
+        seconds = time.perf_counter() - called
+        if plan.prefill:
+          report.prefill_calls += 1
+        if plan.decode_steps:
+          report.decode_calls += 1
+          produced = (out.decoded >= 0).sum(axis=0)
+          report.decode_steps += int(produced.max())
+          report.decode_tokens += int(produced.sum())
+        # A call with both is counted as decode time: its prefill interleaves.
+        if plan.decode_steps:
+          report.decode_s += seconds
+        else:
+          report.prefill_s += seconds
+        events = scheduler.take_tokens(plan, out.first, out.decoded)
+        now = time.perf_counter()
+        for rid, sample, new, reason in events:
+          if rid not in started:
+            started.add(rid)
+            report.ttft_s.append(now - start - requests[rid].arrival_s)
+          report.generated_tokens += len(new)
+          yield rid, sample, new, reason
+        # The page bookkeeping once the caller has the tokens.
+        scheduler.settle(plan, out.page_table, out.num_free)
+        report.peak_pages_in_use = cache.peak_used_pages
+    finally:
+      if scheduler.finished:
+        # Every page back: the prefix cache lives for one run.
+        evicted = cache.evicted_pages
+        retain, release = scheduler.pending_release()
+        self.kv = self.runner.update_pages(self.kv, retain=retain, release=release,
+                                           evict=cache.evict_for(self.num_pages))
+        cache.evicted_pages = evicted  # emptying the cache at the end is not an eviction
+      elif not self.kv.page_table.is_deleted():
+        # Stopped early (its stream abandoned, a callback or a check raised): every page
+        # back at once, so the next run starts on an empty pool as its accounting does.
+        # (A pool deleted by a failed donated call is beyond repair here.)
+        self.kv = self.runner.clear(self.kv)
     report.preemptions = scheduler.num_preemptions
     report.elapsed_s = time.perf_counter() - start
     report.kv_efficiency = cache.efficiency

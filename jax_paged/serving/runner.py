@@ -317,6 +317,9 @@ def _jitted_steps(graphdef: nnx.GraphDef, treedef, sharding=None) -> JittedSteps
   return JittedSteps(graphdef, treedef, sharding)
 
 
+_clear = jax.jit(pool_lib.clear, donate_argnums=0)
+
+
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layout")
 def _update_pages(kv: pool_lib.KVPool, packed: jax.Array, layout: Layout) -> pool_lib.KVPool:
   """`update_pages` with its arrays packed (`pack_arrays`), by its argument names."""
@@ -390,6 +393,7 @@ class ModelRunner:
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
     decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=) -> (tokens, kv)
     release(kv, seq_ids) -> kv
+    clear(kv) -> kv                                               `pool.clear`
     update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
     execute(kv, plan) -> (kv, Executed)                           a scheduler's `Plan`
   """
@@ -432,6 +436,10 @@ class ModelRunner:
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked)
+
+  def clear(self, kv: pool_lib.KVPool) -> pool_lib.KVPool:
+    """Every page free and every sequence empty (`pool.clear`), in place."""
+    return _clear(kv)
 
   def release(self, kv: pool_lib.KVPool, seq_ids: Sequence[int]) -> pool_lib.KVPool:
     """Frees these sequences' pages (those no other reference holds)."""
