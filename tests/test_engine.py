@@ -355,7 +355,8 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
 
 def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_reference):
   """An abandoned stream, or a callback that raises, ends the run with every page free
-  (holds of the prefix cache included), and the next run gives the same tokens."""
+  (holds of the prefix cache included), a second run while one is under way is refused,
+  and the next run gives the same tokens."""
   eng = Engine(model, max_batch=2, num_pages=64, page_size=8, steps_per_call=3)
   requests = [Request(p, 14) for p in prompts]
   for _ in eng.stream(requests):  # the first tokens: pages are held
@@ -370,6 +371,13 @@ def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_refere
   with pytest.raises(KeyboardInterrupt):
     eng.generate(requests, on_token=fail)
   assert int(eng.kv.num_free) == 64 and not np.asarray(eng.kv.refcounts).any()
+  # One run at a time: a second one while a stream is open is refused, pool untouched.
+  stream = eng.stream(requests)
+  next(stream)
+  with pytest.raises(RuntimeError, match="already running a generate / stream"):
+    eng.generate(requests)
+  stream.close()
+  assert int(eng.kv.num_free) == 64
   assert eng.generate(requests)[0] == greedy_reference
 
 

@@ -123,6 +123,7 @@ class Engine:
                                       max_pages_per_seq=self.max_pages_per_seq,
                                       dtype=cache_dtype)
     self.report = Report(num_pages=self.num_pages)
+    self._running = False  # a run holds the pool: one at a time
 
   def generate(self, requests: Sequence[Request],
                on_token: Callable[[TokenEvent], None] | None = None
@@ -147,8 +148,11 @@ class Engine:
 
   def _run(self, requests: Sequence[Request]
            ) -> Iterator[tuple[int, int, list[int], str | None]]:
-    """schedule -> execute -> update until every request has finished. Yields (request
-    id, sample, new tokens, finish reason) per sequence per device call."""
+    """schedule -> execute -> take_tokens / settle until every request has finished.
+    Yields (request id, sample, new tokens, finish reason) per sequence per device call."""
+    if self._running:
+      raise RuntimeError("this Engine is already running a generate / stream, and a run "
+                         "holds the whole pool: exhaust or close() the other stream first")
     prompts = validate_requests(requests, self.spec, page_size=self.page_size,
                                 max_pages=min(self.num_pages, self.max_pages_per_seq),
                                 max_batch=self.max_batch)
@@ -165,6 +169,7 @@ class Engine:
     self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
     start = time.perf_counter()
     started: set[int] = set()
+    self._running = True
     try:
       while not scheduler.finished:
         plan = scheduler.schedule(time.perf_counter() - start)
@@ -210,6 +215,7 @@ class Engine:
         # back at once, so the next run starts on an empty pool as its accounting does.
         # (A pool deleted by a failed donated call is beyond repair here.)
         self.kv = self.runner.clear(self.kv)
+      self._running = False
     report.preemptions = scheduler.num_preemptions
     report.elapsed_s = time.perf_counter() - start
     report.kv_efficiency = cache.efficiency
