@@ -386,6 +386,7 @@ def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_refere
     (Request([1, 2.5], 3), r"prompt must be a flat list of integer token ids .* shape \(2,\)"),
     (Request([[1, 2]], 3), r"prompt must be a flat list of integer token ids .* \(1, 2\)"),
     (Request(np.array([1.0]), 3), "prompt must be a flat list of integer token ids"),
+    (Request(jnp.ones((1, 2), jnp.int32), 3), r"prompt must be a flat list .* \(1, 2\)"),
     (Request([1], 0), "max_new_tokens must be an int >= 1"),
     (Request([1], np.int64(0)), "max_new_tokens must be an int >= 1"),
     (Request([1], True), "max_new_tokens must be an int >= 1"),
