@@ -200,12 +200,13 @@ class FakeDevice:
     kv = _fake_update_pages(self.kv, np.stack([_pad(plan.retain, 64), _pad(plan.evict, 64)]),
                             _pad(plan.release, n))
     # The prefill call attaches its rows that start on cached pages, before it reserves.
-    assert {a[0] for a in plan.attach} <= {c.slot for c in plan.prefill}
+    attached = [c for c in plan.prefill if c.cached is not None]
     attach_pages = np.full((n, self.MAX_PAGES), -1, np.int32)
-    for j, (_, pages, _) in enumerate(plan.attach):
-      attach_pages[j, :len(pages)] = pages
-    kv = _fake_attach(kv, _pad([a[0] for a in plan.attach], n), attach_pages,
-                      _pad([a[2] for a in plan.attach], n, 0))
+    for j, c in enumerate(attached):
+      assert c.start == len(c.cached) * scheduler.cache.page_size
+      attach_pages[j, :len(c.cached)] = c.cached
+    kv = _fake_attach(kv, _pad([c.slot for c in attached], n), attach_pages,
+                      _pad([c.start for c in attached], n, 0))
     first = []
     for c in plan.prefill:
       kv, ok = _fake_prefill(kv, np.int32(c.slot), np.int32(len(c.tokens)),

@@ -495,11 +495,11 @@ class ModelRunner:
     seq_ids[:len(chunks)] = [c.slot for c in chunks]
     continued = {}
     if start.any():  # rows continuing a sequence; those starting on cached pages attach
-      attached = {slot: pages for slot, pages, _ in plan.attach}
-      attach_ids = np.where(np.isin(seq_ids, list(attached)), seq_ids, -1)
+      rows = [j for j, c in enumerate(chunks) if c.cached is not None]
+      attach_ids = np.full((n,), -1, np.int32)
+      attach_ids[rows] = seq_ids[rows]
       attach_pages = np.full((n, kv.max_pages_per_seq), -1, np.int32)
-      rows = np.flatnonzero(attach_ids >= 0)
-      fill_rows(attach_pages, rows, [attached[slot] for slot in seq_ids[rows].tolist()])
+      fill_rows(attach_pages, rows, [chunks[j].cached for j in rows])
       continued = dict(start=start, attach_ids=attach_ids, attach_pages=attach_pages)
     forks = [(c.slot, f) for c in chunks for f in c.forks]
     samples = [(j, s) for j, c in enumerate(chunks) for _, s in c.samples]

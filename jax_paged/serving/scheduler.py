@@ -91,12 +91,16 @@ class PrefillChunk:
     samples: the sequences that sample their first token from this chunk's last logits:
       the slot's own sequence (on its last chunk) and its forks, as (slot, sequence);
       empty for an earlier chunk.
+    cached: for a sequence's first chunk after a prefix-cache hit, the cached pages
+      (int64) holding context[:start], which the call attaches the slot to before it
+      prefills (`pool.attach`); None otherwise.
   """
 
   slot: int
   start: int
   tokens: np.ndarray
   samples: tuple[tuple[int, RunningRequest], ...] = ()
+  cached: np.ndarray | None = None
 
   @property
   def forks(self) -> tuple[int, ...]:
@@ -108,7 +112,8 @@ class PrefillChunk:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """One device call, in this order: retain, release, evict, attach, prefill, decode.
+  """One device call, in this order: retain, release, evict, prefill (attaching chunks to
+  their cached pages first), decode.
 
   Attributes:
     rows: each slot's decoding sequence (None = empty, or not decoding in this call),
@@ -117,8 +122,6 @@ class Plan:
       that released or evicted: a hold only matters from then).
     release: slots whose pages are released (finished or preempted sequences).
     evict: cached pages whose holds are dropped.
-    attach: (slot, pages, tokens): admitted sequences starting on cached pages (int64
-      [pages]), each prefilled in this plan (the prefill call attaches them first).
     prefill: the chunks to prefill.
     decode_steps: steps the decode chunk may run (0: no decode).
     max_steps: the most steps of any decode chunk (`steps_per_call`: the shape of the
@@ -129,7 +132,6 @@ class Plan:
   retain: tuple[int, ...] = ()
   release: tuple[int, ...] = ()
   evict: tuple[int, ...] = ()
-  attach: tuple[tuple[int, np.ndarray, int], ...] = ()
   prefill: tuple[PrefillChunk, ...] = ()
   decode_steps: int = 0
   max_steps: int = 1
@@ -177,7 +179,6 @@ class Scheduler:
     # prefilled whole before it decodes, so that it decodes in step.
     self._cohort_starting = False
     self._release: list[int] = []
-    self._attach: list[tuple[int, np.ndarray, int]] = []
     self._finished: list[int] = []  # slots whose sequence ended in the last plan
 
   @property
@@ -217,13 +218,12 @@ class Scheduler:
     evict = self.cache.evict_for(need)
     rows = tuple(s if s is not None and s.decoding and steps else None for s in self.slots)
     release, self._release = self._release, []
-    attach, self._attach = self._attach, []
     # A hold matters on the device only once a cached page's last sequence lets it go, so
     # the holds travel with a release: a plan without one sends none (the bookkeeping call
     # of a static batch's prefills and first decode chunk is then skipped).
     retain = self.cache.take_retains() if release or evict else []
     return Plan(rows=rows, retain=tuple(retain), release=tuple(release),
-                evict=tuple(evict), attach=tuple(attach), prefill=tuple(prefill),
+                evict=tuple(evict), prefill=tuple(prefill),
                 decode_steps=steps, max_steps=self.steps_per_call)
 
   def pending_release(self) -> tuple[list[int], list[int]]:
@@ -330,11 +330,12 @@ class Scheduler:
       if chunks and bucket(len(chunks) + 1, 1) * w > self.max_prefill_tokens:
         break
       width = w
+      cached = None
       if fresh:  # attached in this call (before its prefill), so only once it is in it
         s.looked_up = True
         looked_up.append((slot, hit, len(context)))
         if len(hit):
-          self._attach.append((slot, hit, len(hit) * page_size))
+          cached = hit
           s.prefilled = prefilled
       first_page = s.prefilled // page_size
       if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
@@ -343,7 +344,8 @@ class Scheduler:
       if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
         samples = ((slot, s),) + tuple(forks.get(slot, ()))
         done.add(slot)
-      chunks.append(PrefillChunk(slot, s.prefilled, context[s.prefilled:stop], samples))
+      chunks.append(PrefillChunk(slot, s.prefilled, context[s.prefilled:stop], samples,
+                                 cached))
       s.prefilled = stop
       if stop != s.prefill_stop:
         break  # a chunked context: its next chunk goes into the next call
