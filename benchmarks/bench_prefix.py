@@ -1,8 +1,8 @@
 """Shared pages at work: prefix caching, parallel sampling and chunked prefill.
 
-GPT-2 124M with random weights, bf16, EOS ignored; each figure is the median (by time) of
-three identical runs after an untimed one (compilation excluded). Three workloads, each run both ways in the
-same process:
+GPT-2 124M with random weights, bf16, EOS ignored; compilation excluded: workloads 1-2
+report the median (by time) of three identical runs after an untimed one, workload 3 one
+run after two untimed ones. Three workloads, each run both ways in the same process:
 
 1. shared system prompt: 256 requests = one 768-token system prompt + a unique 64-token
    suffix, 128 new tokens each (greedy); prefix caching on vs off. Mean time to first
