@@ -250,10 +250,9 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
       decode step's active rows).
     max_new_tokens: the width of `slots`. Defaults to max(num_new_tokens), which must then
       be known outside of tracing (a Python int or a concrete array).
-    interpret: None = on a GPU, one Pallas-Triton kernel where max_new_tokens is 1 and
-      seq_ids are known when tracing (a decode step; `jax_paged.decode_reserve`), XLA
-      otherwise and elsewhere; True = that kernel in Pallas interpret mode (tests); False
-      = the kernel.
+    interpret: None = on a GPU, one Pallas-Triton kernel where max_new_tokens is 1 (a
+      decode step; `jax_paged.decode_reserve`), XLA otherwise and elsewhere; True = that
+      kernel in Pallas interpret mode (tests); False = the kernel.
 
   Returns:
     (pool, slots, ok): the new pool with pages allocated and `lengths` advanced; int32
@@ -279,19 +278,32 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
       raise ValueError("num_new_tokens is traced: pass a static max_new_tokens for the width "
                        "of slots")
     max_new_tokens = int(concrete_counts.max()) if n else 0
-  ps = pool.page_size
   mode = triton_backend.kernel_mode(interpret)
-  # The kernel needs the ids distinct and in range: concrete ones were checked above.
-  if mode is not None and max_new_tokens == 1 and n and concrete_ids is not None:
-    in_order = np.array_equal(concrete_ids, np.arange(n))
-    page_arrays = pool.page_arrays()
-    page_table, lengths, num_free, refcounts, pages, slots, ok = (
-        decode_reserve.reserve_one_pallas(
-            pool.page_table, pool.lengths, pool.free_pages, pool.num_free, pool.refcounts,
-            tuple(page_arrays.values()), None if in_order else seq_ids, counts,
-            page_size=ps, interpret=mode))
-    return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free,
-                        refcounts=refcounts, **dict(zip(page_arrays, pages))), slots, ok
+  if mode is None or max_new_tokens != 1 or not n:
+    return _reserve_xla(pool, seq_ids, counts, max_new_tokens)
+  # The kernel needs the ids distinct and in range: concrete ones were checked above;
+  # traced ones that repeat an earlier id or are out of range become max_seqs (not served,
+  # as on the XLA path). Traced ids take the kernel too: the XLA path's copy-on-write
+  # branch (`lax.cond`) waits for the device to decide, every call.
+  if concrete_ids is None:
+    kernel_ids = jnp.where(_first_valid_occurrence(pool, seq_ids), seq_ids, pool.max_seqs)
+  else:
+    kernel_ids = None if np.array_equal(concrete_ids, np.arange(n)) else seq_ids
+  page_arrays = pool.page_arrays()
+  page_table, lengths, num_free, refcounts, pages, slots, ok = (
+      decode_reserve.reserve_one_pallas(
+          pool.page_table, pool.lengths, pool.free_pages, pool.num_free, pool.refcounts,
+          tuple(page_arrays.values()), kernel_ids, counts, page_size=pool.page_size,
+          interpret=mode))
+  return pool.replace(page_table=page_table, lengths=lengths, num_free=num_free,
+                      refcounts=refcounts, **dict(zip(page_arrays, pages))), slots, ok
+
+
+def _reserve_xla(pool: KVPool, seq_ids: jax.Array, counts: jax.Array, max_new_tokens: int
+                 ) -> tuple[KVPool, jax.Array, jax.Array]:
+  """`reserve` in plain XLA: seq_ids int32 [n], counts int or bool [n], any
+  max_new_tokens."""
+  ps = pool.page_size
   counts = counts.astype(jnp.int32)
 
   valid = _first_valid_occurrence(pool, seq_ids)

@@ -194,10 +194,15 @@ def test_one_token_reserve_is_greedy_in_order_when_pages_run_short(seed):
   check_page_ownership(new)
 
 
+# `reserve`'s plain-XLA path, whatever the backend: the kernels' reference.
+reserve_xla = jax.jit(lambda p, ids, counts: kvpool._reserve_xla(p, ids, counts, 1))
+
+
 def _check_decode_reserve_kernel(interpret: bool, seed: int) -> None:
-  """`reserve`'s one-kernel decode path (concrete ids, max_new_tokens=1) vs its XLA path
-  (traced ids): random lengths, a short free stack, counts in -1..2 (traced; the invalid
-  ones refused) and bool; then concrete counts in {0, 1} outside jit."""
+  """`reserve`'s one-kernel decode path (max_new_tokens=1) vs its XLA path: random
+  lengths, a short free stack, counts in -1..2 (traced; the invalid ones refused) and
+  bool; concrete counts in {0, 1} outside jit; and traced ids, among them repeated and
+  out-of-range ones (not served)."""
   rng = np.random.default_rng(seed)
   p = make_pool(num_pages=24, max_seqs=8, max_pages_per_seq=3)
   p, _, _ = kvpool.reserve(p, jnp.arange(8), jnp.asarray(rng.integers(0, 13, 8)))
@@ -205,17 +210,23 @@ def _check_decode_reserve_kernel(interpret: bool, seed: int) -> None:
   # Some seeds take every sequence in order (the kernel then makes the ids itself).
   ids = (np.arange(8) if seed % 3 == 0 else rng.permutation(8)[:rng.integers(1, 9)]
          ).astype(np.int32)
-  xla = jax.jit(lambda p, i, c: kvpool.reserve(p, i, c, max_new_tokens=1))
   kernel = jax.jit(lambda p, c: kvpool.reserve(p, ids, c, max_new_tokens=1,
                                                interpret=interpret))
   counts = jnp.asarray(rng.integers(-1, 3, ids.size), jnp.int32)
-  chex.assert_trees_all_equal(kernel(p, counts), xla(p, jnp.asarray(ids), counts))
+  chex.assert_trees_all_equal(kernel(p, counts), reserve_xla(p, jnp.asarray(ids), counts))
   active = jnp.asarray(rng.integers(0, 2, ids.size), bool)  # bool counts: a decode step's
-  chex.assert_trees_all_equal(kernel(p, active), xla(p, jnp.asarray(ids), active))
+  chex.assert_trees_all_equal(kernel(p, active), reserve_xla(p, jnp.asarray(ids), active))
   counts = rng.integers(0, 2, ids.size)
   counts[0] = 1  # max_new_tokens defaults to max(counts): 1
   chex.assert_trees_all_equal(kvpool.reserve(p, ids, counts, interpret=interpret),
-                              xla(p, jnp.asarray(ids), jnp.asarray(counts)))
+                              reserve_xla(p, jnp.asarray(ids), jnp.asarray(counts)))
+  traced = jax.jit(lambda p, i, c: kvpool.reserve(p, i, c, max_new_tokens=1,
+                                                  interpret=interpret))
+  bad = np.concatenate([ids, rng.choice(ids, 2), [-1, 8, 11]]).astype(np.int32)
+  for seq_ids in (ids, rng.permutation(bad)):
+    counts = jnp.asarray(rng.integers(-1, 3, seq_ids.size), jnp.int32)
+    chex.assert_trees_all_equal(traced(p, jnp.asarray(seq_ids), counts),
+                                reserve_xla(p, jnp.asarray(seq_ids), counts))
 
 
 @pytest.mark.parametrize("seed", range(6))

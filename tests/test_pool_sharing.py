@@ -260,10 +260,14 @@ def _check_kernel_with_shared_pages(interpret: bool, seed: int) -> None:
                 num_free=jnp.asarray(free, jnp.int32))
   ids = (np.arange(8) if seed % 2 else rng.permutation(8)).astype(np.int32)
   counts = jnp.asarray(rng.integers(0, 2, 8), jnp.int32).at[:3].set(1)
-  xla = jax.jit(lambda p, i, c: kvpool.reserve(p, i, c, max_new_tokens=1))
+  xla = jax.jit(lambda p, i, c: kvpool._reserve_xla(p, i, c, 1))  # on any backend
   kernel = jax.jit(lambda p, c: kvpool.reserve(p, ids, c, max_new_tokens=1,
                                                interpret=interpret))
   chex.assert_trees_all_equal(kernel(p, counts), xla(p, jnp.asarray(ids), counts))
+  traced = jax.jit(lambda p, i, c: kvpool.reserve(p, i, c, max_new_tokens=1,
+                                                  interpret=interpret))
+  chex.assert_trees_all_equal(traced(p, jnp.asarray(ids), counts),
+                              xla(p, jnp.asarray(ids), counts))
 
 
 @pytest.mark.parametrize("seed", range(4))

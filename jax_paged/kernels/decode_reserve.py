@@ -4,8 +4,9 @@ XLA runs `reserve`'s vectorised form as about eight small kernels (the duplicate
 prefix sums, the free-stack pops, the page-table and lengths scatters, the slots, the
 stack height), each 1-2 µs, on a decode step's critical path; this kernel takes 2.2 µs
 (GPT-2 at batch 128 on an H200: 6-9 µs less per step; benchmarks/LOG.md, "K/V write and
-reserve"). With at most one new token per sequence and the sequence ids known when tracing
-(so already checked distinct and in range), everything fits one program: a [n] vector per quantity,
+reserve"). With at most one new token per sequence (and the sequence ids distinct and in
+range: checked when known when tracing, else guarded by the caller), everything fits one
+program: a [n] vector per quantity,
 the prefix sums as Triton scans, the page pops, and the page-table and lengths updates as
 masked gathers and scatters into the pool's arrays, aliased to the outputs (in place when
 the pool is donated).
@@ -39,7 +40,8 @@ _COPY_CHUNK = 1024  # elements of a page's (layer, head) tile copied per iterati
 
 def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages: int,
             page_size: int, tiles: int, tile_sizes: tuple[int, ...], ids_given: bool):
-  """Refs: (ids_given) seq_ids [n] (distinct, in [0, max_seqs)), counts [n], num_free [],
+  """Refs: (ids_given) seq_ids [n] (distinct in [0, max_seqs), or max_seqs: not served),
+  counts [n], num_free [],
   free_pages [num_pages], then page_table [max_seqs, max_pages], lengths [max_seqs],
   refcounts [num_pages] and the pool's page arrays (K and V pages, and a quantized pool's
   scales) flattened to [tiles * num_pages * tile_sizes[j]] (inputs unused: their buffers
@@ -52,14 +54,16 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
   page_refs = refs[:len(tile_sizes)]
   new_free_ref, slots_ref, ok_ref = refs[len(tile_sizes):]
   i = jnp.arange(block)
-  live = i < n
+  lane = i < n  # a lane with an output row
   # Distinct ids: each lane reads and writes only its own sequence's entries, and the
-  # lanes past n address nothing (out of range), so no two lanes store to one address
-  # (Pallas interpret mode stores masked lanes too, with the values they read).
+  # lanes past n, or given id max_seqs (not served), address nothing (out of range), so no
+  # two lanes store to one address (Pallas interpret mode stores masked lanes too, with
+  # the values they read).
   if ids_ref is None:  # sequences 0 .. n - 1
-    ids = jnp.where(live, i, max_seqs)
+    ids = jnp.where(lane, i, max_seqs)
   else:
-    ids = plgpu.load(ids_ref.at[i], mask=live, other=max_seqs)
+    ids = plgpu.load(ids_ref.at[i], mask=lane, other=max_seqs)
+  live = lane & (ids < max_seqs)
   counts = plgpu.load(counts_ref.at[i], mask=live, other=0).astype(jnp.int32)
   old_len = plgpu.load(lengths_ref.at[ids], mask=live, other=0)
   new_len = old_len + counts
@@ -90,8 +94,8 @@ def _kernel(*refs, n: int, block: int, max_seqs: int, max_pages: int, num_pages:
   plgpu.store(lengths_ref.at[ids], new_len, mask=ok)
   plgpu.store(slots_ref.at[i], jnp.where(ok & (counts > 0),
                                          page * page_size + old_len % page_size, -1),
-              mask=live & ~shared)
-  plgpu.store(ok_ref.at[i], ok, mask=live & ~shared)
+              mask=lane & ~shared)
+  plgpu.store(ok_ref.at[i], ok, mask=lane & ~shared)
   num_free -= jnp.sum(taken)
   new_free_ref[...] = num_free
 
@@ -157,9 +161,10 @@ def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: ja
       num_pages, page_size, D], and a quantized pool's k_scales, v_scales [L, Hkv,
       num_pages, page_size] (the pool's fields; all but free_pages are updated in place
       when donated; the page arrays only by copy-on-write).
-    seq_ids: int32 [n], distinct ids in [0, max_seqs) (the caller checks: they are known
-      when tracing); or None for sequences 0 .. n - 1 (a decode loop's whole batch: no
-      ids array to materialise and load).
+    seq_ids: int32 [n], distinct ids in [0, max_seqs), or max_seqs for a row not to
+      serve (the caller's guard for traced ids that repeat or are out of range); or None
+      for sequences 0 .. n - 1 (a decode loop's whole batch: no ids array to materialise
+      and load).
     counts: int [n] or bool [n], new tokens per sequence (0 or 1 are served; converted in
       the kernel, where XLA would run the conversion as a kernel of its own).
     page_size: the pool's page size.
