@@ -4,12 +4,12 @@ XLA runs `reserve`'s vectorised form as about eight small kernels (the duplicate
 prefix sums, the free-stack pops, the page-table and lengths scatters, the slots, the
 stack height), each 1-2 µs, on a decode step's critical path; this kernel takes 2.2 µs
 (GPT-2 at batch 128 on an H200: 6-9 µs less per step; benchmarks/LOG.md, "K/V write and
-reserve"). With at most one new token per sequence (and the sequence ids distinct and in
-range: checked when known when tracing, else guarded by the caller), everything fits one
-program: a [n] vector per quantity,
-the prefix sums as Triton scans, the page pops, and the page-table and lengths updates as
-masked gathers and scatters into the pool's arrays, aliased to the outputs (in place when
-the pool is donated).
+reserve"). With at most one new token per sequence and distinct sequence ids in range
+(checked when the ids are known when tracing; traced ones that repeat or are out of range
+come as max_seqs, which is not served), everything fits one program: a [n] vector per
+quantity, the prefix sums as Triton scans, the page pops, and the page-table and lengths
+updates as masked gathers and scatters into the pool's arrays, aliased to the outputs (in
+place when the pool is donated).
 
 Semantics are exactly `pool.reserve`'s with `max_new_tokens=1`: sequences are served in
 order; one fits if its new page (when it needs one) is left on the free stack after the

@@ -106,7 +106,7 @@ def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_i
     kv: the pool. The token's position is the sequence's current length.
     tokens: int32 [B], the newest token of each sequence.
     seq_ids: int32 [B] distinct pool sequence ids (B is the batch capacity); numpy ids
-      known when tracing take the one-kernel reservation on a GPU.
+      0 .. B-1 known when tracing skip gathering the pool's rows (`_rows`).
     active: bool [B], rows to run (default all); inactive rows write nothing and their
       logits are meaningless, so a fixed-capacity batch can carry empty rows.
     greedy: (static) return each row's argmax token instead of the logits (the model may
