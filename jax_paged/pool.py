@@ -99,11 +99,7 @@ class KVPool:
     return cls(
         k_pages=jnp.zeros(shape, dtype),
         v_pages=jnp.zeros(shape, dtype),
-        page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
-        lengths=jnp.zeros((max_seqs,), jnp.int32),
-        free_pages=_initial_free_pages(num_pages),
-        num_free=jnp.asarray(num_pages, jnp.int32),
-        refcounts=jnp.zeros((num_pages,), jnp.int32),
+        **_empty_bookkeeping(num_pages, max_seqs, max_pages_per_seq),
         k_scales=scales,
         v_scales=None if scales is None else jnp.zeros_like(scales),
     )
@@ -460,15 +456,22 @@ def _initial_free_pages(num_pages: int) -> jax.Array:
   return jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
 
 
+def _empty_bookkeeping(num_pages: int, max_seqs: int, max_pages_per_seq: int
+                       ) -> dict[str, jax.Array]:
+  """A new pool's page table, lengths, free stack, free count and reference counts."""
+  return dict(page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
+              lengths=jnp.zeros((max_seqs,), jnp.int32),
+              free_pages=_initial_free_pages(num_pages),
+              num_free=jnp.asarray(num_pages, jnp.int32),
+              refcounts=jnp.zeros((num_pages,), jnp.int32))
+
+
 def clear(pool: KVPool) -> KVPool:
   """Every sequence emptied and every page freed, holds included: the pool as `create`
   made it. The K/V pages keep their contents (no page is read before it is written
   again), so no buffer is reallocated."""
-  return pool.replace(page_table=jnp.zeros_like(pool.page_table),
-                      lengths=jnp.zeros_like(pool.lengths),
-                      free_pages=_initial_free_pages(pool.num_pages),
-                      num_free=jnp.asarray(pool.num_pages, jnp.int32),
-                      refcounts=jnp.zeros_like(pool.refcounts))
+  return pool.replace(**_empty_bookkeeping(pool.num_pages, pool.max_seqs,
+                                           pool.max_pages_per_seq))
 
 
 def release(pool: KVPool, seq_ids) -> KVPool:
