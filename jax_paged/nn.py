@@ -145,7 +145,12 @@ class RotaryEmbedding:
     """float32 [head_dim // 2], the rotation frequency of each pair."""
     d = self.head_dim
     f32 = np.float32
-    inv_freq = f32(1.0) / (f32(self.theta) ** (np.arange(0, d, 2).astype(f32) / f32(d)))
+    # theta ** (2i / d) with the f32 exponent, rounded to f32 from float64 as torch's pow
+    # (HF's) rounds it: numpy's own float32 pow (numpy 2.4) is off by an ulp in some
+    # entries, an angle error that grows with the position (5e-3 rad at 131071).
+    exponent = np.arange(0, d, 2).astype(f32) / f32(d)
+    power = np.power(np.float64(self.theta), exponent.astype(np.float64)).astype(f32)
+    inv_freq = f32(1.0) / power
     if self.rope_type == "linear":
       inv_freq = inv_freq / f32(self.factor)
     elif self.rope_type == "llama3":
