@@ -60,6 +60,7 @@ def run(model, mesh, batch: int, prompt: int, new: int, steps_per_call: int, rep
   engine.generate(requests)  # compiles
   steps, rates = [], []
   for _ in range(reps):
+    engine.reset_prefix_cache()  # else the last run's pages serve every prompt
     start = time.perf_counter()
     tokens, report = engine.generate(requests)
     rates.append(batch * new / (time.perf_counter() - start))

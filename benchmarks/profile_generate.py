@@ -53,10 +53,12 @@ def main():
   run = lambda: eng.generate([Request(p, args.new) for p in prompts])
   walls = []
   for _ in range(4):  # the first compiles
+    eng.reset_prefix_cache()  # else the last run's pages serve every prompt
     start = time.perf_counter()
     run()
     walls.append(time.perf_counter() - start)
   trace_dir = tempfile.mkdtemp(dir=common.out_dir())
+  eng.reset_prefix_cache()
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     start = time.perf_counter()
     run()

@@ -36,6 +36,19 @@ def greedy_reference(model, prompts):
   return generate(model, prompts, 14, page_size=8)
 
 
+def assert_pages_back(eng: Engine) -> None:
+  """After a run: no sequence holds a page; the pages still held are the prefix cache's
+  (one reference each, its hold); `reset_prefix_cache` frees them, leaving every page free
+  and every count zero."""
+  refs = np.asarray(eng.kv.refcounts)
+  assert not np.asarray(eng.kv.lengths).any()
+  assert refs.max(initial=0) <= 1 and int(refs.sum()) == eng.num_cached_pages
+  assert int(eng.kv.num_free_pages()) == eng.num_pages - eng.num_cached_pages
+  assert eng.reset_prefix_cache() == int(refs.sum()) and eng.num_cached_pages == 0
+  assert int(eng.kv.num_free_pages()) == eng.num_pages
+  assert not np.asarray(eng.kv.refcounts).any()
+
+
 # steps_per_call 20: calls rounded down to a group of STEPS_PER_CHECK = 16 checked steps,
 # in which every row stops (13 decode steps each) and the rest run idle.
 @pytest.mark.parametrize("max_batch,order_seed,steps_per_call",
@@ -48,7 +61,7 @@ def test_greedy_matches_static_generate_whatever_order_and_capacity(
   outputs, report = eng.generate([Request(prompts[i], 14) for i in order])
   assert [outputs[j] for j in np.argsort(order)] == greedy_reference
   assert report.generated_tokens == 14 * len(prompts) and report.preemptions == 0
-  assert int(eng.kv.num_free_pages()) == 64
+  assert_pages_back(eng)
 
 
 def test_packed_host_arrays_round_trip_every_field():
@@ -275,7 +288,8 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, gree
   outputs, report = eng.generate([Request(p, 14) for p in prompts])
   assert report.preemptions > 0
   assert outputs == greedy_reference
-  assert report.peak_pages_in_use <= 9 and int(eng.kv.num_free_pages()) == 9
+  assert report.peak_pages_in_use <= 9
+  assert_pages_back(eng)
 
 
 def test_peak_admission_never_preempts(model, prompts, greedy_reference):
@@ -283,7 +297,8 @@ def test_peak_admission_never_preempts(model, prompts, greedy_reference):
                admission="peak")
   outputs, report = eng.generate([Request(p, 14) for p in prompts])
   assert report.preemptions == 0 and outputs == greedy_reference
-  assert report.peak_pages_in_use <= 9 and int(eng.kv.num_free_pages()) == 9
+  assert report.peak_pages_in_use <= 9
+  assert_pages_back(eng)
 
 
 def test_peak_admission_overlaps_growth_with_release(model):
@@ -310,9 +325,8 @@ def test_no_page_leaks_after_thousands_of_requests(model):
   outputs, report = eng.generate(requests)
   assert all(1 <= len(o) <= r.max_new_tokens for o, r in zip(outputs, requests))
   assert report.generated_tokens == sum(map(len, outputs))
-  kv = eng.kv
-  assert int(kv.num_free_pages()) == 40 and not np.asarray(kv.lengths).any()
-  assert sorted(np.asarray(kv.free_pages).tolist()) == list(range(40))
+  assert_pages_back(eng)
+  assert sorted(np.asarray(eng.kv.free_pages).tolist()) == list(range(40))
 
 
 def test_sampling_is_reproducible_by_seed(model, prompts):
@@ -356,15 +370,17 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
 
 def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_reference):
   """An abandoned stream, or a callback that raises, ends the run with every page free
-  (holds of the prefix cache included), a second run while one is under way is refused,
-  and the next run gives the same tokens."""
+  (the prefix cache's, earlier runs' included, are dropped), a second run or a cache reset
+  while one is under way is refused, and the next run gives the same tokens."""
   eng = Engine(model, max_batch=2, num_pages=64, page_size=8, steps_per_call=3)
   requests = [Request(p, 14) for p in prompts]
+  eng.generate(requests)
+  assert eng.num_cached_pages > 0
   for _ in eng.stream(requests):  # the first tokens: pages are held
     assert int(eng.kv.num_free) < 64
     break
   assert int(eng.kv.num_free) == 64 and not np.asarray(eng.kv.refcounts).any()
-  assert not np.asarray(eng.kv.lengths).any()
+  assert not np.asarray(eng.kv.lengths).any() and eng.num_cached_pages == 0
 
   def fail(event):
     raise KeyboardInterrupt
@@ -377,6 +393,8 @@ def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_refere
   next(stream)
   with pytest.raises(RuntimeError, match="already running a generate / stream"):
     eng.generate(requests)
+  with pytest.raises(RuntimeError, match="reset_prefix_cache"):
+    eng.reset_prefix_cache()
   stream.close()
   assert int(eng.kv.num_free) == 64
   assert eng.generate(requests)[0] == greedy_reference

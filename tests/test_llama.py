@@ -25,6 +25,7 @@ import jax_paged
 from jax_paged import cli
 from jax_paged.serving.runner import ModelRunner
 from models import gpt2, llama
+from tests.test_engine import assert_pages_back
 
 PAGE = 8
 VOCAB = 300
@@ -185,7 +186,7 @@ def test_engine_under_preemption_gives_generates_tokens(saved):
   eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0
-  assert int(eng.kv.num_free_pages()) == 7
+  assert_pages_back(eng)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])

@@ -9,6 +9,7 @@ from flax import nnx
 import jax_paged
 from jax_paged import nn
 from jax_paged.serving.runner import ModelRunner
+from tests.test_engine import assert_pages_back
 
 VOCAB, MAX_POSITIONS, LAYERS, KV_HEADS, HEAD_DIM = 61, 48, 2, 2, 8
 
@@ -99,7 +100,7 @@ def test_engine_and_generate_serve_it(model):
   eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=8, steps_per_call=4)
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0
-  assert int(eng.kv.num_free_pages()) == 7
+  assert_pages_back(eng)
 
 
 def test_a_model_that_does_not_meet_the_protocol_is_refused():

@@ -11,7 +11,7 @@ from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys
 from jax_paged.serving.request import sample_seed
 from jax_paged.serving.scheduler import Scheduler
 from models import gpt2
-from tests.test_engine import FakeDevice
+from tests.test_engine import FakeDevice, assert_pages_back
 
 CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=32, n_layer=2, n_head=4,
                          bos_token_id=None, eos_token_id=None)
@@ -54,8 +54,9 @@ def test_prefix_caching_gives_the_same_greedy_tokens(model, shared_prompts, refe
   outputs_off, report_off = off.generate(requests)
   assert outputs_off == reference and report_off.cached_prompt_tokens == 0
   assert report.peak_pages_in_use < report_off.peak_pages_in_use
-  for eng in (cached, off):  # every page back, every count zero
-    assert int(eng.kv.num_free_pages()) == 64 and not np.asarray(eng.kv.refcounts).any()
+  assert off.num_cached_pages == 0
+  for eng in (cached, off):
+    assert_pages_back(eng)
 
 
 def test_requests_admitted_together_compute_a_shared_prefix_once(model, shared_prompts):
@@ -75,7 +76,7 @@ def test_eviction_under_a_tiny_pool_gives_the_same_tokens(
   outputs, report = eng.generate([Request(p, 10) for p in shared_prompts])
   assert outputs == reference and report.evicted_pages > 0
   assert report.cached_prompt_tokens > 0 and report.peak_pages_in_use <= 8
-  assert int(eng.kv.num_free_pages()) == 8 and not np.asarray(eng.kv.refcounts).any()
+  assert_pages_back(eng)
 
 
 def test_parallel_samples_share_the_prompt_and_draw_their_own_streams(model, shared_prompts):
@@ -94,7 +95,7 @@ def test_parallel_samples_share_the_prompt_and_draw_their_own_streams(model, sha
   greedy = generate(model, [shared_prompts[0]], 5, page_size=PAGE)[0]
   assert outputs[1] == [greedy, greedy]
   assert report.pages_saved >= 3 * (len(prompt) // PAGE + 1)
-  assert int(eng.kv.num_free_pages()) == 64 and not np.asarray(eng.kv.refcounts).any()
+  assert_pages_back(eng)
 
 
 def test_long_prompts_prefill_in_chunks_beside_decoding_requests(model, shared_prompts,
@@ -120,6 +121,28 @@ def test_a_request_arriving_later_starts_on_the_cached_prefix(model, shared_prom
   outputs, report = eng.generate(requests)
   assert outputs == reference[:2] and report.cached_prompt_tokens == 3 * PAGE
   assert report.ttft_s[1] < report.elapsed_s - 0.3 + 1e-6
+
+
+def test_the_prefix_cache_outlives_a_run(model, shared_prompts, reference):
+  """A later run on the same engine starts on the pages earlier runs cached, evicts them
+  when it needs room, and gives the same tokens; `reset_prefix_cache` makes it cold."""
+  eng = Engine(model, max_batch=2, num_pages=64, page_size=PAGE)
+  outputs, report = eng.generate([Request(shared_prompts[0], 10)])
+  assert outputs == reference[:1] and report.cached_prompt_tokens == 0
+  assert eng.num_cached_pages == 3  # the system prompt's full pages
+  outputs, report = eng.generate([Request(shared_prompts[1], 10)])
+  assert outputs == reference[1:2] and report.cached_prompt_tokens == 3 * PAGE
+  assert eng.reset_prefix_cache() == 4 and eng.num_cached_pages == 0
+  outputs, report = eng.generate([Request(shared_prompts[1], 10)])
+  assert outputs == reference[1:2] and report.cached_prompt_tokens == 0
+  # A pool of 8 pages: each run evicts what earlier runs cached as it needs room.
+  tiny = Engine(model, max_batch=4, num_pages=8, page_size=PAGE, steps_per_call=6)
+  requests = [Request(p, 10) for p in shared_prompts]
+  runs = [tiny.generate(requests) for _ in range(3)]
+  assert all(outputs == reference for outputs, _ in runs)
+  assert runs[1][1].evicted_pages > 0 and runs[1][1].peak_pages_in_use <= 8
+  assert runs[2][1].cached_prompt_tokens > 0
+  assert_pages_back(tiny)
 
 
 def test_many_random_requests_with_shared_prefixes_leave_nothing_referenced():

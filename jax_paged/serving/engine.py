@@ -65,7 +65,9 @@ class Engine:
     prefix_caching: keep the full pages of prompts (and of preempted contexts) in a prefix
       cache, so that a request starting with the same tokens shares those pages and
       prefills only the rest; cached pages no sequence uses are evicted, least recently
-      used first, when the pool needs room (`jax_paged.serving.kv_cache_manager`). Tokens
+      used first, when the pool needs room (`jax_paged.serving.kv_cache_manager`). The
+      cache outlives a run, as vLLM's does: a later `generate` / `stream` on this engine
+      starts on the pages earlier runs cached (`reset_prefix_cache()` drops them). Tokens
       are the same either way.
     mesh: None runs on one device; a 1-D mesh (`jax_paged.tensor_parallel.make_mesh(N)`,
       axis "tp") runs the model tensor parallel over its N devices: attention heads, the
@@ -124,6 +126,27 @@ class Engine:
                                       dtype=cache_dtype)
     self.report = Report(num_pages=self.num_pages)
     self._running = False  # a run holds the pool: one at a time
+    # The host's page accounting, kept from run to run with the pool: pages cached by a
+    # run (its prompts' full pages) serve the next run's requests too, until evicted.
+    self._cache: KVCacheManager | None = None
+
+  @property
+  def num_cached_pages(self) -> int:
+    """Pages the prefix cache holds between runs (evictable: a run takes them when it
+    needs room)."""
+    return 0 if self._cache is None else self._cache.num_cached_pages
+
+  def reset_prefix_cache(self) -> int:
+    """Drops every cached page (vLLM's `reset_prefix_cache`): the next run starts cold, on
+    an empty pool. Returns the pages freed."""
+    if self._running:
+      raise RuntimeError("reset_prefix_cache() during a generate / stream: exhaust or "
+                         "close() it first")
+    if self._cache is None:
+      return 0
+    evicted = self._cache.evict_for(self.num_pages)
+    self.kv = self.runner.update_pages(self.kv, evict=evicted)
+    return len(evicted)
 
   def generate(self, requests: Sequence[Request],
                on_token: Callable[[TokenEvent], None] | None = None
@@ -156,9 +179,13 @@ class Engine:
     prompts = validate_requests(requests, self.spec, page_size=self.page_size,
                                 max_pages=min(self.num_pages, self.max_pages_per_seq),
                                 max_batch=self.max_batch)
-    cache = KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
-                           max_seqs=self.max_batch, max_pages_per_seq=self.max_pages_per_seq,
-                           prefix_caching=self.prefix_caching)
+    if self._cache is None:
+      self._cache = KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
+                                   max_seqs=self.max_batch,
+                                   max_pages_per_seq=self.max_pages_per_seq,
+                                   prefix_caching=self.prefix_caching)
+    cache = self._cache
+    cache.reset_counters()
     policy = admission_lib.make_policy(self.admission, cache,
                                        max_positions=self.spec.max_positions,
                                        steps_per_call=self.steps_per_call)
@@ -204,17 +231,16 @@ class Engine:
         report.peak_pages_in_use = cache.peak_used_pages
     finally:
       if scheduler.finished:
-        # Every page back: the prefix cache lives for one run.
-        evicted = cache.evicted_pages
+        # Every sequence's pages back; the cached ones stay for the next run.
         retain, release = scheduler.pending_release()
-        self.kv = self.runner.update_pages(self.kv, retain=retain, release=release,
-                                           evict=cache.evict_for(self.num_pages))
-        cache.evicted_pages = evicted  # emptying the cache at the end is not an eviction
-      elif not self.kv.page_table.is_deleted():
+        self.kv = self.runner.update_pages(self.kv, retain=retain, release=release)
+      else:
         # Stopped early (its stream abandoned, a callback or a check raised): every page
-        # back at once, so the next run starts on an empty pool as its accounting does.
+        # back at once, the prefix cache's too, and a new accounting for the next run.
         # (A pool deleted by a failed donated call is beyond repair here.)
-        self.kv = self.runner.clear(self.kv)
+        self._cache = None
+        if not self.kv.page_table.is_deleted():
+          self.kv = self.runner.clear(self.kv)
       self._running = False
     report.preemptions = scheduler.num_preemptions
     report.elapsed_s = time.perf_counter() - start

@@ -111,6 +111,11 @@ class KVCacheManager:
     self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self._grown: set[int] = set()                  # slots whose rows changed in this call
     self._retain: list[int] = []                   # holds the device has not placed yet
+    self.reset_counters()
+
+  def reset_counters(self) -> None:
+    """Zeroes what a run reports (the manager, its prefix cache included, outlives a
+    run: `Engine` keeps one per pool)."""
     # The most pages held at once by sequences (cached, evictable pages excluded). Pages
     # only grow within a device call (finished sequences are released at the next), so
     # the high point is right after a call's growth is recorded.
@@ -320,7 +325,7 @@ class KVCacheManager:
     k = min(pages_needed - (self.num_pages - self._in_use), len(self._evictable))
     if k <= 0:
       return []
-    if k == len(self._evictable):  # all of them (a run's end empties the cache)
+    if k == len(self._evictable):  # all of them (`Engine.reset_prefix_cache`)
       evicted = list(self._evictable)
       self._evictable.clear()
     else:
