@@ -212,7 +212,8 @@ class FakeDevice:
     n = self.max_seqs
     kv = _fake_update_pages(self.kv, np.stack([_pad(plan.retain, 64), _pad(plan.evict, 64)]),
                             _pad(plan.release, n))
-    # The prefill call attaches its rows that start on cached pages, before it reserves.
+    # The prefill call attaches its rows that start on cached pages, before it reserves;
+    # then attaches its second phase's rows to the pages the first phase's rows hold.
     attached = [c for c in plan.prefill if c.cached is not None]
     attach_pages = np.full((n, self.MAX_PAGES), -1, np.int32)
     for j, c in enumerate(attached):
@@ -220,12 +221,19 @@ class FakeDevice:
       attach_pages[j, :len(c.cached)] = c.cached
     kv = _fake_attach(kv, _pad([c.slot for c in attached], n), attach_pages,
                       _pad([c.start for c in attached], n, 0))
-    first = []
-    for c in plan.prefill:
-      kv, ok = _fake_prefill(kv, np.int32(c.slot), np.int32(len(c.tokens)),
-                             _pad(c.forks, n), width=self.width)
-      assert bool(ok)
-      first += [token] * len(c.samples)
+    for phase in (False, True):
+      chunks = [c for c in plan.prefill if (c.follows is not None) == phase]
+      if phase and chunks:
+        assert all(c.cached is None and c.start % scheduler.cache.page_size == 0
+                   for c in chunks)
+        kv = _fake_attach(kv, _pad([c.slot for c in chunks], n),
+                          np.asarray(kv.page_table)[_pad([c.follows for c in chunks], n, 0)],
+                          _pad([c.start for c in chunks], n, 0))
+      for c in chunks:
+        kv, ok = _fake_prefill(kv, np.int32(c.slot), np.int32(len(c.tokens)),
+                               _pad(c.forks, n), width=self.width)
+        assert bool(ok)
+    first = [token] * sum(len(c.samples) for c in plan.prefill)
     decoded = np.full((plan.decode_steps, len(plan.rows)), -1)
     for step in range(plan.decode_steps):
       active = np.array([s is not None and step < s.budget for s in plan.rows])

@@ -60,14 +60,32 @@ def test_prefix_caching_gives_the_same_greedy_tokens(model, shared_prompts, refe
 
 
 def test_requests_admitted_together_compute_a_shared_prefix_once(model, shared_prompts):
-  """Eight requests sharing 3 pages, admitted at once: the first computes them, the rest
-  wait one prefill call and attach to them."""
+  """Eight requests sharing 3 pages, admitted at once: in one prefill call, the first
+  computes them, the rest attach to them and prefill their own tokens after it."""
   system = shared_prompts[2]
   requests = [Request(system + [i, i + 1], 4) for i in range(8)]
   eng = Engine(model, max_batch=8, num_pages=64, page_size=PAGE)
   outputs, report = eng.generate(requests)
-  assert report.cached_prompt_tokens == 7 * 3 * PAGE and report.prefill_calls == 2
+  assert report.cached_prompt_tokens == 7 * 3 * PAGE and report.prefill_calls == 1
+  assert report.peak_pages_in_use == 3 + 8
   assert outputs == generate(model, [r.prompt for r in requests], 4, page_size=PAGE)
+
+
+def test_requests_sharing_cached_and_new_pages_prefill_in_one_call(model, shared_prompts):
+  """A cached 3-page prefix (an earlier run's), then four requests admitted together that
+  share it and 2 more pages: the first attaches to the cached pages and computes the 2,
+  the rest start on all 5 of its pages in the same call's second phase."""
+  system = shared_prompts[2]
+  rng = np.random.default_rng(6)
+  shared = system + rng.integers(0, CONFIG.vocab_size, 2 * PAGE).tolist()
+  prompts = [shared + rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (3, 9, 1, 12)]
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=PAGE)
+  eng.generate([Request(system, 2)])
+  outputs, report = eng.generate([Request(p, 6) for p in prompts])
+  assert outputs == generate(model, prompts, 6, page_size=PAGE)
+  assert report.prefill_calls == 1
+  assert report.cached_prompt_tokens == (3 + 3 * 5) * PAGE
+  assert_pages_back(eng)
 
 
 def test_eviction_under_a_tiny_pool_gives_the_same_tokens(

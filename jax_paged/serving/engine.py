@@ -50,9 +50,11 @@ class Engine:
       on an H200: benchmarks/RESULTS.md, "Generation throughput (bench_generate)"). Above
       `runner.STEPS_PER_CHECK` (16), calls that can end early are rounded down to whole
       groups of it.
-    max_prefill_tokens: the most (padded) tokens one prefill call processes (bounding
-      prefill memory); more admissions go into further calls before the next chunk,
-      grouped by length so that short prompts are not padded to long ones.
+    max_prefill_tokens: the most (padded) tokens one prefill call processes at once
+      (bounding prefill memory); more admissions go into further calls before the next
+      chunk, grouped by length so that short prompts are not padded to long ones. (A
+      call's second phase, requests starting on a prefix its first phase computes, runs
+      after the first and has a budget of its own.)
     admission: "optimistic" (vLLM's policy: admit when the prompt's pages are free, and
       preempt the newest request when the pool runs out mid-decode) or "peak" (admit only
       while every running request can still reach its max_new_tokens; never preempts;

@@ -229,6 +229,16 @@ class KVCacheManager:
     self.pages_saved += len(added)
     self._add_refs(added, +1)
 
+  def follow(self, followers: list[tuple[int, int]]) -> None:
+    """Records, for each (slot, pages), that the empty `slot` starts on the first `pages`
+    full pages of another slot's context as a device call computes them (a second-phase
+    chunk, `PrefillChunk.follows`): attached on the device, read back by `sync`."""
+    for slot, pages in followers:
+      self.cached[slot] = pages * self.page_size
+      self._grown.add(slot)
+      self.cached_prompt_tokens += pages * self.page_size
+      self.pages_saved += pages
+
   def fork(self, src: int, dsts) -> None:
     """Records that `dsts` became copies of `src` sharing its pages (`pool.fork`, in the
     call just made: the rows are read back by `sync`)."""

@@ -252,8 +252,9 @@ def unpack_arrays(packed: jax.Array, layout: Layout) -> dict[str, jax.Array]:
 class JittedSteps:
   """The jitted device functions of one model structure, pool donated: `prefill` and
   `decode` (`prefill_step` / `decode_step`), `prefill_sample` (attach rows to cached
-  pages, prefill, fork parallel samples, then sample first tokens from the rows' last
-  logits) and `decode_loop`; those two take their host arrays packed (`pack_arrays`).
+  pages, prefill; attach second-phase rows to the pages the first computed, prefill them;
+  fork parallel samples, then sample first tokens from the rows' last logits) and
+  `decode_loop`; those two take their host arrays packed (`pack_arrays`).
 
   They take the parameters as the list `jax.tree.leaves(params)` (`treedef` = their
   `jax.tree.structure`): flattening an `nnx.State` of GPT-2 124M's 148 arrays costs
@@ -273,13 +274,21 @@ class JittedSteps:
 
     def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
-      fresh prompts), fork_src, fork_dst, sample_rows and the sample rows' seeds, index,
+      fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
+      follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
+      sample_rows (into both phases' rows) and the sample rows' seeds, index,
       temperature, top_k, top_p."""
       a = unpack_arrays(packed, layout)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
         kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
       logits, kv = prefill_step(model(leaves), kv, a["tokens"], a["lengths"], a["seq_ids"],
                                 a.get("start"))
+      if "follow_src" in a:  # rows starting on the first pages of rows prefilled above
+        src_rows = kv.page_table[jnp.clip(a["follow_src"], 0, kv.max_seqs - 1)]
+        kv = pool_lib.attach(kv, a["follow_ids"], src_rows, a["follow_start"])
+        more, kv = prefill_step(model(leaves), kv, a["follow_tokens"], a["follow_lengths"],
+                                a["follow_ids"], a["follow_start"])
+        logits = jnp.concatenate([logits, more])
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       return sampling.sample_rows(logits[a["sample_rows"]], a["seeds"], a["index"],
                                   a["temperature"], a["top_k"], a["top_p"],
@@ -364,6 +373,22 @@ def _padded(values: Sequence[int], lo: int = 1) -> np.ndarray:
   out = np.full((bucket(len(values), lo),), -1, np.int32)
   out[:len(values)] = values
   return out
+
+
+def _chunk_rows(chunks, page_size: int):
+  """A prefill's rows for these chunks, padded to bucketed shapes: int32 tokens [n,
+  width], lengths [n], seq_ids [n] (-1: a padding row, which reserves nothing) and start
+  [n]."""
+  n = bucket(len(chunks), 1)
+  tokens = np.zeros((n, bucket(max(len(c.tokens) for c in chunks), page_size)), np.int32)
+  lengths = np.ones((n,), np.int32)
+  seq_ids = np.full((n,), -1, np.int32)
+  start = np.zeros((n,), np.int32)
+  fill_rows(tokens, range(len(chunks)), [c.tokens for c in chunks])
+  lengths[:len(chunks)] = [len(c.tokens) for c in chunks]
+  seq_ids[:len(chunks)] = [c.slot for c in chunks]
+  start[:len(chunks)] = [c.start for c in chunks]
+  return tokens, lengths, seq_ids, start
 
 
 class Executed(NamedTuple):
@@ -482,27 +507,30 @@ class ModelRunner:
     return kv, Executed(first, decoded, page_table, int(num_free))
 
   def _prefill_plan(self, kv, plan):
-    chunks = plan.prefill
-    n = bucket(len(chunks), 1)
-    width = bucket(max(len(c.tokens) for c in chunks), kv.page_size)
-    tokens = np.zeros((n, width), np.int32)
-    lengths = np.ones((n,), np.int32)
-    start = np.zeros((n,), np.int32)
-    seq_ids = np.full((n,), -1, np.int32)  # padding rows: invalid ids reserve nothing
-    fill_rows(tokens, range(len(chunks)), [c.tokens for c in chunks])
-    lengths[:len(chunks)] = [len(c.tokens) for c in chunks]
-    start[:len(chunks)] = [c.start for c in chunks]
-    seq_ids[:len(chunks)] = [c.slot for c in chunks]
+    first = [c for c in plan.prefill if c.follows is None]
+    second = [c for c in plan.prefill if c.follows is not None]
+    tokens, lengths, seq_ids, start = _chunk_rows(first, kv.page_size)
+    n = len(seq_ids)
     continued = {}
     if start.any():  # rows continuing a sequence; those starting on cached pages attach
-      rows = [j for j, c in enumerate(chunks) if c.cached is not None]
+      rows = [j for j, c in enumerate(first) if c.cached is not None]
       attach_ids = np.full((n,), -1, np.int32)
       attach_ids[rows] = seq_ids[rows]
       attach_pages = np.full((n, kv.max_pages_per_seq), -1, np.int32)
-      fill_rows(attach_pages, rows, [chunks[j].cached for j in rows])
+      fill_rows(attach_pages, rows, [first[j].cached for j in rows])
       continued = dict(start=start, attach_ids=attach_ids, attach_pages=attach_pages)
+    if second:  # the second phase, on the first phase's pages
+      f_tokens, f_lengths, f_ids, f_start = _chunk_rows(second, kv.page_size)
+      follow_src = np.full_like(f_ids, -1)
+      follow_src[:len(second)] = [c.follows for c in second]
+      continued.update(follow_tokens=f_tokens, follow_lengths=f_lengths, follow_ids=f_ids,
+                       follow_start=f_start, follow_src=follow_src)
+    # Each chunk's row among both phases' logits (chunks hash by identity).
+    row = {c: j for j, c in enumerate(first)}
+    row.update((c, n + j) for j, c in enumerate(second))
+    chunks = plan.prefill
     forks = [(c.slot, f) for c in chunks for f in c.forks]
-    samples = [(j, s) for j, c in enumerate(chunks) for _, s in c.samples]
+    samples = [(row[c], s) for c in chunks for _, s in c.samples]
     m = bucket(max(len(samples), 1), 1)
     sample_rows = np.zeros((m,), np.int32)
     sample_rows[:len(samples)] = [j for j, _ in samples]

@@ -10,7 +10,9 @@ executes its plans. Each `schedule()` returns one `Plan`, a device call of:
 2. a prefill: up to `max_prefill_tokens` padded tokens of the admitted requests' contexts,
    a long one split into chunks over several calls (chunked prefill). A request's last
    chunk samples its first token; with `Request.n > 1` its other samples are forked from
-   it there (sharing its pages) and sample theirs;
+   it there (sharing its pages) and sample theirs. Requests admitted together that share
+   a prefix compute it once: the first computes it, the others prefill their own tokens
+   on its pages in a second phase of the same call;
 3. a decode chunk: every decoding sequence runs up to `steps_per_call` steps in one device
    call (up to `runner.STEPS_PER_CHECK` while prefill work is pending, so that a long
    prompt arriving does not stall everyone's next tokens for long). The KV-cache manager
@@ -94,6 +96,10 @@ class PrefillChunk:
     cached: for a sequence's first chunk after a prefix-cache hit, the cached pages
       (int64) holding context[:start], which the call attaches the slot to before it
       prefills (`pool.attach`); None otherwise.
+    follows: for a sequence's first chunk that starts on pages another chunk of the same
+      call computes (requests sharing a prefix, admitted together), that chunk's slot:
+      the call prefills this chunk in a second phase, after attaching the slot to the
+      first start / page_size pages of that slot's row; None otherwise.
   """
 
   slot: int
@@ -101,6 +107,7 @@ class PrefillChunk:
   tokens: np.ndarray
   samples: tuple[tuple[int, RunningRequest], ...] = ()
   cached: np.ndarray | None = None
+  follows: int | None = None
 
   @property
   def forks(self) -> tuple[int, ...]:
@@ -288,20 +295,26 @@ class Scheduler:
     self._prefill_queue += admitted
 
   def _next_prefill(self) -> list[PrefillChunk]:
-    """The next prefill call's chunks: queued sequences in order while the call's padded
-    tokens (rows x its widest chunk, both bucketed) stay within max_prefill_tokens.
+    """The next prefill call's chunks: queued sequences in order while each of the call's
+    two phases' padded tokens (rows x its widest chunk, both bucketed) stay within
+    max_prefill_tokens (the phases run one after the other).
 
     A sequence's first chunk starts after the cached pages its context begins with
     (`KVCacheManager.lookup`: attached in this call). With prefix caching, a sequence
     whose next page to compute is also the next of a sequence before it in this call
-    (requests sharing a system prompt, admitted together) waits for the next call, where
-    that page is cached: the shared prefix is computed once.
+    (requests sharing a system prompt, admitted together) starts on that sequence's
+    pages instead: its chunk `follows` it, in the call's second phase, so the shared
+    prefix is computed once. A sequence whose next page a second-phase chunk computes
+    waits for the next call, where that page is cached.
     """
     chunks: list[PrefillChunk] = []
-    width = 0
+    rows, widths = [0, 0], [0, 0]  # per phase: chunks and the widest (bucketed)
     page_size = self.cache.page_size
-    computing: set[int] = set()  # first keys of the pages this call computes
+    # The key of the first page each chunk computes -> (its slot, the stop of its chunk,
+    # whether it is in the second phase).
+    computing: dict[int, tuple[int, int, bool]] = {}
     looked_up = []  # (slot, cached pages, context length): `KVCacheManager.attach`
+    followers = []  # (slot, shared pages): `KVCacheManager.follow`
     done = set()  # slots whose last chunk is in this call
     forks = collections.defaultdict(list)  # parent slot -> its samples' (slot, sequence)
     for i, f in enumerate(self.slots):
@@ -321,36 +334,52 @@ class Scheduler:
       context = s.context
       fresh = s.prefilled == 0 and not s.looked_up
       hit = hits.get(slot, ()) if fresh else ()
-      if fresh and self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
-        if int(s.keys[len(hit)]) in computing:
-          continue
       prefilled = len(hit) * page_size or s.prefilled
+      follows = None
+      if fresh and self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
+        leader = computing.get(int(s.keys[len(hit)]))
+        if leader is not None:
+          lead, lead_stop, second = leader
+          if second:
+            continue
+          # Its full pages up to the first that differs (equal keys: equal prefixes), of
+          # those the leader holds after this call, leaving its last token to compute.
+          m = min(len(s.keys), lead_stop // page_size, (len(context) - 1) // page_size)
+          differ = np.flatnonzero(s.keys[:m] != self.slots[lead].keys[:m])
+          follows, prefilled = lead, int(differ[0] if differ.size else m) * page_size
+      phase = int(follows is not None)
       stop = min(s.prefill_stop, prefilled + self.max_chunk)
-      w = max(width, bucket(stop - prefilled, page_size))
-      if chunks and bucket(len(chunks) + 1, 1) * w > self.max_prefill_tokens:
+      w = max(widths[phase], bucket(stop - prefilled, page_size))
+      if chunks and bucket(rows[phase] + 1, 1) * w > self.max_prefill_tokens:
         break
-      width = w
+      rows[phase] += 1
+      widths[phase] = w
       cached = None
       if fresh:  # attached in this call (before its prefill), so only once it is in it
         s.looked_up = True
-        looked_up.append((slot, hit, len(context)))
-        if len(hit):
-          cached = hit
-          s.prefilled = prefilled
+        if follows is None:
+          looked_up.append((slot, hit, len(context)))
+          cached = hit if len(hit) else None
+        else:
+          looked_up.append((slot, hit[:0], len(context)))
+          followers.append((slot, prefilled // page_size))
+        s.prefilled = prefilled
       first_page = s.prefilled // page_size
       if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
-        computing.add(int(s.keys[first_page]))  # keys: set at the sequence's lookup
+        # keys: set at the sequence's lookup
+        computing.setdefault(int(s.keys[first_page]), (slot, stop, bool(phase)))
       samples = ()
       if stop == s.prefill_stop:  # the last chunk: the sequence and its forks sample
         samples = ((slot, s),) + tuple(forks.get(slot, ()))
         done.add(slot)
       chunks.append(PrefillChunk(slot, s.prefilled, context[s.prefilled:stop], samples,
-                                 cached))
+                                 cached, follows))
       s.prefilled = stop
       if stop != s.prefill_stop:
         break  # a chunked context: its next chunk goes into the next call
     self._prefill_queue = [i for i in self._prefill_queue if i not in done]
     self.cache.attach(looked_up)
+    self.cache.follow(followers)
     return chunks
 
   def _fit_decode(self, max_steps: int, prefill: list[PrefillChunk]) -> int:
