@@ -434,16 +434,23 @@ def test_bad_requests_raise_clear_errors(model, request_, match):
 @pytest.mark.gpu
 def test_engine_on_gpu_matches_static_generate(prompts):
   """The engine compiled on the GPU (Triton decode and K/V write kernels, the on-device
-  decode loop in chunks of 5 steps) vs static `generate` with the plain-XLA reference
-  attention."""
+  decode loop in chunks of 5 steps, the paged prefill kernel over cached and same-call
+  shared pages) vs static `generate` with the plain-XLA reference attention."""
   config = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=256, n_layer=2, n_head=4,
                            bos_token_id=None, eos_token_id=None)  # head dim 64: the kernel's
+  rng = np.random.default_rng(2)
+  system = rng.integers(0, 97, 24).tolist()  # 3 pages, shared by requests admitted together
+  shared = [system + rng.integers(0, 97, n).tolist() for n in (1, 5, 9, 13)]
   with jax.default_matmul_precision("highest"):
     kernel = gpt2.GPT2LMHeadModel(config, decode_impl="kernel", rngs=nnx.Rngs(7))
     reference = gpt2.GPT2LMHeadModel(config, decode_impl="reference", rngs=nnx.Rngs(7))
     eng = Engine(kernel, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
     outputs, _ = eng.generate([Request(p, 14) for p in prompts])
     assert outputs == generate(reference, prompts, 14, page_size=8)
+    want = generate(reference, shared, 14, page_size=8)
+    for _ in range(2):  # in one call, then on the pages the first run cached
+      outputs, report = eng.generate([Request(p, 14) for p in shared])
+      assert outputs == want and report.cached_prompt_tokens >= 3 * 24
 
 
 @pytest.mark.parametrize("admission_", ["optimistic", "peak"])
