@@ -361,7 +361,7 @@ class Scheduler:
           looked_up.append((slot, hit, len(context)))
           cached = hit if len(hit) else None
         else:
-          looked_up.append((slot, hit[:0], len(context)))
+          looked_up.append((slot, (), len(context)))
           followers.append((slot, prefilled // page_size))
         s.prefilled = prefilled
       first_page = s.prefilled // page_size
