@@ -232,12 +232,14 @@ class KVCacheManager:
   def follow(self, followers: list[tuple[int, int]]) -> None:
     """Records, for each (slot, pages), that the empty `slot` starts on the first `pages`
     full pages of another slot's context as a device call computes them (a second-phase
-    chunk, `PrefillChunk.follows`): attached on the device, read back by `sync`."""
-    for slot, pages in followers:
-      self.cached[slot] = pages * self.page_size
-      self._grown.add(slot)
-      self.cached_prompt_tokens += pages * self.page_size
-      self.pages_saved += pages
+    chunk, `PrefillChunk.follows`): attached on the device, read back by `sync` (the
+    chunk's `grow` marks the slot). (One call for a device call's followers, in numpy.)"""
+    if not followers:
+      return
+    slots, pages = np.array(followers, np.int64).T
+    self.cached[slots] = pages * self.page_size
+    self.cached_prompt_tokens += int(pages.sum()) * self.page_size
+    self.pages_saved += int(pages.sum())
 
   def fork(self, src: int, dsts) -> None:
     """Records that `dsts` became copies of `src` sharing its pages (`pool.fork`, in the
