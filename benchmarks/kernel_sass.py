@@ -94,7 +94,7 @@ def main():
   cache_dtype = jnp.dtype(args.cache_dtype)
   block_n, warps, stages = paged_attention.default_config(
       args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim,
-      quantized=cache_dtype.itemsize == 1)
+      cache_dtype=cache_dtype if cache_dtype.itemsize == 1 else None)
   block_n, warps, stages = args.block_n or block_n, args.warps or warps, args.stages or stages
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "decode")

@@ -141,6 +141,8 @@ _CPU_CASES = [
     (4, 4, 64, 8, INT8, dict(num_splits=1)),
     (8, 2, 128, 16, FP8, dict(num_splits=3, scale=0.3)),
     (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
+    # int8 MHA takes the elementwise loop: with a padded head dim, splits and options.
+    (4, 4, 80, 8, INT8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
 ]
 
 
@@ -155,12 +157,13 @@ def test_decode_kernel_matches_dequantize_then_attend_interpret(heads, kv_heads,
   _check_decode(args, interpret=True, block_n=16, **kwargs)
 
 
-@pytest.mark.parametrize("cache_dtype", [FP8])
-def test_decode_kernel_reads_a_layer_of_the_pool_and_bf16_queries_interpret(cache_dtype):
-  """MQA on a layer of a 3-layer pool (an int32 array index), with bf16 q (bf16
-  tolerance: the kernel's dots run in f16 for float8 pages, bf16 for int8)."""
-  args = _quantized_inputs(3, 8, 1, 64, 8, 4, jnp.bfloat16, cache_dtype, [0, 30, 17],
-                           layers=3)
+@pytest.mark.parametrize("cache_dtype,heads,kv_heads", [(FP8, 8, 1), (INT8, 4, 4)])
+def test_decode_kernel_reads_a_layer_of_the_pool_and_bf16_queries_interpret(cache_dtype,
+                                                                           heads, kv_heads):
+  """MQA (float8: f16 dots) and MHA (int8: the elementwise loop) on a layer of a 3-layer
+  pool (an int32 array index), with bf16 q (bf16 tolerance)."""
+  args = _quantized_inputs(3, heads, kv_heads, 64, 8, 4, jnp.bfloat16, cache_dtype,
+                           [0, 30, 17], layers=3)
   _check_decode(args, interpret=True, layer=jnp.int32(1), num_splits=2, block_n=16,
                 tol=dict(atol=2e-2, rtol=2e-2))
 
@@ -183,20 +186,24 @@ def test_float8_f16_dots_keep_any_bf16_range_interpret(q_scale, v_scale):
   np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-def test_decode_kernel_never_reads_scales_or_values_past_a_length_interpret():
-  """Every scale (and fp8 value) at a slot no sequence uses is NaN: the output is the
-  reference's on the clean pool, so the kernel never loads them unmasked."""
+@pytest.mark.parametrize("cache_dtype,kv_heads", [(FP8, 4), (FP8, 2), (INT8, 4)])
+def test_decode_kernel_never_reads_scales_or_values_past_a_length_interpret(cache_dtype,
+                                                                            kv_heads):
+  """Every scale (and fp8 value: int8 has no NaN) at a slot no sequence uses is NaN: the
+  output is the reference's on the clean pool, so the kernel never loads them unmasked
+  (MHA and GQA dots, and int8 MHA's elementwise loop)."""
   page_size, max_pages = 8, 4
   q, kq, vq, ks, vs, table, lengths = _quantized_inputs(
-      4, 4, 4, 64, page_size, max_pages, jnp.float32, FP8, [0, 1, 9, 30])
+      4, 4, kv_heads, 64, page_size, max_pages, jnp.float32, cache_dtype, [0, 1, 9, 30])
   live = np.zeros(ks.shape[1:], bool)  # [num_pages, page_size]
   t, n = np.asarray(table), np.asarray(lengths)
   for b in range(4):
     for pos in range(n[b]):
       live[t[b, pos // page_size], pos % page_size] = True
   dead = jnp.asarray(~live)
-  poisoned = (q, jnp.where(dead[None, ..., None], jnp.nan, kq).astype(FP8),
-              jnp.where(dead[None, ..., None], jnp.nan, vq).astype(FP8),
+  values = ((lambda x: jnp.where(dead[None, ..., None], jnp.nan, x).astype(FP8))
+            if cache_dtype == FP8 else (lambda x: x))
+  poisoned = (q, values(kq), values(vq),
               jnp.where(dead[None], jnp.nan, ks), jnp.where(dead[None], jnp.nan, vs))
   for splits in (1, 3):
     out = jax_paged.paged_decode_attention(*poisoned[:3], table, lengths, k_scales=poisoned[3],
@@ -240,9 +247,14 @@ def test_quantized_kernels_lower_for_cuda():
 
 def test_default_config_of_quantized_pages(monkeypatch):
   monkeypatch.setattr(pa.triton_backend, "sm_count", lambda: 132)
-  assert pa.default_config(3072, 1, 64, quantized=True) == (64, 2, 3)  # MHA
-  assert pa.default_config(512, 4, 128, quantized=True) == (128, 4, 3)  # GQA
-  assert pa.default_config(64, 1, 256, quantized=True) == pa.default_config(64, 1, 256)
+  # int8 MHA, elementwise: 128 elements per thread; 4 warps at <= 4 programs per SM.
+  assert pa.default_config(3072, 1, 64, cache_dtype=INT8) == (128, 2, 2)
+  assert pa.default_config(2048, 1, 128, cache_dtype=INT8) == (64, 2, 2)
+  assert pa.default_config(4 * 132, 1, 128, cache_dtype=INT8) == (128, 4, 2)
+  assert pa.default_config(64, 1, 256, cache_dtype=INT8) == (64, 4, 2)
+  assert pa.default_config(3072, 1, 64, cache_dtype=FP8) == (64, 2, 3)  # float8 MHA: dots
+  assert pa.default_config(512, 4, 128, cache_dtype=INT8) == (128, 4, 3)  # GQA
+  assert pa.default_config(64, 4, 256, cache_dtype=FP8) == pa.default_config(64, 4, 256)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -13,21 +13,23 @@ vLLM's Triton kernel, so the K/V tile is loaded directly as a 2-D [block_n, D] g
 table entries of tokens below the sequence length are read or used as indices. With
 several splits the per-split (o, lse) partials go through the merge kernel.
 
-A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow: each K/V tile
-is converted in registers (exact) to q's dtype, or for float8 pages with a 16-bit q to f16
-(one convert per two values), the tile's per-token f32 scales are gathered beside it, K's
-multiply the logits and V's the probabilities before the p.v dot, so dequantization costs
-no [block_n, D] multiply. The float path is unchanged (the quantized one is a separate
-compilation). On an H200 the quantized kernel reads its (half as many) bytes at 44-59% of
-the read ceiling: 0.90-0.92x the bf16 kernel's time for int8, 0.84-1.13x for float8.
-Neither the conversion (int8 -> f16 with integer tricks instead of converts: no gain) nor
-the scale loads (prefetched a block ahead: no gain) nor the knobs moved it far
-(measurements beside `_QUANT_MHA_CONFIG`, benchmarks/LOG.md).
+A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow, its per-token f32
+scales gathered beside each tile: K's multiply the logits and V's the probabilities, so
+dequantization costs no [block_n, D] multiply. int8 MHA (one q head per kv head) computes
+q.k and p.v as products summed in f32 registers, with no dots: 1-byte dot operands reach
+the tensor cores as byte loads from shared memory, which made the int8 dot loop issue as
+many instructions per token as bf16's (0.65-0.72x the bf16 kernel's time on an H100, 0.90x
+on an H200); elementwise it is 0.59-0.68x on the H100 (`_elementwise`). Otherwise (GQA /
+MQA, float8) each K/V tile is converted in registers (exact) to q's dtype, or for float8
+pages with a 16-bit q to f16 (one convert per two values), and the dots run as for float
+pages. The float path is unchanged (the quantized ones are separate compilations).
+Measurements beside `_QUANT_MHA_CONFIG` / `_INT8_MHA_ELEMENTS` and in benchmarks/LOG.md.
 
-q.k and p.v are tensor-core dots for every group size, MHA included: the group of q heads is
-padded to 16 rows (15 of them masked for MHA). The wasted math is free in a memory-bound
-kernel, and only loads feeding a dot get Triton's cp.async software pipeline: on an H200
-the elementwise MHA path it replaced ran at 80-88% of the read ceiling, this at 87-95%.
+q.k and p.v are tensor-core dots for every group size of float pages, MHA included: the
+group of q heads is padded to 16 rows (15 of them masked for MHA). The wasted math is free
+in a memory-bound kernel, and only loads feeding a dot get Triton's cp.async software
+pipeline: on an H200 the elementwise MHA path it replaced ran at 80-88% of the read
+ceiling, this at 87-95%.
 """
 
 from __future__ import annotations
@@ -72,31 +74,53 @@ _MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
 # want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
 _MHA_MANY_PROGRAMS_PER_SM = 8
 _MHA_MANY_BLOCK_N = 32
-# 1-byte (int8 / float8) pages, head dims <= 128, (block_n, warps, stages): the best of an
-# H200 sweep (2026-11-24 19:50, kernel time, % of the read ceiling, int8 / fp8): GPT-2
-# b256-l1k 55.6 / 47.0% at 64/2/3 (32/2/2: 48.1%; 32/2/4: 47.9%); mha-b64-l2k 54.3 / 49.2%
-# (32/2/2: 52.9%); gqa-b32-l4k 51.2 / 44.2% at 128/4/3 (64/4/3: 41.7%, 64/4/5: 41.6%,
-# 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it far, nor did converting int8 to f16
-# without convert instructions or prefetching the scales a block ahead (2026-11-25): what
-# bounds the loop is not known (not the bytes in flight, not the converts alone).
+# 1-byte (int8 / float8) pages with dots (GQA / MQA, and float8 MHA), head dims <= 128,
+# (block_n, warps, stages): the best of an H200 sweep (2026-11-24 19:50, kernel time, % of
+# the read ceiling, int8 / fp8): GPT-2 b256-l1k 55.6 / 47.0% at 64/2/3 (32/2/2: 48.1%;
+# 32/2/4: 47.9%); mha-b64-l2k 54.3 / 49.2% (32/2/2: 52.9%); gqa-b32-l4k 51.2 / 44.2% at
+# 128/4/3 (64/4/3: 41.7%, 64/4/5: 41.6%, 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it
+# far, nor did converting int8 to f16 without convert instructions or prefetching the
+# scales a block ahead (2026-11-25).
 _QUANT_MHA_CONFIG = (64, 2, 3)
 _QUANT_GQA_CONFIG = (128, 4, 3)
+# int8 MHA (elementwise, no dots): 128 K/V elements per thread per block (block_n =
+# _INT8_MHA_ELEMENTS * warps / block_d); 2 warps, or 4 where the grid has at most
+# _PROGRAMS_PER_SM programs per SM (a split grid: fewer programs want more bytes in flight
+# each). H100 sweep, 2026-11-25, kernel time / the bf16 kernel's: gpt2-b256-l1k 0.616 at
+# 128/2 (best 0.613), mha-b64-l2k 0.595 at 64/2 (best 0.587 at 32/1), gpt2-b64-l1k 0.683
+# at 128/2 (best), mha-b4-l8k 0.615 at 128/4 (0.758 at 64/2), gpt2-b16-l2k-ragged 0.875
+# at 128/4 (0.955 at 128/2).
+_INT8_MHA_ELEMENTS = 128 * 32
 
 
 def default_config(num_programs: int, group: int, head_dim: int, *,
-                   quantized: bool = False) -> tuple[int, int, int]:
+                   cache_dtype=None) -> tuple[int, int, int]:
   """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
-  programs with `group` q heads per kv head and head dim `head_dim`; `quantized`: 1-byte
-  (int8 / float8) pages."""
+  programs with `group` q heads per kv head and head dim `head_dim`; `cache_dtype`: the
+  pages' dtype where it is int8 / float8_e4m3fn (None: q's)."""
+  if _elementwise(group, cache_dtype):
+    warps = 4 if num_programs <= _PROGRAMS_PER_SM * triton_backend.sm_count() else 2
+    return _INT8_MHA_ELEMENTS * warps // pl.next_power_of_2(head_dim), warps, 2
   if group > 1:
     config = _BLOCK_N, _NUM_WARPS, _NUM_STAGES
   else:
     many = num_programs >= _MHA_MANY_PROGRAMS_PER_SM * triton_backend.sm_count()
     config = (_MHA_MANY_BLOCK_N if many else _BLOCK_N,
               _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
-  if not quantized or head_dim > 128:  # head dim 256: the float config (not measured)
+  if cache_dtype is None or head_dim > 128:  # head dim 256: the float config (not measured)
     return config
   return _QUANT_GQA_CONFIG if group > 1 else _QUANT_MHA_CONFIG
+
+
+def _elementwise(group: int, cache_dtype) -> bool:
+  """Whether q.k and p.v are products summed in registers rather than tensor-core dots:
+  int8 pages and one q head per kv head. 1-byte dot operands reach the MMA as byte loads
+  from shared memory (LDS.U8, no ldmatrix), which bound the int8 dot loop at about the
+  bf16 loop's instructions per token; the elementwise loop reads the tiles straight into
+  registers. Same-run kernel time over the dots path's, H100: 0.82-0.95 for int8 but
+  0.81-1.35 for float8 (its conversion costs more: its MHA keeps f16 dots). For GQA (q
+  rows x tokens x D products) it was 5-9x slower than the dots."""
+  return group == 1 and cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.int8
 
 
 def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
@@ -104,7 +128,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                   block_n: int, num_splits: int, quantized: bool):
+                   block_n: int, num_splits: int, quantized: bool, elementwise: bool):
   """One (sequence b, kv head, split) program.
 
   Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
@@ -146,6 +170,9 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   # 1.15x at gpt2-b256-l1k). int8 stays in q's dtype: converting it to f16, natively
   # (1.06-1.18x) or with integer tricks (0.92-1.02x vs 0.95-1.01x), did not help.
   f16_dots = quantized and k_ref.dtype == kv_quant.FP8 and q.dtype != jnp.float32
+  # The elementwise loop multiplies and sums in f32. Its tiles convert to q's dtype first
+  # (int8 -> bf16 -> f32 beat int8 -> f32 by 6-11% at GPT-2's shapes: H100, same run).
+  q32 = q.astype(jnp.float32) if elementwise else None
   if f16_dots:
     # Each q row is divided by the power of two at or below its largest magnitude (its
     # exponent bits), so that a bf16 q of any range fits f16 exactly (f16 has 3 more
@@ -177,8 +204,12 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
       k_scales = plgpu.load(ks_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
       token_scale = row_scale * k_scales[None, :]
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32) * token_scale
+    if elementwise:  # one q row [1, D]: q.k as products summed over D
+      logits = jnp.sum(q32 * k.astype(jnp.float32), axis=1)[None, :] * token_scale
+    else:
+      logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                               precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32) * token_scale
     if logits_soft_cap is not None:
       logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     logits = jnp.where(live, logits, -jnp.inf)
@@ -200,8 +231,11 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
         v_max = jnp.where(v_max > 0, v_max, 1.0)
         v_scales = v_scales / v_max
       weights = p * v_scales[None, :]
-    pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if elementwise:
+      pv = jnp.sum(jnp.sum(weights, axis=0)[:, None] * v.astype(jnp.float32), axis=0)[None, :]
+    else:
+      pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if v_max is not None:
       pv = pv * v_max
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
@@ -234,8 +268,10 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
   batch, num_heads, head_dim = q.shape
   num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
-  # tl.dot needs >= 16 rows: pad the group (one q head for MHA) with masked rows.
-  block_g = max(16, pl.next_power_of_2(group))
+  elementwise = _elementwise(group, k_pages.dtype if quantized else None)
+  # tl.dot needs >= 16 rows: pad the group (one q head for MHA) with masked rows; the
+  # elementwise loop takes its one q row as is.
+  block_g = 1 if elementwise else max(16, pl.next_power_of_2(group))
   # Token-major views of the pools (free reshapes): row = ((layer * Hkv + head) * pages +
   # page) * page_size + offset. Pallas-Triton forms the offsets into these in 64 bits
   # (`_compute_offsets_from_indices`), so pools past 4 GiB are fine.
@@ -247,7 +283,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
-      num_splits=num_splits, quantized=quantized)
+      num_splits=num_splits, quantized=quantized, elementwise=elementwise)
   scale_rows = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
@@ -376,7 +412,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N)
   default_n, default_warps, default_stages = default_config(
       batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim,
-      quantized=k_scales is not None)
+      cache_dtype=k_pages.dtype if k_scales is not None else None)
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, scale=scale,
       logits_soft_cap=logits_soft_cap,
