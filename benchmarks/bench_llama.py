@@ -14,7 +14,8 @@ vocabulary 128256, tied embeddings, llama3 RoPE.
 * End to end: batch 128, prompt 512, 256 new tokens, greedy, EOS ignored: the engine vs
   Hugging Face transformers' `LlamaForCausalLM.generate` with a static cache (compiled by
   transformers with torch.compile) and with the dynamic cache, in the same run
-  (`bench_generate.hf_tokens_per_s`); each timed call follows an identical untimed one.
+  (`bench_generate.hf_tokens_per_s`); each figure the median of three timed calls after an
+  identical untimed one (`bench_generate.timed`).
 
     PYTHONPATH=. python benchmarks/bench_llama.py [--batches 64 256] [--context 2048]
         [--iters 64] [--skip-decode-step] [--skip-e2e] [--skip-hf]
