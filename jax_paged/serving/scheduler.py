@@ -42,7 +42,7 @@ from jax_paged.serving.request import Request, sample_seed
 from jax_paged.serving.runner import STEPS_PER_CHECK, bucket
 
 
-@dataclasses.dataclass(eq=False)  # compared by identity: slots are scanned for None
+@dataclasses.dataclass(eq=False, slots=True)  # by identity: slots are scanned for None
 class RunningRequest:
   """One sample of a request in a slot. While decoding, the pool caches its context but
   the newest token, which the next decode step feeds in."""
@@ -262,7 +262,7 @@ class Scheduler:
         running.append((held, s.budget))
     self.admission.open(running, promised=self._promised_pages())
     admitted = []
-    free = [i for i, s in enumerate(self.slots) if s is None]
+    free = collections.deque(i for i, s in enumerate(self.slots) if s is None)
     while self.waiting and self.requests[self.waiting[0][0]].arrival_s <= now:
       rid, sample, done = self.waiting[0]
       request = self.requests[rid]
@@ -281,7 +281,7 @@ class Scheduler:
       self.waiting.popleft()
       stops = (() if self.eos_token_id is None else (self.eos_token_id,)) + tuple(
           int(t) for t in request.stop_token_ids)
-      taken, free = free[:len(samples)], free[len(samples):]
+      taken = [free.popleft() for _ in samples]
       first = taken[0]
       for j, slot in zip(samples, taken):
         self.slots[slot] = RunningRequest(
@@ -342,11 +342,19 @@ class Scheduler:
           lead, lead_stop, second = leader
           if second:
             continue
-          # Its full pages up to the first that differs (equal keys: equal prefixes), of
-          # those the leader holds after this call, leaving its last token to compute.
+          # Its full pages up to the first that differs, of those the leader holds after
+          # this call, leaving its last token to compute. Equal keys mean equal prefixes,
+          # so the pages that match are a prefix of the range: a binary search.
           m = min(len(s.keys), lead_stop // page_size, (len(context) - 1) // page_size)
-          differ = np.flatnonzero(s.keys[:m] != self.slots[lead].keys[:m])
-          follows, prefilled = lead, int(differ[0] if differ.size else m) * page_size
+          mine, theirs = s.keys, self.slots[lead].keys
+          lo = len(hit) + 1  # page len(hit) matched: it found the leader
+          while lo < m:
+            mid = (lo + m) // 2
+            if mine[mid] == theirs[mid]:
+              lo = mid + 1
+            else:
+              m = mid
+          follows, prefilled = lead, m * page_size
       phase = int(follows is not None)
       stop = min(s.prefill_stop, prefilled + self.max_chunk)
       w = max(widths[phase], bucket(stop - prefilled, page_size))
