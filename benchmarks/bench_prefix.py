@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving.request import sample_seed
@@ -41,20 +42,16 @@ from models import gpt2
 def timed_generate(engine: Engine, requests: list[Request], runs: int = 3,
                    warm_up: list[Request] | None = None):
   """(outputs, report, seconds) of the median (by time) of `runs` identical runs after an
-  untimed one: a run of workload 1 takes ~0.3 s, and its mean TTFT (~30 ms) varies by
-  ~20% from run to run. Each run starts on an empty prefix cache, or on what an untimed
-  run of `warm_up` cached."""
-  def run():
+  untimed one (`bench_generate.timed`): a run of workload 1 takes ~0.3 s, and its mean
+  TTFT (~30 ms) varies by ~20% from run to run. Each run starts on an empty prefix cache,
+  or on what an untimed run of `warm_up` cached."""
+  def before():
     engine.reset_prefix_cache()  # the last run's pages would serve every prompt
     if warm_up:
       engine.generate(warm_up)
-    start = time.perf_counter()
-    outputs, report = engine.generate(requests)
-    return time.perf_counter() - start, outputs, report
 
-  run()
-  results = [run() for _ in range(runs)]
-  seconds, outputs, report = sorted(results, key=lambda r: r[0])[runs // 2]
+  (outputs, report), seconds = bench_generate.timed(lambda: engine.generate(requests),
+                                                    before=before, runs=runs)
   return outputs, report, seconds
 
 
