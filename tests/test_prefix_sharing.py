@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from jax_paged import Engine, Request, generate
-from jax_paged.serving import admission
+from jax_paged.serving import admission, kv_cache_manager
 from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys
 from jax_paged.serving.request import sample_seed
 from jax_paged.serving.scheduler import Scheduler
@@ -228,11 +228,15 @@ def test_lookup_finds_each_contexts_longest_cached_prefix():
   assert all(len(p) == 0 for p in off.lookup(keys, [len(c) for c in contexts]))
 
 
-def test_page_keys_chain_each_contexts_pages():
+@pytest.mark.parametrize("group_tokens", [None, 1, 64])
+def test_page_keys_chain_each_contexts_pages(group_tokens, monkeypatch):
   """A page's key depends on its tokens and every page before it, not on the other
   contexts of the batch: keys of contexts together equal their keys one by one, equal
   prefixes give equal keys, and one changed token changes its page's key and all later
-  ones."""
+  ones. Also with the contexts hashed in groups of a few tokens (`group_tokens`: one
+  context per group, or groups of one or two)."""
+  if group_tokens is not None:
+    monkeypatch.setattr(kv_cache_manager, "_KEY_GROUP_TOKENS", group_tokens)
   rng = np.random.default_rng(3)
   page = 4
   base = rng.integers(0, 50257, 40).astype(np.int32)
