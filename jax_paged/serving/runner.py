@@ -45,10 +45,13 @@ def fill_rows(out: np.ndarray, rows, values: Sequence[np.ndarray]) -> np.ndarray
   """out[rows[i], :len(values[i])] = values[i] for every i, as one numpy assignment (a
   Python loop over a batch's 256 rows costs ~0.5 ms of host time); returns the values
   concatenated."""
-  counts = np.array([len(v) for v in values], np.int64)
+  # int32 indices: a batch of 256 rows of 64 tokens keeps them under glibc's 128 KiB mmap
+  # threshold (a larger temporary is mapped and its fresh pages faulted in every call).
+  counts = np.array([len(v) for v in values], np.int32)
   flat = np.concatenate(values) if len(values) else np.zeros(0, out.dtype)
-  out[np.repeat(np.asarray(rows, np.int64), counts),
-      np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)] = flat
+  starts = np.cumsum(counts) - counts
+  out[np.repeat(np.asarray(rows, np.int32), counts),
+      np.arange(len(flat), dtype=np.int32) - np.repeat(starts, counts)] = flat
   return flat
 
 
@@ -329,6 +332,15 @@ def _jitted_steps(graphdef: nnx.GraphDef, treedef, sharding=None) -> JittedSteps
 _clear = jax.jit(pool_lib.clear, donate_argnums=0)
 
 
+@jax.jit
+def _results(first, decoded, page_table, num_free) -> jax.Array:
+  """A call's results (any of first and decoded None) as one int32 array: read back in
+  one device-to-host copy. The host waits for each copy in turn: ~0.3 ms apiece on the
+  device's host after a prefill, before its first tokens."""
+  parts = [x.ravel() for x in (first, decoded) if x is not None]
+  return jnp.concatenate(parts + [page_table.ravel(), num_free.reshape(1)])
+
+
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layout")
 def _update_pages(kv: pool_lib.KVPool, packed: jax.Array, layout: Layout) -> pool_lib.KVPool:
   """`update_pages` with its arrays packed (`pack_arrays`), by its argument names."""
@@ -354,6 +366,12 @@ class _Sampling:
     `jnp.asarray` of a list cost ~1 ms each on the device's host.
     """
     requests = [s.request if s is not None else None for s in rows]
+    if all(r is None or r.temperature == 0 for r in requests):
+      # Greedy rows take the argmax (`sample_rows(all_greedy=True)`): the settings go
+      # unused, so no pass over the rows per setting.
+      n = len(rows)
+      return cls(seeds=np.zeros(n, np.uint32), temperature=np.zeros(n, np.float32),
+                 top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True)
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
     return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
@@ -361,7 +379,7 @@ class _Sampling:
                top_k=column(lambda r: r.top_k or 0, np.int32),
                top_p=np.asarray([1.0 if r is None or r.top_p is None else r.top_p
                                  for r in requests], np.float32),
-               greedy=all(r is None or r.temperature == 0 for r in requests))
+               greedy=False)
 
   def arrays(self) -> dict[str, np.ndarray]:
     return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
@@ -490,21 +508,22 @@ class ModelRunner:
   def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, Executed]:
     """Runs a scheduler's `Plan`: its page bookkeeping, then its prefill, then its decode
     chunk, dispatched back to back; the host then waits once, reading every result back
-    in one transfer (`Executed`)."""
+    in one transfer (`_results`, `Executed`)."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
     first = decoded = None
     if plan.prefill:
       first, kv = self._prefill_plan(kv, plan)
     if plan.decode_steps:
       decoded, kv = self._decode_plan(kv, plan)
-    first, decoded, page_table, num_free = jax.device_get(
-        (first, decoded, kv.page_table, kv.num_free))
-    # Sliced on the host: a jnp slice of a device array dispatches a kernel (~0.5 ms).
-    first = (np.zeros((0,), np.int32) if first is None
-             else first[:sum(len(c.samples) for c in plan.prefill)])
-    if decoded is None:
-      decoded = np.zeros((0, len(plan.rows)), np.int32)
-    return kv, Executed(first, decoded, page_table, int(num_free))
+    shapes = [(0,) if first is None else first.shape,
+              (0, len(plan.rows)) if decoded is None else decoded.shape, kv.page_table.shape]
+    # Split on the host: a jnp slice of a device array dispatches a kernel (~0.5 ms).
+    results = np.asarray(_results(first, decoded, kv.page_table, kv.num_free))
+    ends = np.cumsum([math.prod(shape) for shape in shapes])
+    first, decoded, page_table = (part.reshape(shape) for part, shape in zip(
+        np.split(results[:ends[-1]], ends[:-1]), shapes))
+    first = first[:sum(len(c.samples) for c in plan.prefill)]
+    return kv, Executed(first, decoded, page_table, int(results[-1]))
 
   def _prefill_plan(self, kv, plan):
     first = [c for c in plan.prefill if c.follows is None]
