@@ -2,6 +2,7 @@
 under pressure, and its scheduler and runner on their own."""
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from flax import nnx
 
 from jax_paged import Engine, KVPool, Request, generate, pool
 from jax_paged.serving import admission
+from jax_paged.serving import engine as engine_lib
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
 from jax_paged.serving.scheduler import Plan, RunningRequest, Scheduler
@@ -374,6 +376,24 @@ def test_streaming_reports_every_token_once(model, prompts, greedy_reference):
   assert report.tokens_per_s > 0 and len(report.ttft_s) == len(prompts)
   assert 0 < report.kv_efficiency <= 1
   assert str(report).splitlines()[-1].endswith("tokens/s")
+
+
+def test_report_times_count_validation(model, prompts, monkeypatch):
+  """Time to first token and elapsed time start when `generate` is called: validating the
+  requests (slowed by 0.3 s here, after a run that compiled the steps) counts."""
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8)
+  requests = [Request(p, 3) for p in prompts[:3]]
+  eng.generate(requests)
+  validate = engine_lib.validate_requests
+
+  def slow_validate(*args, **kwargs):
+    time.sleep(0.3)
+    return validate(*args, **kwargs)
+
+  monkeypatch.setattr(engine_lib, "validate_requests", slow_validate)
+  eng.reset_prefix_cache()
+  _, report = eng.generate(requests)
+  assert min(report.ttft_s) >= 0.3 and report.elapsed_s >= max(report.ttft_s)
 
 
 def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_reference):

@@ -30,7 +30,7 @@ class Request:
       samples share its pages (`pool.fork`), each drawing with its own seed
       (`sample_seed(seed, j)`: sample 0 draws as a request with n = 1 would).
     arrival_s: the request is not admitted before this many seconds after the run starts
-      (a workload arriving over time; 0 = at once).
+      (`Engine.generate` is called; a workload arriving over time; 0 = at once).
   """
 
   prompt: Sequence[int]
