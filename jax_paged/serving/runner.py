@@ -333,12 +333,21 @@ _clear = jax.jit(pool_lib.clear, donate_argnums=0)
 
 
 @jax.jit
-def _results(first, decoded, page_table, num_free) -> jax.Array:
-  """A call's results (any of first and decoded None) as one int32 array: read back in
-  one device-to-host copy. The host waits for each copy in turn: ~0.3 ms apiece on the
-  device's host after a prefill, before its first tokens."""
-  parts = [x.ravel() for x in (first, decoded) if x is not None]
-  return jnp.concatenate(parts + [page_table.ravel(), num_free.reshape(1)])
+def _packed(*arrays: jax.Array) -> jax.Array:
+  """int32 arrays as one flat array."""
+  return jnp.concatenate([x.ravel() for x in arrays])
+
+
+def _read_back(*arrays: jax.Array | None) -> list[np.ndarray | None]:
+  """int32 device arrays on the host (None stays None), in one device-to-host copy: the
+  host waits for each copy in turn, ~0.3 ms apiece on the device's host after a prefill
+  call, before its first tokens. Split on the host: a jnp slice of a device array
+  dispatches a kernel (~0.5 ms)."""
+  present = [x for x in arrays if x is not None]
+  flat = np.asarray(_packed(*present))
+  ends = np.cumsum([x.size for x in present])
+  parts = iter([part.reshape(x.shape) for part, x in zip(np.split(flat, ends[:-1]), present)])
+  return [None if x is None else next(parts) for x in arrays]
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layout")
@@ -507,23 +516,26 @@ class ModelRunner:
 
   def execute(self, kv: pool_lib.KVPool, plan) -> tuple[pool_lib.KVPool, Executed]:
     """Runs a scheduler's `Plan`: its page bookkeeping, then its prefill, then its decode
-    chunk, dispatched back to back; the host then waits once, reading every result back
-    in one transfer (`_results`, `Executed`)."""
+    chunk, dispatched back to back; the host then reads the results back in one transfer
+    (`_read_back`; two with both a prefill and a decode chunk) as `Executed`."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
     first = decoded = None
     if plan.prefill:
       first, kv = self._prefill_plan(kv, plan)
     if plan.decode_steps:
       decoded, kv = self._decode_plan(kv, plan)
-    shapes = [(0,) if first is None else first.shape,
-              (0, len(plan.rows)) if decoded is None else decoded.shape, kv.page_table.shape]
-    # Split on the host: a jnp slice of a device array dispatches a kernel (~0.5 ms).
-    results = np.asarray(_results(first, decoded, kv.page_table, kv.num_free))
-    ends = np.cumsum([math.prod(shape) for shape in shapes])
-    first, decoded, page_table = (part.reshape(shape) for part, shape in zip(
-        np.split(results[:ends[-1]], ends[:-1]), shapes))
-    first = first[:sum(len(c.samples) for c in plan.prefill)]
-    return kv, Executed(first, decoded, page_table, int(results[-1]))
+    # A call with both reads its first tokens apart: one `_packed` program per
+    # combination of their shapes would compile anew mid-run.
+    apart = first if decoded is not None else None
+    decoded, page_table, num_free, first = _read_back(
+        decoded, kv.page_table, kv.num_free, None if apart is not None else first)
+    if apart is not None:
+      first = np.asarray(apart)
+    first = (np.zeros((0,), np.int32) if first is None
+             else first[:sum(len(c.samples) for c in plan.prefill)])
+    if decoded is None:
+      decoded = np.zeros((0, len(plan.rows)), np.int32)
+    return kv, Executed(first, decoded, page_table, int(num_free))
 
   def _prefill_plan(self, kv, plan):
     first = [c for c in plan.prefill if c.follows is None]
