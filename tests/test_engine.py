@@ -356,7 +356,8 @@ def test_stop_tokens_and_eos_end_requests(model, prompts, greedy_reference):
   stop = greedy_reference[0][5]
   cut = greedy_reference[0].index(stop) + 1
   eng = Engine(model, max_batch=4, num_pages=64, page_size=8, eos_token_id=greedy_reference[1][3])
-  events = list(eng.stream([Request(prompts[0], 14, stop_token_ids=(stop,)),
+  # Stop ids as a numpy array (any integer sequence), beside the engine's EOS.
+  events = list(eng.stream([Request(prompts[0], 14, stop_token_ids=np.array([stop, 96])),
                             Request(prompts[1], 14)]))
   out = {i: [e.token for e in events if e.request_id == i] for i in (0, 1)}
   assert out[0] == greedy_reference[0][:cut]

@@ -281,7 +281,7 @@ class Scheduler:
         self.admission.add(context_length % page_size, steps_left)
       self.waiting.popleft()
       stops = (eos + tuple(int(t) for t in request.stop_token_ids)
-               if request.stop_token_ids else eos)
+               if len(request.stop_token_ids) else eos)
       first = free[0]
       for j in samples:  # (positional: keywords cost a burst of 256 requests ~40 µs)
         slot = free.popleft()
