@@ -17,7 +17,7 @@ timed runs, median of each figure:
 The target of issue #33: the step at TP 2 >= 1.6x faster than at TP 1, tokens identical.
 
     PYTHONPATH=. python benchmarks/bench_tensor_parallel.py [--batches 64 256] [--tp 1 2]
-        [--prompt 512] [--new 256] [--reps 3] [--tiny]
+        [--prompt 512] [--new 256] [--reps 3] [--tiny (batches 4 8, prompt 32, 16 new)]
 
 Not yet run on GPUs (the nvidia-h200-x2 kind was not lent when it was written); its
 `--tiny` CPU form is checked.
@@ -70,14 +70,20 @@ def run(model, mesh, batch: int, prompt: int, new: int, steps_per_call: int, rep
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+  p.add_argument("--batches", type=int, nargs="+", help="default 64 256 (--tiny: 4 8)")
   p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-  p.add_argument("--prompt", type=int, default=512)
-  p.add_argument("--new", type=int, default=256)
+  p.add_argument("--prompt", type=int, help="prompt tokens, default 512 (--tiny: 32)")
+  p.add_argument("--new", type=int, help="new tokens, default 256 (--tiny: 16)")
   p.add_argument("--steps-per-call", type=int, default=128)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--tiny", action="store_true", help="a 2-layer toy in f32 (CPU checks)")
   args = p.parse_args()
+  # The toy's 256 positions hold neither the full-size prompt nor its new tokens.
+  defaults = (dict(batches=[4, 8], prompt=32, new=16) if args.tiny
+              else dict(batches=[64, 256], prompt=512, new=256))
+  for name, value in defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
   config, dtype = (TINY, jnp.float32) if args.tiny else (LLAMA_3_1_8B, jnp.bfloat16)
   model = llama.LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
   dev = jax.devices()[0]
