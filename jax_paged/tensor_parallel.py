@@ -214,9 +214,9 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
                          f"(of {width} columns); each must be a multiple of {n}")
       if n > 1 and len(sections) > 1:
         order = _column_order(width, sections, n)
-        linear.kernel.value = linear.kernel[...][:, order]
+        linear.kernel[...] = linear.kernel[...][:, order]
         if linear.bias is not None:
-          linear.bias.value = linear.bias[...][order]
+          linear.bias[...] = linear.bias[...][order]
       specs[path + ("kernel",)] = P(None, AXIS)
       specs[path + ("bias",)] = P(AXIS)
     elif split.kind == "row":
