@@ -102,6 +102,30 @@ def test_cli_tensor_parallel():
   assert result["rc_too_many"] == 2 and "tensor_parallel=8" in result["err_too_many"]
 
 
+@pytest.mark.gpu
+def test_two_gpus_match_one_gpu():
+  """On two GPUs of one host (skipped with fewer), in this process: the Triton kernels
+  (heads of 64) per GPU under shard_map and XLA's all-reduces between them. TP 2's greedy
+  tokens (f32 and int8 pools) equal one GPU's, its logits and pool are within f32
+  tolerance, and each GPU holds half the kv heads."""
+  import jax
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two GPUs")
+  with jax.default_matmul_precision("highest"):  # no TF32: the f32 tolerance holds
+    result = case_engine(sizes=(1, 2), head_dim=64)
+  for name, res in result.items():
+    assert res["preemptions"] > 0 and res["cached_prompt_tokens"] > 0, name
+    assert res["tokens"]["2"] == res["tokens"]["1"], name
+    assert res["int8_tokens"]["2"] == res["int8_tokens"]["1"], name
+    for step, err in res["logit_errors"]["2"].items():
+      assert err < 1e-5, (name, step, err)
+    assert res["pool_errors"]["2"] < 1e-5, name
+    hkv = res["pool_shape"][1]
+    assert sorted(s["start"] for s in res["shards"]["2"]) == [0, hkv // 2], name
+    assert {s["shape"][1] for s in res["shards"]["2"]} == {hkv // 2}, name
+    assert len({s["device"] for s in res["shards"]["2"]}) == 2 and res["replicated"]["2"]
+
+
 def test_make_mesh_needs_the_devices():
   """In this (one-device) process."""
   from jax_paged import tensor_parallel
@@ -113,18 +137,22 @@ def test_make_mesh_needs_the_devices():
 
 # ------------------------------------------------------ the cases (subprocesses, 4 devices)
 
-def _models():
+def _models(head_dim: int | None = None):
+  """A GPT-2 and a GQA Llama, f32, random. `head_dim` (64 on a GPU, where smaller heads
+  take the plain-XLA attention, not the kernels): the heads' width; None: the CPU cases'
+  small heads (16 and 8)."""
   import jax.numpy as jnp
   from flax import nnx
   from models import gpt2, llama
-  g = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=128, n_embd=64,
-                                           n_layer=1, n_head=4, bos_token_id=None,
-                                           eos_token_id=None),
+  g = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=128,
+                                           n_embd=4 * (head_dim or 16), n_layer=1, n_head=4,
+                                           bos_token_id=None, eos_token_id=None),
                            dtype=jnp.float32, rngs=nnx.Rngs(0))
   # GQA: 8 q heads sharing 4 kv heads (2 per group), q/k/v biases (Qwen2-style).
   l = llama.LlamaForCausalLM(llama.LlamaConfig(vocab_size=256, hidden_size=64,
                                                intermediate_size=96, num_hidden_layers=2,
                                                num_attention_heads=8, num_key_value_heads=4,
+                                               head_dim=head_dim,
                                                max_position_embeddings=128,
                                                model_type="qwen2", eos_token_id=None),
                              dtype=jnp.float32, rngs=nnx.Rngs(1))
@@ -148,18 +176,20 @@ def _engine(model, mesh, **kwargs):
                 mesh=mesh, **kwargs)
 
 
-def case_engine() -> dict:
+def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
+  """For each model and TP size in `sizes` (1 first): the engine's tokens (f32 and an
+  int8 pool), three forwards' logits and pool, how the pool is sharded."""
   import jax
   from jax_paged import tensor_parallel
   from jax_paged.serving.runner import ModelRunner
   out = {}
-  for name, model in _models().items():
+  for name, model in _models(head_dim).items():
     qkv_before = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
                             else model.layers[0].self_attn.qkv.kernel[...])
     res = {"tokens": {}, "logit_errors": {}, "pool_errors": {}, "shards": {},
            "replicated": {}}
     ref_logits = ref_pool = None
-    for n in (1, 2, 4):
+    for n in sizes:
       mesh = None if n == 1 else tensor_parallel.make_mesh(n)
       engine = _engine(model, mesh)
       tokens, report = engine.generate(_requests())
