@@ -3,7 +3,8 @@
 The checks run in subprocesses started with XLA_FLAGS=--xla_force_host_platform_device_count=4
 (the device count is fixed when jax starts, so the main pytest process keeps its one
 device): this file is also their script (`python tests/test_tensor_parallel.py CASE`),
-each case printing one JSON object that the tests below assert on.
+each case printing one JSON object that the tests below assert on. On a host with two
+GPUs, `test_two_gpus_match_one_gpu` runs the engine case in the main process on them.
 """
 
 from __future__ import annotations
