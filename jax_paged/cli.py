@@ -14,6 +14,7 @@ registers `models.gpt2:FAMILY` and `models.llama:FAMILY`. A checkpoint's `config
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -209,7 +210,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                         "is on by default; tokens are the same either way)")
   eng.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
                    help="split the model over the first N devices (Megatron-style: "
-                        "attention heads, the KV pool by kv head, the MLP; default 1)")
+                        "attention heads, the KV pool by kv head, the MLP; default 1); "
+                        "the checkpoint is loaded on the host, so a model that fits "
+                        "only split runs")
   eng.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   if not args.checkpoint and args.model is None:
@@ -312,10 +315,30 @@ def _notice(message: str) -> None:
   print(f"jax-paged-generate: note: {message}", file=sys.stderr)
 
 
+def _host_if(tensor_parallel: bool):
+  """Where the model is built or loaded: with tensor parallel on the host's CPU, so that
+  no GPU holds the whole model before the engine sends each GPU its blocks (a model that
+  fits only split runs); otherwise, and where jax has no CPU backend (JAX_PLATFORMS
+  without cpu), on the default device."""
+  if tensor_parallel:
+    try:
+      return jax.default_device(jax.devices("cpu")[0])
+    except RuntimeError:
+      pass
+  return contextlib.nullcontext()
+
+
 def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   on_gpu = jax.default_backend() == "gpu"
   dtype = DTYPES[args.dtype] if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
-  model, codec, label = build_model(args, families, dtype)
+  mesh = None
+  if args.tensor_parallel > 1:
+    try:  # before loading: a missing device is reported without reading a checkpoint
+      mesh = tensor_parallel.make_mesh(args.tensor_parallel)
+    except ValueError as e:
+      raise CLIError(f"--tensor-parallel {args.tensor_parallel}: {e}") from e
+  with _host_if(mesh is not None):
+    model, codec, label = build_model(args, families, dtype)
   spec = model.spec
   prompts = read_prompts(args, codec)
   if on_gpu and not validation.kernel_supports(spec.head_dim, args.page_size):
@@ -344,8 +367,6 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
                             n=args.n))
   try:
-    mesh = (None if args.tensor_parallel == 1
-            else tensor_parallel.make_mesh(args.tensor_parallel))
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
                  page_size=args.page_size, steps_per_call=args.steps_per_call,

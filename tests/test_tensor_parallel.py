@@ -100,7 +100,16 @@ def test_errors_name_the_numbers():
 def test_cli_tensor_parallel():
   result = _run_case("cli")
   assert result["rc"] == 0 and result["tokens_1"] == result["tokens_2"]
+  # Tensor parallel builds the model on the host, so no GPU holds all of it.
+  assert result["built_on"] == [None, "cpu"]
   assert result["rc_too_many"] == 2 and "tensor_parallel=8" in result["err_too_many"]
+  assert not result["built_too_many"]  # refused before loading a model
+
+
+def test_pool_sized_by_the_device_with_least_memory():
+  result = _run_case("sizing")
+  assert result["devices"] == [0, 1, 2, 3]
+  assert result["num_pages"] == result["least"]
 
 
 @pytest.mark.gpu
@@ -344,10 +353,18 @@ def case_errors() -> dict:
 def case_cli() -> dict:
   import contextlib
   import io
+  import jax
   from jax_paged import cli
   from models import gpt2
   families = [gpt2.FAMILY]
   result = {}
+  built_on, build = [], cli.build_model
+
+  def recording_build(*args, **kwargs):  # where the CLI builds the model
+    built_on.append(getattr(jax.config.jax_default_device, "platform", None))
+    return build(*args, **kwargs)
+
+  cli.build_model = recording_build
   for n in (1, 2):
     stdout = io.StringIO()
     args = cli.parse_args(["--model", "tiny", "--prompt-ids", "1,2,3", "--prompt", "hi",
@@ -357,13 +374,40 @@ def case_cli() -> dict:
       result["rc"] = cli.run(args, families)
     result[f"tokens_{n}"] = [line for line in stdout.getvalue().splitlines()
                              if not line.startswith("---")][:2]
+  result["built_on"] = built_on[:]
   stderr = io.StringIO()
   with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
     with contextlib.suppress(SystemExit):
       result["rc_too_many"] = cli.main(["--model", "tiny", "--prompt-ids", "1",
                                         "--num-pages", "8", "--tensor-parallel", "8"])
   result["err_too_many"] = stderr.getvalue()
+  result["built_too_many"] = len(built_on) > 2
   return result
+
+
+def case_sizing() -> dict:
+  """Engine(num_pages=None, mesh=4 devices) with each device reporting other free
+  memory (`pool.size_pool` replaced: CPU devices report none)."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_paged import Engine, pool, tensor_parallel
+  from models import llama
+  devices, sizings = [], {}
+
+  def size_pool(*, device, **kwargs):
+    devices.append(device.id)
+    sizings[device.id] = pool.PoolSizing(num_pages=[40, 24, 56, 32][device.id],
+                                         bytes_per_page=1, budget_bytes=1, utilization=0.9)
+    return sizings[device.id]
+
+  pool.size_pool = size_pool
+  model = llama.LlamaForCausalLM(llama.LlamaConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64),
+      dtype=jnp.float32, rngs=nnx.Rngs(0))
+  engine = Engine(model, max_batch=2, page_size=8, mesh=tensor_parallel.make_mesh(4))
+  return {"devices": devices, "num_pages": engine.num_pages,
+          "least": min(s.num_pages for s in sizings.values())}
 
 
 if __name__ == "__main__":

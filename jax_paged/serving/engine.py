@@ -42,7 +42,8 @@ class Engine:
     model: the model (its `spec` gives the context limit and the pool's shapes).
     max_batch: decode slots (pool sequences) run together.
     num_pages: pages in the pool; or None to size it from `memory_fraction` of the
-      device's free memory (`pool.size_pool`, accelerators only).
+      device's free memory (`pool.size_pool`, accelerators only; with a mesh, of the
+      device with the least).
     memory_fraction: the fraction of free device memory for the pool, in (0, 1].
     page_size: tokens per page.
     steps_per_call: the most decode steps per device call (one host round trip per
@@ -76,7 +77,10 @@ class Engine:
       pool's K/V (by kv head) and the MLPs split, the pool's bookkeeping replicated
       (`jax_paged.tensor_parallel`). The model must list its splits
       (`tensor_parallel_splits()`) and N divide its heads, kv heads and MLP width.
-      Tokens are those of one device up to floating point summation order.
+      Tokens are those of one device up to floating point summation order. The model's
+      parameters may live anywhere, e.g. on the host CPU for a model no single device
+      holds (built or loaded under `jax.default_device(jax.devices("cpu")[0])`): each
+      device receives only its blocks.
   """
 
   def __init__(self, model: PagedModel, *, max_batch: int = 32,
@@ -107,12 +111,17 @@ class Engine:
           isinstance(memory_fraction, (int, float)) and 0.0 < memory_fraction <= 1.0):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
       try:
-        # Each device of a mesh holds 1 / N of the kv heads (checked by the runner).
+        # Each device of a mesh holds 1 / N of the kv heads (checked by the runner) and the
+        # same pages: the device with the least free memory sizes the pool (the first
+        # also holds the caller's whole model if it was built there).
         tp = 1 if mesh is None else tensor_parallel.mesh_size(mesh)
-        self.sizing = pool_lib.size_pool(num_layers=spec.num_layers,
-                                         num_kv_heads=spec.num_kv_heads // tp,
-                                         head_dim=spec.head_dim, page_size=page_size,
-                                         dtype=cache_dtype, utilization=memory_fraction)
+        devices = [None] if mesh is None else list(mesh.devices.flat)
+        self.sizing = min((pool_lib.size_pool(num_layers=spec.num_layers,
+                                              num_kv_heads=spec.num_kv_heads // tp,
+                                              head_dim=spec.head_dim, page_size=page_size,
+                                              dtype=cache_dtype, utilization=memory_fraction,
+                                              device=device)
+                           for device in devices), key=lambda sizing: sizing.num_pages)
       except ValueError as e:
         raise ValueError(f"num_pages=None sizes the pool from memory_fraction="
                          f"{memory_fraction} of the device's free memory, which failed ({e}): "
