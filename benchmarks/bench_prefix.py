@@ -62,8 +62,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
   near-tied greedy choices can flip (the f32 tests assert identical tokens)."""
   if a == b:
     return "identical"
-  first = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
-           for p, q in zip(a, b) if p != q]
+  first = [m for m, p, q in zip(common.matched_prefix(a, b), a, b) if p != q]
   return (f"{len(a) - len(first)} of {len(a)} requests identical, the others first differ at "
           f"new token {min(first)} (median {int(np.median(first))})")
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import common
 from jax_paged import Engine, Request, tensor_parallel
 from models import llama
 
@@ -73,10 +74,8 @@ def run(model, mesh, batch: int, prompt: int, new: int, steps_per_call: int, rep
 
 def agreement(tokens: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
   """(sequences identical to ref's, mean tokens before a sequence's first difference)."""
-  a, b = np.asarray(tokens), np.asarray(ref)
-  differ = a != b
-  before = np.where(differ.any(1), differ.argmax(1), a.shape[1])
-  return int((~differ.any(1)).sum()), float(before.mean())
+  same = sum(t == r for t, r in zip(tokens, ref))
+  return same, float(np.mean(common.matched_prefix(tokens, ref)))
 
 
 def main():

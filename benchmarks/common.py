@@ -98,6 +98,13 @@ def read_ceiling_gbs(kernel: bool = False) -> float:
   return (1 << 32) / seconds / 1e9
 
 
+def matched_prefix(a, b) -> list[int]:
+  """Per pair of token sequences (a[i], b[i]): how many leading tokens they share, i.e.
+  where they first differ (the shorter one's length if one starts the other)."""
+  return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+          for p, q in zip(a, b)]
+
+
 def header() -> str:
   dev = jax.devices()[0]
   return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
