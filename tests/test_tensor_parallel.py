@@ -388,10 +388,7 @@ def case_cli() -> dict:
 def case_sizing() -> dict:
   """Engine(num_pages=None, mesh=4 devices) with each device reporting other free
   memory (`pool.size_pool` replaced: CPU devices report none)."""
-  import jax.numpy as jnp
-  from flax import nnx
   from jax_paged import Engine, pool, tensor_parallel
-  from models import llama
   devices, sizings = [], {}
 
   def size_pool(*, device, **kwargs):
@@ -401,11 +398,8 @@ def case_sizing() -> dict:
     return sizings[device.id]
 
   pool.size_pool = size_pool
-  model = llama.LlamaForCausalLM(llama.LlamaConfig(
-      vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64),
-      dtype=jnp.float32, rngs=nnx.Rngs(0))
-  engine = Engine(model, max_batch=2, page_size=8, mesh=tensor_parallel.make_mesh(4))
+  engine = Engine(_models()["llama"], max_batch=2, page_size=8,
+                  mesh=tensor_parallel.make_mesh(4))
   return {"devices": devices, "num_pages": engine.num_pages,
           "least": min(s.num_pages for s in sizings.values())}
 
