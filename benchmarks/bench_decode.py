@@ -46,7 +46,7 @@ SHAPES = {
 
 def make_inputs(b, h, hkv, d, length, page_size, ragged, seed=0, cache_dtype=jnp.bfloat16):
   """(q, k_pages, v_pages, table, lengths, k_scales, v_scales): bf16 q and K/V, the K/V
-  quantized for an int8 / float8 cache (scales None otherwise)."""
+  quantized for an int8 / float8 cache (V token-minor; scales None otherwise)."""
   pages_per_seq = length // page_size
   num_pages = b * pages_per_seq
   ks = jax.random.split(jax.random.key(seed), 5)
@@ -56,6 +56,7 @@ def make_inputs(b, h, hkv, d, length, page_size, ragged, seed=0, cache_dtype=jnp
   k_scales = v_scales = None
   if kv_quant.is_quantized(cache_dtype):
     (k, k_scales), (v, v_scales) = (kv_quant.quantize(x, cache_dtype) for x in (k, v))
+    v = kv_quant.transpose_pages(v)  # a quantized pool's V is token-minor
   table = jax.random.permutation(ks[3], num_pages).reshape(b, pages_per_seq).astype(jnp.int32)
   if ragged:
     lengths = jax.random.randint(ks[4], (b,), 1, length + 1).astype(jnp.int32)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import pallas_call_registration
 
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import paged_attention
 from jax_paged.kernels import triton_backend
 
@@ -59,6 +60,7 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
   try:
     q = jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((kv_heads, 4096, page_size, head_dim), cache_dtype)
+    v = jax.ShapeDtypeStruct(kv_quant.v_pages_shape(kv.shape, cache_dtype), cache_dtype)
     quantized = jnp.dtype(cache_dtype).itemsize == 1
     scales = jax.ShapeDtypeStruct(kv.shape[:-1], jnp.float32) if quantized else None
     table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
@@ -70,7 +72,7 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
         return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
         num_stages=stages))
     with triton_backend.cuda_lowering_context():
-      fn.trace(q, kv, kv, table, lengths, layer, scales, scales).lower(
+      fn.trace(q, kv, v, table, lengths, layer, scales, scales).lower(
           lowering_platforms=("cuda",))
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower

@@ -48,7 +48,9 @@ class KVPool:
 
   Attributes:
     k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]. Head-major,
-      so one (head, page) tile is contiguous.
+      so one (head, page) tile is contiguous. A quantized pool's v_pages are token-minor,
+      [num_layers, num_kv_heads, num_pages, head_dim, page_size] (`kv_quant.v_pages_shape`:
+      the decode kernel's p.v contracts over contiguous tokens).
     page_table: int32 [max_seqs, max_pages_per_seq]; entry j of row s is the physical page
       holding tokens [j * page_size, (j + 1) * page_size) of sequence s. Entries past a
       sequence's last used page are garbage.
@@ -98,7 +100,7 @@ class KVPool:
               else None)
     return cls(
         k_pages=jnp.zeros(shape, dtype),
-        v_pages=jnp.zeros(shape, dtype),
+        v_pages=jnp.zeros(kv_quant.v_pages_shape(shape, dtype), dtype),
         **_empty_bookkeeping(num_pages, max_seqs, max_pages_per_seq),
         k_scales=scales,
         v_scales=None if scales is None else jnp.zeros_like(scales),
@@ -714,10 +716,17 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
     array = array.reshape(shape[:2] + (total,) + shape[4:])
     return array.at[layer, :, flat].set(x, mode="drop").reshape(shape)
 
+  def scatter_tokens_minor(array, x):
+    # [L, Hkv, P, D, page_size]: the slot's page and offset split by the D slice, so
+    # updates are again [N, Hkv, D]; a dropped slot's page is out of range.
+    return array.at[layer, :, flat // pool.page_size, :, flat % pool.page_size].set(
+        x, mode="drop")
+
   if not pool.quantized:
     return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v))
   (k, k_scales), (v, v_scales) = (kv_quant.quantize(x, pool.dtype) for x in (k, v))
-  return pool.replace(k_pages=scatter(pool.k_pages, k), v_pages=scatter(pool.v_pages, v),
+  return pool.replace(k_pages=scatter(pool.k_pages, k),
+                      v_pages=scatter_tokens_minor(pool.v_pages, v),
                       k_scales=scatter(pool.k_scales, k_scales),
                       v_scales=scatter(pool.v_scales, v_scales))
 

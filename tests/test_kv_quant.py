@@ -99,6 +99,7 @@ def _quantized_inputs(batch, heads, kv_heads, head_dim, page_size, max_pages, q_
   k = _random(shape) * jnp.exp(0.5 * _random(shape[:-1] + (1,)))
   v = _random(shape) * jnp.exp(0.5 * _random(shape[:-1] + (1,)))
   (kq, ks), (vq, vs) = kv_quant.quantize(k, cache_dtype), kv_quant.quantize(v, cache_dtype)
+  vq = kv_quant.transpose_pages(vq)  # a quantized pool's V is token-minor
   rng = np.random.default_rng(next(_SEED))
   table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
   lengths = np.asarray(lengths, np.int32)
@@ -122,8 +123,8 @@ def _check_decode(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
       q, kq, vq, table, lengths, layer=layer, k_scales=ks, v_scales=vs, return_lse=True,
       **ref_kwargs)
   dense = reference.paged_decode_attention(
-      q, kv_quant.dequantize(kq, ks), kv_quant.dequantize(vq, vs), table, lengths,
-      layer=layer, **ref_kwargs)
+      q, kv_quant.dequantize(kq, ks), kv_quant.dequantize(kv_quant.transpose_pages(vq), vs),
+      table, lengths, layer=layer, **ref_kwargs)
   chex.assert_trees_all_equal_shapes_and_dtypes((out, lse), (want, want_lse))
   assert not np.isnan(np.asarray(out, np.float32)).any()
   empty = np.asarray(lengths) == 0
@@ -141,8 +142,8 @@ _CPU_CASES = [
     (4, 4, 64, 8, INT8, dict(num_splits=1)),
     (8, 2, 128, 16, FP8, dict(num_splits=3, scale=0.3)),
     (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
-    # int8 MHA takes the elementwise loop: with a padded head dim, splits and options.
-    (4, 4, 80, 8, INT8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
+    # A padded head dim, a window starting mid-page (float8: its zeroed first block).
+    (4, 4, 80, 8, FP8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
 ]
 
 
@@ -160,8 +161,8 @@ def test_decode_kernel_matches_dequantize_then_attend_interpret(heads, kv_heads,
 @pytest.mark.parametrize("cache_dtype,heads,kv_heads", [(FP8, 8, 1), (INT8, 4, 4)])
 def test_decode_kernel_reads_a_layer_of_the_pool_and_bf16_queries_interpret(cache_dtype,
                                                                            heads, kv_heads):
-  """MQA (float8: f16 dots) and MHA (int8: the elementwise loop) on a layer of a 3-layer
-  pool (an int32 array index), with bf16 q (bf16 tolerance)."""
+  """MQA (float8: f16 dots) and MHA (int8) on a layer of a 3-layer pool (an int32 array
+  index), with bf16 q (bf16 tolerance)."""
   args = _quantized_inputs(3, heads, kv_heads, 64, 8, 4, jnp.bfloat16, cache_dtype,
                            [0, 30, 17], layers=3)
   _check_decode(args, interpret=True, layer=jnp.int32(1), num_splits=2, block_n=16,
@@ -189,9 +190,11 @@ def test_float8_f16_dots_keep_any_bf16_range_interpret(q_scale, v_scale):
 @pytest.mark.parametrize("cache_dtype,kv_heads", [(FP8, 4), (FP8, 2), (INT8, 4)])
 def test_decode_kernel_never_reads_scales_or_values_past_a_length_interpret(cache_dtype,
                                                                             kv_heads):
-  """Every scale (and fp8 value: int8 has no NaN) at a slot no sequence uses is NaN: the
-  output is the reference's on the clean pool, so the kernel never loads them unmasked
-  (MHA and GQA dots, and int8 MHA's elementwise loop)."""
+  """Every scale at a slot no sequence uses is NaN, and so is every float8 K value there
+  (int8 has no NaN) and every float8 V value in a page no sequence uses; V slots past a
+  length in a used page (read with zero weight: they must be finite) hold the largest
+  value. The output is the reference's on the clean pool: the kernel uses none of them
+  (MHA and GQA, one split and three)."""
   page_size, max_pages = 8, 4
   q, kq, vq, ks, vs, table, lengths = _quantized_inputs(
       4, 4, kv_heads, 64, page_size, max_pages, jnp.float32, cache_dtype, [0, 1, 9, 30])
@@ -200,10 +203,16 @@ def test_decode_kernel_never_reads_scales_or_values_past_a_length_interpret(cach
   for b in range(4):
     for pos in range(n[b]):
       live[t[b, pos // page_size], pos % page_size] = True
-  dead = jnp.asarray(~live)
-  values = ((lambda x: jnp.where(dead[None, ..., None], jnp.nan, x).astype(FP8))
-            if cache_dtype == FP8 else (lambda x: x))
-  poisoned = (q, values(kq), values(vq),
+  dead = ~live
+  unused_page = dead & ~live.any(-1, keepdims=True)
+  qmax = kv_quant.QMAX[jnp.dtype(cache_dtype)]
+  poison = jnp.nan if cache_dtype == FP8 else qmax
+  k_poisoned = jnp.where(dead[None, ..., None], poison, kq.astype(jnp.float32))
+  v_poisoned = jnp.where(  # token-major [Hkv, pages, page_size, D] here
+      unused_page[None, ..., None], poison,
+      jnp.where(dead[None, ..., None], qmax, kv_quant.transpose_pages(vq).astype(jnp.float32)))
+  poisoned = (q, k_poisoned.astype(cache_dtype),
+              kv_quant.transpose_pages(v_poisoned).astype(cache_dtype),
               jnp.where(dead[None], jnp.nan, ks), jnp.where(dead[None], jnp.nan, vs))
   for splits in (1, 3):
     out = jax_paged.paged_decode_attention(*poisoned[:3], table, lengths, k_scales=poisoned[3],
@@ -220,20 +229,21 @@ def test_quantized_kernels_lower_for_cuda():
   s = jax.ShapeDtypeStruct
   layers, hkv, pages, page_size, d = 2, 4, 16, 16, 64
   for dtype in QDTYPES:
-    pool_arrays = s((layers, hkv, pages, page_size, d), dtype)
+    k_pool = s((layers, hkv, pages, page_size, d), dtype)
+    v_pool = s(kv_quant.v_pages_shape(k_pool.shape, dtype), dtype)
     scales = s((layers, hkv, pages, page_size), jnp.float32)
     calls = [
         (functools.partial(cache_write.write_kv_pallas, interpret=False),
-         (pool_arrays, pool_arrays, s((), jnp.int32), s((8,), jnp.int32),
+         (k_pool, v_pool, s((), jnp.int32), s((8,), jnp.int32),
           s((8, hkv, d), jnp.bfloat16), s((8, hkv, d), jnp.bfloat16))),
         (functools.partial(cache_write.project_write_kv_pallas, q_width=hkv * d,
                            interpret=False),
-         (s((8, 96), jnp.bfloat16), s((96, 3 * hkv * d), jnp.bfloat16), None, pool_arrays,
-          pool_arrays, s((), jnp.int32), s((8,), jnp.int32))),
+         (s((8, 96), jnp.bfloat16), s((96, 3 * hkv * d), jnp.bfloat16), None, k_pool,
+          v_pool, s((), jnp.int32), s((8,), jnp.int32))),
     ] + [(functools.partial(pa._paged_decode_pallas, scale=0.125, logits_soft_cap=None,
                             sliding_window=None, num_splits=2, return_lse=False,
                             interpret=False, block_n=32, num_warps=2, num_stages=2),
-          (s((8, heads, d), q_dtype), pool_arrays, pool_arrays, s((8, 4), jnp.int32),
+          (s((8, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
            s((8,), jnp.int32), s((), jnp.int32), scales, scales))
          for heads, q_dtype in ((hkv, jnp.bfloat16), (4 * hkv, jnp.float16))]
     with triton_backend.cuda_lowering_context():
@@ -247,14 +257,12 @@ def test_quantized_kernels_lower_for_cuda():
 
 def test_default_config_of_quantized_pages(monkeypatch):
   monkeypatch.setattr(pa.triton_backend, "sm_count", lambda: 132)
-  # int8 MHA, elementwise: 128 elements per thread; 4 warps at <= 4 programs per SM.
-  assert pa.default_config(3072, 1, 64, cache_dtype=INT8) == (128, 2, 2)
-  assert pa.default_config(2048, 1, 128, cache_dtype=INT8) == (64, 2, 2)
-  assert pa.default_config(4 * 132, 1, 128, cache_dtype=INT8) == (128, 4, 2)
-  assert pa.default_config(64, 1, 256, cache_dtype=INT8) == (64, 4, 2)
-  assert pa.default_config(3072, 1, 64, cache_dtype=FP8) == (64, 2, 3)  # float8 MHA: dots
-  assert pa.default_config(512, 4, 128, cache_dtype=INT8) == (128, 4, 3)  # GQA
-  assert pa.default_config(64, 4, 256, cache_dtype=FP8) == pa.default_config(64, 4, 256)
+  for dtype in QDTYPES:
+    assert pa.default_config(3072, 1, 64, cache_dtype=dtype) == (64, 2, 3)  # MHA
+    assert pa.default_config(4 * 132, 1, 128, cache_dtype=dtype) == (64, 2, 3)
+    assert pa.default_config(512, 4, 128, cache_dtype=dtype) == (64, 2, 3)  # GQA
+    assert pa.default_config(512, 4, 64, cache_dtype=dtype) == (128, 4, 3)  # narrow GQA
+    assert pa.default_config(64, 4, 256, cache_dtype=dtype) == pa.default_config(64, 4, 256)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -264,14 +272,17 @@ def test_default_config_of_quantized_pages(monkeypatch):
     (dict(k_scales=jnp.zeros((2, 5, 16), jnp.bfloat16)), "k_scales dtype must be float32"),
     (dict(k_pages=jnp.zeros((2, 5, 16, 64)), v_pages=jnp.zeros((2, 5, 16, 64))),
      "k_scales is for int8"),
-    (dict(v_pages=jnp.zeros((2, 5, 16, 64), FP8)), "k_pages and v_pages dtypes differ"),
+    (dict(v_pages=jnp.zeros((2, 5, 64, 16), FP8)), "k_pages and v_pages dtypes differ"),
+    (dict(v_pages=jnp.zeros((2, 5, 16, 64), INT8)),
+     r"v_pages must have shape \(2, 5, 64, 16\) beside k_pages \(2, 5, 16, 64\) \(int8 / "
+     "float8 V pages are token-minor"),
     (dict(k_pages=jnp.zeros((2, 5, 16, 64), jnp.uint8),
           v_pages=jnp.zeros((2, 5, 16, 64), jnp.uint8)), "k_pages dtype must be"),
     (dict(q=jnp.zeros((2, 4, 64), INT8)), "q dtype must be"),
 ])
 def test_bad_scales_and_cache_dtypes_raise(change, match):
   kwargs = dict(q=jnp.zeros((2, 4, 64)), k_pages=jnp.zeros((2, 5, 16, 64), INT8),
-                v_pages=jnp.zeros((2, 5, 16, 64), INT8), page_table=jnp.zeros((2, 3), jnp.int32),
+                v_pages=jnp.zeros((2, 5, 64, 16), INT8), page_table=jnp.zeros((2, 3), jnp.int32),
                 lengths=jnp.zeros((2,), jnp.int32), k_scales=jnp.zeros((2, 5, 16)),
                 v_scales=jnp.zeros((2, 5, 16)))
   kwargs.update(change)
@@ -282,7 +293,8 @@ def test_bad_scales_and_cache_dtypes_raise(change, match):
 
 def test_paged_prefill_kernel_refuses_quantized_pages_and_the_reference_dequantizes():
   pages = jnp.zeros((2, 5, 16, 64), INT8)
-  args = (jnp.zeros((2, 3, 4, 64)), pages, pages, jnp.zeros((2, 3), jnp.int32),
+  args = (jnp.zeros((2, 3, 4, 64)), pages, kv_quant.transpose_pages(pages),
+          jnp.zeros((2, 3), jnp.int32),
           jnp.zeros((2,), jnp.int32), jnp.full((2,), 3, jnp.int32))
   with pytest.raises(ValueError, match="k_pages dtype int8: the paged prefill kernel reads "
                                        "float pages"):
@@ -296,8 +308,8 @@ def test_paged_prefill_kernel_refuses_quantized_pages_and_the_reference_dequanti
   q = jnp.asarray(rng.standard_normal((2, 8, 4, 64)), jnp.float32)
   table = jnp.asarray([[3, 0, 4], [1, 2, 0]], jnp.int32)
   start, lengths = jnp.asarray([20, 5], jnp.int32), jnp.asarray([8, 6], jnp.int32)
-  got = reference.paged_prefill_attention(q, kq, vq, table, start, lengths, k_scales=ks,
-                                          v_scales=vs)
+  got = reference.paged_prefill_attention(q, kq, kv_quant.transpose_pages(vq), table, start,
+                                          lengths, k_scales=ks, v_scales=vs)
   want = reference.paged_prefill_attention(q, kv_quant.dequantize(kq, ks),
                                            kv_quant.dequantize(vq, vs), table, start, lengths)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -329,7 +341,8 @@ def _poisoned_pool(dtype, hkv, d, seed):
   p = KVPool.create(num_layers=LAYERS, num_kv_heads=hkv, head_dim=d, num_pages=PAGES,
                     page_size=PAGE, max_seqs=2, max_pages_per_seq=4, dtype=dtype)
   ks = jax.random.split(jax.random.key(seed))
-  pages = [kv_quant.quantize(jax.random.normal(k, p.k_pages.shape), dtype)[0] for k in ks]
+  pages = [kv_quant.quantize(jax.random.normal(k, x.shape), dtype)[0]
+           for k, x in zip(ks, (p.k_pages, p.v_pages))]
   return p.replace(k_pages=pages[0], v_pages=pages[1],
                    k_scales=jnp.full_like(p.k_scales, jnp.nan),
                    v_scales=jnp.full_like(p.v_scales, jnp.nan))
@@ -345,7 +358,10 @@ def _expected_write(p, layer, slots, k, v):
     for i, slot in enumerate(np.asarray(slots).reshape(-1)):
       if 0 <= slot < total:
         idx = np.unravel_index(i, np.asarray(slots).shape)
-        want[f"{name}_pages"][layer, :, slot // PAGE, slot % PAGE] = q[idx]
+        if name == "v":  # token-minor: [L, Hkv, pages, D, page_size]
+          want["v_pages"][layer, :, slot // PAGE, :, slot % PAGE] = q[idx]
+        else:
+          want["k_pages"][layer, :, slot // PAGE, slot % PAGE] = q[idx]
         want[f"{name}_scales"][layer, :, slot // PAGE, slot % PAGE] = s[idx]
   return want
 
@@ -384,6 +400,26 @@ def test_write_kv_quantizes_and_never_writes_padding(dtype, hkv, d, interpret):
   for layer in (-1, 3):
     same = write(p, jnp.int32(layer), jnp.asarray(slots), k, v, interpret=interpret)
     chex.assert_trees_all_equal(same.page_arrays(), p.page_arrays())
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("interpret", [None, True])
+def test_non_finite_tokens_store_finite_values_under_a_non_finite_scale(dtype, interpret):
+  """A token holding NaN or inf is stored as zeros under a NaN / inf scale: it still reads
+  as non-finite, and no NaN byte enters a page (the decode kernel reads a page's unused
+  slots with zero weight, which a NaN would turn into NaN)."""
+  if interpret is None and jax.default_backend() == "gpu":
+    pytest.skip("interpret=None is the kernel on a GPU")
+  p = KVPool.create(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=4, page_size=8,
+                    max_seqs=1, max_pages_per_seq=4, dtype=dtype)
+  k, v = _random((3, 2, 64)), _random((3, 2, 64))
+  k, v = k.at[0, 1, 5].set(jnp.nan), v.at[2, 0, 7].set(jnp.inf)
+  got = kvpool.write_kv(p, 0, jnp.asarray([3, 12, 30], jnp.int32), k, v, interpret=interpret)
+  for name in ("k_pages", "v_pages"):
+    assert np.isfinite(np.asarray(getattr(got, name).astype(jnp.float32))).all(), name
+  assert np.isnan(np.asarray(got.k_scales[0, 1, 0, 3]))
+  assert np.isinf(np.asarray(got.v_scales[0, 0, 3, 6]))
+  assert np.isfinite(np.asarray(got.k_scales[0, 0, 0, 3]))  # the other head's
 
 
 @pytest.mark.parametrize("dtype,heads,hkv,d", [(INT8, 4, 2, 32), (FP8, 3, 3, 64)])
@@ -459,6 +495,8 @@ def test_copy_on_write_copies_the_scales(interpret):
   copy = int(p.page_table[0, 1])
   assert copy != shared and int(p.page_table[1, 1]) == shared
   for name, array in p.page_arrays().items():
+    if name == "v_pages":  # token-minor: the tokens are the last axis
+      array = kv_quant.transpose_pages(array)
     np.testing.assert_array_equal(np.asarray(array[:, :, copy, :2].astype(jnp.float32)),
                                   np.asarray(array[:, :, shared, :2].astype(jnp.float32)),
                                   err_msg=name)
@@ -472,6 +510,7 @@ def test_pool_create_holds_scales_only_when_quantized():
     p = KVPool.create(**kw, dtype=dtype)
     assert p.quantized and p.dtype == dtype
     chex.assert_shape((p.k_scales, p.v_scales), (2, 3, 5, 8))
+    chex.assert_shape((p.k_pages, p.v_pages), [(2, 3, 5, 8, 64), (2, 3, 5, 64, 8)])
     assert p.k_scales.dtype == jnp.float32
     quantized_leaves = len(jax.tree.leaves(p))
   p = KVPool.create(**kw, dtype=jnp.bfloat16)

@@ -12,7 +12,8 @@ Grid (tokens,): program n copies token n's [Hkv, D] K and V rows to flat slot
 `slots[n]` of every kv head of `layer`. Negative or out-of-range slots (padding), and
 every slot of an out-of-range (traced) layer, write nothing. For a quantized pool (int8 /
 float8) a program quantizes its rows (`kv_quant.quantize`: one scale per head) and stores
-the scales at the same slots of the scale arrays; the fused projection does the same in
+the scales at the same slots of the scale arrays, and its V token-minor (a token's D
+values page_size apart, `kv_quant.v_pages_shape`); the fused projection does the same in
 its epilogue when a head is exactly one column block.
 """
 
@@ -36,12 +37,28 @@ def _writable(slot, layer, *, slots_per_head: int, num_layers: int):
   return (slot >= 0) & (slot < slots_per_head) & (layer >= 0) & (layer < num_layers)
 
 
+def _store_rows(ref, token_rows, cols, x, mask, *, tokens_minor: bool, page_size: int,
+                head_dim: int):
+  """Inside a kernel: stores x [R, block_d] as the D values of pool token rows
+  `token_rows` [R] (row = (layer * Hkv + head) * slots_per_head + slot), in a flat pool
+  [rows, D], or with `tokens_minor` [rows / page_size * D, page_size] (a quantized pool's
+  V: element d of a token sits in row (row // page_size) * D + d, column row % page_size)."""
+  if tokens_minor:
+    idx = ((token_rows // page_size * head_dim)[:, None] + cols[None, :],
+           jnp.broadcast_to((token_rows % page_size)[:, None], x.shape))
+    mask = jnp.broadcast_to(mask, x.shape)
+  else:
+    idx = (token_rows[:, None], cols[None, :])
+  plgpu.store(ref.at[idx], x, mask=mask)
+
+
 def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, *refs, num_layers: int,
-                  num_kv_heads: int, head_dim: int, slots_per_head: int, block_h: int,
-                  block_d: int, quantized: bool):
-  """Refs: layer [1], slots [N], k/v [N, Hkv, D]; pools (in and aliased out)
-  [L * Hkv * slots_per_head, D], and for a quantized pool their scales (in and aliased
-  out) [L * Hkv * slots_per_head]. The inputs aliased to outputs are unused."""
+                  num_kv_heads: int, head_dim: int, page_size: int, slots_per_head: int,
+                  block_h: int, block_d: int, quantized: bool):
+  """Refs: layer [1], slots [N], k/v [N, Hkv, D]; pools (in and aliased out) K [L * Hkv *
+  slots_per_head, D], V the same or (quantized) token-minor [L * Hkv * slots_per_head /
+  page_size * D, page_size], and for a quantized pool their scales (in and aliased out)
+  [L * Hkv * slots_per_head]. The inputs aliased to outputs are unused."""
   outs = refs[len(refs) // 2:]  # k, v pages (and k, v scales)
   n = pl.program_id(0)
   slot = slots_ref[n]
@@ -53,23 +70,23 @@ def _write_kernel(layer_ref, slots_ref, k_ref, v_ref, *refs, num_layers: int,
   mask = head_mask[:, None] & (cols[None, :] < head_dim)
   src = (n, heads[:, None], cols[None, :])
   rows = (layer * num_kv_heads + heads) * slots_per_head + jnp.maximum(slot, 0)
-  dst = (rows[:, None], cols[None, :])
   for i, x_ref in enumerate((k_ref, v_ref)):
     x = plgpu.load(x_ref.at[src], mask=mask, other=0.0)
     if quantized:
       # Masked columns load as 0: they do not change a row's absmax.
       x, scales = kv_quant.quantize(x, outs[i].dtype)
       plgpu.store(outs[2 + i].at[rows], scales, mask=head_mask)
-    plgpu.store(outs[i].at[dst], x, mask=mask)
+    _store_rows(outs[i], rows, cols, x, mask, tokens_minor=quantized and i == 1,
+                page_size=page_size, head_dim=head_dim)
 
 
 def _flat_pool(k_pages, v_pages, k_scales, v_scales):
   """The pool arrays a kernel writes, as free bitcasts to rows: pages [L * Hkv * P *
-  page_size, D], then (quantized) scales [L * Hkv * P * page_size]; and their shapes."""
+  page_size, D] (a quantized pool's token-minor V: [L * Hkv * P * D, page_size]), then
+  (quantized) scales [L * Hkv * P * page_size]; and their shapes."""
   arrays = [k_pages, v_pages] + ([] if k_scales is None else [k_scales, v_scales])
   shapes = [x.shape for x in arrays]
-  rows = k_pages.size // k_pages.shape[-1]
-  flat = [x.reshape((rows,) + x.shape[4:]) for x in arrays]
+  flat = [x.reshape((-1,) + x.shape[4:]) for x in arrays]
   return flat, shapes
 
 
@@ -81,7 +98,8 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
   """The kernel behind `jax_paged.pool.write_kv` on a GPU.
 
   Args:
-    k_pages, v_pages: [L, Hkv, P, page_size, D], updated in place when donated.
+    k_pages, v_pages: [L, Hkv, P, page_size, D] (a quantized pool's v_pages [L, Hkv, P,
+      D, page_size]), updated in place when donated.
     layer: int32 scalar.
     slots: int32 [N] flat slots (page * page_size + offset); outside [0, P * page_size)
       = not written.
@@ -98,7 +116,7 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
   slots_per_head = pages * page_size
   flat, shapes = _flat_pool(k_pages, v_pages, k_scales, v_scales)
   kernel = functools.partial(
-      _write_kernel, num_layers=layers, num_kv_heads=hkv, head_dim=d,
+      _write_kernel, num_layers=layers, num_kv_heads=hkv, head_dim=d, page_size=page_size,
       slots_per_head=slots_per_head, block_h=pl.next_power_of_2(hkv),
       block_d=pl.next_power_of_2(d), quantized=k_scales is not None)
   outs = pl.pallas_call(
@@ -115,12 +133,13 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
 
 def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, depth: int,
                           q_width: int, kv_width: int, head_dim: int, num_layers: int,
-                          num_kv_heads: int, slots_per_head: int, has_bias: bool,
+                          num_kv_heads: int, page_size: int, slots_per_head: int,
+                          has_bias: bool,
                           block_m: int, block_n: int, block_k: int, quantized: bool):
   """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv], (has_bias)
-  bias [q + 2 kv], pools (in, unused) [L * Hkv * slots_per_head, D] x 2 and (quantized)
-  their scales [L * Hkv * slots_per_head] x 2; outputs q [rows, q_width] and the pools
-  (and scales), aliased."""
+  bias [q + 2 kv], pools (in, unused) as `_write_kernel` takes them (K [L * Hkv *
+  slots_per_head, D], V the same or token-minor) and (quantized) their scales [L * Hkv *
+  slots_per_head] x 2; outputs q [rows, q_width] and the pools (and scales), aliased."""
   if has_bias:
     bias_ref, *refs = refs
   # The pool inputs (aliased, unused) come first, then q and the pool outputs.
@@ -151,10 +170,11 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   # row goes to its token's slot in that head's pages of `layer`.
   valid = row_mask & _writable(slot, layer, slots_per_head=slots_per_head,
                               num_layers=num_layers)
-  for out_ref, scale_ref, start in ((k_out_ref, scale_refs[0], q_width),
-                                    (v_out_ref, scale_refs[1], q_width + kv_width)):
+  for out_ref, scale_ref, start, tokens_minor in (
+      (k_out_ref, scale_refs[0], q_width, False),
+      (v_out_ref, scale_refs[1], q_width + kv_width, quantized)):
     @pl.when((n * block_n >= start) & (n * block_n < start + kv_width))
-    def _(out_ref=out_ref, scale_ref=scale_ref, start=start):
+    def _(out_ref=out_ref, scale_ref=scale_ref, start=start, tokens_minor=tokens_minor):
       head = (n * block_n - start) // head_dim
       # Rows not written still address something: in interpret mode a masked store writes
       # back what it read, and two rows at one address would race. Send them to another
@@ -167,8 +187,8 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
         plgpu.store(scale_ref.at[dst], scales, mask=valid)
       else:
         y = acc.astype(out_ref.dtype)
-      plgpu.store(out_ref.at[dst[:, None], ((c - start) % head_dim)[None, :]], y,
-                  mask=valid[:, None])
+      _store_rows(out_ref, dst, (c - start) % head_dim, y, valid[:, None],
+                  tokens_minor=tokens_minor, page_size=page_size, head_dim=head_dim)
 
 
 def can_project_write(rows: int, head_dim: int, num_layers: int, *,
@@ -197,7 +217,8 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
     x: [N, in] (N <= linear.MAX_ROWS), the pool's dtype.
     kernel: [in, q_width + 2 * Hkv * D], x's dtype; q, then k, then v columns, head-major.
     bias: [q_width + 2 * Hkv * D] or None.
-    k_pages, v_pages: [L, Hkv, P, page_size, D], updated in place when donated.
+    k_pages, v_pages: [L, Hkv, P, page_size, D] (a quantized pool's v_pages [L, Hkv, P,
+      D, page_size]), updated in place when donated.
     layer: int32 scalar.
     slots: int32 [N] flat slots; outside [0, P * page_size) = not written.
     q_width: q's columns.
@@ -223,7 +244,8 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
       block_n=d if quantized else None)
   kernel_fn = functools.partial(
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
-      head_dim=d, num_layers=layers, num_kv_heads=hkv, slots_per_head=slots_per_head,
+      head_dim=d, num_layers=layers, num_kv_heads=hkv, page_size=page_size,
+      slots_per_head=slots_per_head,
       has_bias=bias is not None, block_m=block_m, block_n=block_n, block_k=block_k,
       quantized=quantized)
   inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots, x, kernel]

@@ -19,6 +19,15 @@ tile to the query's dtype (exact: int8 and e4m3 values are bf16 / f16 / f32 valu
 folds the scales into the logits (K) and the probabilities (V), so no [tokens, D] multiply
 is added; the reference and the XLA paths multiply in f32 (`dequantize`).
 
+A quantized pool stores V token-minor, `v_pages` [..., num_pages, D, page_size] (K and
+float pools keep [..., page_size, D]; `v_pages_shape`, `transpose_pages`). The decode
+kernel's p.v dot contracts over tokens, and a 1-byte operand whose contracted axis is not
+contiguous reaches the tensor cores as byte loads from shared memory (no ldmatrix
+transpose exists for 8-bit tiles): with tokens contiguous the V tile streams like K's,
+which took the quantized kernel from 0.60-0.80x to 0.54-0.60x the bf16 kernel's time on
+GPT-2, GQA and MHA shapes (H100, benchmarks/LOG.md). vLLM's first paged attention kernel
+stored V the same way ([blocks, heads, head_size, block_size]).
+
 `quantize` is plain jnp made of operations Pallas-Triton lowers (abs, max, divide, floor,
 min / max, select, converts: there is no lowering for `round`), so the write kernels run
 this same function on their tiles.
@@ -49,6 +58,22 @@ def bytes_per_head_token(head_dim: int, dtype) -> int:
   return head_dim * dtype.itemsize + (SCALE_DTYPE.itemsize if is_quantized(dtype) else 0)
 
 
+def v_pages_shape(k_pages_shape: tuple[int, ...], dtype) -> tuple[int, ...]:
+  """The shape of `v_pages` beside `k_pages` of `k_pages_shape` ([..., page_size, D]) in a
+  pool of cache dtype `dtype`: the same for float pools, [..., D, page_size] (token-minor)
+  for int8 / float8_e4m3fn."""
+  k_pages_shape = tuple(k_pages_shape)
+  if not is_quantized(dtype):
+    return k_pages_shape
+  return k_pages_shape[:-2] + (k_pages_shape[-1], k_pages_shape[-2])
+
+
+def transpose_pages(x: jax.Array) -> jax.Array:
+  """Swaps the last two axes: token-major pages [..., page_size, D] <-> a quantized pool's
+  token-minor V pages [..., D, page_size] (its own inverse)."""
+  return jnp.swapaxes(x, -1, -2)
+
+
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """Symmetric quantization with one scale per vector along the last axis.
 
@@ -58,7 +83,10 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
   Returns:
     (q [..., D] in `dtype`, float32 scales [...]) with x ~= q * scales. int8 rounds the
-    scaled value half up (floor(v + 0.5)), float8 to nearest even (the convert's).
+    scaled value half up (floor(v + 0.5)), float8 to nearest even (the convert's). A
+    vector holding NaN or inf gets a NaN or inf scale and zeros for those values: no NaN
+    byte is ever stored (the decode kernel reads the unused slots of a page with zero
+    weight), and the vector still reads as non-finite.
   """
   dtype = jnp.dtype(dtype)
   qmax = QMAX[dtype]
@@ -70,6 +98,7 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     y = jnp.floor(y + 0.5)
   # Products can land a rounding step past qmax; e4m3fn has no infinity (it would be NaN).
   y = jnp.minimum(jnp.maximum(y, -qmax), qmax)
+  y = jnp.where(y == y, y, 0.0)  # NaN (x NaN or inf) -> 0: the scale says it
   return y.astype(dtype), absmax / qmax
 
 

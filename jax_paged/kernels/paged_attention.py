@@ -15,15 +15,13 @@ several splits the per-split (o, lse) partials go through the merge kernel.
 
 A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow, its per-token f32
 scales gathered beside each tile: K's multiply the logits and V's the probabilities, so
-dequantization costs no [block_n, D] multiply. int8 MHA (one q head per kv head) computes
-q.k and p.v as products summed in f32 registers, with no dots: 1-byte dot operands reach
-the tensor cores as byte loads from shared memory, which made the int8 dot loop issue as
-many instructions per token as bf16's (0.65-0.72x the bf16 kernel's time on an H100, 0.90x
-on an H200); elementwise it is 0.59-0.68x on the H100 (`_elementwise`). Otherwise (GQA /
-MQA, float8) each K/V tile is converted in registers (exact) to q's dtype, or for float8
-pages with a 16-bit q to f16 (one convert per two values), and the dots run as for float
-pages. The float path is unchanged (the quantized ones are separate compilations).
-Measurements beside `_QUANT_MHA_CONFIG` / `_INT8_MHA_ELEMENTS` and in benchmarks/LOG.md.
+dequantization costs no [block_n, D] multiply. Each K/V tile is converted in registers
+(exact) to q's dtype, or for float8 pages with a 16-bit q to f16 (one convert per two
+values), and the dots run as for float pages. Its V pages are token-minor ([D, page_size]
+per page, `kv_quant.v_pages_shape`): a block of whole pages is read as a [D, block_n] tile
+with tokens contiguous, so p.v's 1-byte operand reaches the tensor cores without byte
+loads from shared memory. The float path is unchanged (the quantized ones are separate
+compilations). Measurements beside `_QUANT_CONFIG` and in benchmarks/LOG.md.
 
 q.k and p.v are tensor-core dots for every group size of float pages, MHA included: the
 group of q heads is padded to 16 rows (15 of them masked for MHA). The wasted math is free
@@ -74,23 +72,14 @@ _MHA_NUM_WARPS, _MHA_NUM_STAGES = 2, 2
 # want 64 tokens' bytes in flight each (86 vs 78% at 768 programs).
 _MHA_MANY_PROGRAMS_PER_SM = 8
 _MHA_MANY_BLOCK_N = 32
-# 1-byte (int8 / float8) pages with dots (GQA / MQA, and float8 MHA), head dims <= 128,
-# (block_n, warps, stages): the best of an H200 sweep (2026-11-24 19:50, kernel time, % of
-# the read ceiling, int8 / fp8): GPT-2 b256-l1k 55.6 / 47.0% at 64/2/3 (32/2/2: 48.1%;
-# 32/2/4: 47.9%); mha-b64-l2k 54.3 / 49.2% (32/2/2: 52.9%); gqa-b32-l4k 51.2 / 44.2% at
-# 128/4/3 (64/4/3: 41.7%, 64/4/5: 41.6%, 128/4/2: 46.8%, 128/8/3: 34.2%). No knob moves it
-# far, nor did converting int8 to f16 without convert instructions or prefetching the
-# scales a block ahead (2026-11-25).
-_QUANT_MHA_CONFIG = (64, 2, 3)
-_QUANT_GQA_CONFIG = (128, 4, 3)
-# int8 MHA (elementwise, no dots): 128 K/V elements per thread per block (block_n =
-# _INT8_MHA_ELEMENTS * warps / block_d); 2 warps, or 4 where the grid has at most
-# _PROGRAMS_PER_SM programs per SM (a split grid: fewer programs want more bytes in flight
-# each). H100 sweep, 2026-11-25, kernel time / the bf16 kernel's: gpt2-b256-l1k 0.616 at
-# 128/2 (best 0.613), mha-b64-l2k 0.595 at 64/2 (best 0.587 at 32/1), gpt2-b64-l1k 0.683
-# at 128/2 (best), mha-b4-l8k 0.615 at 128/4 (0.758 at 64/2), gpt2-b16-l2k-ragged 0.875
-# at 128/4 (0.955 at 128/2).
-_INT8_MHA_ELEMENTS = 128 * 32
+# 1-byte (int8 / float8) pages, head dims <= 128, (block_n, warps, stages). H100, 2026-11-25,
+# kernel time / the bf16 kernel's, int8 / fp8: gpt2-b256-l1k 0.586 / 0.584, gqa-b32-l4k
+# 0.599 / 0.563, mha-b64-l2k 0.560 / 0.539, gpt2-b64-l1k 0.642 / 0.647 at 64/2/3; in a
+# sweep 128/4/3 gave 0.62-0.72 and 32/2/2 0.68-0.71 on these. GQA with head dim 64
+# (Llama-3.2-1B's 32 / 8 heads at batch 64, context 2k) wants more warps: 0.644 / 0.637 at
+# 128/4/3, 0.69 / 0.71 at 64/2/3. Blocks hold whole pages (block_n >= page_size).
+_QUANT_CONFIG = (64, 2, 3)
+_QUANT_GQA_NARROW_CONFIG = (128, 4, 3)
 
 
 def default_config(num_programs: int, group: int, head_dim: int, *,
@@ -98,9 +87,6 @@ def default_config(num_programs: int, group: int, head_dim: int, *,
   """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
   programs with `group` q heads per kv head and head dim `head_dim`; `cache_dtype`: the
   pages' dtype where it is int8 / float8_e4m3fn (None: q's)."""
-  if _elementwise(group, cache_dtype):
-    warps = 4 if num_programs <= _PROGRAMS_PER_SM * triton_backend.sm_count() else 2
-    return _INT8_MHA_ELEMENTS * warps // pl.next_power_of_2(head_dim), warps, 2
   if group > 1:
     config = _BLOCK_N, _NUM_WARPS, _NUM_STAGES
   else:
@@ -109,18 +95,7 @@ def default_config(num_programs: int, group: int, head_dim: int, *,
               _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
   if cache_dtype is None or head_dim > 128:  # head dim 256: the float config (not measured)
     return config
-  return _QUANT_GQA_CONFIG if group > 1 else _QUANT_MHA_CONFIG
-
-
-def _elementwise(group: int, cache_dtype) -> bool:
-  """Whether q.k and p.v are products summed in registers rather than tensor-core dots:
-  int8 pages and one q head per kv head. 1-byte dot operands reach the MMA as byte loads
-  from shared memory (LDS.U8, no ldmatrix), which bound the int8 dot loop at about the
-  bf16 loop's instructions per token; the elementwise loop reads the tiles straight into
-  registers. Same-run kernel time over the dots path's, H100: 0.82-0.95 for int8 but
-  0.81-1.35 for float8 (its conversion costs more: its MHA keeps f16 dots). For GQA (q
-  rows x tokens x D products) it was 5-9x slower than the dots."""
-  return group == 1 and cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.int8
+  return _QUANT_GQA_NARROW_CONFIG if group > 1 and head_dim <= 64 else _QUANT_CONFIG
 
 
 def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
@@ -128,12 +103,13 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                   block_n: int, num_splits: int, quantized: bool, elementwise: bool):
+                   block_n: int, num_splits: int, quantized: bool):
   """One (sequence b, kv head, split) program.
 
   Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
-  k/v [L * Hkv * num_pages * page_size, D], (quantized) k/v scales f32 [L * Hkv *
-  num_pages * page_size], o [S, B, H, D], lse [S, B, H].
+  k [L * Hkv * num_pages * page_size, D], v the same or (quantized: token-minor pages)
+  [L * Hkv * num_pages * D, page_size], (quantized) k/v scales f32 [L * Hkv * num_pages *
+  page_size], o [S, B, H, D], lse [S, B, H].
   """
   if quantized:
     ks_ref, vs_ref, o_ref, lse_ref = refs
@@ -145,9 +121,12 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   # clamped by the wrapper, once per table: two integer ops per token here cost 3 points
   # of the read ceiling at GPT-2's batch 256, H100.)
   length = validation.clamp_lengths(lengths_ref[b], max_pages * page_size)
-  # The first K/V row of this (layer, kv head): the pool is [L, Hkv, pages, page_size, D].
-  head_base = (layer_ref[0] * num_kv_heads + kv_head) * (num_pages * page_size)
-  first = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+  # The first page of this (layer, kv head): the pool is [L, Hkv, pages, ...].
+  head_page = (layer_ref[0] * num_kv_heads + kv_head) * num_pages
+  head_base = head_page * page_size  # its first K row
+  start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+  # A quantized block reads whole pages of V: blocks start on a page.
+  first = start // page_size * page_size if quantized else start
   # Split the live tokens evenly (rounded to whole blocks) over the splits.
   per_split = pl.cdiv(pl.cdiv(length - first, num_splits), block_n) * block_n
   lo = first + split * per_split
@@ -167,12 +146,9 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   # float8 pages with a 16-bit q: the dots run in f16, not q's dtype. e4m3 -> f16 is one
   # convert per two values; to bf16 it goes through f16 and f32 (H200, same run, the bf16
   # kernel's time: 0.84x vs 1.08x at mha-b64-l2k, 0.94x vs 1.10x at gqa-b32-l4k, 1.13x vs
-  # 1.15x at gpt2-b256-l1k). int8 stays in q's dtype: converting it to f16, natively
-  # (1.06-1.18x) or with integer tricks (0.92-1.02x vs 0.95-1.01x), did not help.
+  # 1.15x at gpt2-b256-l1k). int8 stays in q's dtype: converting it to f16 by inline PTX
+  # moved its time by -2 to +2% (H100).
   f16_dots = quantized and k_ref.dtype == kv_quant.FP8 and q.dtype != jnp.float32
-  # The elementwise loop multiplies and sums in f32. Its tiles convert to q's dtype first
-  # (int8 -> bf16 -> f32 beat int8 -> f32 by 6-11% at GPT-2's shapes: H100, same run).
-  q32 = q.astype(jnp.float32) if elementwise else None
   if f16_dots:
     # Each q row is divided by the power of two at or below its largest magnitude (its
     # exponent bits), so that a bf16 q of any range fits f16 exactly (f16 has 3 more
@@ -183,11 +159,35 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     row_pow2 = jnp.where(row_pow2 > 0, row_pow2, 1.0)
     q = (q32 / row_pow2[:, None]).astype(jnp.float16)
     row_scale = (scale * row_pow2)[:, None]
+  pages_per_block = block_n // page_size
+
+  def load_v_pages(i):
+    """A quantized block's V, [block_d, block_n] (tokens contiguous), read as whole pages
+    of the token-minor pool."""
+    page = (lo + i * block_n) // page_size + jnp.arange(pages_per_block)
+    used = page * page_size < hi
+    ids = plgpu.load(page_table_ref.at[b, page], mask=used, other=0)
+    # [block_d, pages, page_size]: a page's D rows of page_size contiguous tokens. Masks
+    # are whole pages (constant along the tokens), so the loads stay 16-byte vectors; the
+    # slots of a page outside [start, hi) are read and get zero weight (their scales load
+    # as 0), so they must be finite: see `paged_decode_attention`.
+    shape = (block_d, pages_per_block, page_size)
+    rows = ((head_page + ids) * head_dim)[None, :, None] + cols[:, None, None]
+    mask = used[None, :, None]
+    if col_mask is not None:
+      mask = mask & col_mask[:, None, None]
+    offsets = jnp.broadcast_to(jnp.arange(page_size)[None, None, :], shape)
+    v = plgpu.load(v_ref.at[jnp.broadcast_to(rows, shape), offsets],
+                   mask=jnp.broadcast_to(mask, shape), other=0.0,
+                   eviction_policy="evict_first")
+    return v.reshape(block_d, block_n)
 
   def body(i, carry):
     m, l, acc = carry
     tok = lo + i * block_n + jnp.arange(block_n)
     live = tok < hi
+    if quantized and sliding_window is not None:  # the block may start before the window
+      live &= tok >= start
     pages = plgpu.load(page_table_ref.at[b, tok // page_size], mask=live, other=0)
     rows = head_base + pages * page_size + tok % page_size
     kv_idx = (rows[:, None], cols[None, :])
@@ -204,12 +204,9 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
       k_scales = plgpu.load(ks_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
       token_scale = row_scale * k_scales[None, :]
-    if elementwise:  # one q row [1, D]: q.k as products summed over D
-      logits = jnp.sum(q32 * k.astype(jnp.float32), axis=1)[None, :] * token_scale
-    else:
-      logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                               precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32) * token_scale
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32) * token_scale
     if logits_soft_cap is not None:
       logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     logits = jnp.where(live, logits, -jnp.inf)
@@ -217,11 +214,10 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])
-    v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
     weights, v_max = p, None
     if quantized:
+      v = load_v_pages(i).astype(q.dtype)  # [block_d, block_n]
       # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the V scales go into the probabilities.
-      v = v.astype(q.dtype)
       v_scales = plgpu.load(vs_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
       if f16_dots:
@@ -231,11 +227,12 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
         v_max = jnp.where(v_max > 0, v_max, 1.0)
         v_scales = v_scales / v_max
       weights = p * v_scales[None, :]
-    if elementwise:
-      pv = jnp.sum(jnp.sum(weights, axis=0)[:, None] * v.astype(jnp.float32), axis=0)[None, :]
+      contract = (((1,), (1,)), ((), ()))
     else:
-      pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+      v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0, eviction_policy="evict_first")
+      contract = (((1,), (0,)), ((), ()))
+    pv = lax.dot_general(weights.astype(v.dtype), v, contract,
+                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if v_max is not None:
       pv = pv * v_max
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
@@ -260,30 +257,31 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
                          num_splits: int, return_lse: bool, interpret: bool, block_n: int,
                          num_warps: int, num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
-  num_pages, page_size, D]; layer: int32 scalar; k_scales, v_scales: None, or float32 of
-  the pages' shape without D for int8 / float8 pages."""
+  num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
+  layer: int32 scalar; k_scales, v_scales: None, or float32 of k_pages' shape without D for
+  int8 / float8 pages."""
   quantized = k_scales is not None
   if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
     k_pages, v_pages = k_pages[None], v_pages[None]
   batch, num_heads, head_dim = q.shape
   num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
-  elementwise = _elementwise(group, k_pages.dtype if quantized else None)
-  # tl.dot needs >= 16 rows: pad the group (one q head for MHA) with masked rows; the
-  # elementwise loop takes its one q row as is.
-  block_g = 1 if elementwise else max(16, pl.next_power_of_2(group))
+  # tl.dot needs >= 16 rows: pad the group (one q head for MHA) with masked rows.
+  block_g = max(16, pl.next_power_of_2(group))
   # Token-major views of the pools (free reshapes): row = ((layer * Hkv + head) * pages +
-  # page) * page_size + offset. Pallas-Triton forms the offsets into these in 64 bits
+  # page) * page_size + offset; token-minor V: row = ((layer * Hkv + head) * pages + page)
+  # * D + d. Pallas-Triton forms the offsets into these in 64 bits
   # (`_compute_offsets_from_indices`), so pools past 4 GiB are fine.
   rows = num_layers * num_kv_heads * num_pages * page_size
   k_rows = k_pages.reshape(rows, head_dim)
-  v_rows = v_pages.reshape(rows, head_dim)
+  v_rows = (v_pages.reshape(rows // page_size * head_dim, page_size) if quantized
+            else v_pages.reshape(rows, head_dim))
   kernel = functools.partial(
       _decode_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
-      num_splits=num_splits, quantized=quantized, elementwise=elementwise)
+      num_splits=num_splits, quantized=quantized)
   scale_rows = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
@@ -347,9 +345,16 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   Args:
     q: [B, H, D] float32 / bfloat16 / float16; D in (64, 80, 96, 128, 256).
     k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype, or int8 / float8_e4m3fn
-      with scales (a quantized pool: read narrow, dequantized in registers); H % Hkv == 0;
-      page_size a power of two in [8, 128]. With `layer`: a whole pool's [num_layers, Hkv,
-      num_pages, page_size, D] (`KVPool.k_pages`), of which layer `layer` is read in place
+      with scales (a quantized pool: read narrow, dequantized in registers), whose v_pages
+      are token-minor, [Hkv, num_pages, D, page_size] (`kv_quant.v_pages_shape`,
+      `kv_quant.transpose_pages`); H % Hkv == 0; page_size a power of two in [8, 128].
+      A quantized block reads whole pages of V, so the slots of a sequence's pages that it
+      does not attend to (the tail of its last page; with a window, those before it) are
+      read with zero weight: float8 V must hold no NaN there (int8 has none). Pools from
+      `KVPool.create` and `write_kv` never hold NaN bytes (`kv_quant.quantize`); zeroing
+      them here cost 1-38% of float8's kernel time (H100, LOG.md).
+      With `layer`: a whole pool's [num_layers, Hkv, num_pages, page_size, D]
+      (`KVPool.k_pages`; `KVPool.v_pages`), of which layer `layer` is read in place
       (slicing `k_pages[layer]` would hand the kernel a copy of that layer every call).
     page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages); entries
       past a sequence's last page are never read.
@@ -372,7 +377,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     interpret: None = Triton kernel on GPU, plain XLA elsewhere; True = Pallas interpret
       mode (tests); False = Triton kernel.
     block_n, num_warps, num_stages: kernel tuning knobs (tokens per step, Triton warps,
-      pipeline stages); None = measured defaults.
+      pipeline stages); None = measured defaults. Quantized pages need block_n >=
+      page_size.
 
   Returns:
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
@@ -388,6 +394,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       raise ValueError(f"{name} must be a positive int or None, got {knob!r}")
   if block_n is not None and block_n & (block_n - 1):
     raise ValueError(f"block_n must be a power of two, got {block_n}")
+  if block_n is not None and k_scales is not None and block_n < k_pages.shape[-2]:
+    raise ValueError(f"block_n must be >= page_size ({k_pages.shape[-2]}) for int8 / float8 "
+                     f"pages (a block reads whole pages of V), got {block_n}")
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
   mode = triton_backend.kernel_mode(interpret)
@@ -410,9 +419,12 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if sliding_window is not None:
       max_tokens = min(max_tokens, sliding_window + page_size)
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N)
+  quantized = k_scales is not None
   default_n, default_warps, default_stages = default_config(
       batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim,
-      cache_dtype=k_pages.dtype if k_scales is not None else None)
+      cache_dtype=k_pages.dtype if quantized else None)
+  if quantized:  # its blocks are whole pages of V
+    default_n = max(default_n, page_size)
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, scale=scale,
       logits_soft_cap=logits_soft_cap,

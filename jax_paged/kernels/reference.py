@@ -13,11 +13,13 @@ import jax.numpy as jnp
 from jax_paged.kernels import validation
 
 
-def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) -> jax.Array:
+def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
+                 tokens_minor: bool = False) -> jax.Array:
   """Gathers each sequence's K or V from its pages into a contiguous array.
 
   Args:
-    pages: [Hkv, num_pages, page_size, D].
+    pages: [Hkv, num_pages, page_size, D], or with `tokens_minor` [Hkv, num_pages, D,
+      page_size] (a quantized pool's V).
     page_table: int32 [B, max_pages_per_seq].
     lengths: int32 [B].
 
@@ -26,7 +28,7 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) ->
     hold page 0's data: table entries past the last used page are garbage (possibly out of
     range) and are never used as indices.
   """
-  page_size = pages.shape[2]
+  page_size = pages.shape[3 if tokens_minor else 2]
   max_pages = page_table.shape[1]
   page_table = validation.clamp_page_ids(page_table, pages.shape[1])
   lengths = validation.clamp_lengths(lengths, max_pages * page_size)
@@ -34,8 +36,10 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array) ->
   live = jnp.arange(max_pages)[None, :] < used_pages[:, None]
   safe_table = jnp.where(live, page_table, 0)
   gathered = pages[:, safe_table]  # [Hkv, B, max_pages, page_size, D]
+  if tokens_minor:  # only the gathered pages are transposed
+    gathered = jnp.swapaxes(gathered, -1, -2)
   b = page_table.shape[0]
-  gathered = gathered.reshape(pages.shape[0], b, max_pages * page_size, pages.shape[3])
+  gathered = gathered.reshape(pages.shape[0], b, max_pages * page_size, gathered.shape[-1])
   return gathered.transpose(1, 0, 2, 3)
 
 
@@ -52,7 +56,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q: [B, H, D] float32 / bfloat16 / float16.
     k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0; with `layer`, whole
       pools [num_layers, Hkv, num_pages, page_size, D]. A float dtype, or int8 /
-      float8_e4m3fn with scales.
+      float8_e4m3fn with scales, whose v_pages are token-minor [..., D, page_size]
+      (`kv_quant.v_pages_shape`).
     k_scales, v_scales: float32 k_pages.shape[:-1] for int8 / float8 pages (one scale per
       token per kv head: K = k_pages * k_scales, `kv_quant.dequantize`), else None. The
       pages are dequantized in f32 and attended to exactly as float pages.
@@ -86,14 +91,15 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   hkv = k_layer.shape[0]
   scale = d ** -0.5 if scale is None else scale
 
-  def gather(pages, scales):  # -> f32 [B, Hkv, T, D]
-    x = gather_pages(one_layer(pages), page_table, lengths).astype(jnp.float32)
+  def gather(pages, scales, tokens_minor=False):  # -> f32 [B, Hkv, T, D]
+    x = gather_pages(one_layer(pages), page_table, lengths,
+                     tokens_minor=tokens_minor).astype(jnp.float32)
     if scales is None:
       return x
     return x * gather_pages(one_layer(scales)[..., None], page_table, lengths)
 
   k = gather(k_pages, k_scales)
-  v = gather(v_pages, v_scales)
+  v = gather(v_pages, v_scales, tokens_minor=v_scales is not None)
   qg = q.astype(jnp.float32).reshape(b, hkv, h // hkv, d)
   logits = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
   if logits_soft_cap is not None:
@@ -130,7 +136,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   Args:
     q: [B, T, H, D] float32 / bfloat16 / float16.
     k_pages, v_pages: [Hkv, num_pages, page_size, D], H % Hkv == 0; with `layer`, whole
-      pools [num_layers, Hkv, num_pages, page_size, D].
+      pools [num_layers, Hkv, num_pages, page_size, D]; int8 / float8 v_pages token-minor
+      [..., D, page_size] (as `paged_decode_attention` takes them).
     page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages) for the
       pages a sequence uses (its first q_start + q_lengths tokens; the rest is never read).
     q_start: int32 [B] >= 0, tokens cached before this chunk.
@@ -163,13 +170,15 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   scale = d ** -0.5 if scale is None else scale
   lengths = q_start + q_lengths
 
-  def gather(pages, scales):  # -> f32 [B, Hkv, S, D]
-    x = gather_pages(one_layer(pages), page_table, lengths).astype(jnp.float32)
+  def gather(pages, scales, tokens_minor=False):  # -> f32 [B, Hkv, S, D]
+    x = gather_pages(one_layer(pages), page_table, lengths,
+                     tokens_minor=tokens_minor).astype(jnp.float32)
     if scales is None:
       return x
     return x * gather_pages(one_layer(scales)[..., None], page_table, lengths)
 
-  k, v = gather(k_pages, k_scales), gather(v_pages, v_scales)
+  k = gather(k_pages, k_scales)
+  v = gather(v_pages, v_scales, tokens_minor=v_scales is not None)
   key_pos = jnp.arange(k.shape[2])
   # Positions past a sequence's length hold page 0's data, whatever it is (NaN included):
   # zero them, as a zero weight times NaN would still be NaN.

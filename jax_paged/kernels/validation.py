@@ -25,6 +25,12 @@ def _shape(x) -> tuple[int, ...]:
   return tuple(getattr(x, "shape", ()))
 
 
+def _v_shape(k_pages) -> tuple[int, ...]:
+  """The shape v_pages must have beside k_pages: k_pages', or for int8 / float8 pages
+  token-minor [..., D, page_size]."""
+  return kv_quant.v_pages_shape(_shape(k_pages), getattr(k_pages, "dtype", jnp.float32))
+
+
 def check_positive_int(name: str, value) -> int:
   """value as an int; ValueError naming `name` unless it is a (non-bool) integer >= 1."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -89,9 +95,10 @@ def check_layer(k_pages, v_pages, layer):
       raise ValueError(f"k_pages of shape {_shape(k_pages)} is a whole pool [num_layers, "
                        "num_kv_heads, num_pages, page_size, head_dim]: pass layer=")
     return k_pages, v_pages
-  if rank != 5 or _shape(v_pages) != _shape(k_pages):
+  if rank != 5 or _shape(v_pages) != _v_shape(k_pages):
     raise ValueError("with layer, k_pages and v_pages must be pools of shape [num_layers, "
-                     f"num_kv_heads, num_pages, page_size, head_dim], got shapes "
+                     f"num_kv_heads, num_pages, page_size, head_dim] (v_pages of int8 / "
+                     "float8 pools [..., head_dim, page_size]), got shapes "
                      f"{_shape(k_pages)} and {_shape(v_pages)}")
   if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
     if not 0 <= layer < k_pages.shape[0]:
@@ -116,9 +123,12 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
   if len(_shape(k_pages)) != 4:
     raise ValueError("k_pages must have shape [num_kv_heads, num_pages, page_size, head_dim], "
                      f"got shape {_shape(k_pages)}")
-  if _shape(v_pages) != _shape(k_pages):
-    raise ValueError(f"v_pages must have the shape of k_pages {_shape(k_pages)}, "
-                     f"got {_shape(v_pages)}")
+  if _shape(v_pages) != _v_shape(k_pages):
+    minor = (" (int8 / float8 V pages are token-minor, [num_kv_heads, num_pages, head_dim, "
+             "page_size]: kv_quant.transpose_pages)"
+             if kv_quant.is_quantized(getattr(k_pages, "dtype", jnp.float32)) else "")
+    raise ValueError(f"v_pages must have shape {_v_shape(k_pages)} beside k_pages "
+                     f"{_shape(k_pages)}{minor}, got {_shape(v_pages)}")
   hkv, _, page_size, dk = k_pages.shape
   if dk != d:
     raise ValueError(f"k_pages head_dim {dk} does not match q head_dim {d}")
