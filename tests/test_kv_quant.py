@@ -169,13 +169,15 @@ def test_decode_kernel_reads_a_layer_of_the_pool_and_bf16_queries_interpret(cach
                 tol=dict(atol=2e-2, rtol=2e-2))
 
 
+@pytest.mark.parametrize("cache_dtype", QDTYPES)
 @pytest.mark.parametrize("q_scale,v_scale", [(3e5, 1.0), (1.0, 1e-6)])
-def test_float8_f16_dots_keep_any_bf16_range_interpret(q_scale, v_scale):
-  """float8 pages with a bf16 q dot in f16: a q past f16's range (65504) and V scales
+def test_f16_dots_keep_any_bf16_range_interpret(cache_dtype, q_scale, v_scale):
+  """Quantized pages with a bf16 q dot in f16: a q past f16's range (65504) and V scales
   whose products with the probabilities would be f16 subnormals still give the reference's
   output (within bf16 tolerance, relative to the output's size), never inf or NaN."""
-  q, kq, vq, ks, vs, table, lengths = _quantized_inputs(3, 8, 2, 64, 8, 5, jnp.bfloat16,
-                                                        FP8, [33, 1, 40])
+  # Head dim 128: int8 takes f16 dots there (64 keeps bf16).
+  q, kq, vq, ks, vs, table, lengths = _quantized_inputs(3, 8, 2, 128, 8, 5, jnp.bfloat16,
+                                                        cache_dtype, [33, 1, 40])
   # Large q against small K scales keeps the logits moderate; V's scales shrink alike.
   q, ks, vs = (q.astype(jnp.float32) * q_scale).astype(jnp.bfloat16), ks / q_scale, vs * v_scale
   out = jax_paged.paged_decode_attention(q, kq, vq, table, lengths, k_scales=ks, v_scales=vs,

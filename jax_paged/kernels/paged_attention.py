@@ -16,8 +16,8 @@ several splits the per-split (o, lse) partials go through the merge kernel.
 A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow, its per-token f32
 scales gathered beside each tile: K's multiply the logits and V's the probabilities, so
 dequantization costs no [block_n, D] multiply. Each K/V tile is converted in registers
-(exact) to q's dtype, or for float8 pages with a 16-bit q to f16 (one convert per two
-values), and the dots run as for float pages. Its V pages are token-minor ([D, page_size]
+(exact) to q's dtype, or with a 16-bit q to f16 (float8: one convert per two values; int8:
+five instructions per four, `_INT8_TO_F16_PTX`), and the dots run as for float pages. Its V pages are token-minor ([D, page_size]
 per page, `kv_quant.v_pages_shape`): a block of whole pages is read as a [D, block_n] tile
 with tokens contiguous, so p.v's 1-byte operand reaches the tensor cores without byte
 loads from shared memory. The float path is unchanged (the quantized ones are separate
@@ -82,6 +82,30 @@ _QUANT_CONFIG = (64, 2, 3)
 _QUANT_GQA_NARROW_CONFIG = (128, 4, 3)
 
 
+# int8 -> f16 for f16 dots, 4 values per instance: each byte, flipped to unsigned (u = x +
+# 128), becomes the low mantissa byte of 1024.0 (0x6400 | u = 1024 + u, exact), less 1152.
+# Five instructions per 4 values, where Triton's int8 -> bf16 takes about 3 per value.
+_INT8_TO_F16_PTX = """{
+.reg .b32 u, lo, hi, bias;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 lo, u, 0x64646464, 0x4140;
+prmt.b32 hi, u, 0x64646464, 0x4342;
+mov.b32 bias, 0x64806480;
+sub.f16x2 $0, lo, bias;
+sub.f16x2 $1, hi, bias;
+}"""
+
+
+def _int8_to_f16(x: jax.Array, interpret: bool) -> jax.Array:
+  """Inside a kernel: int8 x as float16 (exact); the same values by a convert when
+  interpreted (no PTX runs there)."""
+  if interpret:
+    return x.astype(jnp.float16)
+  return plgpu.elementwise_inline_asm(
+      _INT8_TO_F16_PTX, args=[x], constraints="=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])[0]
+
+
 def default_config(num_programs: int, group: int, head_dim: int, *,
                    cache_dtype=None) -> tuple[int, int, int]:
   """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
@@ -103,7 +127,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                   block_n: int, num_splits: int, quantized: bool):
+                   block_n: int, num_splits: int, quantized: bool, interpret: bool):
   """One (sequence b, kv head, split) program.
 
   Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
@@ -143,12 +167,21 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   q = plgpu.load(q_ref.at[q_idx], mask=q_mask, other=None if q_mask is None else 0.0)
   # Logits = q.k * row_scale (* the tokens' K scales when quantized).
   row_scale = scale
-  # float8 pages with a 16-bit q: the dots run in f16, not q's dtype. e4m3 -> f16 is one
+  # Quantized pages with a 16-bit q: the dots run in f16, not q's dtype. e4m3 -> f16 is one
   # convert per two values; to bf16 it goes through f16 and f32 (H200, same run, the bf16
   # kernel's time: 0.84x vs 1.08x at mha-b64-l2k, 0.94x vs 1.10x at gqa-b32-l4k, 1.13x vs
-  # 1.15x at gpt2-b256-l1k). int8 stays in q's dtype: converting it to f16 by inline PTX
-  # moved its time by -2 to +2% (H100).
-  f16_dots = quantized and k_ref.dtype == kv_quant.FP8 and q.dtype != jnp.float32
+  # 1.15x at gpt2-b256-l1k). int8 -> f16 is `_INT8_TO_F16_PTX`, for head dims above 64:
+  # there it beat int8 -> bf16 (H100, same run: gqa-b32-l4k 0.580 vs 0.594x the bf16
+  # kernel's time, mha-b64-l2k 0.553 vs 0.565), at 64 it lost (gpt2-b256-l1k 0.593 vs
+  # 0.580).
+  f16_dots = (quantized and q.dtype != jnp.float32
+              and (k_ref.dtype == kv_quant.FP8 or head_dim > 64))
+
+  def to_dot_dtype(x):  # a narrow tile in the dots' dtype (exact)
+    if f16_dots and x.dtype == jnp.int8:
+      return _int8_to_f16(x, interpret)
+    return x.astype(q.dtype)
+
   if f16_dots:
     # Each q row is divided by the power of two at or below its largest magnitude (its
     # exponent bits), so that a bf16 q of any range fits f16 exactly (f16 has 3 more
@@ -200,7 +233,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     if quantized:
       # The per-token scales multiply the logits (block_g x block_n products, not a
       # [block_n, D] dequantization).
-      k = k.astype(q.dtype)  # exact: int8 / e4m3 values are f16 / bf16 / f32 values
+      k = to_dot_dtype(k)  # exact: int8 / e4m3 values are f16 / bf16 / f32 values
       k_scales = plgpu.load(ks_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
       token_scale = row_scale * k_scales[None, :]
@@ -216,7 +249,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     p = jnp.exp(logits - m_new[:, None])
     weights, v_max = p, None
     if quantized:
-      v = load_v_pages(i).astype(q.dtype)  # [block_d, block_n]
+      v = to_dot_dtype(load_v_pages(i))  # [block_d, block_n]
       # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the V scales go into the probabilities.
       v_scales = plgpu.load(vs_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
@@ -281,7 +314,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
-      num_splits=num_splits, quantized=quantized)
+      num_splits=num_splits, quantized=quantized, interpret=interpret)
   scale_rows = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
