@@ -158,9 +158,10 @@ def reserve_one_pallas(page_table: jax.Array, lengths: jax.Array, free_pages: ja
     page_table: int32 [max_seqs, max_pages_per_seq]; lengths: int32 [max_seqs];
       free_pages: int32 [num_pages]; num_free: int32 []; refcounts: int32 [num_pages];
       pages: the pool's page arrays (`KVPool.page_arrays`): k_pages, v_pages [L, Hkv,
-      num_pages, page_size, D], and a quantized pool's k_scales, v_scales [L, Hkv,
-      num_pages, page_size] (the pool's fields; all but free_pages are updated in place
-      when donated; the page arrays only by copy-on-write).
+      num_pages, page_size, D] (a quantized pool's v_pages [L, Hkv, num_pages, D,
+      page_size]: a page is copied whole, whatever its layout), and a quantized pool's
+      k_scales, v_scales [L, Hkv, num_pages, page_size] (the pool's fields; all but
+      free_pages are updated in place when donated; the page arrays only by copy-on-write).
     seq_ids: int32 [n], distinct ids in [0, max_seqs), or max_seqs for a row not to
       serve (the caller's guard for traced ids that repeat or are out of range); or None
       for sequences 0 .. n - 1 (a decode loop's whole batch: no ids array to materialise
