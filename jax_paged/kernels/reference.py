@@ -43,6 +43,25 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
   return gathered.transpose(1, 0, 2, 3)
 
 
+def _gather_kv(k_pages, v_pages, k_scales, v_scales, layer, page_table, lengths):
+  """Each sequence's K and V, f32 [B, Hkv, max_pages_per_seq * page_size, D], gathered
+  from one layer (None: the pools are one layer; else an int or traced index, clamped into
+  range) and dequantized with their scales where quantized (V pages then token-minor)."""
+  if layer is not None:
+    layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
+
+  def gather(pages, tokens_minor=False):
+    if layer is not None:
+      pages = jax.lax.dynamic_index_in_dim(pages, layer, keepdims=False)
+    return gather_pages(pages, page_table, lengths,
+                        tokens_minor=tokens_minor).astype(jnp.float32)
+
+  k, v = gather(k_pages), gather(v_pages, tokens_minor=v_scales is not None)
+  if k_scales is not None:  # one scale per token and kv head
+    k, v = k * gather(k_scales[..., None]), v * gather(v_scales[..., None])
+  return k, v
+
+
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
                            layer: int | jax.Array | None = None,
@@ -83,23 +102,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
   lengths = validation.clamp_lengths(lengths, page_table.shape[1] * k_layer.shape[2])
-  one_layer = lambda x: x
-  if layer is not None:
-    layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
-    one_layer = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
   b, h, d = q.shape
   hkv = k_layer.shape[0]
   scale = d ** -0.5 if scale is None else scale
-
-  def gather(pages, scales, tokens_minor=False):  # -> f32 [B, Hkv, T, D]
-    x = gather_pages(one_layer(pages), page_table, lengths,
-                     tokens_minor=tokens_minor).astype(jnp.float32)
-    if scales is None:
-      return x
-    return x * gather_pages(one_layer(scales)[..., None], page_table, lengths)
-
-  k = gather(k_pages, k_scales)
-  v = gather(v_pages, v_scales, tokens_minor=v_scales is not None)
+  k, v = _gather_kv(k_pages, v_pages, k_scales, v_scales, layer, page_table, lengths)
   qg = q.astype(jnp.float32).reshape(b, hkv, h // hkv, d)
   logits = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
   if logits_soft_cap is not None:
@@ -162,23 +168,10 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
-  one_layer = lambda x: x
-  if layer is not None:
-    layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
-    one_layer = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
   hkv = k_layer.shape[0]
   scale = d ** -0.5 if scale is None else scale
   lengths = q_start + q_lengths
-
-  def gather(pages, scales, tokens_minor=False):  # -> f32 [B, Hkv, S, D]
-    x = gather_pages(one_layer(pages), page_table, lengths,
-                     tokens_minor=tokens_minor).astype(jnp.float32)
-    if scales is None:
-      return x
-    return x * gather_pages(one_layer(scales)[..., None], page_table, lengths)
-
-  k = gather(k_pages, k_scales)
-  v = gather(v_pages, v_scales, tokens_minor=v_scales is not None)
+  k, v = _gather_kv(k_pages, v_pages, k_scales, v_scales, layer, page_table, lengths)
   key_pos = jnp.arange(k.shape[2])
   # Positions past a sequence's length hold page 0's data, whatever it is (NaN included):
   # zero them, as a zero weight times NaN would still be NaN.
