@@ -15,9 +15,9 @@ value at e4m3's top binade, away from its subnormals. The kernels run one dequan
 path for both dtypes.
 
 Dequantization happens where the values are used: the decode kernel converts the narrow
-tile to the query's dtype (exact: int8 and e4m3 values are bf16 / f16 / f32 values) and
-folds the scales into the logits (K) and the probabilities (V), so no [tokens, D] multiply
-is added; the reference and the XLA paths multiply in f32 (`dequantize`).
+tile to the query's dtype or to f16 (exact: int8 and e4m3 values are bf16 / f16 / f32
+values) and folds the scales into the logits (K) and the probabilities (V), so no [tokens,
+D] multiply is added; the reference and the XLA paths multiply in f32 (`dequantize`).
 
 A quantized pool stores V token-minor, `v_pages` [..., num_pages, D, page_size] (K and
 float pools keep [..., page_size, D]; `v_pages_shape`, `transpose_pages`). The decode

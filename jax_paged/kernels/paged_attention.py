@@ -74,10 +74,11 @@ _MHA_MANY_PROGRAMS_PER_SM = 8
 _MHA_MANY_BLOCK_N = 32
 # 1-byte (int8 / float8) pages, head dims <= 128, (block_n, warps, stages). H100, 2026-11-25,
 # kernel time / the bf16 kernel's, int8 / fp8: gpt2-b256-l1k 0.586 / 0.584, gqa-b32-l4k
-# 0.599 / 0.563, mha-b64-l2k 0.560 / 0.539, gpt2-b64-l1k 0.642 / 0.647 at 64/2/3; in a
-# sweep 128/4/3 gave 0.62-0.72 and 32/2/2 0.68-0.71 on these. GQA with head dim 64
-# (Llama-3.2-1B's 32 / 8 heads at batch 64, context 2k) wants more warps: 0.644 / 0.637 at
-# 128/4/3, 0.69 / 0.71 at 64/2/3. Blocks hold whole pages (block_n >= page_size).
+# 0.599 / 0.563, mha-b64-l2k 0.560 / 0.539 (int8 there before its f16 dots), gpt2-b64-l1k
+# 0.642 / 0.647 at 64/2/3; in a sweep 128/4/3 gave 0.62-0.72 and 32/2/2 0.68-0.71 on
+# these. GQA with head dim 64 (Llama-3.2-1B's 32 / 8 heads at batch 64, context 2k) wants
+# more warps: 0.644 / 0.637 at 128/4/3, 0.69 / 0.71 at 64/2/3. Blocks hold whole pages
+# (block_n >= page_size).
 _QUANT_CONFIG = (64, 2, 3)
 _QUANT_GQA_NARROW_CONFIG = (128, 4, 3)
 
