@@ -8,7 +8,7 @@ next call, results read back) with the kernel each one precedes, and the kernels
 time. Two trees' engines compare by running this from each tree's root.
 
     PYTHONPATH=. python benchmarks/profile_generate.py [--steps-per-call 128]
-        [--no-prefix-caching]
+        [--no-prefix-caching] [--cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main():
   parser.add_argument("--new", type=int, default=256)
   parser.add_argument("--steps-per-call", type=int, default=128)
   parser.add_argument("--no-prefix-caching", action="store_true")
+  parser.add_argument("--cache-dtype", help="the KV cache dtype (default: the model's, bf16)")
   parser.add_argument("--top", type=int, default=25)
   args = parser.parse_args()
 
@@ -44,12 +45,14 @@ def main():
   prompts = [rng.integers(0, config.vocab_size, args.prompt).tolist()
              for _ in range(args.batch)]
   page_size = 16
-  # The default passed only when asked against: engines from before prefix caching (a
+  # Defaults passed only when asked against: engines from before prefix caching (a
   # tree compared against) have no such argument.
-  caching = dict(prefix_caching=False) if args.no_prefix_caching else {}
+  engine_kw = dict(prefix_caching=False) if args.no_prefix_caching else {}
+  if args.cache_dtype:
+    engine_kw["cache_dtype"] = jnp.dtype(args.cache_dtype)
   eng = Engine(model, max_batch=args.batch,
                num_pages=args.batch * -(-(args.prompt + args.new) // page_size),
-               page_size=page_size, steps_per_call=args.steps_per_call, **caching)
+               page_size=page_size, steps_per_call=args.steps_per_call, **engine_kw)
   run = lambda: eng.generate([Request(p, args.new) for p in prompts])
   walls = []
   for _ in range(4):  # the first compiles
@@ -70,7 +73,7 @@ def main():
   long_gaps = sorted((g for g in gaps if g[0] > 200), reverse=True)
   print(f"# profile_generate: {common.header()}; batch {args.batch}, prompt {args.prompt}, "
         f"{args.new} new, {args.steps_per_call} steps per call, prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}")
+        f"{'off' if args.no_prefix_caching else 'on'}, {eng.cache_dtype.name} cache")
   print("unprofiled walls (ms):", [round(w * 1e3, 1) for w in walls])
   print(f"profiled wall {wall * 1e3:.1f} ms; GPU span {span / 1e3:.1f} ms; kernels "
         f"{busy / 1e3:.1f} ms ({len(events)}); gaps > 200 µs: "
