@@ -4,24 +4,26 @@ One query token per sequence attends to that sequence's K/V, stored in fixed-siz
 of a shared pool (`k_pages`, `v_pages`: [Hkv, num_pages, page_size, D]) and located
 through `page_table`. Semantics are exactly `jax_paged.reference.paged_decode_attention`.
 
-Grid (Hkv, num_splits, B), the sequences longest first. A program owns one (sequence, kv
-head) and one contiguous slice of that sequence's tokens; all q heads sharing the kv head are handled together so
-each K/V byte is read from HBM once. Each step it takes `block_n` tokens, looks up every
-token's page (`page_table[b, t // page_size]`: the pointers are formed per token, as in
-vLLM's Triton kernel, so the K/V tile is loaded directly as a 2-D [block_n, D] gather with
-16-byte accesses along D and no reshape), and updates an f32 online softmax. Only page
-table entries of tokens below the sequence length are read or used as indices. With
-several splits the per-split (o, lse) partials go through the merge kernel.
+Grid (Hkv, num_splits, B) (quantized pages: the sequences longest first). A program owns
+one (sequence, kv head) and one contiguous slice of that sequence's tokens; all q heads
+sharing the kv head are handled together so each K/V byte is read from HBM once. Each step
+it takes `block_n` tokens, looks up every token's page (`page_table[b, t // page_size]`:
+the pointers are formed per token, as in vLLM's Triton kernel, so the K/V tile is loaded
+directly as a 2-D [block_n, D] gather with 16-byte accesses along D and no reshape), and
+updates an f32 online softmax. Only page table entries of tokens below the sequence length
+are read or used as indices. With several splits the per-split (o, lse) partials go
+through the merge kernel.
 
-A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow, its per-token f32
-scales gathered beside each tile: K's multiply the logits and V's the probabilities, so
-dequantization costs no [block_n, D] multiply. Each K/V tile is converted in registers
+A quantized pool (int8 / float8_e4m3fn pages, `kv_quant`) is read narrow, its per-token
+f32 scales gathered beside each tile: K's multiply the logits and V's the probabilities,
+so dequantization costs no [block_n, D] multiply. Each K/V tile is converted in registers
 (exact) to q's dtype, or with a 16-bit q to f16 (float8: one convert per two values; int8:
-five instructions per four, `_INT8_TO_F16_PTX`), and the dots run as for float pages. Its V pages are token-minor ([D, page_size]
-per page, `kv_quant.v_pages_shape`): a block of whole pages is read as a [D, block_n] tile
-with tokens contiguous, so p.v's 1-byte operand reaches the tensor cores without byte
-loads from shared memory. The float path is unchanged (the quantized ones are separate
-compilations). Measurements beside `_QUANT_CONFIG` and in benchmarks/LOG.md.
+five instructions per four, `_INT8_TO_F16_PTX`), and the dots run as for float pages. Its
+V pages are token-minor ([D, page_size] per page, `kv_quant.v_pages_shape`): a block of
+whole pages is read as a [D, block_n] tile with tokens contiguous, so p.v's 1-byte operand
+reaches the tensor cores without byte loads from shared memory. The float path is
+unchanged (the quantized ones are separate compilations). Measurements beside
+`_QUANT_CONFIG` and in benchmarks/LOG.md.
 
 q.k and p.v are tensor-core dots for every group size of float pages, MHA included: the
 group of q heads is padded to 16 rows (15 of them masked for MHA). The wasted math is free
@@ -123,8 +125,7 @@ def default_config(num_programs: int, group: int, head_dim: int, *,
   return _QUANT_GQA_NARROW_CONFIG if group > 1 and head_dim <= 64 else _QUANT_CONFIG
 
 
-def _decode_kernel(order_ref, lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
-                   *refs,
+def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, logits_soft_cap: float | None,
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    max_pages: int,
@@ -132,18 +133,18 @@ def _decode_kernel(order_ref, lengths_ref, page_table_ref, layer_ref, q_ref, k_r
                    block_n: int, num_splits: int, quantized: bool, interpret: bool):
   """One (kv head, split, sequence b) program.
 
-  Refs are whole arrays: order [B] (the sequences, longest first: program (h, s, i) serves
-  sequence order[i]), lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
+  Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
   k [L * Hkv * num_pages * page_size, D], v the same or (quantized: token-minor pages)
-  [L * Hkv * num_pages * D, page_size], (quantized) k/v scales f32 [L * Hkv * num_pages *
-  page_size], o [S, B, H, D], lse [S, B, H].
+  [L * Hkv * num_pages * D, page_size], (quantized) order [B] (the sequences, shortest
+  first: program (h, s, i) serves sequence order[B - 1 - i]) and k/v scales f32 [L * Hkv
+  * num_pages * page_size], o [S, B, H, D], lse [S, B, H].
   """
+  kv_head, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if quantized:
-    ks_ref, vs_ref, o_ref, lse_ref = refs
+    order_ref, ks_ref, vs_ref, o_ref, lse_ref = refs
+    b = order_ref[order_ref.shape[0] - 1 - b]  # the longest first
   else:
     o_ref, lse_ref = refs
-  kv_head, split = pl.program_id(0), pl.program_id(1)
-  b = order_ref[pl.program_id(2)]
   # Clamped as the reference clamps: a traced length out of range never reads past the
   # sequence's page table row and gives the reference's result. (Traced page ids are
   # clamped by the wrapper, once per table: two integer ops per token here cost 3 points
@@ -319,17 +320,21 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
       num_splits=num_splits, quantized=quantized, interpret=interpret)
-  scale_rows = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
+  quant_refs = []
+  if quantized:
+    # Programs start in grid order, kv heads fastest: a sequence's programs start together,
+    # and quantized pages run longest sequences first, so that a ragged batch does not end
+    # on a long program started last (longest-processing-time-first). Kernel time, H100:
+    # 128 sequences of 33-768 tokens (GPT-2 heads) 49.7 -> 38.8 µs, 64 of 1-1024 36.3 ->
+    # 32.6, equal lengths within 1.5%; the mixed workload's int8 engine +6.5% (H200; LOG.md,
+    # "2026-11-25 night, second"). Float pages gain 1-3% on ragged batches, less than the
+    # argsort costs a single call (3.7 µs at B = 256, H200; in a jitted step XLA merges the
+    # layers' copies of it). Ascending, read from the end: descending adds a negation.
+    work = lengths if sliding_window is None else jnp.minimum(lengths, sliding_window)
+    quant_refs = [jnp.argsort(work).astype(jnp.int32)]
+    quant_refs += [x.reshape(rows) for x in (k_scales, v_scales)]
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
-  # Programs start in grid order, kv heads fastest: a sequence's programs start together,
-  # longest sequences first, so that a ragged batch does not end on a long program started
-  # last (longest-processing-time-first). H100, kernel time, int8 / bf16 pages: 128
-  # sequences of 33-768 tokens (GPT-2 heads) 49.7 -> 38.8 / 61.0 -> 60.6 µs; 64 of 1-1024
-  # 36.3 -> 32.6 / 42.0 -> 40.9; equal lengths within 1.5% (LOG.md, "Attention kernel").
-  # An argsort of B lengths, computed once per jitted step (XLA merges the layers' copies).
-  work = lengths if sliding_window is None else jnp.minimum(lengths, sliding_window)
-  order = jnp.argsort(-work, stable=True).astype(jnp.int32)
   o, lse = pl.pallas_call(
       kernel,
       grid=(num_kv_heads, num_splits, batch),
@@ -339,8 +344,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
                                                      num_stages=num_stages),
       interpret=interpret,
       name="paged_decode_attention",
-  )(order, lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows,
-    *scale_rows)
+  )(lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows,
+    *quant_refs)
   if num_splits == 1:
     o, lse = o[0], lse[0]
   else:
