@@ -170,8 +170,10 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   q_idx = (b, heads[:, None], cols[None, :])
   q_mask = triton_backend.and_masks(head_mask, col_mask)
   q = plgpu.load(q_ref.at[q_idx], mask=q_mask, other=None if q_mask is None else 0.0)
-  # Logits = q.k * row_scale (* the tokens' K scales when quantized).
-  row_scale = scale
+  # Logits in base 2 (the softmax exponentiates with one ex2 per logit,
+  # `triton_backend.exp2`): q.k * row_scale (* the tokens' K scales when quantized), with
+  # row_scale = scale * log2(e) (with a soft cap: after it).
+  row_scale = scale if logits_soft_cap is not None else scale * triton_backend.LOG2_E
   # Quantized pages with a 16-bit q: the dots run in f16, not q's dtype. e4m3 -> f16 is one
   # convert per two values; to bf16 it goes through f16 and f32 (H200, same run, the bf16
   # kernel's time: 0.84x vs 1.08x at mha-b64-l2k, 0.94x vs 1.10x at gqa-b32-l4k, 1.13x vs
@@ -196,7 +198,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     row_pow2 = lax.bitcast_convert_type(exponent, jnp.float32)
     row_pow2 = jnp.where(row_pow2 > 0, row_pow2, 1.0)
     q = (q32 / row_pow2[:, None]).astype(jnp.float16)
-    row_scale = (scale * row_pow2)[:, None]
+    row_scale = (row_scale * row_pow2)[:, None]
   pages_per_block = block_n // page_size
 
   def load_v_pages(i):
@@ -245,13 +247,14 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32) * token_scale
-    if logits_soft_cap is not None:
-      logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if logits_soft_cap is not None:  # capped in natural units, then to base 2
+      cap = logits_soft_cap
+      logits = (cap * triton_backend.LOG2_E) * jnp.tanh(logits / cap)
     logits = jnp.where(live, logits, -jnp.inf)
     # Every block holds at least one live token, so m_new is finite.
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(logits - m_new[:, None])
+    alpha = triton_backend.exp2(m - m_new, interpret)
+    p = triton_backend.exp2(logits - m_new[:, None], interpret)
     weights, v_max = p, None
     if quantized:
       v = to_dot_dtype(load_v_pages(i))  # [block_d, block_n]
@@ -281,7 +284,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
 
   nonempty = l > 0
   out = acc / jnp.where(nonempty, l, 1.0)[:, None]
-  lse = jnp.where(nonempty, m + jnp.log(l), -jnp.inf)
+  lse = jnp.where(nonempty, (m + jnp.log2(l)) * triton_backend.LN_2, -jnp.inf)
   plgpu.store(o_ref.at[(split,) + q_idx], out.astype(o_ref.dtype), mask=q_mask)
   plgpu.store(lse_ref.at[split, b, heads], lse, mask=head_mask)
 

@@ -21,7 +21,6 @@ keys no query of the tile sees are never loaded.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 from jax import lax
@@ -33,8 +32,6 @@ import numpy as np
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
-
-_LOG2_E = math.log2(math.e)
 
 
 def default_config(group: int, head_dim: int, num_tokens: int,
@@ -63,7 +60,7 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
                     o_ref, *, scale: float, sliding_window: int | None, num_tokens: int,
                     num_heads: int, num_kv_heads: int, num_pages: int, max_pages: int,
                     page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                    block_q: int, block_n: int, num_q_blocks: int):
+                    block_q: int, block_n: int, num_q_blocks: int, interpret: bool):
   """One (query block, kv head, sequence b) program.
 
   Refs are whole arrays: q_start, q_len [B], page_table [B, max_pages], layer [1],
@@ -109,7 +106,7 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     full_lo = jnp.clip(full_lo, start, end)
   full_hi = jnp.clip((first_pos + 1) // block_n, full_lo, end)
 
-  qk_scale = scale * _LOG2_E  # exp2 below: the softmax runs in base 2
+  qk_scale = scale * triton_backend.LOG2_E  # exp2 below: the softmax runs in base 2
 
   def body(j, carry, *, masked: bool):
     m, l, acc = carry
@@ -135,8 +132,8 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     # max stays -inf and its weights 0, not exp2(-inf + inf) = NaN. Elsewhere every key
     # is visible, so the max is finite.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-    alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
+    alpha = triton_backend.exp2(m - m_safe, interpret)
+    p = triton_backend.exp2(s - m_safe[:, None], interpret)
     v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=other)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -179,7 +176,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group,
       block_g=pl.next_power_of_2(group), block_q=block_q, block_n=block_n,
-      num_q_blocks=num_q_blocks)
+      num_q_blocks=num_q_blocks, interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=(num_q_blocks, num_kv_heads, batch),

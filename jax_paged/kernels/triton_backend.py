@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -86,3 +88,18 @@ def and_masks(outer, inner, rank: int = 2):
     return outer[..., None]
   inner = inner.reshape((1,) * (rank - 1) + inner.shape)
   return inner if outer is None else outer[..., None] & inner
+
+
+# Softmax in base 2: logits * LOG2_E, then `exp2`; a base-2 log-sum-exp * LN_2 is natural.
+LOG2_E, LN_2 = math.log2(math.e), math.log(2.0)
+
+
+def exp2(x: jax.Array, interpret: bool) -> jax.Array:
+  """Inside a kernel: 2 ** x for f32 x as one `ex2.approx.ftz` per value (relative error
+  ~2^-22; results below 2^-126 flush to 0; -inf -> 0), where jnp.exp / exp2 lower to
+  libdevice's expf / exp2f, several instructions each; jnp.exp2 when interpreted."""
+  if interpret:
+    return jnp.exp2(x)
+  return plgpu.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
