@@ -2,13 +2,16 @@
 
 Usage (device machine): PYTHONPATH=. python benchmarks/bench_prefill.py [--sweep]
     [--shapes a,b] [--sweep-seconds S]
+    [--cache-dtypes int8,float8_e4m3fn]
 Prints a markdown table and writes prefill.json to $OUT (or the current directory).
 
 Each shape is B rows of T new query tokens after `prefix` cached tokens, all K/V in random
-permuted pages of 16 tokens (bf16). TFLOP/s count only the work a causal kernel must do:
-4 * H * D per (query, visible key) pair. Times are the GPU kernels' own durations from a
-profiler trace (`common.kernel_seconds`), and for ours also the wall time of calls issued
-back to back from one jitted program (`common.time_in_jit`, distinct q's sharing the pool).
+permuted pages of 16 tokens (bf16; and the same pages quantized to each of
+`--cache-dtypes`, int8 and float8_e4m3fn by default, timed beside them). TFLOP/s count only
+the work a causal kernel must do: 4 * H * D per (query, visible key) pair. Times are the
+GPU kernels' own durations from a profiler trace (`common.kernel_seconds`), and for ours
+also the wall time of calls issued back to back from one jitted program
+(`common.time_in_jit`, distinct q's sharing the pool).
 `--sweep` times our kernel's knobs by GPU kernel time on every shape (until
 `--sweep-seconds` run out); `paged_prefill.default_config` was chosen from it.
 
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 from benchmarks import common
 import jax_paged
 from jax_paged import reference
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import paged_prefill
 
 # name: (B, T, prefix, H, Hkv, D, page_size)
@@ -70,6 +74,14 @@ def make_inputs(b, t, prefix, h, hkv, d, page_size, seed=0):
   return (q, paged(k), paged(v), table, q_start, q_lengths), (k, v)
 
 
+def quantized_inputs(args, cache_dtype):
+  """`make_inputs`' args with the pages quantized to `cache_dtype` (V token-minor) and
+  their scales as keyword arguments."""
+  q, k_pages, v_pages, *rest = args
+  (kq, ks), (vq, vs) = (kv_quant.quantize(x, cache_dtype) for x in (k_pages, v_pages))
+  return (q, kq, kv_quant.transpose_pages(vq), *rest, dict(k_scales=ks, v_scales=vs))
+
+
 def causal_flops(b, t, prefix, h, d):
   """4 H D per (query, visible key): query i (0-based) of a row sees prefix + i + 1 keys."""
   return 4 * h * d * b * (t * prefix + t * (t + 1) // 2)
@@ -98,7 +110,10 @@ def main():
   parser.add_argument("--sweep", action="store_true", help="also sweep our kernel's knobs")
   parser.add_argument("--sweep-seconds", type=float, default=150.0,
                       help="stop the sweep after this long")
+  parser.add_argument("--cache-dtypes", default="int8,float8_e4m3fn",
+                      help="quantized pages to time beside bf16's ('' for none)")
   opts = parser.parse_args()
+  cache_dtypes = [jnp.dtype(x) for x in opts.cache_dtypes.split(",") if x]
   print(f"# paged prefill attention: {common.header()}", flush=True)
   log = {"header": common.header(), "shapes": {}}
   rows = []
@@ -134,6 +149,14 @@ def main():
         entry["cudnn_unmasked_flops"] = 4 * h * d * b * t * s
     except Exception as e:  # pylint: disable=broad-except
       entry["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for cache_dtype in cache_dtypes:
+      qargs = quantized_inputs(args, cache_dtype)
+      want = xla(*qargs[:6], **qargs[6])
+      entry[cache_dtype.name] = dict(
+          ours_us=common.kernel_seconds(lambda *a: ours(*a[:6], **a[6]), *qargs) * 1e6,
+          xla_us=common.kernel_seconds(lambda *a: xla(*a[:6], **a[6]), *qargs) * 1e6,
+          max_err_vs_xla=float(jnp.max(jnp.abs(ours(*qargs[:6], **qargs[6]).astype(
+              jnp.float32) - want.astype(jnp.float32)))))
     print(name, json.dumps(entry), flush=True)
     log["shapes"][name] = entry
     rows.append((name, entry))
@@ -157,6 +180,17 @@ def main():
           f"{e['xla_us']:.1f} ({tf(e['flops'], e['xla_us']):.1f}) | {full} | "
           f"{cell(e, 'cudnn_unmasked')} | {e['config']} | {e['max_err_vs_xla']:.2g} / "
           f"{err_cudnn:.2g} |", flush=True)
+  if cache_dtypes:
+    print("\nQuantized pages (per-token scales, V token-minor), the same queries and tokens; "
+          "µs = GPU kernel time; the XLA reference dequantizes the pages it gathers\n")
+    print("| shape | cache | ours µs | / bf16 ours | TFLOP/s | XLA ref µs | max err vs XLA |")
+    print("|---|---|---|---|---|---|---|")
+    for name, e in rows:
+      for cache_dtype in cache_dtypes:
+        c = e[cache_dtype.name]
+        print(f"| {name} | {cache_dtype.name} | {c['ours_us']:.1f} | "
+              f"{c['ours_us'] / e['ours_us']:.2f} | {tf(e['flops'], c['ours_us']):.0f} | "
+              f"{c['xla_us']:.1f} | {c['max_err_vs_xla']:.2g} |", flush=True)
 
   if opts.sweep:
     deadline = time.monotonic() + opts.sweep_seconds

@@ -35,6 +35,7 @@ from flax import nnx
 from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
+from jax_paged.kernels import kv_quant
 from jax_paged.serving.request import sample_seed
 from models import gpt2
 
@@ -81,6 +82,9 @@ def main():
   p.add_argument("--tiny", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--workloads", type=int, nargs="+", default=[1, 2, 3],
                  help="which of the three workloads to run")
+  p.add_argument("--cache-dtype", default="auto", choices=["auto", "int8", "float8_e4m3fn"],
+                 help="every engine's KV cache dtype (`Engine(cache_dtype=...)`; auto: the "
+                 "model's dtype)")
   args = p.parse_args()
   if args.tiny:
     config = gpt2.GPT2Config(vocab_size=256, n_positions=256, n_embd=64, n_layer=2, n_head=4)
@@ -97,8 +101,10 @@ def main():
   model = gpt2.GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   vocab = config.vocab_size
+  cache_dtype = jnp.dtype(dtype if args.cache_dtype == "auto" else args.cache_dtype)
   lines = [f"# bench_prefix: {common.header()}", "",
-           f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, pages of {page}."]
+           f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, pages of {page}, "
+           f"{cache_dtype.name} KV cache."]
 
   def emit(*new_lines: str) -> None:
     for line in new_lines:
@@ -107,21 +113,32 @@ def main():
 
   # 1. A shared system prompt.
   if 1 in args.workloads:
-    shared_system_prompt(model, rng, emit, vocab, page, system_len, suffix_len, n_req, new1)
+    shared_system_prompt(model, cache_dtype, rng, emit, vocab, page, system_len, suffix_len,
+                         n_req, new1)
   if 2 in args.workloads:
-    parallel_sampling(model, rng, emit, vocab, page, n_prompts, prompt2, samples, new2)
+    parallel_sampling(model, cache_dtype, rng, emit, vocab, page, n_prompts, prompt2, samples,
+                      new2)
   if 3 in args.workloads:
-    chunked_prefill(model, rng, emit, vocab, page, n_run, run_prompt, run_new, n_long,
-                    long_len, chunk, arrive)
+    chunked_prefill(model, cache_dtype, rng, emit, vocab, page, n_run, run_prompt, run_new,
+                    n_long, long_len, chunk, arrive)
   with open(os.path.join(common.out_dir(), "bench_prefix.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 
 
-def shared_system_prompt(model, rng, emit, vocab, page, system_len, suffix_len, n_req, new1):
+def pool_pages(model, cache_dtype, page: int, needed: int) -> int:
+  """`needed` pages, or for a 1-byte cache whose page arrays would fall in the window the
+  kernels cannot address (`kv_quant.kernel_addressable`) the fewest past it."""
+  spec = model.spec
+  return kv_quant.min_addressable_pages(
+      spec.num_layers * spec.num_kv_heads * page * spec.head_dim, cache_dtype, needed)
+
+
+def shared_system_prompt(model, cache_dtype, rng, emit, vocab, page, system_len, suffix_len,
+                         n_req, new1):
   system = rng.integers(0, vocab, system_len).tolist()
   requests = [Request(system + rng.integers(0, vocab, suffix_len).tolist(), new1)
               for _ in range(n_req)]
-  pages = n_req * -(-(system_len + suffix_len + new1) // page)
+  pages = pool_pages(model, cache_dtype, page, n_req * -(-(system_len + suffix_len + new1) // page))
   emit("", f"## 1. Shared system prompt: {n_req} requests of {system_len} shared + "
        f"{suffix_len} unique tokens, {new1} new (greedy)", "",
        "| prefix caching | mean TTFT (ms) | new tokens/s | peak pages | prompt tokens from "
@@ -132,7 +149,8 @@ def shared_system_prompt(model, rng, emit, vocab, page, system_len, suffix_len, 
   variants = {"off": (False, None), "on": (True, None),
               "on, system prompt cached by an earlier run": (True, [Request(system, 1)])}
   for name, (caching, warm_up) in variants.items():
-    eng = Engine(model, max_batch=n_req, num_pages=pages, page_size=page,
+    eng = Engine(model, cache_dtype=cache_dtype, max_batch=n_req, num_pages=pages,
+                 page_size=page,
                  prefix_caching=caching)
     outs, r, sec = timed_generate(eng, requests, warm_up=warm_up)
     results[name] = (outs, r, sec)
@@ -148,20 +166,23 @@ def shared_system_prompt(model, rng, emit, vocab, page, system_len, suffix_len, 
 
 
 
-def parallel_sampling(model, rng, emit, vocab, page, n_prompts, prompt2, samples, new2):
+def parallel_sampling(model, cache_dtype, rng, emit, vocab, page, n_prompts, prompt2, samples,
+                      new2):
   prompts = [rng.integers(0, vocab, prompt2).tolist() for _ in range(n_prompts)]
   batch = n_prompts * samples
-  pages = batch * -(-(prompt2 + new2) // page)
+  pages = pool_pages(model, cache_dtype, page, batch * -(-(prompt2 + new2) // page))
   emit("", f"## 2. Parallel sampling: {n_prompts} prompts of {prompt2} tokens, n = {samples}, "
        f"{new2} new (temperature 1)", "",
        "| run | new tokens/s | peak pages | time (s) |", "|---|---|---|---|")
-  shared = Engine(model, max_batch=batch, num_pages=pages, page_size=page)
+  shared = Engine(model, cache_dtype=cache_dtype, max_batch=batch, num_pages=pages,
+                  page_size=page)
   outs_n, rn, sn = timed_generate(shared, [Request(p, new2, temperature=1.0, seed=i,
                                                    n=samples)
                                            for i, p in enumerate(prompts)])
   emit(f"| Request(n={samples}): shared pages | {rn.generated_tokens / sn:,.0f} | "
        f"{rn.peak_pages_in_use} | {sn:.2f} |")
-  alone = Engine(model, max_batch=batch, num_pages=pages, page_size=page,
+  alone = Engine(model, cache_dtype=cache_dtype, max_batch=batch, num_pages=pages,
+                 page_size=page,
                  prefix_caching=False)
   outs_1, r1, s1 = timed_generate(alone, [
       Request(p, new2, temperature=1.0, seed=sample_seed(i, j))
@@ -175,20 +196,23 @@ def parallel_sampling(model, rng, emit, vocab, page, n_prompts, prompt2, samples
 
 
 
-def chunked_prefill(model, rng, emit, vocab, page, n_run, run_prompt, run_new, n_long,
+def chunked_prefill(model, cache_dtype, rng, emit, vocab, page, n_run, run_prompt, run_new,
+                    n_long,
                     long_len, chunk, arrive):
   running = [Request(rng.integers(0, vocab, run_prompt).tolist(), run_new)
              for _ in range(n_run)]
   arriving = [Request(rng.integers(0, vocab, long_len).tolist(), 8, arrival_s=arrive)
               for _ in range(n_long)]
-  pages = n_run * -(-(run_prompt + run_new) // page) + n_long * -(-(long_len + 8) // page)
+  pages = pool_pages(model, cache_dtype, page, n_run * -(-(run_prompt + run_new) // page)
+                     + n_long * -(-(long_len + 8) // page))
   emit("", f"## 3. Chunked prefill: {n_run} requests decoding ({run_prompt}-token prompts, "
        f"{run_new} new) when {n_long} prompts of {long_len} tokens arrive at {arrive} s", "",
        "| max_prefill_tokens | worst gap (ms) | median gap (ms) | worst / median | p99 / median "
        "| arrivals' mean TTFT (ms) |", "|---|---|---|---|---|---|")
   ratios = {}
   for max_prefill in (n_long * long_len * 2, chunk, chunk // 2):
-    eng = Engine(model, max_batch=n_run + n_long, num_pages=pages, page_size=page,
+    eng = Engine(model, cache_dtype=cache_dtype, max_batch=n_run + n_long, num_pages=pages,
+                 page_size=page,
                  max_prefill_tokens=max_prefill)
     bursts = collections.defaultdict(list)
     first = {}

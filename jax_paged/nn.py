@@ -462,14 +462,12 @@ class PagedAttention(nnx.Module):
     else:
       if page_table is None:
         raise ValueError("prefill with start needs the batch's page_table rows")
-      # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place;
-      # a quantized pool through the reference, which dequantizes the pages it gathers.
-      attend = reference if kv.quantized else paged_prefill
-      y = attend.paged_prefill_attention(
+      # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place
+      # (a quantized pool's narrow pages dequantized in registers, q in the compute dtype).
+      y = paged_prefill.paged_prefill_attention(
           q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages, page_table,
-          start, lengths, layer=layer, scale=self.scale, sliding_window=self.sliding_window,
-          **({"k_scales": kv.k_scales, "v_scales": kv.v_scales} if kv.quantized else {})
-      ).astype(q.dtype)
+          start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
+          scale=self.scale, sliding_window=self.sliding_window).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (projection(self.out, y) if project else y), kv
 

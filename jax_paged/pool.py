@@ -185,9 +185,11 @@ def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: i
   One page holds `page_size` tokens of K and V for every layer and kv head, and for an int8
   / float8_e4m3fn pool their float32 scales (one per token per kv head), so a quantized
   pool holds (2 * D) / (D + 4) times the tokens of a bf16 one in the same budget (1.88x at
-  D = 64). With `available_bytes=None` the budget is the device's free memory
-  (bytes_limit - bytes_in_use from `memory_stats()`), which only accelerators report; on
-  CPU pass it explicitly.
+  D = 64). An int8 / float8 pool whose K (and V) array would hold 2**31 to 2**32 values
+  gets just under 2**31 instead (`kv_quant.kernel_addressable`: jax's Pallas-Triton
+  kernels cannot address that window). With `available_bytes=None` the budget is the
+  device's free memory (bytes_limit - bytes_in_use from `memory_stats()`), which only
+  accelerators report; on CPU pass it explicitly.
   """
   dtype = validation.check_cache_dtype("dtype", dtype)
   if not 0.0 < utilization <= 1.0:
@@ -201,6 +203,10 @@ def size_pool(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: i
   bytes_per_page = (2 * num_layers * num_kv_heads * page_size
                     * kv_quant.bytes_per_head_token(head_dim, dtype))
   num_pages = int(available_bytes * utilization) // bytes_per_page
+  # Below the window of page-array sizes that compiled kernels cannot address (1-byte
+  # pools of 2-4 GiB per K / V array: `kv_quant.kernel_addressable`).
+  num_pages = kv_quant.max_addressable_pages(
+      num_layers * num_kv_heads * page_size * head_dim, dtype, num_pages)
   if num_pages < 1:
     raise ValueError(f"available_bytes={available_bytes} x utilization={utilization} holds no "
                      f"page of {bytes_per_page} bytes")
@@ -700,7 +706,7 @@ def write_kv(pool: KVPool, layer, slots, k: jax.Array, v: jax.Array, *,
     if flat.size == 0:
       return pool
     if not mode:
-      kv_quant.check_fp8_device(pool.dtype, "the pool's dtype")
+      kv_quant.check_compiled(pool.k_pages, "the pool's")
     return _replace_kv(pool, cache_write.write_kv_pallas(
         pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32), flat, k, v, interpret=mode,
         k_scales=pool.k_scales, v_scales=pool.v_scales))
@@ -780,7 +786,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
     return q, write_kv(pool, layer, slots, k.reshape(heads), v.reshape(heads),
                        interpret=interpret)
   if not mode:
-    kv_quant.check_fp8_device(pool.dtype, "the pool's dtype")
+    kv_quant.check_compiled(pool.k_pages, "the pool's")
   q, *arrays = cache_write.project_write_kv_pallas(
       x, kernel, bias, pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32),
       slots.astype(jnp.int32), q_width=q_width, interpret=mode, k_scales=pool.k_scales,

@@ -1,8 +1,8 @@
 """Quantized KV cache (int8, float8_e4m3fn pages with per-token scales).
 
-The decode kernel (Pallas interpret mode on CPU; compiled with `-m gpu`) against the
-plain-jnp reference and against attending to the dequantized pages as float pages; the
-write paths (XLA scatter, the write kernel, the fused projection kernel) against
+The decode and prefill kernels (Pallas interpret mode on CPU; compiled with `-m gpu`)
+against the plain-jnp references and against attending to the dequantized pages as float
+pages; the write paths (XLA scatter, the write kernel, the fused projection kernel) against
 `kv_quant.quantize`, with padding never written (scales poisoned first); GPT-2 logits with
 a quantized cache against the f32 cache; the engine, the pool sizing and the CLI.
 """
@@ -26,6 +26,7 @@ from jax_paged.kernels import cache_write
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import linear
 from jax_paged.kernels import paged_attention as pa
+from jax_paged.kernels import paged_prefill as pp
 from jax_paged.kernels import triton_backend
 from jax_paged.pool import KVPool
 from jax_paged.serving.runner import ModelRunner
@@ -85,6 +86,48 @@ def test_bytes_and_pool_sizing_count_the_scales():
   with pytest.raises(ValueError, match="dtype must be a cache dtype"):
     kvpool.size_pool(num_layers=1, num_kv_heads=1, head_dim=64, page_size=16,
                      dtype=jnp.int4, available_bytes=budget)
+
+
+# GPT-2's page: 12 layers x 12 kv heads x 16 tokens x 64 dims = 147456 values per array.
+_GPT2_PAGE = 12 * 12 * 16 * 64
+_WINDOW = (2 ** 31 // _GPT2_PAGE + 1, 2 ** 32 // _GPT2_PAGE)  # 14564..29127 pages
+
+
+def test_one_byte_pools_of_2_to_4_gib_are_refused_not_misaddressed():
+  """jax's Pallas-Triton kernels address a 1-byte array of 2**31..2**32 elements with
+  wrapped 32-bit offsets (seen on an H200: an illegal memory access with 15360 int8 pages
+  of GPT-2): `size_pool` stays below the window; the compiled kernels and the engine refuse
+  it, naming the page counts that work."""
+  lo, hi = _WINDOW
+  pages = lambda n, dt=INT8: jax.ShapeDtypeStruct((12, 12, n, 16, 64), dt)
+  for n in (lo - 1, hi + 1):
+    kv_quant.check_compiled(pages(n), "pool")
+  for dt in (jnp.bfloat16, jnp.float32):
+    kv_quant.check_compiled(pages(lo, dt), "pool")
+  for n, dt in ((lo, INT8), (hi, FP8), (15360, INT8)):
+    with pytest.raises(ValueError, match=f"wrapped 32-bit offsets.*at most {lo - 1} pages or "
+                                         f"at least {hi + 1}"):
+      kv_quant.check_compiled(pages(n, dt), "pool")
+  # A budget landing in the window is sized below it; one above it is not changed.
+  above = 12 * 2 ** 30 // (2 * 12 * 12 * 16 * 68)  # K, V and scales
+  for budget, want in ((6 * 2 ** 30, lo - 1), (12 * 2 ** 30, above)):
+    sizing = kvpool.size_pool(num_layers=12, num_kv_heads=12, head_dim=64, page_size=16,
+                              dtype=INT8, available_bytes=budget, utilization=1.0)
+    assert sizing.num_pages == want
+  # The compiled decode and prefill kernels check before compiling (shapes only here).
+  q, table = jax.ShapeDtypeStruct((4, 12, 64), jnp.bfloat16), jnp.zeros((4, 8), jnp.int32)
+  k, v = pages(15360), jax.ShapeDtypeStruct((12, 12, 15360, 64, 16), INT8)
+  scales = jax.ShapeDtypeStruct((12, 12, 15360, 16), jnp.float32)
+  lengths = jnp.zeros((4,), jnp.int32)
+  with pytest.raises(ValueError, match="wrapped 32-bit offsets"):
+    jax.eval_shape(lambda q, k, v, ks, vs: jax_paged.paged_decode_attention(
+        q, k, v, table, lengths, layer=3, k_scales=ks, v_scales=vs, interpret=False),
+                   q, k, v, scales, scales)
+  q = jax.ShapeDtypeStruct((4, 16, 12, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="wrapped 32-bit offsets"):
+    jax.eval_shape(lambda q, k, v, ks, vs: jax_paged.paged_prefill_attention(
+        q, k, v, table, lengths, lengths, layer=3, k_scales=ks, v_scales=vs, interpret=False),
+                   q, k, v, scales, scales)
 
 
 # ------------------------------------------------------------------ decode attention
@@ -247,10 +290,16 @@ def test_quantized_kernels_lower_for_cuda():
                             interpret=False, block_n=32, num_warps=2, num_stages=2),
           (s((8, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
            s((8,), jnp.int32), s((), jnp.int32), scales, scales))
+         for heads, q_dtype in ((hkv, jnp.bfloat16), (4 * hkv, jnp.float16))
+    ] + [(functools.partial(pp._paged_prefill_pallas, scale=0.125, sliding_window=None,
+                            interpret=False, block_q=16, block_n=32, num_warps=4,
+                            num_stages=2),
+          (s((8, 16, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
+           s((8,), jnp.int32), s((8,), jnp.int32), s((), jnp.int32), scales, scales))
          for heads, q_dtype in ((hkv, jnp.bfloat16), (4 * hkv, jnp.float16))]
     with triton_backend.cuda_lowering_context():
       for fn, args in calls:
-        if fn.func is pa._paged_decode_pallas:
+        if fn.func in (pa._paged_decode_pallas, pp._paged_prefill_pallas):
           traced = jax.jit(fn).trace(*args)
         else:
           traced = jax.jit(fn).trace(*args, k_scales=scales, v_scales=scales)
@@ -293,28 +342,139 @@ def test_bad_scales_and_cache_dtypes_raise(change, match):
       fn(**kwargs)
 
 
-def test_paged_prefill_kernel_refuses_quantized_pages_and_the_reference_dequantizes():
-  pages = jnp.zeros((2, 5, 16, 64), INT8)
+# ------------------------------------------------------------------ prefill attention
+def _quantized_prefill_inputs(heads, kv_heads, head_dim, page_size, q_dtype, cache_dtype,
+                              q_start, q_lengths, num_tokens, layers=None):
+  """Random q [B, T, H, D] (padding queries NaN), quantized pages with scales (as
+  `_quantized_inputs`), the page table, q_start, q_lengths."""
+  q_start, q_lengths = np.asarray(q_start, np.int32), np.asarray(q_lengths, np.int32)
+  lengths = q_start + q_lengths
+  max_pages = max(1, int(-(-lengths.max() // page_size)))
+  _, kq, vq, ks, vs, table, _ = _quantized_inputs(len(lengths), heads, kv_heads, head_dim,
+                                                  page_size, max_pages, q_dtype, cache_dtype,
+                                                  lengths, layers=layers)
+  q = _random((len(lengths), num_tokens, heads, head_dim))
+  padding = np.arange(num_tokens)[None, :] >= q_lengths[:, None]
+  q = jnp.where(padding[:, :, None, None], jnp.nan, q).astype(q_dtype)
+  return q, kq, vq, ks, vs, table, jnp.asarray(q_start), jnp.asarray(q_lengths)
+
+
+def _check_prefill(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
+  """Kernel vs the reference on the quantized pages and on the dequantized (float32)
+  pages; padding queries exactly 0, nothing NaN."""
+  q, kq, vq, ks, vs, table, q_start, q_lengths = args
+  out = jax_paged.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
+                                          k_scales=ks, v_scales=vs, interpret=interpret,
+                                          **kwargs)
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "sliding_window") if k in kwargs}
+  want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
+                                           k_scales=ks, v_scales=vs, **ref_kwargs)
+  dense = reference.paged_prefill_attention(
+      q, kv_quant.dequantize(kq, ks), kv_quant.dequantize(kv_quant.transpose_pages(vq), vs),
+      table, q_start, q_lengths, layer=layer, **ref_kwargs)
+  chex.assert_trees_all_equal_shapes_and_dtypes(out, want)
+  out32 = np.asarray(out, np.float32)
+  assert not np.isnan(out32).any()
+  padding = np.arange(q.shape[1])[None, :] >= np.asarray(q_lengths)[:, None]
+  np.testing.assert_array_equal(out32[padding], 0.0)
+  for expected in (want, dense):
+    chex.assert_trees_all_close(out32, np.asarray(expected, np.float32), **tol)
+
+
+_BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+# (heads, kv heads, head dim, page size, q dtype, cache dtype, kwargs, tolerance): MHA and
+# GQA, both cache dtypes, several pages per key block and one, a padded head dim, windows,
+# the three q dtypes (f16: the weights normalized by the block's largest V scale).
+_PREFILL_CASES = [
+    (4, 4, 64, 8, jnp.float32, INT8, dict(block_q=16, block_n=16), _F32_TOL),
+    (8, 2, 128, 16, jnp.float32, FP8, dict(block_q=4, block_n=16, scale=0.3), _F32_TOL),
+    (6, 2, 80, 8, jnp.float32, INT8, dict(block_q=4, block_n=32, sliding_window=13), _F32_TOL),
+    (4, 4, 64, 8, jnp.bfloat16, FP8, dict(block_q=16, block_n=16, sliding_window=5), _BF16_TOL),
+    (8, 2, 64, 16, jnp.float16, INT8, dict(block_q=8, block_n=16), dict(atol=4e-3, rtol=4e-3)),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,q_dtype,cache_dtype,kwargs,tol",
+                         _PREFILL_CASES)
+def test_prefill_kernel_matches_dequantize_then_attend_interpret(heads, kv_heads, head_dim,
+                                                                 page_size, q_dtype,
+                                                                 cache_dtype, kwargs, tol):
+  # A fresh prompt, an empty row, a chunk starting on a page boundary, one crossing pages
+  # mid-page, and a short chunk after a long prefix.
+  args = _quantized_prefill_inputs(heads, kv_heads, head_dim, page_size, q_dtype, cache_dtype,
+                                   [0, 5, 2 * page_size, page_size - 3, 3 * page_size + 5],
+                                   [20, 0, 11, 17, 2], num_tokens=20)
+  _check_prefill(args, interpret=True, tol=tol, **kwargs)
+
+
+def test_prefill_kernel_reads_a_layer_of_the_pool_interpret():
+  args = _quantized_prefill_inputs(8, 2, 64, 8, jnp.float32, INT8, [0, 30, 17], [12, 12, 1],
+                                   num_tokens=12, layers=3)
+  _check_prefill(args, interpret=True, layer=jnp.int32(1), block_q=8, block_n=16)
+
+
+@pytest.mark.parametrize("cache_dtype,kv_heads", [(FP8, 2), (INT8, 4)])
+def test_prefill_kernel_never_reads_scales_or_values_past_a_length_interpret(cache_dtype,
+                                                                             kv_heads):
+  """As the decode kernel's test: NaN scales at every slot no row uses, NaN float8 K there
+  and V in pages no row uses, the largest value in V slots past a row's last token in a
+  used page; the output is the reference's on the clean pool."""
+  page_size = 8
+  q, kq, vq, ks, vs, table, q_start, q_lengths = _quantized_prefill_inputs(
+      4, kv_heads, 64, page_size, jnp.float32, cache_dtype, [0, 9, 3, 20], [6, 9, 0, 3],
+      num_tokens=9)
+  lengths = np.asarray(q_start + q_lengths)
+  live = np.zeros(ks.shape[1:], bool)  # [num_pages, page_size]
+  t = np.asarray(table)
+  for b in range(4):
+    for pos in range(lengths[b]):
+      live[t[b, pos // page_size], pos % page_size] = True
+  dead = ~live
+  unused_page = dead & ~live.any(-1, keepdims=True)
+  qmax = kv_quant.QMAX[jnp.dtype(cache_dtype)]
+  poison = jnp.nan if cache_dtype == FP8 else qmax
+  k_poisoned = jnp.where(dead[None, ..., None], poison, kq.astype(jnp.float32))
+  v_poisoned = jnp.where(  # token-major [Hkv, pages, page_size, D] here
+      unused_page[None, ..., None], poison,
+      jnp.where(dead[None, ..., None], qmax, kv_quant.transpose_pages(vq).astype(jnp.float32)))
+  out = jax_paged.paged_prefill_attention(
+      q, k_poisoned.astype(cache_dtype),
+      kv_quant.transpose_pages(v_poisoned).astype(cache_dtype), table, q_start, q_lengths,
+      k_scales=jnp.where(dead[None], jnp.nan, ks), v_scales=jnp.where(dead[None], jnp.nan, vs),
+      interpret=True, block_q=16, block_n=16)
+  want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, k_scales=ks,
+                                           v_scales=vs)
+  chex.assert_trees_all_close(out, want, **_F32_TOL)
+
+
+def test_prefill_kernel_f16_weights_keep_tiny_v_scales_interpret():
+  """An f16 q: V scales whose products with the probabilities would be f16 subnormals
+  still give the reference's output (relative to its size), never inf or NaN."""
+  q, kq, vq, ks, vs, table, q_start, q_lengths = _quantized_prefill_inputs(
+      4, 2, 64, 8, jnp.float16, FP8, [0, 19], [16, 5], num_tokens=16)
+  vs = vs * 1e-6
+  out = jax_paged.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, k_scales=ks,
+                                          v_scales=vs, interpret=True, block_q=8, block_n=16)
+  want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, k_scales=ks,
+                                           v_scales=vs)
+  out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_prefill_bad_quantized_inputs_raise():
+  pages = jnp.zeros((2, 5, 32, 64), INT8)
   args = (jnp.zeros((2, 3, 4, 64)), pages, kv_quant.transpose_pages(pages),
-          jnp.zeros((2, 3), jnp.int32),
-          jnp.zeros((2,), jnp.int32), jnp.full((2,), 3, jnp.int32))
-  with pytest.raises(ValueError, match="k_pages dtype int8: the paged prefill kernel reads "
-                                       "float pages"):
-    jax_paged.paged_prefill_attention(*args)
-  with pytest.raises(ValueError, match="int8 pages need their scales"):
-    reference.paged_prefill_attention(*args)
-  # With scales: the prefill of a quantized pool is attention over its dequantized pages.
-  rng = np.random.default_rng(0)
-  k, v = (jnp.asarray(rng.standard_normal((2, 5, 16, 64)), jnp.float32) for _ in range(2))
-  (kq, ks), (vq, vs) = kv_quant.quantize(k, INT8), kv_quant.quantize(v, INT8)
-  q = jnp.asarray(rng.standard_normal((2, 8, 4, 64)), jnp.float32)
-  table = jnp.asarray([[3, 0, 4], [1, 2, 0]], jnp.int32)
-  start, lengths = jnp.asarray([20, 5], jnp.int32), jnp.asarray([8, 6], jnp.int32)
-  got = reference.paged_prefill_attention(q, kq, kv_quant.transpose_pages(vq), table, start,
-                                          lengths, k_scales=ks, v_scales=vs)
-  want = reference.paged_prefill_attention(q, kv_quant.dequantize(kq, ks),
-                                           kv_quant.dequantize(vq, vs), table, start, lengths)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+          jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32),
+          jnp.full((2,), 3, jnp.int32))
+  scales = jnp.ones((2, 5, 32), jnp.float32)
+  for fn in (jax_paged.paged_prefill_attention, reference.paged_prefill_attention):
+    with pytest.raises(ValueError, match="int8 pages need their scales"):
+      fn(*args)
+    with pytest.raises(ValueError, match="v_scales must have the pages' shape"):
+      fn(*args, k_scales=scales, v_scales=scales[:, :4])
+  with pytest.raises(ValueError, match=r"block_n must be >= page_size \(32\)"):
+    jax_paged.paged_prefill_attention(*args, k_scales=scales, v_scales=scales, block_n=16)
 
 
 def test_fp8_needs_compute_capability_8_9_on_a_gpu(monkeypatch):
@@ -590,8 +750,8 @@ def test_engine_with_an_int8_cache_matches_static_generate(gpt2_model):
 
 def test_int8_cache_with_prefix_caching_and_chunks(gpt2_model):
   """A quantized pool with shared prefixes (attached cached pages, prefilled from an
-  offset through the dequantizing reference) and a prompt prefilled in chunks: the same
-  tokens with the prefix cache on and off."""
+  offset over the quantized pages) and a prompt prefilled in chunks: the same tokens with
+  the prefix cache on and off."""
   rng = np.random.default_rng(6)
   system = rng.integers(0, 300, 20).tolist()
   prompts = [system + rng.integers(0, 300, n).tolist() for n in (3, 7, 1)]
@@ -603,6 +763,14 @@ def test_int8_cache_with_prefix_caching_and_chunks(gpt2_model):
     runs.append(eng.generate([Request(p, 6) for p in prompts]))
   (cached, report), (plain, _) = runs
   assert cached == plain and report.cached_prompt_tokens >= 2 * 16
+
+
+def test_engine_on_a_gpu_refuses_a_one_byte_pool_it_cannot_address(gpt2_model, monkeypatch):
+  """Checked before the pool is allocated (so faked here with a CPU standing in for the
+  GPU): 2 layers x 2 kv heads x 8 tokens x 64 dims per page, 2**31 values at 2**20 pages."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with pytest.raises(ValueError, match="num_pages gives int8 pages.*at most 1048575 pages"):
+    Engine(gpt2_model, max_batch=2, num_pages=2 ** 20 + 5, page_size=8, cache_dtype="int8")
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.int32, "int4", jnp.uint8])
@@ -642,6 +810,26 @@ def test_decode_kernel_gpu(heads, kv_heads, head_dim, page_size, q_dtype, cache_
   tol = _F32_TOL if q_dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
   for kwargs in (dict(), dict(num_splits=5, sliding_window=300, logits_soft_cap=20.0)):
     _check_decode(args, interpret=False, tol=tol, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", QDTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,q_dtype", [
+    (12, 12, 64, 16, jnp.bfloat16), (32, 8, 128, 16, jnp.bfloat16),
+    (16, 4, 80, 32, jnp.float16), (8, 8, 256, 8, jnp.float32), (8, 2, 64, 128, jnp.bfloat16)])
+def test_prefill_kernel_gpu(heads, kv_heads, head_dim, page_size, q_dtype, cache_dtype):
+  rng = np.random.default_rng(next(_SEED))
+  q_start = rng.integers(0, 700, size=6)
+  q_start[:3] = [0, page_size * 7, 1]
+  q_lengths = rng.integers(1, 97, size=6)
+  q_lengths[1] = 0
+  args = _quantized_prefill_inputs(heads, kv_heads, head_dim, page_size, q_dtype, cache_dtype,
+                                   q_start, q_lengths, num_tokens=96)
+  tol = _F32_TOL if q_dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+  if q_dtype == jnp.float16:
+    tol = dict(atol=4e-3, rtol=4e-3)
+  for kwargs in (dict(), dict(sliding_window=300)):
+    _check_prefill(args, interpret=False, tol=tol, **kwargs)
 
 
 @pytest.mark.gpu

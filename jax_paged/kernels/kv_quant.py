@@ -35,6 +35,8 @@ this same function on their tiles.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -111,6 +113,60 @@ def dequantize(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
 def fake_quantize(x: jax.Array, dtype) -> jax.Array:
   """x [..., D] as a pool of `dtype` stores it: quantized and dequantized, in x's dtype."""
   return dequantize(*quantize(x, dtype), dtype=x.dtype)
+
+
+# jax's Pallas-Triton lowering forms a kernel operand's element offsets in 32 bits unless
+# the operand exceeds 2**32 bytes, and Triton adds them to the pointer as signed values. A
+# 1-byte operand of 2**31 to 2**32 elements (an int8 / float8 K or V pool of 2-4 GiB) is
+# therefore addressed past element 2**31 - 1 with wrapped, negative offsets: an illegal
+# memory access. Wider dtypes pass 2**32 bytes before 2**31 elements, so only 1-byte pools
+# meet this window.
+_I32_ELEMENTS = 2 ** 31
+_I32_BYTES = 2 ** 32
+
+
+def kernel_addressable(shape: tuple[int, ...], dtype) -> bool:
+  """Whether compiled Pallas-Triton kernels address an array of this shape and dtype
+  correctly (see above): fewer than 2**31 elements, or more than 2**32 bytes."""
+  elements = math.prod(shape)
+  return elements < _I32_ELEMENTS or elements * jnp.dtype(dtype).itemsize > _I32_BYTES
+
+
+def max_addressable_pages(page_elements: int, dtype, num_pages: int) -> int:
+  """The most pages, at most `num_pages`, of `page_elements` elements each that a page
+  array of `dtype` may hold and stay `kernel_addressable`: num_pages itself, or for a 1-byte
+  pool landing in 2**31..2**32 elements the largest count below 2**31 elements."""
+  if kernel_addressable((num_pages, page_elements), dtype):
+    return num_pages
+  return (_I32_ELEMENTS - 1) // page_elements
+
+
+def min_addressable_pages(page_elements: int, dtype, num_pages: int) -> int:
+  """The fewest pages, at least `num_pages`, that stay `kernel_addressable`: num_pages
+  itself, or for a 1-byte pool in the window the smallest count past 2**32 bytes."""
+  if kernel_addressable((num_pages, page_elements), dtype):
+    return num_pages
+  return _I32_BYTES // page_elements + 1
+
+
+def check_compiled(pages: jax.Array, what: str) -> None:
+  """Raises ValueError for page arrays that compiled kernels cannot read or write: float8
+  on a GPU below compute capability 8.9 (`check_fp8_device`), and 1-byte arrays in the
+  window `kernel_addressable` excludes (pages: [L, Hkv, num_pages, ...], one layer
+  without L)."""
+  check_fp8_device(pages.dtype, what)
+  if kernel_addressable(pages.shape, pages.dtype):
+    return
+  page_axis = len(pages.shape) - 3  # [..., num_pages, page_size, D] or token-minor V's [.., D, ps]
+  page_elements = math.prod(pages.shape) // pages.shape[page_axis]
+  below, above = (fn(page_elements, pages.dtype, pages.shape[page_axis])
+                  for fn in (max_addressable_pages, min_addressable_pages))
+  raise ValueError(
+      f"{what} {pages.dtype} pages of {math.prod(pages.shape):,} elements: jax's Pallas-"
+      "Triton kernels address a 1-byte array of 2**31 to 2**32 elements (2-4 GiB) with "
+      "wrapped 32-bit offsets (an illegal memory access). Use at most "
+      f"{below} pages or at least {above} (`pool.size_pool` sizes budgets below this "
+      "window)")
 
 
 def check_fp8_device(dtype, what: str) -> None:

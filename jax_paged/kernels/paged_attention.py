@@ -459,7 +459,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                    scale=scale, logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window, return_lse=return_lse)
   if not mode:
-    kv_quant.check_fp8_device(k_pages.dtype, "k_pages")
+    kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
     layer = 0
   elif not isinstance(layer, (int, np.integer)):  # traced: keep the reads inside the pool

@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
+from jax_paged.kernels import kv_quant
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
@@ -57,16 +58,23 @@ def default_config(group: int, head_dim: int, num_tokens: int,
 
 
 def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
-                    o_ref, *, scale: float, sliding_window: int | None, num_tokens: int,
+                    *refs, scale: float, sliding_window: int | None, num_tokens: int,
                     num_heads: int, num_kv_heads: int, num_pages: int, max_pages: int,
                     page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                    block_q: int, block_n: int, num_q_blocks: int, interpret: bool):
+                    block_q: int, block_n: int, num_q_blocks: int, quantized: bool,
+                    interpret: bool):
   """One (query block, kv head, sequence b) program.
 
   Refs are whole arrays: q_start, q_len [B], page_table [B, max_pages], layer [1],
   q / o [B, T, H, D], k / v [L * Hkv * num_pages * page_size, D] (row ((layer * Hkv +
-  kv head) * num_pages + page) * page_size + offset).
+  kv head) * num_pages + page) * page_size + offset); quantized: v token-minor [L * Hkv *
+  num_pages * D, page_size] and k / v scales f32 [L * Hkv * num_pages * page_size] (by
+  k's row) before o.
   """
+  if quantized:
+    ks_ref, vs_ref, o_ref = refs
+  else:
+    (o_ref,) = refs
   q_block = num_q_blocks - 1 - pl.program_id(0)
   kv_head, b = pl.program_id(1), pl.program_id(2)
   # Clamped as the reference clamps: no key of a traced out-of-range row lies past its page
@@ -74,7 +82,8 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   q_start, q_len = validation.clamp_prefill(q_start_ref[b], q_len_ref[b],
                                             num_tokens=num_tokens,
                                             capacity=max_pages * page_size)
-  head_base = (layer_ref[0] * num_kv_heads + kv_head) * (num_pages * page_size)
+  head_page = (layer_ref[0] * num_kv_heads + kv_head) * num_pages  # this head's first page
+  head_base = head_page * page_size  # its first K row
 
   block_m = block_q * block_g
   r = jnp.arange(block_m)
@@ -107,6 +116,27 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   full_hi = jnp.clip((first_pos + 1) // block_n, full_lo, end)
 
   qk_scale = scale * triton_backend.LOG2_E  # exp2 below: the softmax runs in base 2
+  pages_per_block = block_n // page_size
+
+  def load_v_pages(j, masked: bool):
+    """A quantized block's V, [block_d, block_n] (keys contiguous), read as whole pages of
+    the token-minor pool (as the decode kernel reads them): the slots of a page past
+    last_pos are read and get zero weight (their scales load as 0), so they must be
+    finite, which `kv_quant.quantize` ensures."""
+    page = j * pages_per_block + jnp.arange(pages_per_block)
+    used = page * page_size <= last_pos if masked else None
+    ids = plgpu.load(page_table_ref.at[b, page], mask=used,
+                     other=None if used is None else 0)
+    shape = (block_d, pages_per_block, page_size)
+    rows = ((head_page + ids) * head_dim)[None, :, None] + cols[:, None, None]
+    mask = None if used is None else used[None, :, None]
+    if col_mask is not None:
+      mask = col_mask[:, None, None] if mask is None else mask & col_mask[:, None, None]
+    offsets = jnp.broadcast_to(jnp.arange(page_size)[None, None, :], shape)
+    v = plgpu.load(v_ref.at[jnp.broadcast_to(rows, shape), offsets],
+                   mask=None if mask is None else jnp.broadcast_to(mask, shape),
+                   other=None if mask is None else 0.0)
+    return v.reshape(block_d, block_n)
 
   def body(j, carry, *, masked: bool):
     m, l, acc = carry
@@ -120,8 +150,18 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     kv_mask = triton_backend.and_masks(live, col_mask)
     other = None if kv_mask is None else 0.0
     k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=other)
+    key_scale = qk_scale
+    if quantized:
+      # Converted in registers (exact: int8 / e4m3 values are f32 / bf16 / f16 values); the
+      # keys' scales multiply the logits, the values' the probabilities (below), so
+      # dequantizing costs no [block_n, D] multiply.
+      k = k.astype(q.dtype)
+      scale_mask = live if masked else None
+      k_scales = plgpu.load(ks_ref.at[kv_rows], mask=scale_mask,
+                            other=None if scale_mask is None else 0.0)
+      key_scale = qk_scale * k_scales[None, :]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * qk_scale
+                        preferred_element_type=jnp.float32) * key_scale
     if masked:
       visible = key[None, :] <= pos[:, None]
       if sliding_window is not None:
@@ -134,9 +174,27 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
     alpha = triton_backend.exp2(m - m_safe, interpret)
     p = triton_backend.exp2(s - m_safe[:, None], interpret)
-    v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=other)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if quantized:
+      v = load_v_pages(j, masked).astype(q.dtype)  # [block_d, block_n]
+      # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t.
+      v_scales = plgpu.load(vs_ref.at[kv_rows], mask=scale_mask,
+                            other=None if scale_mask is None else 0.0)
+      v_max = None
+      if q.dtype == jnp.float16:
+        # Over the block's largest scale, so that the f16 weights stay in [0, 1]: tiny
+        # scales would make them f16 subnormals.
+        v_max = jnp.max(v_scales)
+        v_max = jnp.where(v_max > 0, v_max, 1.0)
+        v_scales = v_scales / v_max
+      pv = lax.dot_general((p * v_scales[None, :]).astype(v.dtype), v,
+                           (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+      if v_max is not None:
+        pv = pv * v_max
+    else:
+      v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=other)
+      pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
 
   carry = (jnp.full((block_m,), -jnp.inf, jnp.float32), jnp.zeros((block_m,), jnp.float32),
@@ -156,19 +214,27 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
 
 @functools.partial(jax.jit, static_argnames=[
     "scale", "sliding_window", "interpret", "block_q", "block_n", "num_warps", "num_stages"])
-def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, layer, *,
-                          scale: float, sliding_window: int | None, interpret: bool,
-                          block_q: int, block_n: int, num_warps: int, num_stages: int):
+def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, layer,
+                          k_scales, v_scales, *, scale: float, sliding_window: int | None,
+                          interpret: bool, block_q: int, block_n: int, num_warps: int,
+                          num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
-  num_pages, page_size, D]; layer: int32 scalar."""
+  num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
+  layer: int32 scalar; k_scales, v_scales: None, or float32 of k_pages' shape without D for
+  int8 / float8 pages."""
+  quantized = k_scales is not None
   if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
     k_pages, v_pages = k_pages[None], v_pages[None]
   batch, num_tokens, num_heads, head_dim = q.shape
   num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
-  # Token-major views of the pools (free reshapes); Pallas-Triton forms offsets in 64 bits,
-  # so pools past 4 GiB are fine.
+  # Token-major views of the pools (free reshapes; token-minor V: row = ((layer * Hkv +
+  # head) * pages + page) * D + d); Pallas-Triton forms offsets in 64 bits, so pools past
+  # 4 GiB are fine.
   rows = num_layers * num_kv_heads * num_pages * page_size
+  v_rows = (v_pages.reshape(rows // page_size * head_dim, page_size) if quantized
+            else v_pages.reshape(rows, head_dim))
+  scale_refs = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
   num_q_blocks = pl.cdiv(num_tokens, block_q)
   kernel = functools.partial(
       _prefill_kernel, scale=scale, sliding_window=sliding_window, num_tokens=num_tokens,
@@ -176,7 +242,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group,
       block_g=pl.next_power_of_2(group), block_q=block_q, block_n=block_n,
-      num_q_blocks=num_q_blocks, interpret=interpret)
+      num_q_blocks=num_q_blocks, quantized=quantized, interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=(num_q_blocks, num_kv_heads, batch),
@@ -186,7 +252,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
       interpret=interpret,
       name="paged_prefill_attention",
   )(q_start, q_lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32),
-    q, k_pages.reshape(rows, head_dim), v_pages.reshape(rows, head_dim))
+    q, k_pages.reshape(rows, head_dim), v_rows, *scale_refs)
 
 
 _paged_prefill_reference = jax.jit(reference.paged_prefill_attention,
@@ -196,6 +262,8 @@ _paged_prefill_reference = jax.jit(reference.paged_prefill_attention,
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             page_table: jax.Array, q_start: jax.Array, q_lengths: jax.Array,
                             *, layer: int | jax.Array | None = None,
+                            k_scales: jax.Array | None = None,
+                            v_scales: jax.Array | None = None,
                             scale: float | None = None, sliding_window: int | None = None,
                             interpret: bool | None = None, block_q: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
@@ -210,9 +278,13 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 
   Args:
     q: [B, T, H, D] float32 / bfloat16 / float16.
-    k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype, H % Hkv == 0. With
-      `layer`: a whole pool's [num_layers, Hkv, num_pages, page_size, D] (`KVPool.k_pages`),
-      of which layer `layer` is read in place (no copy of the layer).
+    k_pages, v_pages: [Hkv, num_pages, page_size, D], q's dtype, H % Hkv == 0; or int8 /
+      float8_e4m3fn with scales (a quantized pool, read narrow and dequantized in
+      registers), whose v_pages are token-minor [Hkv, num_pages, D, page_size], as
+      `paged_decode_attention` takes them (and like it, read as whole pages: float8 V must
+      hold no NaN in the slots of a row's pages past its last token). With `layer`: a
+      whole pool's [num_layers, Hkv, num_pages, page_size, D] (`KVPool.k_pages`,
+      `KVPool.v_pages`), of which layer `layer` is read in place (no copy of the layer).
     page_table: int32 [B, max_pages_per_seq], physical page ids in [0, num_pages) for the
       pages a row uses (its first q_start + q_lengths tokens); later entries are never read.
     q_start: int32 [B] >= 0, tokens cached before this chunk.
@@ -223,6 +295,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       reference clamp alike (`validation.clamp_prefill`; page ids into [0, num_pages)).
     layer: None, or the layer of 5-D pools to attend to: a Python int in [0, num_layers),
       or a traced int32 scalar (clamped into that range).
+    k_scales, v_scales: for int8 / float8_e4m3fn pages, their float32 scales of shape
+      k_pages.shape[:-1] (`KVPool.k_scales` / `v_scales`); None for float pages. float8
+      kernels need compute capability >= 8.9.
     scale: logits = scale * q.k; defaults to D ** -0.5.
     sliding_window: W > 0 limits the query at position p to keys [p - W + 1, p] (decode's
       convention: a sequence of length L = p + 1 sees [L - W, L)).
@@ -232,14 +307,15 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       powers of two) and empty q always take the XLA path.
     block_q, block_n, num_warps, num_stages: kernel tuning knobs (query tokens per program,
       keys per step, both powers of two; Triton warps, pipeline stages); None = defaults
-      (`default_config`).
+      (`default_config`). Quantized pages need block_n >= page_size.
 
   Returns:
     out [B, T, H, D] in q's dtype.
   """
   k_layer = validation.check_prefill_call(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
-      sliding_window=sliding_window, strict_kernel_shapes=False)
+      sliding_window=sliding_window, strict_kernel_shapes=False, k_scales=k_scales,
+      v_scales=v_scales)
   for name, knob in (("block_q", block_q), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
     if knob is not None and not (isinstance(knob, int) and knob > 0):
@@ -249,6 +325,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       raise ValueError(f"{name} must be a power of two, got {knob}")
   if block_n is not None and block_n < 16:
     raise ValueError(f"block_n must be >= 16 (a tensor-core dot's K), got {block_n}")
+  if block_n is not None and k_scales is not None and block_n < k_pages.shape[-2]:
+    raise ValueError(f"block_n must be >= page_size ({k_pages.shape[-2]}) for int8 / float8 "
+                     f"pages (a block reads whole pages of V), got {block_n}")
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_layer.shape
   group = num_heads // num_kv_heads
@@ -260,7 +339,10 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       interpret, supported=validation.kernel_supports(head_dim, page_size) and q.size > 0)
   if mode is None:
     return _paged_prefill_reference(q, k_pages, v_pages, page_table, q_start, q_lengths,
-                                    layer=layer, scale=scale, sliding_window=sliding_window)
+                                    layer=layer, k_scales=k_scales, v_scales=v_scales,
+                                    scale=scale, sliding_window=sliding_window)
+  if not mode:
+    kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
     layer = 0
   elif not isinstance(layer, (int, np.integer)):  # traced: keep the reads inside the pool
@@ -269,8 +351,11 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                                                    q_lengths)
   d_q, d_n, d_warps, d_stages = default_config(group, head_dim, num_tokens,
                                                 jnp.dtype(q.dtype).itemsize)
+  if k_scales is not None:  # its blocks are whole pages of V
+    d_n = max(d_n, page_size)
   return _paged_prefill_pallas(
-      q, k_pages, v_pages, page_table, q_start, q_lengths, layer, scale=scale,
+      q, k_pages, v_pages, page_table, q_start, q_lengths, layer, k_scales, v_scales,
+      scale=scale,
       sliding_window=sliding_window, interpret=mode, block_q=block_q or d_q,
       block_n=block_n or d_n, num_warps=num_warps or d_warps,
       num_stages=num_stages or d_stages)

@@ -164,7 +164,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   k_layer = validation.check_prefill_call(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       sliding_window=sliding_window, strict_kernel_shapes=False, k_scales=k_scales,
-      v_scales=v_scales, quantized_ok=True)
+      v_scales=v_scales)
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])

@@ -239,18 +239,13 @@ def clamp_lengths(lengths, capacity: int):
 
 def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
                        sliding_window, strict_kernel_shapes: bool, k_scales=None,
-                       v_scales=None, quantized_ok: bool = False):
+                       v_scales=None):
   """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
-  k_pages. q is [B, T, H, D]; the pools, page table, scale and window are checked as
-  `paged_decode_attention` checks them (`check_layer`, `check_decode_args` on one token's
-  q), q_start / q_lengths here and, where concrete, by `check_prefill_values`. Quantized
-  pages (with their scales) only with `quantized_ok` (the reference)."""
+  k_pages. q is [B, T, H, D]; the pools, scales, page table, scale and window are checked
+  as `paged_decode_attention` checks them (`check_layer`, `check_scales`,
+  `check_decode_args` on one token's q), q_start / q_lengths here and, where concrete, by
+  `check_prefill_values`."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
-  if not quantized_ok and kv_quant.is_quantized(getattr(k_pages, "dtype", jnp.float32)):
-    raise ValueError(f"k_pages dtype {k_pages.dtype}: the paged prefill kernel reads float "
-                     "pages (float32, bfloat16, float16), not a quantized pool's (its "
-                     "reference, jax_paged.reference.paged_prefill_attention, takes them with "
-                     "k_scales / v_scales)")
   check_scales(k_pages, v_pages, k_scales, v_scales)
   if len(_shape(q)) != 4:
     raise ValueError("q must have shape [batch, num_tokens, num_heads, head_dim], got shape "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Sequence
 
+import jax
 
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
@@ -130,6 +131,11 @@ class Engine:
     else:
       self.sizing = None
     self.num_pages = check_positive_int("num_pages", num_pages)
+    if jax.default_backend() == "gpu":  # the kernels' page arrays (a device's kv heads)
+      tp = 1 if mesh is None else tensor_parallel.mesh_size(mesh)
+      kv_quant.check_compiled(jax.ShapeDtypeStruct(
+          (spec.num_layers, spec.num_kv_heads // tp, num_pages, page_size, spec.head_dim),
+          cache_dtype), "num_pages gives")
     self.max_pages_per_seq = -(-spec.max_positions // page_size)
     self.kv = self.runner.create_pool(num_pages=num_pages, page_size=page_size,
                                       max_seqs=max_batch,
