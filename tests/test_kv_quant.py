@@ -235,37 +235,43 @@ def test_f16_dots_keep_any_bf16_range_interpret(cache_dtype, q_scale, v_scale):
 @pytest.mark.parametrize("cache_dtype,kv_heads", [(FP8, 4), (FP8, 2), (INT8, 4)])
 def test_decode_kernel_never_reads_scales_or_values_past_a_length_interpret(cache_dtype,
                                                                             kv_heads):
-  """Every scale at a slot no sequence uses is NaN, and so is every float8 K value there
-  (int8 has no NaN) and every float8 V value in a page no sequence uses; V slots past a
-  length in a used page (read with zero weight: they must be finite) hold the largest
-  value. The output is the reference's on the clean pool: the kernel uses none of them
-  (MHA and GQA, one split and three)."""
+  """With the pool poisoned past the lengths (`_poisoned_past_lengths`) the output is the
+  reference's on the clean pool: the kernel uses none of it (MHA and GQA, one split and
+  three)."""
   page_size, max_pages = 8, 4
   q, kq, vq, ks, vs, table, lengths = _quantized_inputs(
       4, 4, kv_heads, 64, page_size, max_pages, jnp.float32, cache_dtype, [0, 1, 9, 30])
+  poisoned = _poisoned_past_lengths(kq, vq, ks, vs, table, lengths)
+  for splits in (1, 3):
+    out = jax_paged.paged_decode_attention(q, poisoned[0], poisoned[1], table, lengths,
+                                           k_scales=poisoned[2], v_scales=poisoned[3],
+                                           interpret=True, block_n=16, num_splits=splits)
+    want = reference.paged_decode_attention(q, kq, vq, table, lengths, k_scales=ks,
+                                            v_scales=vs)
+    chex.assert_trees_all_close(out, want, **_F32_TOL)
+
+
+def _poisoned_past_lengths(kq, vq, ks, vs, table, lengths):
+  """The pages and scales (one layer) with NaN at every scale of a slot no sequence of
+  `lengths` uses, at every float8 K value there (int8 has no NaN) and every float8 V value
+  in a page no sequence uses, and the largest value in V slots past a length in a used
+  page (read with zero weight: they must be finite)."""
+  page_size = ks.shape[-1]
   live = np.zeros(ks.shape[1:], bool)  # [num_pages, page_size]
   t, n = np.asarray(table), np.asarray(lengths)
-  for b in range(4):
+  for b in range(len(n)):
     for pos in range(n[b]):
       live[t[b, pos // page_size], pos % page_size] = True
   dead = ~live
   unused_page = dead & ~live.any(-1, keepdims=True)
-  qmax = kv_quant.QMAX[jnp.dtype(cache_dtype)]
-  poison = jnp.nan if cache_dtype == FP8 else qmax
+  qmax = kv_quant.QMAX[jnp.dtype(kq.dtype)]
+  poison = jnp.nan if kq.dtype == FP8 else qmax
   k_poisoned = jnp.where(dead[None, ..., None], poison, kq.astype(jnp.float32))
   v_poisoned = jnp.where(  # token-major [Hkv, pages, page_size, D] here
       unused_page[None, ..., None], poison,
       jnp.where(dead[None, ..., None], qmax, kv_quant.transpose_pages(vq).astype(jnp.float32)))
-  poisoned = (q, k_poisoned.astype(cache_dtype),
-              kv_quant.transpose_pages(v_poisoned).astype(cache_dtype),
-              jnp.where(dead[None], jnp.nan, ks), jnp.where(dead[None], jnp.nan, vs))
-  for splits in (1, 3):
-    out = jax_paged.paged_decode_attention(*poisoned[:3], table, lengths, k_scales=poisoned[3],
-                                           v_scales=poisoned[4], interpret=True, block_n=16,
-                                           num_splits=splits)
-    want = reference.paged_decode_attention(q, kq, vq, table, lengths, k_scales=ks,
-                                            v_scales=vs)
-    chex.assert_trees_all_close(out, want, **_F32_TOL)
+  return (k_poisoned.astype(kq.dtype), kv_quant.transpose_pages(v_poisoned).astype(kq.dtype),
+          jnp.where(dead[None], jnp.nan, ks), jnp.where(dead[None], jnp.nan, vs))
 
 
 def test_quantized_kernels_lower_for_cuda():
@@ -416,32 +422,17 @@ def test_prefill_kernel_reads_a_layer_of_the_pool_interpret():
 @pytest.mark.parametrize("cache_dtype,kv_heads", [(FP8, 2), (INT8, 4)])
 def test_prefill_kernel_never_reads_scales_or_values_past_a_length_interpret(cache_dtype,
                                                                              kv_heads):
-  """As the decode kernel's test: NaN scales at every slot no row uses, NaN float8 K there
-  and V in pages no row uses, the largest value in V slots past a row's last token in a
-  used page; the output is the reference's on the clean pool."""
-  page_size = 8
+  """As the decode kernel's: the pool poisoned past each row's last token, the output the
+  reference's on the clean pool."""
   q, kq, vq, ks, vs, table, q_start, q_lengths = _quantized_prefill_inputs(
-      4, kv_heads, 64, page_size, jnp.float32, cache_dtype, [0, 9, 3, 20], [6, 9, 0, 3],
+      4, kv_heads, 64, 8, jnp.float32, cache_dtype, [0, 9, 3, 20], [6, 9, 0, 3],
       num_tokens=9)
-  lengths = np.asarray(q_start + q_lengths)
-  live = np.zeros(ks.shape[1:], bool)  # [num_pages, page_size]
-  t = np.asarray(table)
-  for b in range(4):
-    for pos in range(lengths[b]):
-      live[t[b, pos // page_size], pos % page_size] = True
-  dead = ~live
-  unused_page = dead & ~live.any(-1, keepdims=True)
-  qmax = kv_quant.QMAX[jnp.dtype(cache_dtype)]
-  poison = jnp.nan if cache_dtype == FP8 else qmax
-  k_poisoned = jnp.where(dead[None, ..., None], poison, kq.astype(jnp.float32))
-  v_poisoned = jnp.where(  # token-major [Hkv, pages, page_size, D] here
-      unused_page[None, ..., None], poison,
-      jnp.where(dead[None, ..., None], qmax, kv_quant.transpose_pages(vq).astype(jnp.float32)))
-  out = jax_paged.paged_prefill_attention(
-      q, k_poisoned.astype(cache_dtype),
-      kv_quant.transpose_pages(v_poisoned).astype(cache_dtype), table, q_start, q_lengths,
-      k_scales=jnp.where(dead[None], jnp.nan, ks), v_scales=jnp.where(dead[None], jnp.nan, vs),
-      interpret=True, block_q=16, block_n=16)
+  k_poisoned, v_poisoned, ks_poisoned, vs_poisoned = _poisoned_past_lengths(
+      kq, vq, ks, vs, table, q_start + q_lengths)
+  out = jax_paged.paged_prefill_attention(q, k_poisoned, v_poisoned, table, q_start,
+                                          q_lengths, k_scales=ks_poisoned,
+                                          v_scales=vs_poisoned, interpret=True, block_q=16,
+                                          block_n=16)
   want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, k_scales=ks,
                                            v_scales=vs)
   chex.assert_trees_all_close(out, want, **_F32_TOL)
