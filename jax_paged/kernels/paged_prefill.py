@@ -16,6 +16,11 @@ from the page table (`page_table[b, key // page_size]`, as the decode kernel doe
 keeping an f32 online softmax. Blocks every query of the tile sees whole run unmasked;
 only the diagonal blocks (and, with a sliding window, its lower edge) are masked, and the
 keys no query of the tile sees are never loaded.
+
+A quantized pool (int8 / float8_e4m3fn pages with per-token scales, V token-minor) is read
+as the decode kernel reads it: each tile converted in registers to q's dtype (exact), K's
+scales multiplying the logits and V's the probabilities, V read as whole pages. Compute
+bound, the conversion costs: 1.1-1.5x the bf16 kernel's time (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
