@@ -438,19 +438,24 @@ def test_prefill_kernel_never_reads_scales_or_values_past_a_length_interpret(cac
   chex.assert_trees_all_close(out, want, **_F32_TOL)
 
 
-def test_prefill_kernel_f16_weights_keep_tiny_v_scales_interpret():
-  """An f16 q: V scales whose products with the probabilities would be f16 subnormals
-  still give the reference's output (relative to its size), never inf or NaN."""
+@pytest.mark.parametrize("q_dtype,q_scale,v_scale", [(jnp.bfloat16, 3e5, 1.0),
+                                                     (jnp.float16, 1.0, 1e-3)])
+def test_prefill_kernel_keeps_extreme_ranges_interpret(q_dtype, q_scale, v_scale):
+  """float8 pages: a bf16 q past f16's range, and with an f16 q (f16 weights) V scales
+  whose products with the probabilities would be f16 subnormals without the per-block
+  normalization, still give the reference's output (relative to its size), never inf or
+  NaN."""
   q, kq, vq, ks, vs, table, q_start, q_lengths = _quantized_prefill_inputs(
-      4, 2, 64, 8, jnp.float16, FP8, [0, 19], [16, 5], num_tokens=16)
-  vs = vs * 1e-6
+      4, 2, 64, 8, q_dtype, FP8, [0, 19], [16, 5], num_tokens=16)
+  q = jnp.nan_to_num(q.astype(jnp.float32) * q_scale).astype(q_dtype)
+  ks, vs = ks / q_scale, vs * v_scale
   out = jax_paged.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, k_scales=ks,
                                           v_scales=vs, interpret=True, block_q=8, block_n=16)
   want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, k_scales=ks,
                                            v_scales=vs)
   out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
   assert np.isfinite(out).all()
-  np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+  np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
 def test_prefill_bad_quantized_inputs_raise():

@@ -104,6 +104,29 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   return y.astype(dtype), absmax / qmax
 
 
+def f16_rows(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Inside a kernel, for dots in f16 (narrow pages convert to f16 cheaply: float8 by one
+  convert per two values): q [M, D] bf16 as f16 exactly, each row divided by the power of
+  two at or below its largest magnitude (its exponent bits; f16 has 3 more mantissa bits
+  than bf16, so any bf16 row fits), and those powers f32 [M] (1 for an all-zero row), by
+  which the row's logits are multiplied back."""
+  q32 = q.astype(jnp.float32)
+  exponent = jax.lax.bitcast_convert_type(jnp.max(jnp.abs(q32), axis=1),
+                                          jnp.int32) & 0x7F800000
+  row_pow2 = jax.lax.bitcast_convert_type(exponent, jnp.float32)
+  row_pow2 = jnp.where(row_pow2 > 0, row_pow2, 1.0)
+  return (q32 / row_pow2[:, None]).astype(jnp.float16), row_pow2
+
+
+def f16_weight_scales(v_scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Inside a kernel, for f16 probability weights (p * V scale) of a block: its V scales
+  f32 [N] over their largest (so the weights stay in [0, 1]; tiny scales would make them
+  f16 subnormals), and that largest (1 if all are 0), by which p.v is multiplied back."""
+  v_max = jnp.max(v_scales)
+  v_max = jnp.where(v_max > 0, v_max, 1.0)
+  return v_scales / v_max, v_max
+
+
 def dequantize(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
   """q [..., D] narrow values and their float32 scales [...] -> q * scales in `dtype`
   (computed in f32)."""

@@ -190,14 +190,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     return x.astype(q.dtype)
 
   if f16_dots:
-    # Each q row is divided by the power of two at or below its largest magnitude (its
-    # exponent bits), so that a bf16 q of any range fits f16 exactly (f16 has 3 more
-    # mantissa bits); the logits multiply it back.
-    q32 = q.astype(jnp.float32)
-    exponent = lax.bitcast_convert_type(jnp.max(jnp.abs(q32), axis=1), jnp.int32) & 0x7F800000
-    row_pow2 = lax.bitcast_convert_type(exponent, jnp.float32)
-    row_pow2 = jnp.where(row_pow2 > 0, row_pow2, 1.0)
-    q = (q32 / row_pow2[:, None]).astype(jnp.float16)
+    q, row_pow2 = kv_quant.f16_rows(q)
     row_scale = (row_scale * row_pow2)[:, None]
   pages_per_block = block_n // page_size
 
@@ -262,11 +255,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
       v_scales = plgpu.load(vs_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
       if f16_dots:
-        # Over the block's largest scale, so that the weights stay in [0, 1]: tiny scales
-        # would make them f16 subnormals.
-        v_max = jnp.max(v_scales)
-        v_max = jnp.where(v_max > 0, v_max, 1.0)
-        v_scales = v_scales / v_max
+        v_scales, v_max = kv_quant.f16_weight_scales(v_scales)
       weights = p * v_scales[None, :]
       contract = (((1,), (1,)), ((), ()))
     else:

@@ -121,6 +121,9 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   full_hi = jnp.clip((first_pos + 1) // block_n, full_lo, end)
 
   qk_scale = scale * triton_backend.LOG2_E  # exp2 below: the softmax runs in base 2
+  # Quantized pages convert to q's dtype: float8 with a bf16 q does not dot in f16 as in
+  # the decode kernel (per-row scales on the logits spilled: 2.1-2.5x the bf16 kernel's
+  # time at 32/8 heads of 128, LOG.md).
   pages_per_block = block_n // page_size
 
   def load_v_pages(j, masked: bool):
@@ -186,11 +189,7 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
                             other=None if scale_mask is None else 0.0)
       v_max = None
       if q.dtype == jnp.float16:
-        # Over the block's largest scale, so that the f16 weights stay in [0, 1]: tiny
-        # scales would make them f16 subnormals.
-        v_max = jnp.max(v_scales)
-        v_max = jnp.where(v_max > 0, v_max, 1.0)
-        v_scales = v_scales / v_max
+        v_scales, v_max = kv_quant.f16_weight_scales(v_scales)
       pv = lax.dot_general((p * v_scales[None, :]).astype(v.dtype), v,
                            (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
