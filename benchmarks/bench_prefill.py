@@ -2,7 +2,7 @@
 
 Usage (device machine): PYTHONPATH=. python benchmarks/bench_prefill.py [--sweep]
     [--shapes a,b] [--sweep-seconds S]
-    [--cache-dtypes int8,float8_e4m3fn]
+    [--cache-dtypes int8,float8_e4m3fn] [--sweep-dtypes bfloat16,int8]
 Prints a markdown table and writes prefill.json to $OUT (or the current directory).
 
 Each shape is B rows of T new query tokens after `prefix` cached tokens, all K/V in random
@@ -112,6 +112,8 @@ def main():
                       help="stop the sweep after this long")
   parser.add_argument("--cache-dtypes", default="int8,float8_e4m3fn",
                       help="quantized pages to time beside bf16's ('' for none)")
+  parser.add_argument("--sweep-dtypes", default="bfloat16",
+                      help="the pages' dtypes the sweep times (bfloat16, int8, float8_e4m3fn)")
   opts = parser.parse_args()
   cache_dtypes = [jnp.dtype(x) for x in opts.cache_dtypes.split(",") if x]
   print(f"# paged prefill attention: {common.header()}", flush=True)
@@ -196,27 +198,32 @@ def main():
     deadline = time.monotonic() + opts.sweep_seconds
     log["sweep"] = {}
     print("\n## sweep (µs of GPU kernel time per call)", flush=True)
-    for name in opts.shapes.split(","):
+    for name, dtype in itertools.product(opts.shapes.split(","),
+                                         map(jnp.dtype, opts.sweep_dtypes.split(","))):
       b, t, prefix, h, hkv, d, page_size = SHAPES[name]
       args, _ = make_inputs(b, t, prefix, h, hkv, d, page_size)
+      scales = {}
+      if dtype != jnp.bfloat16:
+        *args, scales = quantized_inputs(args, dtype)
       flops = causal_flops(b, t, prefix, h, d)
       results = []
       for cfg in sweep_configs(h // hkv):
         if time.monotonic() > deadline:
           print("sweep: out of time", flush=True)
           break
-        fn = jax.jit(functools.partial(jax_paged.paged_prefill_attention, **cfg))
+        fn = jax.jit(functools.partial(jax_paged.paged_prefill_attention, **cfg, **scales))
         try:
           us = common.kernel_seconds(fn, *args, calls=10) * 1e6
         except Exception as e:  # pylint: disable=broad-except
-          print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+          print(f"{name} {dtype.name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
           continue
         results.append((us, cfg))
-        print(f"{name} {cfg}: {us:.1f} us {tf(flops, us):.0f} TFLOP/s", flush=True)
-      log["sweep"][name] = [dict(us=us, **cfg) for us, cfg in results]
+        print(f"{name} {dtype.name} {cfg}: {us:.1f} us {tf(flops, us):.0f} TFLOP/s", flush=True)
+      log["sweep"][f"{name} {dtype.name}"] = [dict(us=us, **cfg) for us, cfg in results]
       if results:
         us, cfg = min(results, key=lambda r: r[0])
-        print(f"{name} best: {cfg} {us:.1f} us {tf(flops, us):.0f} TFLOP/s", flush=True)
+        print(f"{name} {dtype.name} best: {cfg} {us:.1f} us {tf(flops, us):.0f} TFLOP/s",
+              flush=True)
   with open(os.path.join(common.out_dir(), "prefill.json"), "w") as f:
     json.dump(log, f, indent=1, default=str)
 
