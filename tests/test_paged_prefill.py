@@ -278,6 +278,10 @@ def test_default_config():
   assert pp.default_config(1, 128, 20, 2) == (32, 64, 4, 2)  # a short chunk: fewer rows
   assert pp.default_config(4, 128, 1, 2)[0] == 4  # a dot needs 16 rows
   assert pp.default_config(1, 256, 512, 4) == (64, 32, 8, 2)
+  # Quantized pages: blocks of whole pages, over fewer query rows when a page is wider.
+  assert pp.default_config(1, 64, 64, 2, min_block_n=16) == (64, 64, 4, 2)
+  assert pp.default_config(1, 256, 512, 2, min_block_n=128) == (16, 128, 8, 2)
+  assert pp.default_config(4, 64, 256, 2, min_block_n=128) == (8, 128, 4, 2)
 
 
 _GPU_GRID = [

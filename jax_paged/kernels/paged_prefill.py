@@ -40,10 +40,12 @@ from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
 
 
-def default_config(group: int, head_dim: int, num_tokens: int,
-                   itemsize: int) -> tuple[int, int, int, int]:
+def default_config(group: int, head_dim: int, num_tokens: int, itemsize: int, *,
+                   min_block_n: int = 1) -> tuple[int, int, int, int]:
   """(block_q, block_n, num_warps, num_stages) for `group` q heads per kv head, head dim
-  `head_dim`, `num_tokens` (T) query tokens per row and K/V of `itemsize` bytes."""
+  `head_dim`, `num_tokens` (T) query tokens per row and K/V tiles of `itemsize` bytes (q's
+  dtype: quantized tiles are converted to it), with blocks of at least `min_block_n` keys
+  (quantized pages: a page, as a block reads whole pages of V)."""
   block_g = pl.next_power_of_2(group)
   # Measured on an H200, bf16, GPU kernel time (benchmarks/bench_prefill.py --sweep):
   # rows (tokens x padded group) per tile: 64 at GPT-2's D = 64 (16 rows x 256 tokens after
@@ -58,6 +60,12 @@ def default_config(group: int, head_dim: int, num_tokens: int,
   # prefix: 32 keys x 16 tokens, 53 vs 64 µs), 4 warps (8 were never measurably faster and
   # up to 1.8x slower), 2 stages (3: within 1 µs at D = 64, 7-27% slower at D = 128).
   block_n = 64 if head_dim * itemsize <= 256 else 32
+  if min_block_n > block_n:
+    # Wider blocks over fewer query rows, so that the tiles keep their size in registers
+    # (128-token pages at D = 256, bf16: 300 bytes spilled per thread, none so; SASS for
+    # sm_90a on CPU).
+    block_q = max(block_q * block_n // min_block_n, 16 // min(block_g, 16))
+    block_n = min_block_n
   num_warps = 4 if head_dim <= 128 else 8
   return block_q, block_n, num_warps, 2
 
@@ -353,10 +361,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     layer = jnp.clip(layer, 0, k_pages.shape[0] - 1)
   page_table = validation.clamp_unchecked_page_ids(page_table, k_layer.shape[1], q_start,
                                                    q_lengths)
-  d_q, d_n, d_warps, d_stages = default_config(group, head_dim, num_tokens,
-                                                jnp.dtype(q.dtype).itemsize)
-  if k_scales is not None:  # its blocks are whole pages of V
-    d_n = max(d_n, page_size)
+  d_q, d_n, d_warps, d_stages = default_config(
+      group, head_dim, num_tokens, jnp.dtype(q.dtype).itemsize,
+      min_block_n=1 if k_scales is None else page_size)
   return _paged_prefill_pallas(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer, k_scales, v_scales,
       scale=scale,
