@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 INT8 = jnp.dtype(jnp.int8)
@@ -125,6 +126,35 @@ def f16_weight_scales(v_scales: jax.Array) -> tuple[jax.Array, jax.Array]:
   v_max = jnp.max(v_scales)
   v_max = jnp.where(v_max > 0, v_max, 1.0)
   return v_scales / v_max, v_max
+
+
+def load_v_block(v_ref, page_table_ref, b, first_page, end, *, head_page, head_dim: int,
+                 page_size: int, pages_per_block: int, cols, col_mask,
+                 eviction_policy: str | None = None) -> jax.Array:
+  """Inside a kernel: a block of V [block_d, pages_per_block * page_size] (tokens
+  contiguous) read as whole pages of a token-minor pool, v_ref [L * Hkv * num_pages * D,
+  page_size] (row (head_page + page id) * D + d): pages first_page.. of sequence b's
+  page table row, those starting at or past token `end` masked (None: all are used),
+  `cols` [block_d] the head dims (`col_mask` None or cols < D).
+
+  The masks are whole pages (constant along the tokens), so the loads stay 16-byte
+  vectors; the slots of a used page that the caller does not attend to are read and must
+  get zero weight (their scales load as 0), so they must be finite: `quantize` never
+  stores a NaN."""
+  page = first_page + jnp.arange(pages_per_block)
+  used = None if end is None else page * page_size < end
+  ids = plgpu.load(page_table_ref.at[b, page], mask=used, other=None if used is None else 0)
+  block_d = cols.shape[0]
+  shape = (block_d, pages_per_block, page_size)
+  rows = ((head_page + ids) * head_dim)[None, :, None] + cols[:, None, None]
+  mask = None if used is None else used[None, :, None]
+  if col_mask is not None:
+    mask = col_mask[:, None, None] if mask is None else mask & col_mask[:, None, None]
+  offsets = jnp.broadcast_to(jnp.arange(page_size)[None, None, :], shape)
+  v = plgpu.load(v_ref.at[jnp.broadcast_to(rows, shape), offsets],
+                 mask=None if mask is None else jnp.broadcast_to(mask, shape),
+                 other=None if mask is None else 0.0, eviction_policy=eviction_policy)
+  return v.reshape(block_d, pages_per_block * page_size)
 
 
 def dequantize(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -194,27 +194,6 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     row_scale = (row_scale * row_pow2)[:, None]
   pages_per_block = block_n // page_size
 
-  def load_v_pages(i):
-    """A quantized block's V, [block_d, block_n] (tokens contiguous), read as whole pages
-    of the token-minor pool."""
-    page = (lo + i * block_n) // page_size + jnp.arange(pages_per_block)
-    used = page * page_size < hi
-    ids = plgpu.load(page_table_ref.at[b, page], mask=used, other=0)
-    # [block_d, pages, page_size]: a page's D rows of page_size contiguous tokens. Masks
-    # are whole pages (constant along the tokens), so the loads stay 16-byte vectors; the
-    # slots of a page outside [start, hi) are read and get zero weight (their scales load
-    # as 0), so they must be finite: see `paged_decode_attention`.
-    shape = (block_d, pages_per_block, page_size)
-    rows = ((head_page + ids) * head_dim)[None, :, None] + cols[:, None, None]
-    mask = used[None, :, None]
-    if col_mask is not None:
-      mask = mask & col_mask[:, None, None]
-    offsets = jnp.broadcast_to(jnp.arange(page_size)[None, None, :], shape)
-    v = plgpu.load(v_ref.at[jnp.broadcast_to(rows, shape), offsets],
-                   mask=jnp.broadcast_to(mask, shape), other=0.0,
-                   eviction_policy="evict_first")
-    return v.reshape(block_d, block_n)
-
   def body(i, carry):
     m, l, acc = carry
     tok = lo + i * block_n + jnp.arange(block_n)
@@ -250,7 +229,10 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     p = triton_backend.exp2(logits - m_new[:, None], interpret)
     weights, v_max = p, None
     if quantized:
-      v = to_dot_dtype(load_v_pages(i))  # [block_d, block_n]
+      v = to_dot_dtype(kv_quant.load_v_block(  # [block_d, block_n]
+          v_ref, page_table_ref, b, (lo + i * block_n) // page_size, hi, head_page=head_page,
+          head_dim=head_dim, page_size=page_size, pages_per_block=pages_per_block,
+          cols=cols, col_mask=col_mask, eviction_policy="evict_first"))
       # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the V scales go into the probabilities.
       v_scales = plgpu.load(vs_ref.at[rows], mask=live, other=0.0,
                             eviction_policy="evict_first")
@@ -436,9 +418,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       raise ValueError(f"{name} must be a positive int or None, got {knob!r}")
   if block_n is not None and block_n & (block_n - 1):
     raise ValueError(f"block_n must be a power of two, got {block_n}")
-  if block_n is not None and k_scales is not None and block_n < k_pages.shape[-2]:
-    raise ValueError(f"block_n must be >= page_size ({k_pages.shape[-2]}) for int8 / float8 "
-                     f"pages (a block reads whole pages of V), got {block_n}")
+  validation.check_quantized_block_n(block_n, k_pages, k_scales)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
   mode = triton_backend.kernel_mode(interpret)

@@ -134,26 +134,6 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   # time at 32/8 heads of 128, LOG.md).
   pages_per_block = block_n // page_size
 
-  def load_v_pages(j, masked: bool):
-    """A quantized block's V, [block_d, block_n] (keys contiguous), read as whole pages of
-    the token-minor pool (as the decode kernel reads them): the slots of a page past
-    last_pos are read and get zero weight (their scales load as 0), so they must be
-    finite, which `kv_quant.quantize` ensures."""
-    page = j * pages_per_block + jnp.arange(pages_per_block)
-    used = page * page_size <= last_pos if masked else None
-    ids = plgpu.load(page_table_ref.at[b, page], mask=used,
-                     other=None if used is None else 0)
-    shape = (block_d, pages_per_block, page_size)
-    rows = ((head_page + ids) * head_dim)[None, :, None] + cols[:, None, None]
-    mask = None if used is None else used[None, :, None]
-    if col_mask is not None:
-      mask = col_mask[:, None, None] if mask is None else mask & col_mask[:, None, None]
-    offsets = jnp.broadcast_to(jnp.arange(page_size)[None, None, :], shape)
-    v = plgpu.load(v_ref.at[jnp.broadcast_to(rows, shape), offsets],
-                   mask=None if mask is None else jnp.broadcast_to(mask, shape),
-                   other=None if mask is None else 0.0)
-    return v.reshape(block_d, block_n)
-
   def body(j, carry, *, masked: bool):
     m, l, acc = carry
     key = j * block_n + jnp.arange(block_n)
@@ -191,7 +171,11 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     alpha = triton_backend.exp2(m - m_safe, interpret)
     p = triton_backend.exp2(s - m_safe[:, None], interpret)
     if quantized:
-      v = load_v_pages(j, masked).astype(q.dtype)  # [block_d, block_n]
+      # Whole pages, as the decode kernel reads them; slots past last_pos get weight 0.
+      v = kv_quant.load_v_block(  # [block_d, block_n]
+          v_ref, page_table_ref, b, j * pages_per_block, last_pos + 1 if masked else None,
+          head_page=head_page, head_dim=head_dim, page_size=page_size,
+          pages_per_block=pages_per_block, cols=cols, col_mask=col_mask).astype(q.dtype)
       # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t.
       v_scales = plgpu.load(vs_ref.at[kv_rows], mask=scale_mask,
                             other=None if scale_mask is None else 0.0)
@@ -337,9 +321,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       raise ValueError(f"{name} must be a power of two, got {knob}")
   if block_n is not None and block_n < 16:
     raise ValueError(f"block_n must be >= 16 (a tensor-core dot's K), got {block_n}")
-  if block_n is not None and k_scales is not None and block_n < k_pages.shape[-2]:
-    raise ValueError(f"block_n must be >= page_size ({k_pages.shape[-2]}) for int8 / float8 "
-                     f"pages (a block reads whole pages of V), got {block_n}")
+  validation.check_quantized_block_n(block_n, k_pages, k_scales)
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_layer.shape
   group = num_heads // num_kv_heads

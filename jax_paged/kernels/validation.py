@@ -71,6 +71,14 @@ def check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
       raise ValueError(f"{name} dtype must be float32, got {scales.dtype}")
 
 
+def check_quantized_block_n(block_n: int | None, k_pages, k_scales) -> None:
+  """Raises ValueError for a kernel's `block_n` knob below the page size of quantized
+  pages (with scales): a block reads whole pages of their token-minor V."""
+  if block_n is not None and k_scales is not None and block_n < k_pages.shape[-2]:
+    raise ValueError(f"block_n must be >= page_size ({k_pages.shape[-2]}) for int8 / float8 "
+                     f"pages (a block reads whole pages of V), got {block_n}")
+
+
 def kernel_page_size_ok(page_size: int) -> bool:
   """Whether the kernels take this page size (a power of two in [8, 128])."""
   return MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
