@@ -107,18 +107,19 @@ class Engine:
         "cache_dtype", spec.dtype if cache_dtype is None else cache_dtype)
     kv_quant.check_fp8_device(cache_dtype, "cache_dtype")
     self.cache_dtype = cache_dtype
+    # Each device of a mesh holds 1 / N of the kv heads (checked by the runner) and the
+    # same pages.
+    local_kv_heads = spec.num_kv_heads // (1 if mesh is None else tensor_parallel.mesh_size(mesh))
     if num_pages is None:
       if isinstance(memory_fraction, bool) or not (
           isinstance(memory_fraction, (int, float)) and 0.0 < memory_fraction <= 1.0):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
       try:
-        # Each device of a mesh holds 1 / N of the kv heads (checked by the runner) and the
-        # same pages: the device with the least free memory sizes the pool (the first
-        # also holds the caller's whole model if it was built there).
-        tp = 1 if mesh is None else tensor_parallel.mesh_size(mesh)
+        # The device with the least free memory sizes the pool (the first also holds the
+        # caller's whole model if it was built there).
         devices = [None] if mesh is None else list(mesh.devices.flat)
         self.sizing = min((pool_lib.size_pool(num_layers=spec.num_layers,
-                                              num_kv_heads=spec.num_kv_heads // tp,
+                                              num_kv_heads=local_kv_heads,
                                               head_dim=spec.head_dim, page_size=page_size,
                                               dtype=cache_dtype, utilization=memory_fraction,
                                               device=device)
@@ -132,9 +133,8 @@ class Engine:
       self.sizing = None
     self.num_pages = check_positive_int("num_pages", num_pages)
     if jax.default_backend() == "gpu":  # the kernels' page arrays (a device's kv heads)
-      tp = 1 if mesh is None else tensor_parallel.mesh_size(mesh)
       kv_quant.check_compiled(jax.ShapeDtypeStruct(
-          (spec.num_layers, spec.num_kv_heads // tp, num_pages, page_size, spec.head_dim),
+          (spec.num_layers, local_kv_heads, num_pages, page_size, spec.head_dim),
           cache_dtype), "num_pages gives")
     self.max_pages_per_seq = -(-spec.max_positions // page_size)
     self.kv = self.runner.create_pool(num_pages=num_pages, page_size=page_size,
