@@ -1,6 +1,7 @@
 """End-to-end generation throughput: the paged engine vs a contiguous cache vs Hugging Face.
 
-GPT-2 124M with random weights, bf16, greedy, EOS ignored. Two workloads:
+GPT-2 124M with random weights, bf16, greedy (unless `--sampling` says otherwise), EOS
+ignored. Two workloads:
 
 * mixed: 256 requests, prompt lengths uniform in 32..512, 256 new tokens each. The engine
   and a classic contiguous max-length KV cache in JAX (static batches, every sequence
@@ -10,7 +11,8 @@ GPT-2 124M with random weights, bf16, greedy, EOS ignored. Two workloads:
   scales included, holds 1.88x the pages at GPT-2's head dim 64).
 * fixed: batch 128, prompt 256, 256 new tokens: the engine vs Hugging Face transformers'
   `generate` with `cache_implementation="static"` (torch.compile'd; warmed up on the same
-  shapes) and with the default dynamic cache.
+  shapes) and with the default dynamic cache. `--sampling temperature top-p top-k` adds
+  the engine and Hugging Face's static cache drawing with those settings (`SAMPLINGS`).
 
 Each figure is the median of three timed runs after an identical untimed one, so
 compilation is excluded.
@@ -124,26 +126,36 @@ def _contiguous_run(graphdef, params, tokens, lengths, *, new: int, max_len: int
 
 
 # ----------------------------------------------------------------- Hugging Face
-def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool):
+# The fixed workload's sampling settings (`--sampling`), as `Request` takes them.
+SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
+             "top-p": dict(temperature=0.8, top_p=0.95),
+             "top-k": dict(temperature=0.8, top_k=50)}
+
+
+def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool,
+                **sampling):
   import torch
   import transformers
   hf_config = transformers.GPT2Config(
       vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
       n_layer=config.n_layer, n_head=config.n_head)
   model = transformers.GPT2LMHeadModel(hf_config).to("cuda", torch.bfloat16).eval()
-  return hf_tokens_per_s(model, config.vocab_size, batch, prompt, new, static)
+  return hf_tokens_per_s(model, config.vocab_size, batch, prompt, new, static, **sampling)
 
 
 def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
-                    static: bool) -> float:
-  """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` greedy tokens
-  after random prompts of `batch` x `prompt` tokens: `generate` with a static cache (which
-  transformers compiles with torch.compile) or the dynamic one, timed on the second of two
-  identical calls."""
+                    static: bool, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0) -> float:
+  """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` tokens (greedy,
+  or sampled with `Request`'s settings) after random prompts of `batch` x `prompt` tokens:
+  `generate` with a static cache (which transformers compiles with torch.compile) or the
+  dynamic one, the median of three timed calls after an identical one."""
   import torch
   ids = torch.randint(0, vocab_size, (batch, prompt), device="cuda")
-  kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                pad_token_id=0, attention_mask=torch.ones_like(ids))
+  kwargs = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                attention_mask=torch.ones_like(ids), do_sample=temperature > 0)
+  if temperature > 0:  # (top_k 0: Hugging Face's default of 50 off)
+    kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
   if static:
     # transformers compiles the forward with torch.compile itself for a static cache.
     kwargs.update(cache_implementation="static")
@@ -200,6 +212,9 @@ def main():
                  help="engine decode steps per device call, each timed on the fixed workload "
                       "(the best is compared with Hugging Face) and with peak admission on "
                       "the mixed one")
+  p.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLINGS),
+                 help="the fixed workload's sampling settings, each timed for the engine (at "
+                      "the best steps per call) and Hugging Face's static cache")
   p.add_argument("--contiguous-batch", type=int, default=64,
                  help="the contiguous baseline's batch; fixes the shared KV memory")
   args = p.parse_args()
@@ -227,7 +242,8 @@ def main():
   kv_bytes = num_pages * page_bytes(dtype)  # the contiguous cache's, in the compute dtype
   pages_of = {jnp.dtype(name): kv_bytes // page_bytes(name) for name in args.cache_dtypes}
   lines = [f"# bench_generate: {common.header()}", "",
-           f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, greedy."]
+           f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, greedy "
+           "(but the rows that name sampling settings)."]
   if not args.skip_mixed:
     lines += [f"Mixed: {n_req} requests, prompts {lo}..{hi}, {new} new; KV memory {kv_slots} "
               f"token slots ({kv_bytes / 2**20:.0f} MiB) for both paged ({num_pages} pages of "
@@ -308,22 +324,38 @@ def main():
   fixed_prompts = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(b)]
   emit_all(["", f"Fixed: batch {b}, prompt {prompt_len}, {new_f} new tokens.", "",
             "| system | new tokens/s | ours / it |", "|---|---|---|"])
-  ours = 0.0
-  for steps_per_call in args.steps_per_call:
+
+  def engine_tps(steps_per_call: int, **sampling) -> float:
     eng = Engine(model, max_batch=b, num_pages=b * -(-(prompt_len + new_f) // page_size),
                  page_size=page_size, steps_per_call=steps_per_call)
-    _, sec = timed(lambda: eng.generate([Request(p, new_f) for p in fixed_prompts]),
-                   before=eng.reset_prefix_cache)
-    emit(f"| paged engine, {steps_per_call} steps per call | {b * new_f / sec:,.0f} | |")
-    ours = max(ours, b * new_f / sec)
-  if not args.skip_hf:
-    for name, static in (("HF transformers, static cache + torch.compile", True),
-                         ("HF transformers, dynamic cache", False)):
+    requests = [Request(p, new_f, seed=i, **sampling) for i, p in enumerate(fixed_prompts)]
+    _, sec = timed(lambda: eng.generate(requests), before=eng.reset_prefix_cache)
+    return b * new_f / sec
+
+  def hf_rows(ours: float, systems, **sampling) -> None:
+    for name, static in systems:
       try:
-        tps = hf_generate(config, b, prompt_len, new_f, static)
+        tps = hf_generate(config, b, prompt_len, new_f, static, **sampling)
         emit(f"| {name} | {tps:,.0f} | {ours / tps:.2f} |")
       except Exception as e:  # report, don't hide: the table says what failed
         emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | |")
+
+  best = {spc: engine_tps(spc) for spc in args.steps_per_call}
+  for spc, tps in best.items():
+    emit(f"| paged engine, {spc} steps per call | {tps:,.0f} | |")
+  greedy = max(best.values())
+  static_hf = ("HF transformers, static cache + torch.compile", True)
+  if not args.skip_hf:
+    hf_rows(greedy, (static_hf, ("HF transformers, dynamic cache", False)))
+  for name in args.sampling:
+    if name == "greedy":
+      continue
+    settings = SAMPLINGS[name]
+    ours = engine_tps(max(best, key=best.get), **settings)
+    label = ", ".join(f"{k} {v}" for k, v in settings.items())
+    emit(f"| paged engine, {label} ({ours / greedy:.2f}x greedy) | {ours:,.0f} | |")
+    if not args.skip_hf:
+      hf_rows(ours, [(f"{static_hf[0]}, {label}", True)], **settings)
 
   write_lines(lines)
 

@@ -352,6 +352,16 @@ def test_sampling_is_reproducible_by_seed(model, prompts):
   assert run(4, [s + 1 for s in seeds]) != first
 
 
+
+def test_a_request_draws_alike_beside_filtering_requests(model, prompts):
+  # A batch with a top-k / top-p row sorts its logits; a batch without skips the sort. A
+  # temperature-only request's tokens do not depend on which kind it ran in.
+  plain = Request(prompts[0], 10, temperature=0.9, seed=7)
+  run = lambda reqs: Engine(model, max_batch=4, num_pages=64, page_size=8).generate(reqs)[0]
+  alone = run([plain])[0]
+  assert run([plain, Request(prompts[1], 10, temperature=0.9, top_p=0.5, seed=8)])[0] == alone
+  assert run([plain, Request(prompts[1], 10, temperature=0.9, top_k=3, seed=8)])[0] == alone
+
 def test_stop_tokens_and_eos_end_requests(model, prompts, greedy_reference):
   stop = greedy_reference[0][5]
   cut = greedy_reference[0].index(stop) + 1

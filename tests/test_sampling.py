@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_paged import sampling
 
@@ -46,3 +47,49 @@ def test_rows_are_independent_of_the_batch():
   full = sampling.sample(logits, key, temperature=1.0)
   np.testing.assert_array_equal(sampling.sample(logits[:2], key, temperature=1.0), full[:2])
   assert not np.array_equal(full, sampling.sample(logits, jax.random.key(5), temperature=1.0))
+
+
+def _hf_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+  """bool [V]: the tokens Hugging Face's warpers keep of one row (top-k, then top-p)."""
+  torch = pytest.importorskip("torch")
+  logits_process = pytest.importorskip("transformers.generation.logits_process")
+  scores = torch.tensor(logits[None])
+  if top_k:
+    scores = logits_process.TopKLogitsWarper(top_k)(None, scores)
+  if top_p < 1:
+    scores = logits_process.TopPLogitsWarper(top_p)(None, scores)
+  return np.isfinite(scores.numpy()[0])
+
+
+def test_filters_keep_what_hugging_face_keeps():
+  v = 500
+  settings = [(k, p) for k in (0, 1, 7, 50, v + 3) for p in (1.0, 0.95, 0.6, 0.1, 1e-6)]
+  logits = np.array(jax.random.normal(jax.random.key(6), (len(settings), v)) * 2.5,
+                    np.float32)
+  logits[::4, :40] = -np.inf  # masked tokens (a padded vocabulary) are never kept
+  top_k = jnp.array([k for k, _ in settings], jnp.int32)
+  top_p = jnp.array([p for _, p in settings], jnp.float32)
+  kept = np.asarray(jax.jit(sampling.filter_mask)(jnp.asarray(logits), top_k, top_p))
+  for row, (k, p) in enumerate(settings):
+    np.testing.assert_array_equal(kept[row], _hf_kept(logits[row], k, p),
+                                  err_msg=f"top_k={k} top_p={p}")
+
+
+def test_filters_keep_ties_with_the_last_kept_token():
+  logits = jnp.array([[3.0, 2.0, 1.0, 2.0, 0.5]] * 2)
+  kept = sampling.filter_mask(logits, jnp.array([2, 0]), jnp.array([1.0, 0.6]))
+  # top-k 2: the 3 and both 2s. top-p 0.6: the 3 (0.51 of the mass) is short of it, so a 2
+  # is kept (then 0.70 is past it), and its twin with it.
+  np.testing.assert_array_equal(kept, [[True, True, False, True, False]] * 2)
+
+
+def test_rows_draw_alike_with_or_without_the_filters():
+  logits = jax.random.normal(jax.random.key(7), (8, 300))
+  key = jax.random.key(8)
+  plain = sampling.sample(logits, key, temperature=0.7, filtered=False)
+  # Rows that do not filter draw the same tokens in a batch that does.
+  filtered = sampling.sample(logits, key, temperature=0.7, top_k=jnp.array([0, 5] * 4),
+                             top_p=jnp.array([1.0] * 4 + [0.5] * 4))
+  np.testing.assert_array_equal(np.asarray(filtered)[:4:2], np.asarray(plain)[:4:2])
+  np.testing.assert_array_equal(
+      sampling.sample(logits, key, temperature=0.7, top_k=0, top_p=1.0), plain)

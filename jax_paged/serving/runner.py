@@ -163,7 +163,7 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
-                greedy: bool, checked: bool):
+                greedy: bool, checked: bool, filtered: bool = True):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -174,7 +174,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
 
   Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
-  (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy.
+  (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy;
+  filtered (static): some row filters by top-k / top-p (`sampling.sample_rows`).
 
   Returns:
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool).
@@ -194,7 +195,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
       new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
-      new = sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p)
+      new = sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p,
+                                 filtered=filtered)
     # `out` has a row for every step a group can run: no bounds check (an XLA reduction
     # kernel per step for `.at[step].set(..., mode="drop")`).
     out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
@@ -275,7 +277,7 @@ class JittedSteps:
     def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
-    def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool):
+    def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool, filtered: bool):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
@@ -295,13 +297,13 @@ class JittedSteps:
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       return sampling.sample_rows(logits[a["sample_rows"]], a["seeds"], a["index"],
                                   a["temperature"], a["top_k"], a["top_p"],
-                                  all_greedy=greedy), kv
+                                  all_greedy=greedy, filtered=filtered), kv
 
     def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
-             checked: bool):
+             checked: bool, filtered: bool):
       """Packed: `decode_loop`'s num_steps and per-row arguments, by name."""
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
-                         checked=checked, **unpack_arrays(packed, layout))
+                         checked=checked, filtered=filtered, **unpack_arrays(packed, layout))
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
@@ -309,9 +311,10 @@ class JittedSteps:
     self.prefill = jax.jit(prefill, donate_argnums=1)
     self.decode = jax.jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = jax.jit(prefill_sample, donate_argnums=1,
-                                  static_argnames=("layout", "greedy"))
+                                  static_argnames=("layout", "greedy", "filtered"))
     self.decode_loop = jax.jit(loop, donate_argnums=1,
-                               static_argnames=("layout", "max_steps", "greedy", "checked"))
+                               static_argnames=("layout", "max_steps", "greedy", "checked",
+                                                "filtered"))
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
@@ -364,7 +367,8 @@ class _Sampling:
   temperature: np.ndarray
   top_k: np.ndarray
   top_p: np.ndarray
-  greedy: bool
+  greedy: bool    # every row is greedy (`sample_rows(all_greedy=True)`)
+  filtered: bool  # some sampled row filters (`sample_rows(filtered=True)`: a sort)
 
   @classmethod
   def of(cls, rows: Sequence) -> "_Sampling":
@@ -380,15 +384,17 @@ class _Sampling:
       # unused, so no pass over the rows per setting.
       n = len(rows)
       return cls(seeds=np.zeros(n, np.uint32), temperature=np.zeros(n, np.float32),
-                 top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True)
+                 top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True,
+                 filtered=False)
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
+    temperature = column(lambda r: r.temperature, np.float32)
+    top_k = column(lambda r: r.top_k or 0, np.int32)
+    top_p = np.asarray([1.0 if r is None or r.top_p is None else r.top_p for r in requests],
+                       np.float32)
     return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
-               temperature=column(lambda r: r.temperature, np.float32),
-               top_k=column(lambda r: r.top_k or 0, np.int32),
-               top_p=np.asarray([1.0 if r is None or r.top_p is None else r.top_p
-                                 for r in requests], np.float32),
-               greedy=False)
+               temperature=temperature, top_k=top_k, top_p=top_p, greedy=False,
+               filtered=bool(((temperature > 0) & ((top_k > 0) | (top_p < 1))).any()))
 
   def arrays(self) -> dict[str, np.ndarray]:
     return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
@@ -443,7 +449,7 @@ class ModelRunner:
 
     prefill(kv, tokens, lengths, seq_ids, start=None) -> (logits, kv)  `prefill_step`
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
-    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=) -> (tokens, kv)
+    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filtered=) -> (tokens, kv)
     release(kv, seq_ids) -> kv
     clear(kv) -> kv                                               `pool.clear`
     update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
@@ -482,12 +488,13 @@ class ModelRunner:
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
 
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
-                  **rows: np.ndarray):
+                  filtered: bool = True, **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
     call's one host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
-                                   max_steps=max_steps, greedy=greedy, checked=checked)
+                                   max_steps=max_steps, greedy=greedy, checked=checked,
+                                   filtered=filtered)
 
   def clear(self, kv: pool_lib.KVPool) -> pool_lib.KVPool:
     """Every page free and every sequence empty (`pool.clear`), in place."""
@@ -575,7 +582,7 @@ class ModelRunner:
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         **sampling_.arrays())
     return self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
-                                      greedy=sampling_.greedy)
+                                      greedy=sampling_.greedy, filtered=sampling_.filtered)
 
   def _decode_plan(self, kv, plan):
     rows, max_steps = plan.rows, plan.max_steps
@@ -599,6 +606,7 @@ class ModelRunner:
     sampling_ = _Sampling.of(rows)
     return self.decode_loop(
         kv, steps, max_steps=max_steps, greedy=sampling_.greedy, checked=checked,
+        filtered=sampling_.filtered,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
         budget=budget, stop_ids=stop_ids, **sampling_.arrays())
