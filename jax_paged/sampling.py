@@ -6,9 +6,10 @@ is Hugging Face's: temperature first, then top-k, then top-p on the tempered dis
 
 A token is drawn from the tempered logits in vocabulary order (Gumbel-max, `categorical`),
 with the tokens a filter drops masked out, so a row draws the same token for the same key
-whether or not the batch around it filters. The filters need the row sorted, which on a GPU
-costs more than the model's decode step (H200, GPT-2 124M at batch 128: ~0.8-1.2 ms vs
-0.8), so a batch whose rows do not filter skips them (`filtered=False`, decided on the host).
+whether or not the batch around it filters. The filters sort the rows' values, which on a
+GPU costs about as much as the model's decode step (H200, GPT-2 124M at batch 128: 0.7-0.9
+ms vs 0.8; benchmarks/LOG.md, "sampling"), so a batch none of whose rows filters skips
+them (`filtered=False`, decided on the host).
 """
 
 from __future__ import annotations
@@ -50,13 +51,24 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
   return (tempered >= jnp.maximum(k_cut, p_cut)) & (tempered > -jnp.inf)
 
 
+def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+          top_p: jax.Array, filtered: bool) -> jax.Array:
+  """int32 [B]: row b drawn with keys[b] (settings [B] as `sample` takes them)."""
+  logits = logits.astype(jnp.float32)
+  tempered = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  if filtered:
+    tempered = jnp.where(filter_mask(tempered, top_k, top_p), tempered, -jnp.inf)
+  sampled = jax.vmap(jax.random.categorical)(keys, tempered).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy(logits))
+
+
 def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
            top_p=1.0, filtered: bool = True) -> jax.Array:
   """Draws one token per row.
 
   Args:
     logits: float [B, V].
-    key: a PRNG key; row i draws from `fold_in(key, i)`, so a row's draw does not depend
+    key: a PRNG key; row i draws with `fold_in(key, i)`, so a row's draw does not depend
       on the batch around it.
     temperature: float scalar or [B]; 0 means greedy (argmax) for that row.
     top_k: int scalar or [B]; keep the k most likely tokens (0 = all), as `filter_mask`.
@@ -67,17 +79,11 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
   Returns:
     int32 [B] token ids.
   """
-  b, _ = logits.shape
-  logits = logits.astype(jnp.float32)
-  temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
-  tempered = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  if filtered:
-    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (b,))
-    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))
-    tempered = jnp.where(filter_mask(tempered, top_k, top_p), tempered, -jnp.inf)
-  rows = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
-  sampled = jax.vmap(jax.random.categorical)(rows, tempered).astype(jnp.int32)
-  return jnp.where(temperature > 0, sampled, greedy(logits))
+  b = logits.shape[0]
+  setting = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (b,))
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
+  return _draw(logits, keys, setting(temperature, jnp.float32), setting(top_k, jnp.int32),
+               setting(top_p, jnp.float32), filtered)
 
 
 def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperature: jax.Array,
@@ -90,13 +96,11 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperatu
   Args:
     logits: float [B, V].
     seeds: uint32 [B]; index: int32 [B] (the request's own token count).
-    temperature, top_k, top_p: [B] per-row settings, as `sample` takes them.
+    temperature: float32 [B]; top_k: int32 [B]; top_p: float32 [B]: as `sample` takes them.
     all_greedy: (static) every row is greedy: the argmax alone.
     filtered: (static) some row filters by top-k or top-p (as `sample`'s).
   """
   if all_greedy:
     return greedy(logits)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
-  row = lambda l, k, t, tk, tp: sample(l[None], k, temperature=t, top_k=tk, top_p=tp,
-                                       filtered=filtered)[0]
-  return jax.vmap(row)(logits, keys, temperature, top_k, top_p)
+  return _draw(logits, keys, temperature, top_k, top_p, filtered)
