@@ -54,7 +54,7 @@ def assert_pages_back(eng: Engine) -> None:
 # steps_per_call 20: calls rounded down to a group of STEPS_PER_CHECK = 16 checked steps,
 # in which every row stops (13 decode steps each) and the rest run idle.
 @pytest.mark.parametrize("max_batch,order_seed,steps_per_call",
-                         [(1, 0, 5), (3, 1, 5), (16, 2, 5), (3, 3, 20)])
+                         [(1, 0, 5), (3, 1, 5), (16, 2, 5), (3, 3, 20), (40, 4, 5)])
 def test_greedy_matches_static_generate_whatever_order_and_capacity(
     model, prompts, greedy_reference, max_batch, order_seed, steps_per_call):
   order = np.random.default_rng(order_seed).permutation(len(prompts))
@@ -65,6 +65,27 @@ def test_greedy_matches_static_generate_whatever_order_and_capacity(
   assert report.generated_tokens == 14 * len(prompts) and report.preemptions == 0
   assert_pages_back(eng)
 
+
+
+def test_decode_calls_run_over_the_occupied_slots(model, prompts, greedy_reference,
+                                                  monkeypatch):
+  assert runner_lib.decode_width([None] * 40) == 16
+  assert runner_lib.decode_width([None] * 16 + [object()] + [None] * 23) == 32
+  assert runner_lib.decode_width([None] * 19 + [object()]) == 20  # at most every slot
+  widths = []
+  decode_loop = runner_lib.ModelRunner.decode_loop
+
+  def spy(self, kv, num_steps, **rows):
+    widths.append(len(rows["tokens"]))
+    return decode_loop(self, kv, num_steps, **rows)
+
+  monkeypatch.setattr(runner_lib.ModelRunner, "decode_loop", spy)
+  eng = Engine(model, max_batch=40, num_pages=256, page_size=8)
+  # 27 sequences in slots 0-26: calls over 32 slots of 40, the same tokens.
+  outputs, _ = eng.generate([Request(p, 14) for p in prompts * 3])
+  assert outputs == greedy_reference * 3
+  assert set(widths) == {32}
+  assert_pages_back(eng)
 
 def test_packed_host_arrays_round_trip_every_field():
   """A call's host arrays survive the one-array transfer bit for bit: uint32 seeds past

@@ -92,10 +92,10 @@ def update_pages(kv: pool_lib.KVPool, holds: jax.Array, release: jax.Array
 
 
 def _rows(x: jax.Array, seq_ids) -> jax.Array:
-  """x[seq_ids] of a per-sequence pool array; x itself when seq_ids are numpy ids of every
-  row in order (the decode loop): no gather kernel per step."""
-  if isinstance(seq_ids, np.ndarray) and np.array_equal(seq_ids, np.arange(x.shape[0])):
-    return x
+  """x[seq_ids] of a per-sequence pool array; when seq_ids are numpy ids 0 .. n - 1 (the
+  decode loop's rows), x's first n rows, a slice: no gather kernel per step."""
+  if isinstance(seq_ids, np.ndarray) and np.array_equal(seq_ids, np.arange(len(seq_ids))):
+    return x if len(seq_ids) == x.shape[0] else x[:len(seq_ids)]
   return x[seq_ids]
 
 
@@ -139,6 +139,23 @@ def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_i
 # idles the GPU (~0.2 ms at GPT-2 124M's batch 128 on an H200), so a call that cannot end
 # early runs unchecked (`needs_checks`).
 STEPS_PER_CHECK = 16
+
+
+# The fewest slots a decode call runs over (`decode_width`).
+MIN_DECODE_WIDTH = 16
+
+
+def decode_width(rows: Sequence) -> int:
+  """Slots a decode call runs over: the first ones up to the last decoding sequence
+  (rows[i] not None), bucketed (powers of two times MIN_DECODE_WIDTH, at most every slot).
+
+  Every step costs each row it runs, occupied or not: the LM head and the sampling over
+  the vocabulary above all (H200, GPT-2 124M, 85 sequences: 0.98 ms per step over 256
+  slots vs 0.81 over 128; benchmarks/LOG.md). The scheduler fills the lowest free slots
+  first, so a batch the pool's pages keep below the engine's capacity runs over a prefix.
+  """
+  last = max((i for i, s in enumerate(rows) if s is not None), default=0)
+  return min(bucket(last + 1, MIN_DECODE_WIDTH), len(rows))
 
 
 def steps_per_check(max_steps: int) -> int:
@@ -542,6 +559,9 @@ class ModelRunner:
              else first[:sum(len(c.samples) for c in plan.prefill)])
     if decoded is None:
       decoded = np.zeros((0, len(plan.rows)), np.int32)
+    elif decoded.shape[1] < len(plan.rows):  # the slots past the decode width: no tokens
+      decoded = np.pad(decoded, ((0, 0), (0, len(plan.rows) - decoded.shape[1])),
+                       constant_values=-1)
     return kv, Executed(first, decoded, page_table, int(num_free))
 
   def _prefill_plan(self, kv, plan):
@@ -585,7 +605,8 @@ class ModelRunner:
                                       greedy=sampling_.greedy, filtered=sampling_.filtered)
 
   def _decode_plan(self, kv, plan):
-    rows, max_steps = plan.rows, plan.max_steps
+    """The plan's decode chunk over its first `decode_width(plan.rows)` slots."""
+    rows, max_steps = plan.rows[:decode_width(plan.rows)], plan.max_steps
     stops = [list(s.stop_token_ids) if s is not None else [] for s in rows]
     stop_ids = np.full((len(rows), bucket(max(map(len, stops)), 1)), -1, np.int32)
     for i, ids in enumerate(stops):
