@@ -1,0 +1,33 @@
+"""The benchmarks' CPU paths: they drive the library as the engine does (its jitted decode
+loop, its sampling settings), so they must keep up with its signatures."""
+
+import sys
+
+import numpy as np
+from flax import nnx
+
+from benchmarks import bench_decode_step
+from benchmarks import bench_generate
+from jax_paged.serving import runner as runner_lib
+from models import gpt2
+
+CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=96, n_embd=32, n_layer=2, n_head=4)
+
+
+def test_decode_step_benchmark_runs_the_engine_loop():
+  model = gpt2.GPT2LMHeadModel(CONFIG, rngs=nnx.Rngs(0))
+  kv = bench_decode_step.filled_pool(model, 4, 10, 64, 8, seed=1)
+  loop, leaves = bench_decode_step.engine_loop(runner_lib.ModelRunner(model))
+  tokens, kv = bench_decode_step.decode_chunk(loop, leaves, kv, 4, 4)
+  assert np.asarray(tokens).shape == (4, 4) and (np.asarray(tokens) >= 0).all()
+  np.testing.assert_array_equal(kv.lengths, [14] * 4)
+
+
+def test_generate_benchmark_tiny_with_sampling(monkeypatch, tmp_path):
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["bench_generate.py", "--tiny", "--skip-mixed",
+                                    "--sampling", "greedy", "temperature", "top-p"])
+  bench_generate.main()
+  table = (tmp_path / "bench_generate.md").read_text()
+  assert "paged engine, temperature 0.8 (" in table
+  assert "paged engine, temperature 0.8, top_p 0.95 (" in table
