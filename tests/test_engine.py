@@ -314,12 +314,16 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
     device.run(scheduler, plan, num_free=3)
 
 
-def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, greedy_reference):
-  eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6)
-  outputs, report = eng.generate([Request(p, 14) for p in prompts])
+# 40 slots: preempted and readmitted sequences move between slots, and the decode calls
+# between widths (16 and 32 of 40).
+@pytest.mark.parametrize("max_batch,num_pages,copies", [(8, 9, 1), (40, 60, 4)])
+def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, greedy_reference,
+                                                            max_batch, num_pages, copies):
+  eng = Engine(model, max_batch=max_batch, num_pages=num_pages, page_size=8, steps_per_call=6)
+  outputs, report = eng.generate([Request(p, 14) for p in prompts * copies])
   assert report.preemptions > 0
-  assert outputs == greedy_reference
-  assert report.peak_pages_in_use <= 9
+  assert outputs == greedy_reference * copies
+  assert report.peak_pages_in_use <= num_pages
   assert_pages_back(eng)
 
 
