@@ -93,3 +93,12 @@ def test_rows_draw_alike_with_or_without_the_filters():
   np.testing.assert_array_equal(np.asarray(filtered)[:4:2], np.asarray(plain)[:4:2])
   np.testing.assert_array_equal(
       sampling.sample(logits, key, temperature=0.7, top_k=0, top_p=1.0), plain)
+
+
+def test_sort_keys_order_floats_and_map_back():
+  x = jnp.array([-jnp.inf, -3e38, -2.5, -1e-45, -0.0, 0.0, 1e-45, 1.0, 2.5, 3e38, jnp.inf],
+                jnp.float32)
+  keys = sampling._order_keys(x)
+  assert keys.dtype == jnp.int32 and (np.diff(np.asarray(keys)) > 0).all()
+  np.testing.assert_array_equal(np.asarray(sampling._order_keys(keys)).view(np.int32),
+                                np.asarray(x).view(np.int32))  # bit for bit, -0.0 too
