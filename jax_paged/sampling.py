@@ -23,13 +23,11 @@ def greedy(logits: jax.Array) -> jax.Array:
   return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _order_keys(x: jax.Array) -> jax.Array:
-  """float32 x <-> int32 keys in x's order (signed): the map is its own inverse (it flips
-  a negative float's magnitude bits, whose order runs backwards, and keeps the sign)."""
-  to_int = x.dtype == jnp.float32
-  bits = jax.lax.bitcast_convert_type(x, jnp.int32) if to_int else x
-  flipped = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-  return flipped if to_int else jax.lax.bitcast_convert_type(flipped, jnp.float32)
+def _flip_negatives(bits: jax.Array) -> jax.Array:
+  """int32 float bits <-> int32 keys in the floats' order (signed compare): flips the
+  magnitude bits of negative floats, whose order runs backwards, and keeps the sign, so
+  the map is its own inverse."""
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -46,11 +44,13 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
   Each filter is a cut-off value: only the values are sorted (not the indices, which would
   double the sort's cost) and a token is kept if it is at or above the cut-off. They are
-  sorted as int32 keys in the floats' order (`_order_keys`), which XLA sorts faster than
+  sorted as int32 keys in the floats' order (`_flip_negatives`), which XLA sorts faster than
   float32 (H200, 128 x 50257: 0.42 vs 0.64 ms; 256 rows: 0.61 vs 1.38).
   """
   v = tempered.shape[-1]
-  ranked = _order_keys(jnp.sort(_order_keys(tempered), axis=-1)[:, ::-1])  # descending
+  keys = _flip_negatives(jax.lax.bitcast_convert_type(tempered, jnp.int32))
+  ranked = jax.lax.bitcast_convert_type(  # each row descending
+      _flip_negatives(jnp.sort(keys, axis=-1)[:, ::-1]), jnp.float32)
   k_cut = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
   k_cut = jnp.where(top_k[:, None] > 0, k_cut, -jnp.inf)
   probs = jax.nn.softmax(jnp.where(ranked >= k_cut, ranked, -jnp.inf), axis=-1)

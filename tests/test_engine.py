@@ -66,7 +66,6 @@ def test_greedy_matches_static_generate_whatever_order_and_capacity(
   assert_pages_back(eng)
 
 
-
 def test_decode_calls_run_over_the_occupied_slots(model, prompts, greedy_reference,
                                                   monkeypatch):
   assert runner_lib.decode_width([None] * 40) == 16
@@ -86,6 +85,7 @@ def test_decode_calls_run_over_the_occupied_slots(model, prompts, greedy_referen
   assert outputs == greedy_reference * 3
   assert set(widths) == {32}
   assert_pages_back(eng)
+
 
 def test_packed_host_arrays_round_trip_every_field():
   """A call's host arrays survive the one-array transfer bit for bit: uint32 seeds past
@@ -377,7 +377,6 @@ def test_sampling_is_reproducible_by_seed(model, prompts):
   assert run(4, [s + 1 for s in seeds]) != first
 
 
-
 def test_a_request_draws_alike_beside_filtering_requests(model, prompts):
   # A batch with a top-k / top-p row sorts its logits; a batch without skips the sort. A
   # temperature-only request's tokens do not depend on which kind it ran in.
@@ -386,6 +385,7 @@ def test_a_request_draws_alike_beside_filtering_requests(model, prompts):
   alone = run([plain])[0]
   assert run([plain, Request(prompts[1], 10, temperature=0.9, top_p=0.5, seed=8)])[0] == alone
   assert run([plain, Request(prompts[1], 10, temperature=0.9, top_k=3, seed=8)])[0] == alone
+
 
 def test_stop_tokens_and_eos_end_requests(model, prompts, greedy_reference):
   stop = greedy_reference[0][5]
