@@ -3,7 +3,8 @@
 Runs the continuous-batching engine over a Hugging Face checkpoint (with its tokenizer) or
 over a preset configuration with random weights, whose text is encoded as UTF-8 bytes (ids
 0-255). Shows a progress bar with live tokens/s on stderr, prints each completion to stdout
-and ends with a report whose last line holds tokens/s.
+and ends with a report whose last line holds tokens/s. Compiled programs are kept between
+runs in jax's persistent compilation cache (`--compilation-cache`).
 
 Models are not imported here: installed packages register model families
 (`jax_paged.ModelFamily`) under the entry point group `jax_paged.models`; this project
@@ -213,12 +214,46 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                         "attention heads, the KV pool by kv head, the MLP; default 1); "
                         "the checkpoint is loaded on the host, so a model that fits "
                         "only split runs")
+  cache = eng.add_mutually_exclusive_group()
+  cache.add_argument("--compilation-cache", metavar="DIR", default=None,
+                     help="keep compiled programs in DIR, so that a later run of the same "
+                          "shapes starts without compiling them (default: "
+                          "$JAX_COMPILATION_CACHE_DIR if set, else "
+                          "$XDG_CACHE_HOME/jax_paged/xla or ~/.cache/jax_paged/xla)")
+  cache.add_argument("--no-compilation-cache", action="store_true",
+                     help="compile every program anew, keeping none")
   eng.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   if not args.checkpoint and args.model is None:
     p.error(f"no model: give --checkpoint or --model (no preset is installed: the "
             f"{ENTRY_POINT_GROUP} entry points come with `pip install -e .`)")
   return args
+
+
+def default_compilation_cache() -> str:
+  """Where compiled programs are kept between runs without --compilation-cache: jax's own
+  $JAX_COMPILATION_CACHE_DIR if set, else jax_paged/xla under the user's cache directory
+  ($XDG_CACHE_HOME, else ~/.cache)."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jax_paged", "xla")
+
+
+def use_compilation_cache(directory: str) -> None:
+  """Makes jax keep this process's compiled programs in `directory` (created if missing)
+  and load them from it. Takes effect only before the process's first compilation."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise CLIError(f"--compilation-cache {directory}: cannot create it ({e})") from e
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise CLIError(f"--compilation-cache {directory}: not a writable directory")
+  jax.config.update("jax_compilation_cache_dir", directory)
+  # Every program, not only those compiling for over jax's default 1 s: a run compiles
+  # tens of programs (prefill and decode shapes, page bookkeeping), most of them in under
+  # a second each, that together take seconds.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def read_model_type(directory: str) -> str:
@@ -329,6 +364,8 @@ def _host_if(tensor_parallel: bool):
 
 
 def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
+  if not args.no_compilation_cache:
+    use_compilation_cache(args.compilation_cache or default_compilation_cache())
   on_gpu = jax.default_backend() == "gpu"
   dtype = DTYPES[args.dtype] if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
   mesh = None

@@ -9,9 +9,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args, timeout=120):
+def run_cli(*args, timeout=120, env=None):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", **(env or {}))
   return subprocess.run([sys.executable, "-m", "jax_paged.cli", *args], env=env,
                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
@@ -31,6 +31,42 @@ def test_tiny_model_end_to_end():
   completions = lambda out: [l for l in out.splitlines() if not l.startswith(("requests",
                              "time", "KV", "preempt", "throughput"))]
   assert completions(again.stdout) == completions(proc.stdout)  # reproducible by seed
+
+
+def test_compilation_cache_serves_a_later_run(tmp_path):
+  """The first run fills --compilation-cache; the second loads every program from it (jax
+  logs each hit and miss with these flags) and prints the same completions."""
+  cache = tmp_path / "programs"
+  args = ("--model", "tiny", "--max-new-tokens", "6", "--prompt", "cached", "--no-progress",
+          "--compilation-cache", str(cache))
+  log = {"JAX_LOG_COMPILES": "1", "JAX_EXPLAIN_CACHE_MISSES": "1"}
+  first = run_cli(*args, env=log)
+  assert first.returncode == 0, first.stderr
+  entries = sorted(os.listdir(cache))
+  assert len(entries) >= 3, entries
+  second = run_cli(*args, env=log)
+  assert second.returncode == 0, second.stderr
+  hit, miss = "Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS"
+  assert hit not in first.stderr and miss in first.stderr, first.stderr
+  assert hit in second.stderr and miss not in second.stderr, second.stderr
+  assert sorted(os.listdir(cache)) == entries
+  assert second.stdout.split("requests:")[0] == first.stdout.split("requests:")[0]
+
+
+def test_compilation_cache_directory(monkeypatch, tmp_path):
+  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/jax/own")
+  assert cli.default_compilation_cache() == "/jax/own"
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+  assert cli.default_compilation_cache() == "/xdg/jax_paged/xla"
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert cli.default_compilation_cache() == str(tmp_path / ".cache" / "jax_paged" / "xla")
+  (tmp_path / "file").write_text("")
+  with pytest.raises(cli.CLIError, match=f"--compilation-cache {tmp_path / 'file'}/x: "
+                                          "cannot create it"):
+    cli.use_compilation_cache(str(tmp_path / "file" / "x"))
 
 
 def test_checkpoint_with_tokenizer(tmp_path):
@@ -90,10 +126,11 @@ def test_user_errors_in_a_real_process_are_one_line(tmp_path):
 
 
 def _main(capsys, *args) -> tuple[int, str, str]:
-  """`jax-paged-generate ARGS` in this process: (exit status, stdout, stderr)."""
+  """`jax-paged-generate ARGS` in this process: (exit status, stdout, stderr). With no
+  compilation cache: turned on here it would keep every later test's programs too."""
   from jax_paged import cli  # pylint: disable=import-outside-toplevel
   try:
-    status = cli.main(list(args))
+    status = cli.main([*args, "--no-compilation-cache"])
   except SystemExit as e:  # argparse's usage errors
     status = e.code
   captured = capsys.readouterr()
@@ -114,6 +151,11 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
   assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_compilation_cache_flags_exclude_each_other(capsys):
+  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--compilation-cache", "d")
+  assert status == 2 and "--no-compilation-cache: not allowed with argument" in err
 
 
 def test_bad_files_are_named(capsys, tmp_path):
