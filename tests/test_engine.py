@@ -455,13 +455,84 @@ def test_a_run_stopped_early_leaves_the_pool_empty(model, prompts, greedy_refere
   # One run at a time: a second one while a stream is open is refused, pool untouched.
   stream = eng.stream(requests)
   next(stream)
-  with pytest.raises(RuntimeError, match="already running a generate / stream"):
+  with pytest.raises(RuntimeError, match="this Engine is already running"):
     eng.generate(requests)
   with pytest.raises(RuntimeError, match="reset_prefix_cache"):
     eng.reset_prefix_cache()
   stream.close()
   assert int(eng.kv.num_free) == 64
   assert eng.generate(requests)[0] == greedy_reference
+
+
+def test_requests_added_between_steps_get_the_tokens_of_a_generate(model, prompts,
+                                                                    greedy_reference):
+  """Requests submitted while the engine runs (add_request between steps, as a server
+  would) get the tokens a generate gives them: greedy ones static generate's, a sampled
+  one those of a generate of it alone; ids count submissions; the run ends with the step
+  that finishes the last, its pages back."""
+  sampled = Request(prompts[0], 9, temperature=0.9, top_p=0.9, seed=5)
+  alone = Engine(model, max_batch=4, num_pages=64, page_size=8).generate([sampled])[0][0]
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
+  assert not eng.has_unfinished_requests() and eng.step() == []
+  queue = [Request(p, 14) for p in prompts] + [sampled]
+  rng = np.random.default_rng(3)
+  ids, tokens, reasons, runs = [], {}, {}, []
+  while queue or eng.has_unfinished_requests():
+    for _ in range(min(len(queue), rng.integers(0, 3))):
+      if not eng.has_unfinished_requests():  # idle: this request starts a run
+        runs.append([])
+      ids.append(eng.add_request(queue.pop(0)))
+      runs[-1].append(ids[-1])
+    for event in eng.step():
+      assert reasons.get(event.request_id) is None  # nothing after a finish
+      tokens.setdefault(event.request_id, []).append(event.token)
+      reasons[event.request_id] = event.finish_reason
+  assert ids == list(range(len(prompts) + 1)) and len(runs) > 1  # ids go on across runs
+  assert [tokens[i] for i in range(len(prompts))] == greedy_reference
+  assert tokens[len(prompts)] == alone
+  assert set(reasons.values()) == {"length"}
+  report = eng.report  # the last run's
+  assert report.num_requests == len(runs[-1]) == len(report.ttft_s)
+  assert report.generated_tokens == sum(len(tokens[i]) for i in runs[-1])
+  assert_pages_back(eng)
+
+
+def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_reference):
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
+  with pytest.raises(ValueError, match="request 0: prompt is empty"):
+    eng.add_request(Request([], 3))
+  assert not eng.has_unfinished_requests()  # nothing submitted, no run
+  assert eng.add_request(Request(prompts[1], 14)) == 0
+  with pytest.raises(ValueError, match="request 1: max_new_tokens must be an int >= 1"):
+    eng.add_request(Request(prompts[2], 0))
+  late = time.perf_counter()
+  assert eng.add_request(Request(prompts[2], 14, arrival_s=0.2)) == 1
+  first = {}
+  while eng.has_unfinished_requests():
+    for event in eng.step():
+      first.setdefault(event.request_id, (event.token, time.perf_counter()))
+  assert first[0][0] == greedy_reference[1][0] and first[1][0] == greedy_reference[2][0]
+  assert first[1][1] - late >= 0.2 and min(eng.report.ttft_s) >= 0  # from its arrival
+  # One run at a time: a run of added requests refuses a generate; a generate's stream
+  # refuses add_request and step. abort() ends a run at once, every page back.
+  eng.add_request(Request(prompts[3], 14))
+  eng.step()
+  with pytest.raises(RuntimeError, match="this Engine is already running"):
+    eng.generate([Request(prompts[0], 3)])
+  eng.abort()
+  assert not eng.has_unfinished_requests() and eng.step() == []
+  assert int(eng.kv.num_free) == 64 and not np.asarray(eng.kv.refcounts).any()
+  stream = eng.stream([Request(prompts[0], 14)])
+  next(stream)
+  with pytest.raises(RuntimeError, match="add_request\\(\\) during a generate / stream"):
+    eng.add_request(Request(prompts[0], 3))
+  with pytest.raises(RuntimeError, match="step\\(\\) during a generate / stream"):
+    eng.step()
+  with pytest.raises(RuntimeError, match="abort\\(\\) during a generate / stream"):
+    eng.abort()
+  stream.close()
+  assert int(eng.kv.num_free) == 64
+  assert eng.generate([Request(p, 14) for p in prompts])[0] == greedy_reference
 
 
 @pytest.mark.parametrize("request_,match", [

@@ -10,6 +10,15 @@ page state:
     events = scheduler.take_tokens(plan, out.first, out.decoded)   # streamed
     scheduler.settle(plan, out.page_table, out.num_free)           # page accounting
 
+`generate` / `stream` run a list of requests to completion. A caller serving requests as
+they come submits each with `add_request` and calls `step()` (one iteration) while
+`has_unfinished_requests()`, as with vLLM's `LLMEngine`:
+
+    engine.add_request(Request(prompt, 64))
+    while engine.has_unfinished_requests():
+      for event in engine.step():
+        ...                                        # and add_request() as requests come
+
 Each token is drawn with the key `fold_in(key(seed), index)` where index counts the
 sample's own tokens (and seed is the sample's, `request.sample_seed`), so results do not
 depend on batching, arrival order, preemption or the prefix cache.
@@ -17,6 +26,7 @@ depend on batching, arrival order, preemption or the prefix cache.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -144,7 +154,9 @@ class Engine:
                                       max_pages_per_seq=self.max_pages_per_seq,
                                       dtype=cache_dtype)
     self.report = Report(num_pages=self.num_pages)
-    self._running = False  # a run holds the pool: one at a time
+    self._run: _Run | None = None  # a run holds the pool: one at a time
+    self._streaming = False  # the run belongs to a generate / stream
+    self._next_id = 0  # add_request's next id: ids go on from run to run
     # The host's page accounting, kept from run to run with the pool: pages cached by a
     # run (its prompts' full pages) serve the next run's requests too, until evicted.
     self._cache: KVCacheManager | None = None
@@ -158,9 +170,10 @@ class Engine:
   def reset_prefix_cache(self) -> int:
     """Drops every cached page (vLLM's `reset_prefix_cache`): the next run starts cold, on
     an empty pool. Returns the pages freed."""
-    if self._running:
-      raise RuntimeError("reset_prefix_cache() during a generate / stream: exhaust or "
-                         "close() it first")
+    if self._run is not None:
+      raise RuntimeError("reset_prefix_cache() during a run: finish it (a generate / "
+                         "stream exhausted or closed, step() until no request is left) or "
+                         "abort() it first")
     if self._cache is None:
       return 0
     evicted = self._cache.evict_for(self.num_pages)
@@ -173,35 +186,103 @@ class Engine:
     """Runs every request to completion; returns (outputs, report). outputs[i] is the new
     tokens of request i, or for a request with n > 1 samples a list of n such lists."""
     outputs = [[[] for _ in range(r.n)] for r in requests]
-    for rid, sample, tokens, reason in self._run(requests):
+    for rid, sample, tokens, reason in self._run_all(requests):
       outputs[rid][sample] += tokens
       if on_token is not None:
-        for j, token in enumerate(tokens):
-          on_token(TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample))
+        for event in _events(rid, sample, tokens, reason):
+          on_token(event)
     return [o[0] if r.n == 1 else o for o, r in zip(outputs, requests)], self.report
 
   def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
     """Yields each token as soon as the host has it. `self.report` is complete once the
     iterator is exhausted; closing it early (or breaking out of a loop over it) ends the
     run and frees every page."""
-    for rid, sample, tokens, reason in self._run(requests):
-      for j, token in enumerate(tokens):
-        yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample)
+    for rid, sample, tokens, reason in self._run_all(requests):
+      yield from _events(rid, sample, tokens, reason)
 
-  def _run(self, requests: Sequence[Request]
-           ) -> Iterator[tuple[int, int, list[int], str | None]]:
-    """schedule -> execute -> take_tokens / settle until every request has finished.
-    Yields (request id, sample, new tokens, finish reason) per sequence per device call."""
-    if self._running:
-      raise RuntimeError("this Engine is already running a generate / stream, and a run "
-                         "holds the whole pool: exhaust or close() the other stream first")
+  def add_request(self, request: Request) -> int:
+    """Submits a request while the engine runs, for a caller that serves requests as they
+    come (vLLM's `LLMEngine.add_request`): it joins the run in progress, or starts one,
+    and is admitted at a later `step()` no earlier than `request.arrival_s` after now. Its
+    tokens come from `step()`, under the returned id (0, 1, ... in submission order, going
+    on from run to run), and are the same as in a `generate` of it alone. Call from the
+    thread that calls `step()`, between steps. `self.report` covers the run: from the
+    request that found the engine idle to the step that finished the last.
+
+    Raises:
+      ValueError: the engine cannot serve the request (named by the id it would have had;
+        nothing is submitted).
+      RuntimeError: a `generate` / `stream` owns the run.
+    """
+    if self._streaming:
+      raise RuntimeError("add_request() during a generate / stream: its run takes only "
+                         "the requests it was given")
+    rid = self._next_id
+    if self._run is None:
+      self._begin([request], first_id=rid)
+    else:
+      run = self._run
+      prompt, = self._validate([request], first_id=rid)
+      run.scheduler.add(request, prompt, time.perf_counter() - run.start + request.arrival_s)
+      self.report.num_requests += 1
+    self._next_id += 1
+    return rid
+
+  def has_unfinished_requests(self) -> bool:
+    """Whether a run is in progress: a request added by `add_request` has yet to finish."""
+    return self._run is not None
+
+  def step(self) -> list[TokenEvent]:
+    """Runs one device call of the run in progress (waiting first, if no request has
+    arrived yet, until one does) and returns the tokens it produced, in `TokenEvent`s;
+    [] when no run is in progress. The step that finishes the last request ends the run:
+    its pages go back to the pool (the prefix cache keeps the full prompt pages) and
+    `self.report` is complete. If the step raises, the run is aborted (`abort`).
+
+    Raises:
+      RuntimeError: a `generate` / `stream` owns the run.
+    """
+    if self._streaming:
+      raise RuntimeError("step() during a generate / stream: it runs its own steps")
+    if self._run is None:
+      return []
+    try:
+      return [event for seq in self._step() for event in _events(*seq)]
+    except BaseException:
+      self.abort()
+      raise
+
+  def abort(self) -> None:
+    """Ends the run in progress at once, its unfinished requests dropped: every page goes
+    back, the prefix cache's too, and the next run starts on a fresh accounting. No-op
+    when no run is in progress.
+
+    Raises:
+      RuntimeError: a `generate` / `stream` owns the run (close the stream instead).
+    """
+    if self._streaming:
+      raise RuntimeError("abort() during a generate / stream: close() the stream instead")
+    if self._run is None:
+      return
+    self._run = None
+    self._cache = None
+    # (A pool deleted by a failed donated call is beyond repair here.)
+    if not self.kv.page_table.is_deleted():
+      self.kv = self.runner.clear(self.kv)
+
+  def _validate(self, requests: Sequence[Request], first_id: int = 0) -> list:
+    return validate_requests(requests, self.spec, page_size=self.page_size,
+                             max_pages=min(self.num_pages, self.max_pages_per_seq),
+                             max_batch=self.max_batch, first_id=first_id)
+
+  def _begin(self, requests: Sequence[Request], first_id: int = 0) -> None:
+    """Starts a run of `requests` (validated here), whose ids are first_id, first_id + 1,
+    ...: its clock, scheduler and report."""
     # The run's clock (time to first token, arrivals, elapsed) starts before validation
     # and set-up: a caller waits for them too (a 256-request burst's prompts take ~3 ms to
     # convert on the dev CPU, more on the device machine's host).
     start = time.perf_counter()
-    prompts = validate_requests(requests, self.spec, page_size=self.page_size,
-                                max_pages=min(self.num_pages, self.max_pages_per_seq),
-                                max_batch=self.max_batch)
+    prompts = self._validate(requests, first_id)
     if self._cache is None:
       self._cache = KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
                                    max_seqs=self.max_batch,
@@ -216,58 +297,95 @@ class Engine:
                           steps_per_call=self.steps_per_call,
                           max_prefill_tokens=self.max_prefill_tokens,
                           eos_token_id=self.eos_token_id, prompts=prompts)
-    self.report = report = Report(num_requests=len(requests), num_pages=self.num_pages)
-    started: set[int] = set()
-    self._running = True
+    self.report = Report(num_requests=len(requests), num_pages=self.num_pages)
+    self._run = _Run(start, scheduler, first_id)
+
+  def _run_all(self, requests: Sequence[Request]
+               ) -> Iterator[tuple[int, int, list[int], str | None]]:
+    """A generate / stream: a run of `requests`, stepped until every one has finished."""
+    if self._run is not None:
+      raise RuntimeError("this Engine is already running (a generate / stream, or requests "
+                         "added by add_request), and a run holds the whole pool: finish "
+                         "or abort() it first")
+    self._begin(requests)
+    self._streaming = True
     try:
-      while not scheduler.finished:
-        plan = scheduler.schedule(time.perf_counter() - start)
-        if plan is None:  # the next request has not arrived yet
-          time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - start)))
-          continue
-        called = time.perf_counter()
-        self.kv, out = self.runner.execute(self.kv, plan)
-        seconds = time.perf_counter() - called
-        if plan.prefill:
-          report.prefill_calls += 1
-        if plan.decode_steps:
-          report.decode_calls += 1
-          produced = (out.decoded >= 0).sum(axis=0)
-          report.decode_steps += int(produced.max())
-          report.decode_tokens += int(produced.sum())
-        # A call with both is counted as decode time: its prefill interleaves.
-        if plan.decode_steps:
-          report.decode_s += seconds
-        else:
-          report.prefill_s += seconds
-        events = scheduler.take_tokens(plan, out.first, out.decoded)
-        now = time.perf_counter()
-        for rid, sample, new, reason in events:
-          if rid not in started:
-            started.add(rid)
-            report.ttft_s.append(now - start - requests[rid].arrival_s)
-          report.generated_tokens += len(new)
-          yield rid, sample, new, reason
-        # The page bookkeeping once the caller has the tokens.
-        scheduler.settle(plan, out.page_table, out.num_free)
-        report.peak_pages_in_use = cache.peak_used_pages
+      while self._run is not None:
+        yield from self._step()
     finally:
-      if scheduler.finished:
-        # Every sequence's pages back; the cached ones stay for the next run.
-        retain, release = scheduler.pending_release()
-        self.kv = self.runner.update_pages(self.kv, retain=retain, release=release)
-      else:
-        # Stopped early (its stream abandoned, a callback or a check raised): every page
-        # back at once, the prefix cache's too, and a new accounting for the next run.
-        # (A pool deleted by a failed donated call is beyond repair here.)
-        self._cache = None
-        if not self.kv.page_table.is_deleted():
-          self.kv = self.runner.clear(self.kv)
-      self._running = False
-    report.preemptions = scheduler.num_preemptions
-    report.elapsed_s = time.perf_counter() - start
+      # Stopped early (its stream abandoned, a callback or a check raised): abort.
+      self._streaming = False
+      self.abort()
+
+  def _step(self) -> Iterator[tuple[int, int, list[int], str | None]]:
+    """schedule -> execute -> take_tokens / settle, once. Yields (request id, sample, new
+    tokens, finish reason) per sequence that produced tokens, before the page
+    bookkeeping; ends the run when every request has finished. (The scheduler's ids count
+    from 0 in each run; the caller's from the run's first_id.)"""
+    run, report = self._run, self.report
+    scheduler = run.scheduler
+    plan = scheduler.schedule(time.perf_counter() - run.start)
+    if plan is None:  # the next request has not arrived yet
+      time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - run.start)))
+      return
+    called = time.perf_counter()
+    self.kv, out = self.runner.execute(self.kv, plan)
+    seconds = time.perf_counter() - called
+    if plan.prefill:
+      report.prefill_calls += 1
+    if plan.decode_steps:
+      report.decode_calls += 1
+      produced = (out.decoded >= 0).sum(axis=0)
+      report.decode_steps += int(produced.max())
+      report.decode_tokens += int(produced.sum())
+    # A call with both is counted as decode time: its prefill interleaves.
+    if plan.decode_steps:
+      report.decode_s += seconds
+    else:
+      report.prefill_s += seconds
+    events = scheduler.take_tokens(plan, out.first, out.decoded)
+    now = time.perf_counter()
+    for rid, sample, new, reason in events:
+      if rid not in run.started:
+        run.started.add(rid)
+        report.ttft_s.append(now - run.start - scheduler.arrivals[rid])
+      report.generated_tokens += len(new)
+      yield run.first_id + rid, sample, new, reason
+    # The page bookkeeping once the caller has the tokens.
+    scheduler.settle(plan, out.page_table, out.num_free)
+    report.peak_pages_in_use = self._cache.peak_used_pages
+    if scheduler.finished:
+      self._finish()
+
+  def _finish(self) -> None:
+    """Ends a run whose requests have all finished: every sequence's pages back (the
+    cached ones stay for the next run) and the report completed."""
+    run, report, cache = self._run, self.report, self._cache
+    retain, release = run.scheduler.pending_release()
+    self.kv = self.runner.update_pages(self.kv, retain=retain, release=release)
+    self._run = None
+    report.preemptions = run.scheduler.num_preemptions
+    report.elapsed_s = time.perf_counter() - run.start
     report.kv_efficiency = cache.efficiency
     report.prompt_tokens = cache.prompt_tokens
     report.cached_prompt_tokens = cache.cached_prompt_tokens
     report.pages_saved = cache.pages_saved
     report.evicted_pages = cache.evicted_pages
+
+
+@dataclasses.dataclass
+class _Run:
+  """A run in progress: its clock's start, its scheduler, its first request's id, the
+  requests (scheduler ids) that have had their first token."""
+
+  start: float
+  scheduler: Scheduler
+  first_id: int = 0
+  started: set[int] = dataclasses.field(default_factory=set)
+
+
+def _events(rid: int, sample: int, tokens: list[int], reason: str | None
+            ) -> Iterator[TokenEvent]:
+  """A sequence's new tokens as events, the finish reason on the last."""
+  for j, token in enumerate(tokens):
+    yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample)

@@ -92,12 +92,12 @@ def _token_ids(prompt) -> np.ndarray | None:
 
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
-                      max_pages: int, max_batch: int) -> list[np.ndarray]:
+                      max_pages: int, max_batch: int, first_id: int = 0) -> list[np.ndarray]:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
   serve as asked; returns the prompts as int32 arrays [prompt tokens].
 
   Args:
-    requests: the requests.
+    requests: the requests; messages name them by id, `first_id` for the first.
     spec: the model's (vocabulary and context limit).
     page_size: tokens per page.
     max_pages: the most pages one sequence can hold (the pool's pages, at most its page
@@ -107,7 +107,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
   if not isinstance(requests, Sequence) or not requests:
     raise ValueError("requests must be a non-empty list of Request")
   prompts = []
-  for i, r in enumerate(requests):
+  for i, r in enumerate(requests, first_id):
     if not isinstance(r, Request):
       raise ValueError(f"request {i}: expected a jax_paged.Request, got {type(r).__name__}")
     prompt = _token_ids(r.prompt)

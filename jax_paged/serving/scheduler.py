@@ -145,7 +145,8 @@ class Plan:
 
 
 class Scheduler:
-  """Plans a run of `requests` (validated) over `max_batch` slots.
+  """Plans a run of `requests` (validated) over `max_batch` slots; `add` submits more
+  while it runs.
 
   Args:
     requests: the requests, their index being their id.
@@ -164,10 +165,12 @@ class Scheduler:
                admission: AdmissionPolicy, steps_per_call: int, max_prefill_tokens: int,
                eos_token_id: int | None = None,
                prompts: Sequence[np.ndarray] | None = None):
-    self.requests = requests
+    self.requests = list(requests)
     # Arrays, so that page keys and prefill rows take whole prompts at numpy speed.
-    self.prompts = (prompts if prompts is not None
+    self.prompts = (list(prompts) if prompts is not None
                     else [np.asarray(r.prompt, np.int32) for r in requests])
+    # When each request may be admitted (seconds after the run's start).
+    self.arrivals = [r.arrival_s for r in requests]
     self.cache = cache
     self.admission = admission
     self.steps_per_call = steps_per_call
@@ -192,9 +195,20 @@ class Scheduler:
   def finished(self) -> bool:
     return not self.waiting and all(s is None for s in self.slots)
 
+  def add(self, request: Request, prompt: np.ndarray, arrival_s: float) -> int:
+    """Queues a request (validated; `prompt` its int32 array) behind the waiting ones, to
+    be admitted no earlier than `arrival_s` seconds after the run's start. Returns its
+    id."""
+    rid = len(self.requests)
+    self.requests.append(request)
+    self.prompts.append(prompt)
+    self.arrivals.append(arrival_s)
+    self.waiting.append((rid, None, []))
+    return rid
+
   def next_arrival(self) -> float:
     """When (seconds after the start) the next waiting request arrives."""
-    return min(self.requests[rid].arrival_s for rid, _, _ in self.waiting)
+    return min(self.arrivals[rid] for rid, _, _ in self.waiting)
 
   def schedule(self, now: float = float("inf")) -> Plan | None:
     """The next device call, or None when nothing can run before a request arrives
@@ -264,7 +278,7 @@ class Scheduler:
     admitted = []
     free = collections.deque(i for i, s in enumerate(self.slots) if s is None)
     eos = () if self.eos_token_id is None else (self.eos_token_id,)
-    while self.waiting and self.requests[self.waiting[0][0]].arrival_s <= now:
+    while self.waiting and self.arrivals[self.waiting[0][0]] <= now:
       rid, sample, done = self.waiting[0]
       request = self.requests[rid]
       samples = range(request.n) if sample is None else [sample]
