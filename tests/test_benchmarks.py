@@ -8,6 +8,8 @@ from flax import nnx
 
 from benchmarks import bench_decode_step
 from benchmarks import bench_generate
+from benchmarks import bench_serving
+from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
 from models import gpt2
 
@@ -31,3 +33,21 @@ def test_generate_benchmark_tiny_with_sampling(monkeypatch, tmp_path):
   table = (tmp_path / "bench_generate.md").read_text()
   assert "paged engine, temperature 0.8 (" in table
   assert "paged engine, temperature 0.8, top_p 0.95 (" in table
+
+
+def test_serving_benchmark_tiny(monkeypatch, tmp_path):
+  """Arrivals served continuously (add_request / step) and a batch at a time: every
+  request gets all its tokens, each after its arrival."""
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--tiny"])
+  bench_serving.main()
+  table = (tmp_path / "bench_serving.md").read_text()
+  assert table.count("| continuous, 16 steps per call |") == 2
+  assert table.count("| a batch at a time, 128 steps per call |") == 2
+  model = gpt2.GPT2LMHeadModel(CONFIG, rngs=nnx.Rngs(0))
+  requests = [Request([i + 1] * (i + 2), 3 + i) for i in range(5)]
+  arrivals = np.array([0.0, 0.0, 0.05, 0.1, 0.3])
+  for serve in (bench_serving.serve_continuous, bench_serving.serve_batched):
+    served = serve(Engine(model, max_batch=2, num_pages=64, page_size=8), requests, arrivals)
+    np.testing.assert_array_equal(served.tokens, [3, 4, 5, 6, 7])
+    assert (served.first >= arrivals).all() and (served.last >= served.first).all()
