@@ -18,7 +18,8 @@ token from each request's arrival (mean, p50, p99); time per output token after 
 (and their seconds, included above). A token counts when the host has it (a device
 call's tokens arrive together). Each way first serves every rate's workload untimed until
 a pass compiles nothing (at most `--max-warm-up` passes): the batches that form depend on
-timing, and each new shape compiles on first use. Every run starts on an empty prefix
+timing, and each new shape compiles on first use; with `--warmup` each engine first runs
+`Engine.warmup()`, which compiles them up front. Every run starts on an empty prefix
 cache.
 
     PYTHONPATH=. python benchmarks/bench_serving.py          # on the GPU
@@ -121,6 +122,12 @@ def serve_batched(engine: Engine, requests: list[Request], arrivals: np.ndarray)
   return clock.served
 
 
+WAYS = {"continuous-16": (serve_continuous, 16), "continuous-128": (serve_continuous, 128),
+        "batched-128": (serve_batched, 128)}
+WAY_NAMES = ("continuous, 16 steps per call", "continuous, 128 steps per call",
+             "a batch at a time, 128 steps per call")
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--tiny", action="store_true", help="a tiny model and workload (CPU smoke)")
@@ -129,6 +136,10 @@ def main():
   p.add_argument("--requests", type=int, default=512, help="requests per rate")
   p.add_argument("--max-warm-up", type=int, default=4,
                  help="the most untimed passes over every rate before the timed one")
+  p.add_argument("--warmup", action="store_true",
+                 help="each engine's Engine.warmup() first (its seconds reported)")
+  p.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS),
+                 help="which ways to serve")
   args = p.parse_args()
   if args.tiny:
     config = gpt2.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
@@ -141,11 +152,7 @@ def main():
     # Every slot can hold the longest request: no engine waits for pages or preempts.
     num_pages = max_batch * -(-(prompt_len[1] + new_len[1]) // page)
   model = gpt2.GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(0))
-  ways = {
-      "continuous, 16 steps per call": (serve_continuous, 16),
-      "continuous, 128 steps per call": (serve_continuous, 128),
-      "a batch at a time, 128 steps per call": (serve_batched, 128),
-  }
+  ways = {name: WAYS[key] for key, name in zip(WAYS, WAY_NAMES) if key in args.ways}
   engines = {name: Engine(model, max_batch=max_batch, num_pages=num_pages, page_size=page,
                           steps_per_call=steps)
              for name, (_, steps) in ways.items()}
@@ -187,9 +194,16 @@ def main():
 
   for name, (serve, _) in ways.items():
     engine = engines[name]
+    if args.warmup:
+      start = time.perf_counter()
+      compiles.clear()
+      runs = engine.warmup(max_prompt_tokens=prompt_len[1])
+      emit(f"{name}: warmup() {time.perf_counter() - start:.1f} s, {runs} runs, "
+           f"{len(compiles)} compilations")
     # Untimed passes until one compiles nothing (at most max_warm_up): each batch
     # composition's shapes (decode widths, prefill rows and lengths, short-chunk loops)
     # compile once, on first use.
+    warm_up = 0
     for warm_up in range(1, args.max_warm_up + 1):
       if not any(c for _, c in serve_all(serve, engine)):
         break

@@ -42,7 +42,7 @@ from jax_paged.serving import admission as admission_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
 from jax_paged.serving.report import Report
 from jax_paged.serving.request import Request, TokenEvent, validate_requests
-from jax_paged.serving.runner import ModelRunner
+from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.scheduler import Scheduler
 
 
@@ -112,7 +112,7 @@ class Engine:
     self.admission = admission
     self.eos_token_id = eos_token_id
     self.prefix_caching = bool(prefix_caching)
-    self.runner = ModelRunner(model, mesh)
+    self.runner = runner_lib.ModelRunner(model, mesh)
     self.mesh = mesh
     self.spec = spec = self.runner.spec
     cache_dtype = validation.check_cache_dtype(
@@ -179,6 +179,65 @@ class Engine:
     evicted = self._cache.evict_for(self.num_pages)
     self.kv = self.runner.update_pages(self.kv, evict=evicted)
     return len(evicted)
+
+  def warmup(self, max_prompt_tokens: int | None = None) -> int:
+    """Compiles, before anything is served, the device calls that batches of greedy
+    requests take (as vLLM captures its CUDA graphs at start-up): a run otherwise compiles
+    each new batch shape when it first turns up, stalling every request ~1 s (GPT-2 on an
+    H200; benchmarks/RESULTS.md, "Serving requests as they arrive").
+
+    Serves throwaway requests: a prefill of n prompts of w tokens for every bucketed row
+    count n (1, 2, 4, ... up to max_batch) and width w (page_size, 2 page_size, ... up to
+    `max_prompt_tokens`, default the model's context) whose n x w padded tokens fit
+    `max_prefill_tokens` (and whose pages fit the pool), then decode calls over every
+    decode width (`runner.decode_width`), with and without checks. Leaves the pool empty
+    and the prefix cache dropped. Still compiled on first use: sampled rows (temperature
+    > 0), stop_token_ids beyond the engine's eos, prefix-cache hits, prompts split into
+    chunks, parallel samples, and decode chunks cut short by a full pool.
+
+    Returns:
+      the throwaway runs served.
+    """
+    if self._run is not None:
+      raise RuntimeError("warmup() during a run: finish or abort() it first")
+    limit = self.spec.max_positions - 1  # a prompt and one new token
+    if max_prompt_tokens is not None:
+      limit = min(check_positive_int("max_prompt_tokens", max_prompt_tokens), limit)
+
+    def fits(n: int, length: int, new: int) -> bool:
+      return n * -(-(length + new - 1) // self.page_size) <= self.num_pages
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+      # Distinct first tokens: no prompt starts on another's cached page.
+      return [[i % self.spec.vocab_size] + [0] * (length - 1) for i in range(n)]
+
+    runs = []
+    rows = 1
+    while rows < 2 * self.max_batch:  # prefill rows are bucketed past max_batch
+      n = min(rows, self.max_batch)
+      width = self.page_size
+      while rows * width <= self.max_prefill_tokens:
+        length = min(width, limit)
+        if fits(n, length, 1):
+          runs.append([Request(p, 1) for p in prompts(n, length)])
+        if width >= limit:
+          break
+        width *= 2
+      rows *= 2
+    # Decode over each width: a first call that runs every step unchecked (a row's budget
+    # lasts it), then a checked one (every budget ends within it).
+    new = self.steps_per_call + 2
+    length = max(1, min(self.page_size, self.spec.max_positions - new))
+    for width in sorted({min(runner_lib.bucket(n, runner_lib.MIN_DECODE_WIDTH),
+                             self.max_batch) for n in range(1, self.max_batch + 1)}):
+      if length + new <= self.spec.max_positions and fits(width, length, new):
+        runs.append([Request(p, new) for p in prompts(width, length)])
+    for requests in runs:
+      self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
+      self.generate(requests)
+    self.reset_prefix_cache()
+    self.report = Report(num_pages=self.num_pages)
+    return len(runs)
 
   def generate(self, requests: Sequence[Request],
                on_token: Callable[[TokenEvent], None] | None = None
