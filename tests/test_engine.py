@@ -504,10 +504,10 @@ def test_warmup_compiles_every_greedy_batch_shape():
   config = gpt2.GPT2Config(vocab_size=89, n_positions=48, n_embd=16, n_layer=1, n_head=2,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(2))
-  eng = Engine(model, max_batch=12, num_pages=128, page_size=8, steps_per_call=5)
+  eng = Engine(model, max_batch=12, num_pages=600, page_size=8, steps_per_call=5)
   # Prefill rows 1-16 x widths 8, 16, 32 (prompts of 8, 16, 24); decode over 12 slots.
   assert eng.warmup(max_prompt_tokens=24) == 5 * 3 + 1
-  assert int(eng.kv.num_free) == 128 and eng.num_cached_pages == 0
+  assert int(eng.kv.num_free) == 600 and eng.num_cached_pages == 0
   assert eng.report.generated_tokens == 0
   compiles = []
 
@@ -521,6 +521,8 @@ def test_warmup_compiles_every_greedy_batch_shape():
     for n in (1, 5, 12):
       eng.generate([Request(rng.integers(0, 89, rng.integers(1, 25)).tolist(),
                             int(rng.integers(1, 20))) for _ in range(n)])
+    for holds in (1, 300, 600):  # a call holding or dropping up to every page (padding)
+      eng.kv = eng.runner.update_pages(eng.kv, retain=[-1] * holds, evict=[-1] * holds)
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   assert not compiles
