@@ -497,16 +497,16 @@ def test_requests_added_between_steps_get_the_tokens_of_a_generate(model, prompt
   assert_pages_back(eng)
 
 
-def test_warmup_compiles_every_greedy_batch_shape():
-  """After warmup() a run of greedy requests (any count up to max_batch, prompts up to
-  max_prompt_tokens) compiles nothing; the pool is left empty. A model of its own: jit
-  caches are shared by models of one structure."""
+def test_warmup_compiles_every_batch_shape():
+  """After warmup() a run of greedy requests, or of greedy and top-p ones (any count up to
+  max_batch, prompts up to max_prompt_tokens), compiles nothing; the pool is left empty. A
+  model of its own: jit caches are shared by models of one structure."""
   config = gpt2.GPT2Config(vocab_size=89, n_positions=48, n_embd=16, n_layer=1, n_head=2,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(2))
   eng = Engine(model, max_batch=12, num_pages=600, page_size=8, steps_per_call=5)
-  # Prefill rows 1-16 x widths 8, 16, 32 (prompts of 8, 16, 24); decode over 12 slots.
-  assert eng.warmup(max_prompt_tokens=24) == 5 * 3 + 1
+  # Prefill rows 1-16 x widths 8, 16; decode over 12 slots; greedy and filtered.
+  assert eng.warmup(max_prompt_tokens=16, sampling=("greedy", "filtered")) == 2 * (5 * 2 + 1)
   assert int(eng.kv.num_free) == 600 and eng.num_cached_pages == 0
   assert eng.report.generated_tokens == 0
   compiles = []
@@ -518,9 +518,11 @@ def test_warmup_compiles_every_greedy_batch_shape():
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
     rng = np.random.default_rng(5)
-    for n in (1, 5, 12):
-      eng.generate([Request(rng.integers(0, 89, rng.integers(1, 25)).tolist(),
-                            int(rng.integers(1, 20))) for _ in range(n)])
+    for n, top_p in [(1, None), (5, None), (12, None), (7, 0.8), (12, 0.5)]:
+      eng.generate([Request(rng.integers(0, 89, rng.integers(1, 17)).tolist(),
+                            int(rng.integers(1, 20)),
+                            temperature=0.7 if top_p and i % 2 else 0.0,
+                            top_p=top_p if i % 2 else None) for i in range(n)])
     for holds in (1, 300, 600):  # a call holding or dropping up to every page (padding)
       eng.kv = eng.runner.update_pages(eng.kv, retain=[-1] * holds, evict=[-1] * holds)
   finally:
@@ -528,6 +530,8 @@ def test_warmup_compiles_every_greedy_batch_shape():
   assert not compiles
   with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
     eng.warmup(max_prompt_tokens=0)
+  with pytest.raises(ValueError, match="sampling must be a non-empty list of"):
+    eng.warmup(sampling="greedy")
 
 
 def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_reference):

@@ -180,21 +180,28 @@ class Engine:
     self.kv = self.runner.update_pages(self.kv, evict=evicted)
     return len(evicted)
 
-  def warmup(self, max_prompt_tokens: int | None = None) -> int:
-    """Compiles, before anything is served, the device calls that batches of greedy
-    requests take (as vLLM captures its CUDA graphs at start-up): a run otherwise compiles
-    each new batch shape when it first turns up, stalling every request ~1 s (GPT-2 on an
-    H200; benchmarks/RESULTS.md, "Serving requests as they arrive").
+  def warmup(self, max_prompt_tokens: int | None = None,
+             sampling: Sequence[str] = ("greedy",)) -> int:
+    """Compiles, before anything is served, the device calls that batches take (as vLLM
+    captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
+    when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
+    benchmarks/RESULTS.md, "Serving requests as they arrive").
 
     Serves throwaway requests: a prefill of n prompts of w tokens for every bucketed row
     count n (1, 2, 4, ... up to max_batch) and width w (page_size, 2 page_size, ... up to
     `max_prompt_tokens`, default the model's context) whose n x w padded tokens fit
     `max_prefill_tokens` (and whose pages fit the pool), then decode calls over every
-    decode width (`runner.decode_width`), with and without checks, and the page
-    bookkeeping of every count of cached pages one call can hold or drop. Leaves the pool
-    empty and the prefix cache dropped. Still compiled on first use: sampled rows (temperature
-    > 0), stop_token_ids beyond the engine's eos, prefix-cache hits, prompts split into
-    chunks, parallel samples, and decode chunks cut short by a full pool.
+    decode width (`runner.decode_width`), with and without checks; all of it once per
+    `sampling` kind; then the page bookkeeping of every count of cached pages one call
+    can hold or drop. Leaves the pool empty and the prefix cache dropped. Still compiled
+    on first use: stop_token_ids beyond the engine's eos, prefix-cache hits, prompts split
+    into chunks, parallel samples, and decode chunks cut short by a full pool.
+
+    Args:
+      max_prompt_tokens: the longest prompt to prepare for.
+      sampling: the batches to prepare for, each its own compilations: "greedy" (every
+        row greedy), "sampled" (some row samples, none filters) and "filtered" (some row
+        samples with top_k or top_p).
 
     Returns:
       the throwaway runs served.
@@ -204,15 +211,16 @@ class Engine:
     limit = self.spec.max_positions - 1  # a prompt and one new token
     if max_prompt_tokens is not None:
       limit = min(check_positive_int("max_prompt_tokens", max_prompt_tokens), limit)
+    settings = {"greedy": {}, "sampled": dict(temperature=1.0),
+                "filtered": dict(temperature=1.0, top_p=0.9)}
+    if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
+      raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
+                       f"{sampling!r}")
 
     def fits(n: int, length: int, new: int) -> bool:
       return n * -(-(length + new - 1) // self.page_size) <= self.num_pages
 
-    def prompts(n: int, length: int) -> list[list[int]]:
-      # Distinct first tokens: no prompt starts on another's cached page.
-      return [[i % self.spec.vocab_size] + [0] * (length - 1) for i in range(n)]
-
-    runs = []
+    shapes = []  # (requests, prompt length, new tokens) per run
     rows = 1
     while rows < 2 * self.max_batch:  # prefill rows are bucketed past max_batch
       n = min(rows, self.max_batch)
@@ -220,7 +228,7 @@ class Engine:
       while rows * width <= self.max_prefill_tokens:
         length = min(width, limit)
         if fits(n, length, 1):
-          runs.append([Request(p, 1) for p in prompts(n, length)])
+          shapes.append((n, length, 1))
         if width >= limit:
           break
         width *= 2
@@ -232,10 +240,15 @@ class Engine:
     for width in sorted({min(runner_lib.bucket(n, runner_lib.MIN_DECODE_WIDTH),
                              self.max_batch) for n in range(1, self.max_batch + 1)}):
       if length + new <= self.spec.max_positions and fits(width, length, new):
-        runs.append([Request(p, new) for p in prompts(width, length)])
-    for requests in runs:
-      self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
-      self.generate(requests)
+        shapes.append((width, length, new))
+    runs = 0
+    for kind in dict.fromkeys(sampling):
+      for n, length, new in shapes:
+        self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
+        # Distinct first tokens: no prompt starts on another's cached page.
+        self.generate([Request([i % self.spec.vocab_size] + [0] * (length - 1), new,
+                               **settings[kind]) for i in range(n)])
+        runs += 1
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
     # whole pool (bench_serving at 1000 requests/s met 8192 and 16384 at once). -1 is
@@ -247,7 +260,7 @@ class Engine:
         break
       holds = max(2 * holds, 256)
     self.report = Report(num_pages=self.num_pages)
-    return len(runs)
+    return runs
 
   def generate(self, requests: Sequence[Request],
                on_token: Callable[[TokenEvent], None] | None = None
