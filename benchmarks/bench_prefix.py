@@ -106,10 +106,7 @@ def main():
            f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, pages of {page}, "
            f"{cache_dtype.name} KV cache."]
 
-  def emit(*new_lines: str) -> None:
-    for line in new_lines:
-      lines.append(line)
-      print(line, flush=True)
+  emit = common.emitter(lines)
 
   # 1. A shared system prompt.
   if 1 in args.workloads:

@@ -161,10 +161,7 @@ def main():
            f"slots, pages of {page}; {n_req} requests, prompts of {prompt_len[0]}-"
            f"{prompt_len[1]} tokens, {new_len[0]}-{new_len[1]} new, Poisson arrivals."]
 
-  def emit(*new_lines: str) -> None:
-    for line in new_lines:
-      lines.append(line)
-      print(line, flush=True)
+  emit = common.emitter(lines)
 
   rng = np.random.default_rng(0)
   workloads = []

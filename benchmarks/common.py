@@ -11,6 +11,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +114,13 @@ def header() -> str:
 
 def out_dir() -> str:
   return os.environ.get("OUT", ".")
+
+
+def emitter(lines: list[str]) -> Callable[..., None]:
+  """emit(*new_lines): appends each line to `lines` (the markdown a benchmark writes at its
+  end) and prints it at once."""
+  def emit(*new_lines: str) -> None:
+    for line in new_lines:
+      lines.append(line)
+      print(line, flush=True)
+  return emit

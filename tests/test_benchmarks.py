@@ -8,6 +8,7 @@ from flax import nnx
 
 from benchmarks import bench_decode_step
 from benchmarks import bench_generate
+from benchmarks import bench_prefix
 from benchmarks import bench_serving
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
@@ -51,3 +52,11 @@ def test_serving_benchmark_tiny(monkeypatch, tmp_path):
     served = serve(Engine(model, max_batch=2, num_pages=64, page_size=8), requests, arrivals)
     np.testing.assert_array_equal(served.tokens, [3, 4, 5, 6, 7])
     assert (served.first >= arrivals).all() and (served.last >= served.first).all()
+
+
+def test_prefix_benchmark_tiny(monkeypatch, tmp_path):
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["bench_prefix.py", "--tiny"])
+  bench_prefix.main()
+  table = (tmp_path / "bench_prefix.md").read_text()
+  assert "## 1. Shared system prompt" in table and "Chunked: worst gap" in table

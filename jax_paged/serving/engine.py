@@ -53,7 +53,8 @@ class Engine:
     model: the model (its `spec` gives the context limit and the pool's shapes).
     max_batch: decode slots (pool sequences) run together. A decode call runs over the
       slots up to the last occupied one, in powers of two times 16 (`runner.decode_width`),
-      so a large capacity costs no idle rows; each such width compiles once, on first use.
+      so a large capacity costs no idle rows; each such width compiles once, on first use
+      (`warmup()` compiles them ahead).
     num_pages: pages in the pool; or None to size it from `memory_fraction` of the
       device's free memory (`pool.size_pool`, accelerators only; with a mesh, of the
       device with the least).
