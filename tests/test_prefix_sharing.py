@@ -252,3 +252,29 @@ def test_page_keys_chain_each_contexts_pages(group_tokens, monkeypatch):
   np.testing.assert_array_equal(together[2][:3], together[0][:3])
   assert not np.isin(together[2][3:], together[0]).any()
   assert len(np.unique(np.concatenate(together))) == 10 + 7 + 7
+
+
+def test_a_page_of_zeros_is_part_of_the_chain():
+  """Token id 0 (left padding, say) fills whole pages: a context starting with such pages
+  keys its later pages apart from a context without them."""
+  page = 4
+  x = np.array([5, 6, 7, 8, 9, 10, 11, 12], np.int32)
+  zeros = np.zeros(page, np.int32)
+  plain, one, two = page_keys([x, np.concatenate([zeros, x]),
+                               np.concatenate([zeros, zeros, x])], page)
+  assert one[0] == two[0]  # the same first page
+  assert len(np.unique(np.concatenate([plain, one, two[1:]]))) == 2 + 3 + 3
+
+
+def test_a_prompt_behind_pages_of_zeros_does_not_reuse_the_cached_prompt(model):
+  """With X cached and a page of zeros cached, [zeros, X] shares only the zeros page (X's
+  pages hold other positions): its tokens are those of an engine without prefix caching."""
+  rng = np.random.default_rng(8)
+  x = rng.integers(1, CONFIG.vocab_size, 2 * PAGE + 3).tolist()
+  prompts = [x, [0] * PAGE + [7], [0] * PAGE + x]
+  eng = Engine(model, max_batch=3, num_pages=64, page_size=PAGE)
+  cached = eng.generate([Request(p, 6) for p in prompts[:2]])[0]
+  behind, report = eng.generate([Request(prompts[2], 6)])
+  off = Engine(model, max_batch=3, num_pages=64, page_size=PAGE, prefix_caching=False)
+  assert cached + behind == off.generate([Request(p, 6) for p in prompts])[0]
+  assert report.cached_prompt_tokens == PAGE

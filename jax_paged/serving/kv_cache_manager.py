@@ -77,8 +77,11 @@ def _group_page_keys(contexts: Sequence[np.ndarray], counts: np.ndarray, page_si
   mix, up, down = _powers(max(page_size + 1, int(counts.max())))
   with np.errstate(over="ignore"):
     # Each page's tokens: a polynomial in _MIX with a final avalanche (cast as einsum
-    # multiplies: no uint64 copy of the tokens).
+    # multiplies: no uint64 copy of the tokens). Its constant term keeps a page of zeros
+    # from hashing to 0, which the chain below would skip: [zeros, X] would key X's page
+    # as [X] does, and share the K/V X computed at other positions.
     h = np.einsum("ij,j->i", pages, mix[1:page_size + 1], dtype=np.uint64, casting="unsafe")
+    h += mix[0]
     h ^= h >> np.uint64(31)
     h *= _B
     # The cumulative sum runs over all the contexts: less the sum before each one's first
