@@ -499,14 +499,17 @@ def test_requests_added_between_steps_get_the_tokens_of_a_generate(model, prompt
 
 def test_warmup_compiles_every_batch_shape():
   """After warmup() a run of greedy requests, or of greedy and top-p ones (any count up to
-  max_batch, prompts up to max_prompt_tokens), compiles nothing; the pool is left empty. A
-  model of its own: jit caches are shared by models of one structure."""
+  max_batch, prompts up to max_prompt_tokens, fresh or behind a cached page), compiles
+  nothing; the pool is left empty. A model of its own: jit caches are shared by models of
+  one structure."""
   config = gpt2.GPT2Config(vocab_size=89, n_positions=48, n_embd=16, n_layer=1, n_head=2,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(2))
   eng = Engine(model, max_batch=12, num_pages=600, page_size=8, steps_per_call=5)
-  # Prefill rows 1-16 x widths 8, 16; decode over 12 slots; greedy and filtered.
-  assert eng.warmup(max_prompt_tokens=16, sampling=("greedy", "filtered")) == 2 * (5 * 2 + 1)
+  # Prefill rows 1-16 x widths 8, 16, and 8 behind a cached page (a prompt to cache it,
+  # then the rows); decode over 12 slots; greedy and filtered.
+  assert eng.warmup(max_prompt_tokens=16, sampling=("greedy", "filtered"),
+                    prefix_hits=True) == 2 * (5 * 2 + 1 + 5 * 2)
   assert int(eng.kv.num_free) == 600 and eng.num_cached_pages == 0
   assert eng.report.generated_tokens == 0
   compiles = []
@@ -523,6 +526,12 @@ def test_warmup_compiles_every_batch_shape():
                             int(rng.integers(1, 20)),
                             temperature=0.7 if top_p and i % 2 else 0.0,
                             top_p=top_p if i % 2 else None) for i in range(n)])
+    system = rng.integers(0, 89, 9).tolist()  # a page cached, then rows behind it
+    eng.generate([Request(system, 2)])
+    for n in (3, 12):
+      eng.generate([Request(system + rng.integers(0, 89, rng.integers(1, 8)).tolist(), 4)
+                    for _ in range(n)])
+    assert eng.report.cached_prompt_tokens == 12 * 8
     for holds in (1, 300, 600):  # a call holding or dropping up to every page (padding)
       eng.kv = eng.runner.update_pages(eng.kv, retain=[-1] * holds, evict=[-1] * holds)
   finally:

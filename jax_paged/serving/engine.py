@@ -182,7 +182,7 @@ class Engine:
     return len(evicted)
 
   def warmup(self, max_prompt_tokens: int | None = None,
-             sampling: Sequence[str] = ("greedy",)) -> int:
+             sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -195,14 +195,17 @@ class Engine:
     decode width (`runner.decode_width`), with and without checks; all of it once per
     `sampling` kind; then the page bookkeeping of every count of cached pages one call
     can hold or drop. Leaves the pool empty and the prefix cache dropped. Still compiled
-    on first use: stop_token_ids beyond the engine's eos, prefix-cache hits, prompts split
-    into chunks, parallel samples, and decode chunks cut short by a full pool.
+    on first use: stop_token_ids beyond the engine's eos, prefix-cache hits (unless
+    `prefix_hits`), prompts split into chunks, parallel samples, and decode chunks cut
+    short by a full pool.
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
       sampling: the batches to prepare for, each its own compilations: "greedy" (every
         row greedy), "sampled" (some row samples, none filters) and "filtered" (some row
         samples with top_k or top_p).
+      prefix_hits: also the prefills of n prompts that start on a cached page (as behind a
+        shared system prompt once cached) and add w tokens: twice the prefill runs.
 
     Returns:
       the throwaway runs served.
@@ -250,6 +253,13 @@ class Engine:
         self.generate([Request([i % self.spec.vocab_size] + [0] * (length - 1), new,
                                **settings[kind]) for i in range(n)])
         runs += 1
+        if prefix_hits and new == 1 and length + self.page_size <= limit:
+          # A page cached, then n prompts starting on it: they prefill their w tokens only.
+          prefix = [0] * self.page_size
+          self.generate([Request(prefix + [0], 1)])
+          self.generate([Request(prefix + [i % self.spec.vocab_size] + [0] * (length - 1),
+                                 1, **settings[kind]) for i in range(n)])
+          runs += 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
     # whole pool (bench_serving at 1000 requests/s met 8192 and 16384 at once). -1 is
