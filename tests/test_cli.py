@@ -154,7 +154,8 @@ def test_bad_arguments_are_one_line_errors(capsys, args, message):
 
 
 def test_compilation_cache_flags_exclude_each_other(capsys):
-  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--compilation-cache", "d")
+  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x",
+                         "--compilation-cache", "d")
   assert status == 2 and "--no-compilation-cache: not allowed with argument" in err
 
 

@@ -13,8 +13,9 @@ class Report:
   stream: when it is first advanced; `add_request` finding the engine idle), so they
   include validating the requests: `ttft_s` holds each request's time to its first token
   less its arrival (its `arrival_s`, counted from its `add_request` for one added to a
-  run in progress), in the order the first tokens came; `elapsed_s` the whole run. `peak_pages_in_use` is the most pages the pool held at once (finished
-  sequences hold theirs until their device call returns); `kv_efficiency` is live tokens /
+  run in progress), in the order the first tokens came; `elapsed_s` the whole run.
+  `peak_pages_in_use` is the most pages the pool held at once (finished sequences hold
+  theirs until their device call returns); `kv_efficiency` is live tokens /
   token slots of the pages held, summed over every decode step: the fraction of reserved
   KV memory holding data. Neither depends on the steps per device call."""
 
