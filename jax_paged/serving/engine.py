@@ -196,8 +196,11 @@ class Engine:
     `sampling` kind; then the page bookkeeping of every count of cached pages one call
     can hold or drop. Leaves the pool empty and the prefix cache dropped. Still compiled
     on first use: stop_token_ids beyond the engine's eos, prefix-cache hits (unless
-    `prefix_hits`), prompts split into chunks, parallel samples, and decode chunks cut
-    short by a full pool.
+    `prefix_hits`), requests admitted together that share uncached pages (a call's second
+    phase), prompts split into chunks, parallel samples, and decode chunks cut short by a
+    full pool. One compilation per shape: GPT-2 124M, 256 slots, prompts up to 512
+    tokens, greedy, on an H200: 108 s, 75 compilations (an engine of another
+    steps_per_call on the same model then 12 s: prefill programs are shared).
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
