@@ -251,28 +251,27 @@ class Engine:
     runs = 0
     for kind in dict.fromkeys(sampling):
       for n, length, new in shapes:
-        self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
         # Distinct first tokens: no prompt starts on another's cached page.
-        self.generate([Request([i % self.spec.vocab_size] + [0] * (length - 1), new,
-                               **settings[kind]) for i in range(n)])
+        distinct = [[i % self.spec.vocab_size] + [0] * (length - 1) for i in range(n)]
+        self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
+        self.generate([Request(p, new, **settings[kind]) for p in distinct])
         runs += 1
         if prefix_hits and new == 1 and length + self.page_size <= limit:
           # A page cached, then n prompts starting on it: they prefill their w tokens only.
           prefix = [0] * self.page_size
           self.generate([Request(prefix + [0], 1)])
-          self.generate([Request(prefix + [i % self.spec.vocab_size] + [0] * (length - 1),
-                                 1, **settings[kind]) for i in range(n)])
+          self.generate([Request(prefix + p, 1, **settings[kind]) for p in distinct])
           runs += 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
     # whole pool (bench_serving at 1000 requests/s met 8192 and 16384 at once). -1 is
     # padding: these calls change nothing.
-    holds = 1
+    holds = runner_lib.MIN_HOLDS
     while True:
       self.kv = self.runner.update_pages(self.kv, retain=[-1] * holds)
       if holds >= self.num_pages:
         break
-      holds = max(2 * holds, 256)
+      holds *= 2
     self.report = Report(num_pages=self.num_pages)
     return runs
 

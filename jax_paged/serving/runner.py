@@ -144,6 +144,10 @@ STEPS_PER_CHECK = 16
 # The fewest slots a decode call runs over (`decode_width`).
 MIN_DECODE_WIDTH = 16
 
+# The fewest page holds a bookkeeping call carries (`ModelRunner.update_pages`): its
+# holds are padded to this times a power of two.
+MIN_HOLDS = 256
+
 
 def decode_width(rows: Sequence) -> int:
   """Slots a decode call runs over: the first ones up to the last decoding sequence
@@ -532,7 +536,7 @@ class ModelRunner:
     # Holds placed and dropped share one bucketed length: each new shape compiles the
     # call anew (~0.4 s on an H200 with a large pool, a stall mid-serving), and two
     # lengths bucketed apart made a shape for each of their combinations.
-    holds = np.full((2, bucket(max(len(retain), len(evict)), 256)), -1, np.int32)
+    holds = np.full((2, bucket(max(len(retain), len(evict)), MIN_HOLDS)), -1, np.int32)
     holds[0, :len(retain)] = retain
     holds[1, :len(evict)] = evict
     packed, layout = pack_arrays(holds=holds, release=release_ids)
