@@ -543,6 +543,49 @@ def test_warmup_compiles_every_batch_shape():
     eng.warmup(sampling="greedy")
 
 
+def test_warmup_covers_long_prompts_stop_tokens_and_samples():
+  """After warmup(prefix_hits=True, max_samples=3), requests submitted between steps at
+  random compile nothing: prompts longer than max_prefill_tokens (chunked: a chunk after
+  the first continues its sequence as a prompt behind a cached page does), up to 7 stop
+  tokens of a request's own beside the eos, n = 1-3 samples, greedy and sampled. A model
+  of its own structure (jit caches are shared by models of one structure)."""
+  config = gpt2.GPT2Config(vocab_size=97, n_positions=48, n_embd=24, n_layer=1, n_head=3,
+                           bos_token_id=None, eos_token_id=96)
+  model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(4))
+  eng = Engine(model, max_batch=8, num_pages=400, page_size=8, steps_per_call=5,
+               max_prefill_tokens=16, eos_token_id=96)
+  with pytest.raises(ValueError, match="max_samples=9 exceeds max_batch=8"):
+    eng.warmup(max_samples=9)
+  eng.warmup(max_prompt_tokens=40, sampling=("greedy", "sampled"), prefix_hits=True,
+             max_samples=3)
+  assert int(eng.kv.num_free) == 400 and eng.num_cached_pages == 0
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+
+  rng = np.random.default_rng(6)
+  queue = [Request(rng.integers(0, 96, rng.integers(1, 41)).tolist(),
+                   int(rng.integers(1, 8)), temperature=0.8 * (i % 2), seed=i,
+                   stop_token_ids=rng.integers(0, 96, rng.integers(0, 8)).tolist(),
+                   n=int(rng.integers(1, 4))) for i in range(40)]
+  chunked = sum(len(r.prompt) > 16 for r in queue)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    tokens = {}
+    while queue or eng.has_unfinished_requests():
+      for _ in range(min(len(queue), rng.integers(0, 4))):
+        eng.add_request(queue.pop(0))
+      for event in eng.step():
+        tokens[event.request_id, event.sample] = event.token
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert chunked >= 10 and len({rid for rid, _ in tokens}) == 40
+  assert not compiles
+  assert_pages_back(eng)
+
+
 def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_reference):
   eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
   with pytest.raises(ValueError, match="request 0: prompt is empty"):

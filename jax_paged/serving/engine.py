@@ -182,7 +182,8 @@ class Engine:
     return len(evicted)
 
   def warmup(self, max_prompt_tokens: int | None = None,
-             sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False) -> int:
+             sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
+             max_samples: int = 1) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -194,13 +195,15 @@ class Engine:
     `max_prefill_tokens` (and whose pages fit the pool), then decode calls over every
     decode width (`runner.decode_width`), with and without checks; all of it once per
     `sampling` kind; then the page bookkeeping of every count of cached pages one call
-    can hold or drop. Leaves the pool empty and the prefix cache dropped. Still compiled
-    on first use: stop_token_ids beyond the engine's eos, prefix-cache hits (unless
-    `prefix_hits`), requests admitted together that share uncached pages (a call's second
-    phase), prompts split into chunks, parallel samples, and decode chunks cut short by a
-    full pool. One compilation per shape: GPT-2 124M, 256 slots, prompts up to 512
-    tokens, greedy, on an H200: 108 s, 75 compilations (an engine of another
-    steps_per_call on the same model then 12 s: prefill programs are shared).
+    can hold or drop. Leaves the pool empty and the prefix cache dropped. Requests with up
+    to `runner.MIN_STOP_IDS` stop tokens (the eos included) and the chunks of long prompts
+    run in these shapes too (with `prefix_hits` for a chunk after the first). Still
+    compiled on first use: prefix-cache hits (unless `prefix_hits`), parallel samples
+    (unless `max_samples`), requests admitted together that share uncached pages (a
+    call's second phase) and decode chunks cut short by a full pool. One compilation per
+    shape: GPT-2 124M, 256 slots, prompts up to 512 tokens, greedy, on an H200: 103 s, 79
+    compilations (an engine of another steps_per_call on the same model then 13 s:
+    prefill programs are shared); 34 s from jax's persistent compilation cache.
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
@@ -209,6 +212,9 @@ class Engine:
         samples with top_k or top_p).
       prefix_hits: also the prefills of n prompts that start on a cached page (as behind a
         shared system prompt once cached) and add w tokens: twice the prefill runs.
+      max_samples: also the prefills of prompts with up to this many parallel samples
+        (`Request.n`): the prefill runs again per power of two from 2 up to it (the last
+        one max_samples), for the row counts whose samples fit the slots.
 
     Returns:
       the throwaway runs served.
@@ -223,6 +229,9 @@ class Engine:
     if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
       raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
                        f"{sampling!r}")
+    if check_positive_int("max_samples", max_samples) > self.max_batch:
+      raise ValueError(f"max_samples={max_samples} exceeds max_batch={self.max_batch}: a "
+                       "prompt's samples each take a slot")
 
     def fits(n: int, length: int, new: int) -> bool:
       return n * -(-(length + new - 1) // self.page_size) <= self.num_pages
@@ -248,20 +257,33 @@ class Engine:
                              self.max_batch) for n in range(1, self.max_batch + 1)}):
       if length + new <= self.spec.max_positions and fits(width, length, new):
         shapes.append((width, length, new))
+    # Parallel samples: a prefill samples its rows times the next power of two (runner).
+    samples, k = [1], 2
+    while k < 2 * max_samples:
+      samples.append(min(k, max_samples))
+      k *= 2
     runs = 0
     for kind in dict.fromkeys(sampling):
       for n, length, new in shapes:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (length - 1) for i in range(n)]
-        self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
-        self.generate([Request(p, new, **settings[kind]) for p in distinct])
-        runs += 1
-        if prefix_hits and new == 1 and length + self.page_size <= limit:
-          # A page cached, then n prompts starting on it: they prefill their w tokens only.
-          prefix = [0] * self.page_size
-          self.generate([Request(prefix + [0], 1)])
-          self.generate([Request(prefix + p, 1, **settings[kind]) for p in distinct])
-          runs += 2
+        for n_samples in samples if new == 1 else samples[:1]:
+          if n * n_samples > self.max_batch:  # each sample takes a slot
+            break
+          self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
+          self.generate([Request(p, new, n=n_samples, **settings[kind]) for p in distinct])
+          runs += 1
+          if prefix_hits and new == 1 and length + self.page_size <= limit:
+            # A page cached, then n prompts starting on it: they prefill their w tokens
+            # only (as a long prompt's chunks after the first do). Only that page: the
+            # first fresh prompt, all zeros, would make the first of these a hit on all
+            # but its last page (another shape).
+            prefix = [0] * self.page_size
+            self.reset_prefix_cache()
+            self.generate([Request(prefix + [0], 1)])
+            self.generate([Request(prefix + p, 1, n=n_samples, **settings[kind])
+                           for p in distinct])
+            runs += 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
     # whole pool (bench_serving at 1000 requests/s met 8192 and 16384 at once). -1 is

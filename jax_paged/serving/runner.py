@@ -156,6 +156,12 @@ STEPS_PER_CHECK = 16
 # The fewest slots a decode call runs over (`decode_width`).
 MIN_DECODE_WIDTH = 16
 
+# The fewest stop ids a decode call compares each new token with (`_decode_plan`): each
+# row's eos ids and stop_token_ids, padded with -1 to this times a power of two, so that
+# requests with a few stop tokens of their own (up to 8 with the eos) run in the calls
+# warmed and compiled for none instead of compiling new ones per count.
+MIN_STOP_IDS = 8
+
 # The fewest page holds a bookkeeping call carries (`ModelRunner.update_pages`): its
 # holds are padded to this times a power of two.
 MIN_HOLDS = 256
@@ -434,13 +440,6 @@ class _Sampling:
                 top_p=self.top_p)
 
 
-def _padded(values: Sequence[int], lo: int = 1) -> np.ndarray:
-  """int32 values padded with -1 to a bucketed length (few shapes, few compilations)."""
-  out = np.full((bucket(len(values), lo),), -1, np.int32)
-  out[:len(values)] = values
-  return out
-
-
 def _chunk_rows(chunks, page_size: int):
   """A prefill's rows for these chunks, padded to bucketed shapes: int32 tokens [n,
   width], lengths [n], seq_ids [n] (-1: a padding row, which reserves nothing) and start
@@ -605,15 +604,22 @@ class ModelRunner:
     chunks = plan.prefill
     forks = [(c.slot, f) for c in chunks for f in c.forks]
     samples = [(row[c], s) for c in chunks for _, s in c.samples]
-    m = bucket(max(len(samples), 1), 1)
+    # Samples (and forks) padded to the call's rows (n + the second phase's, bucketed) times
+    # a power of two: a call whose chunks all sample once has one shape whatever number
+    # of them sample (a long prompt's earlier chunks do not), and parallel samples (n per
+    # prompt) a few more (Engine.warmup compiles both).
+    m = bucket(len(samples), bucket(n + (len(f_ids) if second else 0), 1))
     sample_rows = np.zeros((m,), np.int32)
     sample_rows[:len(samples)] = [j for j, _ in samples]
     seqs = [s for _, s in samples] + [None] * (m - len(samples))
     sampling_ = _Sampling.of(seqs)
+    fork_src, fork_dst = np.full((2, m), -1, np.int32)
+    if forks:
+      fork_src[:len(forks)], fork_dst[:len(forks)] = zip(*forks)
     # No start: fresh prompts take the model's attention over the new tokens alone.
     packed, layout = pack_arrays(
         tokens=tokens, lengths=lengths, seq_ids=seq_ids, **continued,
-        fork_src=_padded([src for src, _ in forks]), fork_dst=_padded([dst for _, dst in forks]),
+        fork_src=fork_src, fork_dst=fork_dst,
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         **sampling_.arrays())
@@ -624,7 +630,8 @@ class ModelRunner:
     """The plan's decode chunk over its first `decode_width(plan.rows)` slots."""
     rows, max_steps = plan.rows[:decode_width(plan.rows)], plan.max_steps
     stops = [list(s.stop_token_ids) if s is not None else [] for s in rows]
-    stop_ids = np.full((len(rows), bucket(max(map(len, stops)), 1)), -1, np.int32)
+    stop_ids = np.full((len(rows), bucket(max(map(len, stops)), MIN_STOP_IDS)), -1,
+                       np.int32)
     for i, ids in enumerate(stops):
       stop_ids[i, :len(ids)] = ids
     active = np.array([s is not None for s in rows])
