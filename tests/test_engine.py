@@ -1,6 +1,7 @@
 """The serving layer: the continuous-batching engine against static-batch `generate`
 under pressure, and its scheduler and runner on their own."""
 
+import contextlib
 import functools
 import time
 
@@ -497,6 +498,22 @@ def test_requests_added_between_steps_get_the_tokens_of_a_generate(model, prompt
   assert_pages_back(eng)
 
 
+@contextlib.contextmanager
+def compilations():
+  """Yields a list that collects the seconds of each XLA compilation inside the block."""
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_warmup_compiles_every_batch_shape():
   """After warmup() a run of greedy requests, or of greedy and top-p ones (any count up to
   max_batch, prompts up to max_prompt_tokens, fresh or behind a cached page), compiles
@@ -512,14 +529,7 @@ def test_warmup_compiles_every_batch_shape():
                     prefix_hits=True) == 2 * (5 * 2 + 1 + 5 * 2)
   assert int(eng.kv.num_free) == 600 and eng.num_cached_pages == 0
   assert eng.report.generated_tokens == 0
-  compiles = []
-
-  def listen(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(seconds)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with compilations() as compiles:
     rng = np.random.default_rng(5)
     for n, top_p in [(1, None), (5, None), (12, None), (7, 0.8), (12, 0.5)]:
       eng.generate([Request(rng.integers(0, 89, rng.integers(1, 17)).tolist(),
@@ -534,8 +544,6 @@ def test_warmup_compiles_every_batch_shape():
     assert eng.report.cached_prompt_tokens == 12 * 8
     for holds in (1, 300, 600):  # a call holding or dropping up to every page (padding)
       eng.kv = eng.runner.update_pages(eng.kv, retain=[-1] * holds, evict=[-1] * holds)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert not compiles
   with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
     eng.warmup(max_prompt_tokens=0)
@@ -559,28 +567,19 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples():
   eng.warmup(max_prompt_tokens=40, sampling=("greedy", "sampled"), prefix_hits=True,
              max_samples=3)
   assert int(eng.kv.num_free) == 400 and eng.num_cached_pages == 0
-  compiles = []
-
-  def listen(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(seconds)
-
   rng = np.random.default_rng(6)
   queue = [Request(rng.integers(0, 96, rng.integers(1, 41)).tolist(),
                    int(rng.integers(1, 8)), temperature=0.8 * (i % 2), seed=i,
                    stop_token_ids=rng.integers(0, 96, rng.integers(0, 8)).tolist(),
                    n=int(rng.integers(1, 4))) for i in range(40)]
   chunked = sum(len(r.prompt) > 16 for r in queue)
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    tokens = {}
+  tokens = {}
+  with compilations() as compiles:
     while queue or eng.has_unfinished_requests():
       for _ in range(min(len(queue), rng.integers(0, 4))):
         eng.add_request(queue.pop(0))
       for event in eng.step():
         tokens[event.request_id, event.sample] = event.token
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert chunked >= 10 and len({rid for rid, _ in tokens}) == 40
   assert not compiles
   assert_pages_back(eng)
