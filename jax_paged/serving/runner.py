@@ -37,8 +37,8 @@ from jax_paged.paged_model import ModelSpec, PagedModel
 
 
 # jax.jit for the programs that carry the pool (donated). XLA's rematerialization pass
-# estimates a program's memory with the donated pool counted about three times (GPT-2's
-# prefill and decode with the CLI's default pool, sized from free memory: 282 GiB for a
+# estimates a program's memory with the donated pool counted about three times (the two
+# programs of a GPT-2 CLI run with its default pool, sized from free memory: 282 GiB for a
 # 94 GiB pool on an H200, against a budget of 104), so with a pool of over ~1/3 of the GPU
 # every such program logged "Can't reduce memory use below ... by rematerialization" and
 # found nothing to recompute; the buffers are aliased and the programs run. Nothing in a
@@ -350,10 +350,10 @@ class JittedSteps:
     self.prefill = _pool_jit(prefill, donate_argnums=1)
     self.decode = _pool_jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = _pool_jit(prefill_sample, donate_argnums=1,
-                                  static_argnames=("layout", "greedy", "filtered"))
+                                    static_argnames=("layout", "greedy", "filtered"))
     self.decode_loop = _pool_jit(loop, donate_argnums=1,
-                               static_argnames=("layout", "max_steps", "greedy", "checked",
-                                                "filtered"))
+                                 static_argnames=("layout", "max_steps", "greedy",
+                                                  "checked", "filtered"))
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
