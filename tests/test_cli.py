@@ -1,4 +1,4 @@
-"""The generation CLI end to end, in a subprocess, on CPU (one test on a GPU)."""
+"""The generation CLI end to end, in a subprocess, on CPU."""
 
 import os
 import subprocess
@@ -10,8 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args, timeout=120, env=None):
-  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-         "JAX_PLATFORMS": "cpu", **(env or {})}
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu", **(env or {}))
   return subprocess.run([sys.executable, "-m", "jax_paged.cli", *args], env=env,
                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
@@ -31,17 +31,6 @@ def test_tiny_model_end_to_end():
   completions = lambda out: [l for l in out.splitlines() if not l.startswith(("requests",
                              "time", "KV", "preempt", "throughput"))]
   assert completions(again.stdout) == completions(proc.stdout)  # reproducible by seed
-
-
-@pytest.mark.gpu
-def test_default_pool_on_a_gpu_logs_no_xla_warnings():
-  """The pool sized from free memory (the default) holds most of the GPU: XLA's
-  rematerialization pass, whose estimate counts the donated pool about three times, used
-  to log "Can't reduce memory use below ..." for each program (the runner's `_pool_jit`)."""
-  proc = run_cli("--model", "tiny", "--max-new-tokens", "8", "--prompt", "paged",
-                 "--no-progress", "--no-compilation-cache", env={"JAX_PLATFORMS": "cuda"})
-  assert proc.returncode == 0, proc.stderr
-  assert "on 1 x gpu" in proc.stderr and "rematerialization" not in proc.stderr, proc.stderr
 
 
 def test_compilation_cache_serves_a_later_run(tmp_path):
