@@ -403,6 +403,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
                             n=args.n))
+  eng = None
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
@@ -421,6 +422,16 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
     progress.close()
   except ValueError as e:
     raise CLIError(str(e)) from e
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    pool = "" if eng is None else f" with a KV pool of {eng.num_pages} pages"
+    # A pool sized from free memory takes what jax reports free, which leaves out other
+    # processes on the device (and, jax not preallocating, what it cannot take after all).
+    advice = ("give a smaller --num-pages" if num_pages is not None else
+              "lower --memory-fraction (of the memory jax reports free, which other "
+              "processes on the device may hold) or give --num-pages")
+    raise CLIError(f"out of device memory{pool}: {advice} ({str(e).splitlines()[0]})") from e
   for i, ((prompt, _), out) in enumerate(zip(prompts, outputs)):
     for j, sample in enumerate([out] if args.n == 1 else out):
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,6 +152,27 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
   assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_out_of_device_memory_is_a_one_line_error(capsys, monkeypatch):
+  """A pool the device cannot hold (another process holds memory that jax reports free)
+  ends in one line naming the pool and what to change; other runtime errors propagate."""
+  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+
+  def fail(message):
+    def generate(*_, **__):
+      raise jax.errors.JaxRuntimeError(message)
+    return generate
+
+  monkeypatch.setattr(cli.Engine, "generate",
+                      fail("RESOURCE_EXHAUSTED: Out of memory allocating 99 bytes.\nmore"))
+  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--num-pages", "64")
+  assert status == 2 and "Traceback" not in err and err.strip().splitlines()[-1] == (
+      "jax-paged-generate: error: out of device memory with a KV pool of 64 pages: give a "
+      "smaller --num-pages (RESOURCE_EXHAUSTED: Out of memory allocating 99 bytes.)")
+  monkeypatch.setattr(cli.Engine, "generate", fail("INTERNAL: not memory"))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: not memory"):
+    _main(capsys, "--model", "tiny", "--prompt", "x", "--num-pages", "64")
 
 
 def test_compilation_cache_flags_exclude_each_other(capsys):
