@@ -612,6 +612,26 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples():
   assert_pages_back(eng)
 
 
+def test_warmup_covers_decode_chunks_cut_short_by_a_full_pool():
+  """A pool too small for its slots (optimistic admission) cuts decode chunks short and
+  preempts: after warmup(prefix_hits=True, short_chunks=True) such a run compiles nothing
+  and gives the tokens of a pool that never runs short. A model of its own structure."""
+  config = gpt2.GPT2Config(vocab_size=83, n_positions=48, n_embd=32, n_layer=1, n_head=4,
+                           bos_token_id=None, eos_token_id=None)
+  model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(5))
+  rng = np.random.default_rng(7)
+  requests = [Request(rng.integers(0, 83, rng.integers(3, 20)).tolist(),
+                      int(rng.integers(8, 28))) for _ in range(12)]
+  expected, _ = Engine(model, max_batch=8, num_pages=64, page_size=8).generate(requests)
+  eng = Engine(model, max_batch=8, num_pages=14, page_size=8, steps_per_call=5)
+  eng.warmup(prefix_hits=True, short_chunks=True)
+  assert int(eng.kv.num_free) == 14 and eng.num_cached_pages == 0
+  with compilations() as compiles:
+    tokens, report = eng.generate(requests)
+  assert report.preemptions and tokens == expected
+  assert not compiles
+
+
 def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_reference):
   eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
   with pytest.raises(ValueError, match="request 0: prompt is empty"):

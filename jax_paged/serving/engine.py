@@ -183,7 +183,7 @@ class Engine:
 
   def warmup(self, max_prompt_tokens: int | None = None,
              sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
-             max_samples: int = 1) -> int:
+             max_samples: int = 1, short_chunks: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -199,11 +199,12 @@ class Engine:
     to `runner.MIN_STOP_IDS` stop tokens (the eos included) and the chunks of long prompts
     run in these shapes too (with `prefix_hits` for a chunk after the first). Still
     compiled on first use: prefix-cache hits (unless `prefix_hits`), parallel samples
-    (unless `max_samples`), requests admitted together that share uncached pages (a
-    call's second phase) and decode chunks cut short by a full pool. One compilation per
-    shape: GPT-2 124M, 256 slots, prompts up to 512 tokens, greedy, on an H200: 103 s, 79
-    compilations (an engine of another steps_per_call on the same model then 13 s:
-    prefill programs are shared); 34 s from jax's persistent compilation cache.
+    (unless `max_samples`), decode chunks cut short by a pool running out of free pages
+    (unless `short_chunks`) and requests admitted together that share uncached pages (a
+    call's second phase). One compilation per shape: GPT-2 124M, 256 slots, prompts up to
+    512 tokens, greedy, on an H200: 75-103 s, 79 compilations (an engine of another
+    steps_per_call on the same model then 13 s: prefill programs are shared); 34 s from
+    jax's persistent compilation cache.
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
@@ -215,6 +216,9 @@ class Engine:
       max_samples: also the prefills of prompts with up to this many parallel samples
         (`Request.n`): the prefill runs again per power of two from 2 up to it (the last
         one max_samples), for the row counts whose samples fit the slots.
+      short_chunks: also the decode calls that a pool short of free pages cuts below a
+        group of checked steps (`runner.STEPS_PER_CHECK`): loops of 1, 2, 4, ... steps
+        over every decode width, checked or not (serving near the pool's capacity).
 
     Returns:
       the throwaway runs served.
@@ -233,30 +237,39 @@ class Engine:
       raise ValueError(f"max_samples={max_samples} exceeds max_batch={self.max_batch}: a "
                        "prompt's samples each take a slot")
 
-    def fits(n: int, length: int, new: int) -> bool:
-      return n * -(-(length + new - 1) // self.page_size) <= self.num_pages
+    def fits(lengths: Sequence[int], new: int) -> bool:
+      return sum(-(-(n + new - 1) // self.page_size) for n in lengths) <= self.num_pages
 
-    shapes = []  # (requests, prompt length, new tokens) per run
+    # Each run: its prompts' lengths and new tokens. A call's shape is its bucketed rows
+    # and longest prompt, so where a full batch of such prompts does not fit the pool, a
+    # run with just enough rows (the longest prompt and one-token ones) takes the shape.
+    runs_of = []
     rows = 1
     while rows < 2 * self.max_batch:  # prefill rows are bucketed past max_batch
-      n = min(rows, self.max_batch)
       width = self.page_size
       while rows * width <= self.max_prefill_tokens:
         length = min(width, limit)
-        if fits(n, length, 1):
-          shapes.append((n, length, 1))
+        for lengths in ((length,) * min(rows, self.max_batch),
+                        (length,) + (1,) * (min(rows // 2 + 1, self.max_batch) - 1)):
+          if fits(lengths, 1):
+            runs_of.append((lengths, 1))
+            break
         if width >= limit:
           break
         width *= 2
       rows *= 2
-    # Decode over each width: a first call that runs every step unchecked (a row's budget
-    # lasts it), then a checked one (every budget ends within it).
+    # Decode over each width, with the fewest sequences that make it (`decode_width`): a
+    # first call that runs every step unchecked (a row's budget lasts it), then a checked
+    # one (every budget ends within it).
     new = self.steps_per_call + 2
     length = max(1, min(self.page_size, self.spec.max_positions - new))
-    for width in sorted({min(runner_lib.bucket(n, runner_lib.MIN_DECODE_WIDTH),
-                             self.max_batch) for n in range(1, self.max_batch + 1)}):
-      if length + new <= self.spec.max_positions and fits(width, length, new):
-        shapes.append((width, length, new))
+    fewest = {}  # decode width -> the fewest sequences that run over it
+    for n in range(1, self.max_batch + 1):
+      fewest.setdefault(min(runner_lib.bucket(n, runner_lib.MIN_DECODE_WIDTH),
+                            self.max_batch), n)
+    for n in fewest.values():
+      if length + new <= self.spec.max_positions and fits((length,) * n, new):
+        runs_of.append(((length,) * n, new))
     # Parallel samples: a prefill samples its rows times the next power of two (runner).
     samples, k = [1], 2
     while k < 2 * max_samples:
@@ -264,26 +277,39 @@ class Engine:
       k *= 2
     runs = 0
     for kind in dict.fromkeys(sampling):
-      for n, length, new in shapes:
+      for lengths, new in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
-        distinct = [[i % self.spec.vocab_size] + [0] * (length - 1) for i in range(n)]
+        distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
+                    for i, n in enumerate(lengths)]
         for n_samples in samples if new == 1 else samples[:1]:
-          if n * n_samples > self.max_batch:  # each sample takes a slot
+          if len(lengths) * n_samples > self.max_batch:  # each sample takes a slot
             break
           self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
           self.generate([Request(p, new, n=n_samples, **settings[kind]) for p in distinct])
           runs += 1
-          if prefix_hits and new == 1 and length + self.page_size <= limit:
-            # A page cached, then n prompts starting on it: they prefill their w tokens
-            # only (as a long prompt's chunks after the first do). Only that page: the
-            # first fresh prompt, all zeros, would make the first of these a hit on all
-            # but its last page (another shape).
+          behind = [self.page_size + n for n in lengths]
+          if prefix_hits and new == 1 and behind[0] <= limit and fits(behind, 1):
+            # A page cached, then the prompts starting on it: they prefill their own
+            # tokens only (as a long prompt's chunks after the first do). Only that page:
+            # the first fresh prompt, all zeros, would make the first of these a hit on
+            # all but its last page (another shape).
             prefix = [0] * self.page_size
             self.reset_prefix_cache()
             self.generate([Request(prefix + [0], 1)])
             self.generate([Request(prefix + p, 1, n=n_samples, **settings[kind])
                            for p in distinct])
             runs += 2
+      # A decode chunk that the free pages cut below a group of checked steps runs in a
+      # loop of its length rounded up to a power of two (runner): empty rows, nothing
+      # written.
+      per_check, steps = runner_lib.steps_per_check(self.steps_per_call), 1
+      while short_chunks and steps <= runner_lib.bucket(per_check - 1, 1):
+        for width in fewest:
+          for checked in (True, False):
+            self.kv = self.runner.idle_decode(
+                self.kv, width, steps, greedy=kind == "greedy", checked=checked,
+                filtered=kind == "filtered")
+        steps *= 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
     # whole pool (bench_serving at 1000 requests/s met 8192 and 16384 at once). -1 is

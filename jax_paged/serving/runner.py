@@ -528,6 +528,20 @@ class ModelRunner:
                                    max_steps=max_steps, greedy=greedy, checked=checked,
                                    filtered=filtered)
 
+  def idle_decode(self, kv: pool_lib.KVPool, width: int, max_steps: int, *, greedy: bool,
+                  checked: bool, filtered: bool) -> pool_lib.KVPool:
+    """A decode call over `width` empty rows in a loop of `max_steps` steps, its tokens
+    read back as `execute` reads a call's: compiles the programs such a call runs (for
+    `Engine.warmup`) and changes nothing (no row is active)."""
+    zeros = np.zeros((width,), np.int32)
+    decoded, kv = self.decode_loop(
+        kv, max_steps, max_steps=max_steps, greedy=greedy, checked=checked,
+        filtered=filtered, tokens=zeros, active=np.zeros((width,), bool), index=zeros,
+        budget=zeros, stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
+        **_Sampling.of([None] * width).arrays())
+    _read_back(decoded, kv.page_table, kv.num_free, None)
+    return kv
+
   def clear(self, kv: pool_lib.KVPool) -> pool_lib.KVPool:
     """Every page free and every sequence empty (`pool.clear`), in place."""
     return _clear(kv)
