@@ -265,8 +265,7 @@ class Engine:
     length = max(1, min(self.page_size, self.spec.max_positions - new))
     fewest = {}  # decode width -> the fewest sequences that run over it
     for n in range(1, self.max_batch + 1):
-      fewest.setdefault(min(runner_lib.bucket(n, runner_lib.MIN_DECODE_WIDTH),
-                            self.max_batch), n)
+      fewest.setdefault(runner_lib.decode_width([0] * n + [None] * (self.max_batch - n)), n)
     for n in fewest.values():
       if length + new <= self.spec.max_positions and fits((length,) * n, new):
         runs_of.append(((length,) * n, new))
