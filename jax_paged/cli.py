@@ -123,14 +123,17 @@ def load_tokenizer(directory: str) -> Codec | None:
 
 
 def model_families() -> list[ModelFamily]:
-  """The model families registered under the `jax_paged.models` entry point group."""
+  """The model families registered under the `jax_paged.models` entry point group, each
+  once: two copies of a distribution on the path (a checkout on PYTHONPATH beside its
+  installed copy) register the same entry points twice."""
   families = []
   for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
     family = entry.load()
     if not isinstance(family, ModelFamily):
       raise CLIError(f"entry point {entry.name} = {entry.value} in group {ENTRY_POINT_GROUP} "
                      f"is a {type(family).__name__}, not a jax_paged.ModelFamily")
-    families.append(family)
+    if not any(f is family for f in families):
+      families.append(family)
   return families
 
 

@@ -175,6 +175,28 @@ def test_out_of_device_memory_is_a_one_line_error(capsys, monkeypatch):
     _main(capsys, "--model", "tiny", "--prompt", "x", "--num-pages", "64")
 
 
+def test_model_families_once_each_and_checked(capsys, monkeypatch):
+  """Entry points registered twice (a checkout on PYTHONPATH beside its installed copy)
+  give each family once; one that is not a ModelFamily is a CLI error naming it."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+
+  def entry(name, value):
+    return importlib.metadata.EntryPoint(name, value, cli.ENTRY_POINT_GROUP)
+
+  registered = [entry("gpt2", "models.gpt2:FAMILY"), entry("llama", "models.llama:FAMILY")]
+  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: registered * 2)
+  families = cli.model_families()
+  assert [f.model_types for f in families] == [("gpt2",), ("llama", "mistral", "qwen2")]
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--help"], families)
+  assert "one of gpt2, llama, mistral, qwen2, its" in " ".join(capsys.readouterr().out.split())
+  registered.append(entry("bad", "models.gpt2:GPT2Config"))
+  with pytest.raises(cli.CLIError, match="entry point bad = models.gpt2:GPT2Config in group "
+                     "jax_paged.models is a type, not a jax_paged.ModelFamily"):
+    cli.model_families()
+
+
 def test_compilation_cache_flags_exclude_each_other(capsys):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x",
                          "--compilation-cache", "d")
