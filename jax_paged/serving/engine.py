@@ -218,7 +218,8 @@ class Engine:
         one max_samples), for the row counts whose samples fit the slots.
       short_chunks: also the decode calls that a pool short of free pages cuts below a
         group of checked steps (`runner.STEPS_PER_CHECK`): loops of 1, 2, 4, ... steps
-        over every decode width, checked or not (serving near the pool's capacity).
+        over every decode width, checked or not (serving near the pool's capacity; the
+        GPT-2 warm-up above: 47 s and 60 compilations more).
 
     Returns:
       the throwaway runs served.
