@@ -244,3 +244,6 @@ def test_parallel_samples_and_no_prefix_caching(capsys):
   texts = lambda out: out.split("requests:")[0]
   assert texts(again) == texts(out)  # the same samples, pages shared or not
   assert "0 of 12 prompt tokens" in again
+  # Three samples on one prompt's pages (forked, prefix caching or not) hold more live
+  # tokens than their pages have slots.
+  assert "; above 100%: sequences shared pages)" in again

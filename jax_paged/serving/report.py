@@ -54,7 +54,8 @@ class Report:
         f"time to first token: mean {ttft.mean():.1f} ms, p50 {np.median(ttft):.1f} ms, "
         f"max {ttft.max():.1f} ms",
         f"KV pages: peak {self.peak_pages_in_use} of {self.num_pages} in use; memory "
-        f"efficiency {self.kv_efficiency:.1%} (live tokens / reserved slots)",
+        f"efficiency {self.kv_efficiency:.1%} (live tokens / reserved slots"
+        f"{'; above 100%: sequences shared pages' if self.kv_efficiency > 1 else ''})",
         f"prefix cache: {self.cached_prompt_tokens} of {self.prompt_tokens} prompt tokens "
         f"({self.prefix_hit_rate:.1%}) served from cached pages; {self.pages_saved} pages "
         f"shared instead of filled; {self.evicted_pages} evicted",
