@@ -680,6 +680,10 @@ def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_r
     (Request([1], np.int64(0)), "max_new_tokens must be an int >= 1"),
     (Request([1], True), "max_new_tokens must be an int >= 1"),
     (Request([1], 3, stop_token_ids=[2, 1.5]), "stop_token_ids must be integer"),
+    (Request([1], 3, stop_token_ids=[2, 97, -1]), r"stop_token_ids \[97, -1\] outside "
+     r"\[0, vocab_size=97\)"),
+    (Request([1], 3, temperature=float("inf")), "temperature must be a finite number >= 0"),
+    (Request([1], 3, temperature=float("nan")), "temperature must be a finite number >= 0"),
     (Request([1], 3, n=0), "n must be an int"),
     (Request([1] * 90, 10), "exceeds the model's n_positions"),
     (Request([1], 3, top_p=0.0), "top_p"),
@@ -691,6 +695,13 @@ def test_bad_requests_raise_clear_errors(model, request_, match):
   eng = Engine(model, max_batch=2, num_pages=6, page_size=8)
   with pytest.raises(ValueError, match=match):
     eng.generate([request_])
+
+
+def test_a_lone_request_is_named_not_iterated(model):
+  eng = Engine(model, max_batch=2, num_pages=6, page_size=8)
+  for run in (eng.generate, lambda r: list(eng.stream(r))):
+    with pytest.raises(ValueError, match=r"got one Request: pass \[request\]"):
+      run(Request([1], 3))
 
 
 @pytest.mark.gpu

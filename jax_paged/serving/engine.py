@@ -26,6 +26,7 @@ depend on batching, arrival order, preemption or the prefix cache.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Callable, Iterator, Sequence
@@ -328,13 +329,14 @@ class Engine:
                ) -> tuple[list, Report]:
     """Runs every request to completion; returns (outputs, report). outputs[i] is the new
     tokens of request i, or for a request with n > 1 samples a list of n such lists."""
-    outputs = [[[] for _ in range(r.n)] for r in requests]
-    for rid, sample, tokens, reason in self._run_all(requests):
-      outputs[rid][sample] += tokens
+    outputs = collections.defaultdict(list)  # (request id, sample) -> its tokens
+    for rid, sample, tokens, reason in self._run_all(requests):  # (validated first)
+      outputs[rid, sample] += tokens
       if on_token is not None:
         for event in _events(rid, sample, tokens, reason):
           on_token(event)
-    return [o[0] if r.n == 1 else o for o, r in zip(outputs, requests)], self.report
+    return [outputs[i, 0] if r.n == 1 else [outputs[i, j] for j in range(r.n)]
+            for i, r in enumerate(requests)], self.report
 
   def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
     """Yields each token as soon as the host has it. `self.report` is complete once the

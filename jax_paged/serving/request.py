@@ -104,6 +104,9 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
       table's width).
     max_batch: the engine's slots (a request's n samples run together).
   """
+  if isinstance(requests, Request):
+    raise ValueError("requests must be a non-empty list of Request, got one Request: pass "
+                     "[request]")
   if not isinstance(requests, Sequence) or not requests:
     raise ValueError("requests must be a non-empty list of Request")
   prompts = []
@@ -124,17 +127,24 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if not _is_int(r.max_new_tokens) or r.max_new_tokens < 1:
       raise ValueError(f"request {i}: max_new_tokens must be an int >= 1, got "
                        f"{r.max_new_tokens!r}")
-    if not r.temperature >= 0:  # also NaN
-      raise ValueError(f"request {i}: temperature must be >= 0, got {r.temperature}")
+    # (also NaN; an infinite one would turn a -inf logit, e.g. a padded vocabulary's, NaN)
+    if not 0 <= r.temperature < float("inf"):
+      raise ValueError(f"request {i}: temperature must be a finite number >= 0, got "
+                       f"{r.temperature}")
     if r.top_k is not None and (not _is_int(r.top_k) or r.top_k < 1):
       raise ValueError(f"request {i}: top_k must be an int >= 1 or None, got {r.top_k!r}")
     if r.top_p is not None and not 0.0 < r.top_p <= 1.0:
       raise ValueError(f"request {i}: top_p must be in (0, 1], got {r.top_p}")
     if not _is_int(r.seed) or not 0 <= r.seed < 2 ** 32:
       raise ValueError(f"request {i}: seed must be an int in [0, 2**32), got {r.seed!r}")
-    if len(r.stop_token_ids) and not all(_is_int(t) for t in r.stop_token_ids):
-      raise ValueError(f"request {i}: stop_token_ids must be integer token ids, got "
-                       f"{list(r.stop_token_ids)!r}")
+    if len(r.stop_token_ids):
+      if not all(_is_int(t) for t in r.stop_token_ids):
+        raise ValueError(f"request {i}: stop_token_ids must be integer token ids, got "
+                         f"{list(r.stop_token_ids)!r}")
+      bad = [int(t) for t in r.stop_token_ids if not 0 <= t < spec.vocab_size]
+      if bad:  # never generated: likely another tokenizer's ids
+        raise ValueError(f"request {i}: stop_token_ids {bad[:5]} outside [0, vocab_size="
+                         f"{spec.vocab_size})")
     if not _is_int(r.n) or not 1 <= r.n <= max_batch:
       raise ValueError(f"request {i}: n must be an int in [1, max_batch={max_batch}] (its "
                        f"samples run together), got {r.n!r}")
