@@ -163,6 +163,52 @@ def test_the_prefix_cache_outlives_a_run(model, shared_prompts, reference):
   assert_pages_back(tiny)
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_every_feature_at_once_gives_each_request_its_own_tokens(model, seed):
+  """Random requests (prefixes of a few shared prompts plus suffixes, greedy and sampled
+  with top-k / top-p, stop tokens, n up to 3) added between steps to a small engine that
+  caches prefixes, chunks prompts, evicts and preempts: every sample's tokens are those of
+  a run of all of them at once on a pool that holds everything, without prefix caching."""
+  rng = np.random.default_rng(seed)
+  vocab = CONFIG.vocab_size
+  bases = [rng.integers(0, vocab, rng.integers(3, 30)).tolist() for _ in range(3)]
+  requests = []
+  for _ in range(16):
+    base = bases[rng.integers(len(bases))]
+    settings = {}
+    if rng.random() < 0.4:
+      settings.update(temperature=0.8, seed=int(rng.integers(0, 1000)),
+                      top_k=[None, 5][rng.integers(2)], top_p=[None, 0.9][rng.integers(2)])
+    if rng.random() < 0.3:
+      settings.update(stop_token_ids=rng.integers(0, vocab, 2).tolist())
+    prompt = (base[:rng.integers(1, len(base) + 1)]
+              + rng.integers(0, vocab, rng.integers(0, 6)).tolist())
+    requests.append(Request(prompt, int(rng.integers(1, 14)), n=int(rng.choice([1, 1, 2, 3])),
+                            **settings))
+  big = Engine(model, max_batch=40, num_pages=40 * 13, page_size=PAGE, prefix_caching=False)
+  expected, _ = big.generate(requests)
+  eng = Engine(model, max_batch=6, num_pages=10, page_size=PAGE, steps_per_call=5,
+               max_prefill_tokens=16)
+  got, ids, waiting = {}, {}, list(rng.permutation(len(requests)))
+  preemptions = evicted = cached = 0
+  while waiting or eng.has_unfinished_requests():
+    for _ in range(rng.integers(0, 4)):
+      if waiting:
+        i = waiting.pop(0)
+        ids[eng.add_request(requests[i])] = i
+    for event in eng.step():
+      got.setdefault((ids[event.request_id], event.sample), []).append(event.token)
+    if not eng.has_unfinished_requests():  # a run ended: its report is complete
+      preemptions += eng.report.preemptions
+      evicted += eng.report.evicted_pages
+      cached += eng.report.cached_prompt_tokens
+  for i, r in enumerate(requests):
+    for j in range(r.n):
+      assert got[i, j] == (expected[i][j] if r.n > 1 else expected[i]), (i, j, r)
+  assert preemptions and evicted and cached
+  assert_pages_back(eng)
+
+
 def test_many_random_requests_with_shared_prefixes_leave_nothing_referenced():
   """Three thousand random requests (shared prefixes, n up to 3, random budgets) through the
   scheduler on a small pool with the device's page work done by the pool functions:
