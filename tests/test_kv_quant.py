@@ -316,8 +316,15 @@ def test_default_config_of_quantized_pages(monkeypatch):
   monkeypatch.setattr(pa.triton_backend, "sm_count", lambda: 132)
   for dtype in QDTYPES:
     assert pa.default_config(3072, 1, 64, cache_dtype=dtype) == (64, 2, 3)  # MHA
-    assert pa.default_config(4 * 132, 1, 128, cache_dtype=dtype) == (64, 2, 3)
-    assert pa.default_config(512, 4, 128, cache_dtype=dtype) == (64, 2, 3)  # GQA
+    # Head dims above 64: 128-token blocks where a split spans >= 1024 tokens.
+    assert pa.default_config(4 * 132, 1, 128, cache_dtype=dtype,
+                             tokens_per_split=2048) == (128, 2, 3)
+    assert pa.default_config(512, 4, 128, cache_dtype=dtype,
+                             tokens_per_split=1024) == (128, 2, 3)  # GQA
+    assert pa.default_config(512, 4, 80, cache_dtype=dtype,
+                             tokens_per_split=4096) == (128, 2, 3)
+    assert pa.default_config(512, 4, 128, cache_dtype=dtype,
+                             tokens_per_split=512) == (64, 2, 3)  # 64 splits of 32k
     assert pa.default_config(512, 4, 64, cache_dtype=dtype) == (128, 4, 3)  # narrow GQA
     assert pa.default_config(64, 4, 256, cache_dtype=dtype) == pa.default_config(64, 4, 256)
 

@@ -83,6 +83,15 @@ _MHA_MANY_BLOCK_N = 32
 # (block_n >= page_size).
 _QUANT_CONFIG = (64, 2, 3)
 _QUANT_GQA_NARROW_CONFIG = (128, 4, 3)
+# Head dims above 64 where a split spans at least _QUANT_WIDE_MIN_TOKENS: 128 tokens per
+# block. H200, 2026-11-26, kernel µs at 64/2/3 vs 128/2/3 (int8 / fp8): mha-b64-l2k 318.0 /
+# 299.3 vs 293.6 / 284.5, gqa-b32-l4k-ragged 74.7 / 70.6 vs 68.0 / 63.1 (gqa-b32-l4k
+# in-jit 100.3 / 95.6 vs 94.6 / 91.6), but gqa-b1-l32k (64 splits of 512 tokens) 29.8 /
+# 28.2 vs 31.6 / 29.7: a program's fixed costs over half as many blocks. On the H100 they
+# were even (gqa-b32-l4k int8 0.608 vs 0.610 the bf16 kernel's time); GPT-2's head dim 64
+# gains < 1%.
+_QUANT_WIDE_CONFIG = (128, 2, 3)
+_QUANT_WIDE_MIN_TOKENS = 1024
 
 
 # int8 -> f16 for f16 dots, 4 values per instance: each byte, flipped to unsigned (u = x +
@@ -110,10 +119,11 @@ def _int8_to_f16(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def default_config(num_programs: int, group: int, head_dim: int, *,
-                   cache_dtype=None) -> tuple[int, int, int]:
+                   cache_dtype=None, tokens_per_split: int = 0) -> tuple[int, int, int]:
   """(block_n, num_warps, num_stages) for a grid of `num_programs` (B x Hkv x splits)
   programs with `group` q heads per kv head and head dim `head_dim`; `cache_dtype`: the
-  pages' dtype where it is int8 / float8_e4m3fn (None: q's)."""
+  pages' dtype where it is int8 / float8_e4m3fn (None: q's); `tokens_per_split`: the most
+  tokens one program may walk (the page table's capacity / splits)."""
   if group > 1:
     config = _BLOCK_N, _NUM_WARPS, _NUM_STAGES
   else:
@@ -122,7 +132,9 @@ def default_config(num_programs: int, group: int, head_dim: int, *,
               _MHA_NUM_WARPS if head_dim <= 128 else _NUM_WARPS, _MHA_NUM_STAGES)
   if cache_dtype is None or head_dim > 128:  # head dim 256: the float config (not measured)
     return config
-  return _QUANT_GQA_NARROW_CONFIG if group > 1 and head_dim <= 64 else _QUANT_CONFIG
+  if head_dim > 64:
+    return _QUANT_WIDE_CONFIG if tokens_per_split >= _QUANT_WIDE_MIN_TOKENS else _QUANT_CONFIG
+  return _QUANT_GQA_NARROW_CONFIG if group > 1 else _QUANT_CONFIG
 
 
 def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
@@ -436,15 +448,16 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   page_table = validation.clamp_unchecked_page_ids(page_table, k_pages.shape[-3], lengths)
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
+  max_tokens = page_table.shape[1] * page_size
+  if sliding_window is not None:
+    max_tokens = min(max_tokens, sliding_window + page_size)
   if num_splits is None:
-    max_tokens = page_table.shape[1] * page_size
-    if sliding_window is not None:
-      max_tokens = min(max_tokens, sliding_window + page_size)
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N)
   quantized = k_scales is not None
   default_n, default_warps, default_stages = default_config(
       batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim,
-      cache_dtype=k_pages.dtype if quantized else None)
+      cache_dtype=k_pages.dtype if quantized else None,
+      tokens_per_split=max_tokens // num_splits)
   if quantized:  # its blocks are whole pages of V
     default_n = max(default_n, page_size)
   return _paged_decode_pallas(
