@@ -43,6 +43,8 @@ open(src[:-5] + ".ptx", "w").write(k.asm["ptx"])
 print(f"{k.metadata.shared} bytes shared memory")
 """
 
+_TABLE_PAGES = 64  # the page table's width: one split walks up to 64 pages
+
 
 def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, warps: int,
                        stages: int, block_n: int, page_size: int = 16,
@@ -63,7 +65,7 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
     v = jax.ShapeDtypeStruct(kv_quant.v_pages_shape(kv.shape, cache_dtype), cache_dtype)
     quantized = jnp.dtype(cache_dtype).itemsize == 1
     scales = jax.ShapeDtypeStruct(kv.shape[:-1], jnp.float32) if quantized else None
-    table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
+    table = jax.ShapeDtypeStruct((batch, _TABLE_PAGES), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
     # pylint: disable-next=protected-access
@@ -96,7 +98,8 @@ def main():
   cache_dtype = jnp.dtype(args.cache_dtype)
   block_n, warps, stages = paged_attention.default_config(
       args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim,
-      cache_dtype=cache_dtype if cache_dtype.itemsize == 1 else None)
+      cache_dtype=cache_dtype if cache_dtype.itemsize == 1 else None,
+      tokens_per_split=_TABLE_PAGES * 16)  # one split over the table of 16-token pages
   block_n, warps, stages = args.block_n or block_n, args.warps or warps, args.stages or stages
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "decode")
