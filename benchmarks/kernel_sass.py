@@ -44,10 +44,11 @@ print(f"{k.metadata.shared} bytes shared memory")
 """
 
 _TABLE_PAGES = 64  # the page table's width: one split walks up to 64 pages
+_PAGE_SIZE = 16
 
 
 def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, warps: int,
-                       stages: int, block_n: int, page_size: int = 16,
+                       stages: int, block_n: int, page_size: int = _PAGE_SIZE,
                        cache_dtype=jnp.bfloat16) -> str:
   """The Triton IR of `paged_decode_attention`'s kernel (one split) for these shapes and
   pages of `cache_dtype` (int8 / float8_e4m3fn: with their per-token scales)."""
@@ -99,7 +100,7 @@ def main():
   block_n, warps, stages = paged_attention.default_config(
       args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim,
       cache_dtype=cache_dtype if cache_dtype.itemsize == 1 else None,
-      tokens_per_split=_TABLE_PAGES * 16)  # one split over the table of 16-token pages
+      tokens_per_split=_TABLE_PAGES * _PAGE_SIZE)  # one split over the whole table
   block_n, warps, stages = args.block_n or block_n, args.warps or warps, args.stages or stages
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "decode")

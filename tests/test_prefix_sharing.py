@@ -196,9 +196,10 @@ def test_every_feature_at_once_gives_each_request_its_own_tokens(model, seed):
       if waiting:
         i = waiting.pop(0)
         ids[eng.add_request(requests[i])] = i
+    running = eng.has_unfinished_requests()
     for event in eng.step():
       got.setdefault((ids[event.request_id], event.sample), []).append(event.token)
-    if not eng.has_unfinished_requests():  # a run ended: its report is complete
+    if running and not eng.has_unfinished_requests():  # this step ended a run: its report
       preemptions += eng.report.preemptions
       evicted += eng.report.evicted_pages
       cached += eng.report.cached_prompt_tokens
