@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -386,6 +387,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
             f"kernel takes head dims {validation.SUPPORTED_HEAD_DIMS} and power-of-two pages "
             f"in [{validation.MIN_PAGE_SIZE}, {validation.MAX_PAGE_SIZE}]; attention runs "
             "on XLA's slower gather path")
+    # Said once here, not again by the layers as they trace.
+    warnings.simplefilter("ignore", validation.ReferencePathWarning)
   if args.memory_fraction is not None and not on_gpu:
     raise CLIError("--memory-fraction sizes the pool from an accelerator's free memory; "
                    f"on {jax.default_backend()} give --num-pages")

@@ -504,6 +504,8 @@ class PagedAttention(nnx.Module):
       kv = pool_lib.write_kv(kv, layer, slots, k, v)
     use_kernel = self.decode_impl == "kernel" or (
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
+    if self.decode_impl == "auto":
+      validation.warn_if_reference_on_gpu("paged decode attention", d, kv.page_size)
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
     # The whole pool with `layer`: the kernel reads the layer in place. q is in the pool's

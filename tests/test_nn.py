@@ -1,6 +1,8 @@
 """`jax_paged.nn.PagedAttention` (GQA, RoPE, sliding window) against dense causal attention
 in numpy."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 import jax_paged
 from jax_paged import nn
 from jax_paged import pool as pool_lib
+from jax_paged.kernels import validation
 
 E, H, HKV, D, PAGE = 96, 4, 2, 64, 8
 
@@ -101,6 +104,42 @@ def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
       np.testing.assert_allclose(y[i], _dense_attention(layer, seqs[i])[-1], atol=1e-4)
     assert not np.asarray(y[1] - _bias(layer.out)).any()  # inactive: attention out 0
   np.testing.assert_array_equal(kv.lengths[ids], [13, 8, 27])
+
+
+def test_reference_path_warns_only_on_a_gpu(monkeypatch):
+  def warned(head_dim, page_size):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      validation.warn_if_reference_on_gpu("paged decode attention", head_dim, page_size)
+    return [str(w.message) for w in caught if w.category is validation.ReferencePathWarning]
+
+  assert not warned(64, 3)  # off a GPU the reference path is the plain-XLA choice
+  monkeypatch.setattr(validation.jax, "default_backend", lambda: "gpu")
+  message, = warned(64, 3)
+  assert "page size 3" in message and "[8, 128]" in message
+  assert warned(72, 16)
+  assert not warned(64, 16) and not warned(128, 128)
+
+
+@pytest.mark.gpu
+def test_decode_with_a_page_size_the_kernel_does_not_take_warns_on_gpu():
+  rng = np.random.default_rng(3)
+  layer = nn.PagedAttention(E, H, D, num_kv_heads=HKV, rngs=nnx.Rngs(3))
+  kv = jax_paged.KVPool.create(num_layers=1, num_kv_heads=HKV, head_dim=D, num_pages=8,
+                               page_size=12, max_seqs=2, max_pages_per_seq=4,
+                               dtype=jnp.float32)
+  ids = jnp.array([0, 1], jnp.int32)
+  seqs = rng.standard_normal((2, 20, E)).astype(np.float32)
+  kv, slots, _ = pool_lib.reserve(kv, ids, jnp.array([19, 19], jnp.int32))
+  with jax.default_matmul_precision("highest"):
+    _, kv = layer.prefill(jnp.asarray(seqs[:, :19]), kv, 0, slots, jnp.array([19, 19]))
+  kv, slots, _ = pool_lib.reserve(kv, ids, jnp.array([1, 1], jnp.int32), max_new_tokens=1)
+  with pytest.warns(validation.ReferencePathWarning, match="page size 12"), \
+       jax.default_matmul_precision("highest"):  # f32 GEMMs, not TF32
+    y, _ = layer.decode(jnp.asarray(seqs[:, 19]), kv, 0, slots[:, 0], kv.page_table[ids],
+                        kv.lengths[ids])
+  for i in range(2):
+    np.testing.assert_allclose(y[i], _dense_attention(layer, seqs[i])[-1], atol=1e-4)
 
 
 def test_bias_flags():

@@ -329,6 +329,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     raise ValueError(f"block_q x the q heads per kv head padded to a power of two must be "
                      f">= 16 (a tensor-core dot's M), got block_q={block_q}, group={group}")
   scale = float(head_dim ** -0.5 if scale is None else scale)
+  if interpret is None:
+    validation.warn_if_reference_on_gpu("paged prefill attention", head_dim, page_size)
   mode = triton_backend.kernel_mode(
       interpret, supported=validation.kernel_supports(head_dim, page_size) and q.size > 0)
   if mode is None:

@@ -7,6 +7,8 @@ offending argument and say what is allowed.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,25 @@ def kernel_page_size_ok(page_size: int) -> bool:
 def kernel_supports(head_dim: int, page_size: int) -> bool:
   """Whether the Pallas kernels support this head dim and page size."""
   return head_dim in SUPPORTED_HEAD_DIMS and kernel_page_size_ok(page_size)
+
+
+class ReferencePathWarning(UserWarning):
+  """Attention that would run a Triton kernel on a GPU runs on XLA's reference path
+  instead, because the kernels do not take its head dim or page size."""
+
+
+def warn_if_reference_on_gpu(what: str, head_dim: int, page_size: int) -> None:
+  """Warns (`ReferencePathWarning`, once per call site under Python's default filter)
+  when `what` runs on a GPU with a head dim or page size the kernels do not take: it then
+  falls back to XLA's reference (a gather of every page, several times slower), which
+  would otherwise go unnoticed."""
+  if jax.default_backend() != "gpu" or kernel_supports(head_dim, page_size):
+    return
+  warnings.warn(
+      f"{what}: head dim {head_dim} and page size {page_size} run on XLA's slower "
+      f"reference path on this GPU; the Triton kernels take head dims {SUPPORTED_HEAD_DIMS}"
+      f" and power-of-two page sizes in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]",
+      ReferencePathWarning, stacklevel=3)
 
 
 def check_layer(k_pages, v_pages, layer):

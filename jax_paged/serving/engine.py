@@ -62,7 +62,8 @@ class Engine:
     memory_fraction: the fraction of free device memory for the pool, in (0, 1].
     page_size: tokens per page. The GPU kernels of `jax_paged.nn`'s layers take powers of
       two in [8, 128] (with head dims 64, 80, 96, 128, 256); other sizes run attention on
-      XLA's slower gather path (the CLI says so; the engine does not).
+      XLA's slower gather path, and the layers warn as they trace
+      (`validation.ReferencePathWarning`).
     steps_per_call: the most decode steps per device call (one host round trip per
       chunk; streamed tokens arrive per chunk). 128 was the fastest measured (GPT-2 124M
       on an H200: benchmarks/RESULTS.md, "Generation throughput (bench_generate)"). Above
