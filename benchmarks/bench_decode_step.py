@@ -101,7 +101,7 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   # As `Engine` decides: no row can stop early, so the call runs unchecked.
   checked = runner_lib.needs_checks(steps, steps, active, budget, stop_ids)
   return loop(leaves, kv, packed, layout=layout, max_steps=steps, greedy=True,
-              checked=checked, filtered=False)
+              checked=checked, filter_by=None)
 
 
 def engine_loop(runner: runner_lib.ModelRunner) -> tuple[Callable, list]:

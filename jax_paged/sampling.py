@@ -4,18 +4,41 @@ Everything is jittable and per row, so one batch can mix requests with different
 settings: temperature 0 is greedy, top_k 0 and top_p 1 switch those filters off. The order
 is Hugging Face's: temperature first, then top-k, then top-p on the tempered distribution.
 
-A token is drawn from the tempered logits in vocabulary order (Gumbel-max, `categorical`),
-with the tokens a filter drops masked out, so a row draws the same token for the same key
-whether or not the batch around it filters. The filters sort the rows' values, which on a
-GPU costs a good part of the model's decode step (H200, GPT-2's vocabulary at batch 128:
-0.42 ms for the sort, the step 0.8; benchmarks/LOG.md, "sampling"), so a batch none of
-whose rows filters skips them (`filtered=False`, decided on the host).
+A token is drawn from the tempered logits in vocabulary order (Gumbel-max, `categorical`:
+the argmax of the logits plus the key's Gumbel noise), with the tokens a filter drops
+masked out, so a row draws the same token for the same key whether or not the batch
+around it filters, and whichever way its filter is computed (`filter_by`):
+
+* "sort": each filter is a cut-off value read from the row sorted (`filter_mask`), which
+  on a GPU costs a good part of the model's decode step (H200, GPT-2's vocabulary at
+  batch 128: 0.43 ms, the greedy step 0.8).
+* "rejection" (top-p alone): the noisy argmax is the token drawn if it is in the nucleus,
+  i.e. if the tokens strictly more likely than it hold less than p of the mass: one
+  masked sum tells. If not, every token at most as likely is out, and the argmax over the
+  tokens more likely is the next candidate (vLLM / FlashInfer's sorting-free top-p, on
+  the draw's own noise, so the token is the sort's). A candidate is accepted with
+  probability >= p, so `NUCLEUS_ROUNDS` rounds decide nearly every row; a batch with a row
+  left undecided (or with top-k, which the rounds do not test) sorts it as above, behind
+  one `lax.cond`. 0.16-0.17 ms instead of the sort's 0.43 (H200, batch 128;
+  benchmarks/LOG.md, "2026-11-26, seventh").
+* None: no row filters; the plain draw.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Rejection rounds before a batch falls back to the sort. Per draw at batch 128 / 256 on
+# an H200 (logits N(0, 1) or N(0, 16), top_p 0.9 / 0.95, temperature 0.8): 1 round 63 /
+# 120 µs (the plain draw's 62 / 97), 2 rounds 100 / 187, 3 rounds 123-127 / 228-234 (every
+# row decided in 97-100% of draws), 4 rounds 145-147 / 275-285; the `lax.cond` after them
+# adds ~35-45 µs (its predicate goes to the host); the sort 432 / 727. A `while_loop` until
+# every row is decided: 231-253 / 356-401 (a host round trip per round).
+NUCLEUS_ROUNDS = 3
+
+FILTER_METHODS = (None, "rejection", "sort")
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -62,19 +85,74 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
   return (tempered >= jnp.maximum(k_cut, p_cut)) & (tempered > -jnp.inf)
 
 
+def filter_method(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
+                  ) -> str | None:
+  """On the host, the `filter_by` of a batch with these settings (numpy [B], as
+  `sample_rows` takes them): None when no sampling row filters, "sort" when one filters
+  by top-k, else "rejection"."""
+  sampled = np.asarray(temperature) > 0
+  if (sampled & (np.asarray(top_k) > 0)).any():
+    return "sort"
+  return "rejection" if (sampled & (np.asarray(top_p) < 1)).any() else None
+
+
+def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array, decided: jax.Array) -> jax.Array:
+  """int32 [B]: the argmax of noisy [B, V] (tempered [B, V] + the draw's Gumbel noise)
+  over each row's top-p nucleus of tempered; `decided`: bool [B], rows whose token does
+  not matter (greedy ones). By rejection rounds; rows with top_k, or left undecided, by
+  `filter_mask`."""
+  # Masses relative to the row's largest term, so no exp overflows.
+  terms = jnp.exp(tempered - jnp.max(tempered, axis=-1, keepdims=True))
+  total = jnp.sum(terms, axis=-1)
+  # Candidates: the tokens more likely than `floor` (at first every finite logit).
+  floor = jnp.full(top_p.shape + (1,), -jnp.inf, jnp.float32)
+  token = jnp.zeros(top_p.shape, jnp.int32)
+  undecided = ~decided
+  for _ in range(NUCLEUS_ROUNDS):
+    candidate = jnp.argmax(jnp.where(tempered > floor, noisy, -jnp.inf), axis=-1)
+    candidate = candidate.astype(jnp.int32)
+    value = jnp.take_along_axis(tempered, candidate[:, None], axis=-1)
+    before = jnp.sum(jnp.where(tempered > value, terms, 0.0), axis=-1)
+    # In the nucleus: those more likely hold less than p (the sort's "mass before the
+    # token", ties kept alike); an unfiltered row takes its first candidate. A row with
+    # top_k is never accepted here.
+    accepted = ((before < top_p * total) | (top_p >= 1.0)) & (top_k <= 0)
+    token = jnp.where(undecided, candidate, token)
+    undecided &= ~accepted
+    floor = jnp.where(undecided[:, None], value, floor)
+
+  def sort(token):
+    kept = filter_mask(tempered, top_k, top_p)
+    drawn = jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(undecided, drawn, token)
+
+  return jax.lax.cond(jnp.any(undecided), sort, lambda token: token, token)
+
+
 def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-          top_p: jax.Array, filtered: bool) -> jax.Array:
+          top_p: jax.Array, filter_by: str | None) -> jax.Array:
   """int32 [B]: row b drawn with keys[b] (settings [B] as `sample` takes them)."""
+  if filter_by not in FILTER_METHODS:
+    raise ValueError(f"filter_by must be one of {FILTER_METHODS}, got {filter_by!r}")
   logits = logits.astype(jnp.float32)
   tempered = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  if filtered:
-    tempered = jnp.where(filter_mask(tempered, top_k, top_p), tempered, -jnp.inf)
-  sampled = jax.vmap(jax.random.categorical)(keys, tempered).astype(jnp.int32)
+  if filter_by is None:
+    sampled = jax.vmap(jax.random.categorical)(keys, tempered).astype(jnp.int32)
+  else:
+    # `categorical`'s draw is the argmax of the logits plus this noise (checked in tests).
+    noisy = tempered + jax.vmap(
+        lambda key: jax.random.gumbel(key, tempered.shape[-1:], jnp.float32))(keys)
+    if filter_by == "sort":
+      kept = filter_mask(tempered, top_k, top_p)
+      sampled = jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
+    else:
+      sampled = _nucleus_draw(tempered, noisy, top_k, top_p, temperature <= 0)
   return jnp.where(temperature > 0, sampled, greedy(logits))
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
-           top_p=1.0, filtered: bool = True) -> jax.Array:
+           top_p=1.0, filter_by: str | None = "rejection") -> jax.Array:
   """Draws one token per row.
 
   Args:
@@ -85,7 +163,10 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
     top_k: int scalar or [B]; keep the k most likely tokens (0 = all), as `filter_mask`.
     top_p: float scalar or [B] in (0, 1]; keep the smallest set of most likely tokens whose
       probability reaches top_p (1 = all), as `filter_mask`.
-    filtered: (static) False when no row filters (every top_k 0 and top_p 1): no sort.
+    filter_by: (static) how the filters are computed, the token being the same: None when
+      no row filters (every top_k 0 and top_p 1); "rejection" (rounds for top-p, the sort
+      for rows they leave and rows with top_k: right for any settings); "sort" (every
+      row; faster than "rejection" when rows use top_k). `filter_method` picks on the host.
 
   Returns:
     int32 [B] token ids.
@@ -94,12 +175,12 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
   setting = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (b,))
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
   return _draw(logits, keys, setting(temperature, jnp.float32), setting(top_k, jnp.int32),
-               setting(top_p, jnp.float32), filtered)
+               setting(top_p, jnp.float32), filter_by)
 
 
 def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperature: jax.Array,
                 top_k: jax.Array, top_p: jax.Array, *, all_greedy: bool = False,
-                filtered: bool = True) -> jax.Array:
+                filter_by: str | None = "rejection") -> jax.Array:
   """The serving layer's sampling entry: int32 [B], row b drawn with its own key
   `fold_in(key(seeds[b]), index[b])`, so a request's draws depend only on its seed and
   how many tokens it has generated (not on the batch, its row or preemption).
@@ -109,9 +190,9 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperatu
     seeds: uint32 [B]; index: int32 [B] (the request's own token count).
     temperature: float32 [B]; top_k: int32 [B]; top_p: float32 [B]: as `sample` takes them.
     all_greedy: (static) every row is greedy: the argmax alone.
-    filtered: (static) some row filters by top-k or top-p (as `sample`'s).
+    filter_by: (static) as `sample`'s (`filter_method` of the settings).
   """
   if all_greedy:
     return greedy(logits)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
-  return _draw(logits, keys, temperature, top_k, top_p, filtered)
+  return _draw(logits, keys, temperature, top_k, top_p, filter_by)

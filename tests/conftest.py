@@ -41,6 +41,26 @@ def _own_compilation_cache(tmp_path_factory):
       os.environ[k] = v
 
 
+def _map_count() -> int:
+  """The process's memory maps (0 where /proc does not tell)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+def _max_map_count() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+_MAPS_BEFORE_CLEARING = _max_map_count() // 2
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
   """Clears jax's caches after each module. Every XLA CPU executable maps its own code
@@ -50,3 +70,13 @@ def _drop_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _drop_compiled_programs_when_maps_run_high():
+  """The same after a test that leaves the process over half its memory maps: one module
+  (test_engine, ~60k maps) can reach the limit alone."""
+  yield
+  if _map_count() > _MAPS_BEFORE_CLEARING:
+    jax.clear_caches()
+    gc.collect()

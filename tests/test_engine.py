@@ -521,7 +521,7 @@ def test_pool_programs_compile_quietly_for_a_pool_of_most_of_the_gpu(capfd):
       seeds=zeros.astype(np.uint32), temperature=zeros.astype(np.float32), top_k=zeros,
       top_p=np.ones((rows,), np.float32))
   runner.jitted.decode_loop.lower(runner.leaves, kv, packed, layout=layout, max_steps=16,
-                                  greedy=True, checked=False, filtered=False).compile()
+                                  greedy=True, checked=False, filter_by=None).compile()
   assert "rematerialization" not in capfd.readouterr().err
 
 
@@ -551,8 +551,8 @@ def test_warmup_compiles_every_batch_shape():
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(2))
   eng = Engine(model, max_batch=12, num_pages=600, page_size=8, steps_per_call=5)
   # Prefill rows 1-16 x widths 8, 16, and 8 behind a cached page (a prompt to cache it,
-  # then the rows); decode over 12 slots; greedy and filtered.
-  assert eng.warmup(max_prompt_tokens=16, sampling=("greedy", "filtered"),
+  # then the rows); decode over 12 slots; greedy and top-p.
+  assert eng.warmup(max_prompt_tokens=16, sampling=("greedy", "top_p"),
                     prefix_hits=True) == 2 * (5 * 2 + 1 + 5 * 2)
   assert int(eng.kv.num_free) == 600 and eng.num_cached_pages == 0
   assert eng.report.generated_tokens == 0

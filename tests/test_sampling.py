@@ -1,5 +1,7 @@
 """`jax_paged.sampling`: greedy, temperature, top-k and top-p, per row."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,13 +88,65 @@ def test_filters_keep_ties_with_the_last_kept_token():
 def test_rows_draw_alike_with_or_without_the_filters():
   logits = jax.random.normal(jax.random.key(7), (8, 300))
   key = jax.random.key(8)
-  plain = sampling.sample(logits, key, temperature=0.7, filtered=False)
-  # Rows that do not filter draw the same tokens in a batch that does.
-  filtered = sampling.sample(logits, key, temperature=0.7, top_k=jnp.array([0, 5] * 4),
-                             top_p=jnp.array([1.0] * 4 + [0.5] * 4))
-  np.testing.assert_array_equal(np.asarray(filtered)[:4:2], np.asarray(plain)[:4:2])
+  plain = sampling.sample(logits, key, temperature=0.7, filter_by=None)
+  # Rows that do not filter draw the same tokens in a batch that does, either way.
+  for filter_by in ("rejection", "sort"):
+    filtered = sampling.sample(logits, key, temperature=0.7, top_k=jnp.array([0, 5] * 4),
+                               top_p=jnp.array([1.0] * 4 + [0.5] * 4), filter_by=filter_by)
+    np.testing.assert_array_equal(np.asarray(filtered)[:4:2], np.asarray(plain)[:4:2])
+    np.testing.assert_array_equal(sampling.sample(logits, key, temperature=0.7, top_k=0,
+                                                  top_p=1.0, filter_by=filter_by), plain)
+
+
+def test_the_draw_is_the_argmax_of_the_logits_plus_the_keys_gumbel_noise():
+  """What both filter methods rely on: `categorical` draws argmax(logits + gumbel(key))."""
+  logits = jax.random.normal(jax.random.key(9), (16, 1000)) * 3
+  keys = jax.random.split(jax.random.key(10), 16)
+  noise = jax.vmap(lambda k: jax.random.gumbel(k, (1000,), jnp.float32))(keys)
+  np.testing.assert_array_equal(jax.vmap(jax.random.categorical)(keys, logits),
+                                jnp.argmax(logits + noise, axis=-1))
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+def test_rejection_draws_the_sorts_tokens(scale):
+  """Top-p by rejection rounds draws, row for row, the token the sort's mask gives, for
+  rows the rounds decide and rows they leave to the sort (small p, top_k, ties, masked
+  tokens), greedy rows among them; and under vmap (the cond then runs both branches)."""
+  b, v = 96, 2000
+  rng = np.random.default_rng(int(scale * 10))
+  logits = np.array(rng.standard_normal((b, v)) * scale, np.float32)
+  logits[::5, :300] = -np.inf  # a padded vocabulary's tokens
+  logits[1::7, :50] = logits[1::7, 50:100]  # ties
+  logits = jnp.asarray(logits)
+  top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.95, 0.9, 0.5, 0.1, 1e-3], b), jnp.float32)
+  top_k = jnp.asarray(np.where(rng.random(b) < 0.1, rng.integers(1, 100, b), 0), jnp.int32)
+  temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0, 1.5], b), jnp.float32)
+  key = jax.random.key(11)
+  draw = lambda filter_by, key: sampling.sample(logits, key, temperature=temperature,
+                                                top_k=top_k, top_p=top_p, filter_by=filter_by)
+  rejection = jax.jit(functools.partial(draw, "rejection"))
+  sort = jax.jit(functools.partial(draw, "sort"))
+  for i in range(3):
+    np.testing.assert_array_equal(rejection(jax.random.fold_in(key, i)),
+                                  sort(jax.random.fold_in(key, i)))
+  keys = jax.random.split(key, 4)
+  np.testing.assert_array_equal(jax.jit(jax.vmap(rejection))(keys),
+                                jax.jit(jax.vmap(sort))(keys))
+  # With nothing left to the sort (p >= 0.9, no top_k) too.
+  easy = jnp.maximum(top_p, 0.9)
   np.testing.assert_array_equal(
-      sampling.sample(logits, key, temperature=0.7, top_k=0, top_p=1.0), plain)
+      sampling.sample(logits, key, temperature=1.0, top_p=easy, filter_by="rejection"),
+      sampling.sample(logits, key, temperature=1.0, top_p=easy, filter_by="sort"))
+
+
+def test_filter_method_of_a_batch():
+  method = lambda t, k, p: sampling.filter_method(np.array(t), np.array(k), np.array(p))
+  assert method([0.0, 0.7], [0, 0], [1.0, 1.0]) is None
+  assert method([0.0, 0.7], [50, 0], [0.5, 1.0]) is None  # the greedy row's filters: unused
+  assert method([0.0, 0.7], [0, 0], [1.0, 0.9]) == "rejection"
+  assert method([0.7, 0.7], [0, 50], [0.9, 1.0]) == "sort"
+  with pytest.raises(ValueError, match="filter_by must be one of"):
+    sampling.sample(jnp.zeros((2, 5)), jax.random.key(0), temperature=1.0, filter_by="sorted")
 
 
 def test_sort_keys_order_floats_and_map_back():

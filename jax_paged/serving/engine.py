@@ -213,8 +213,9 @@ class Engine:
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
       sampling: the batches to prepare for, each its own compilations: "greedy" (every
-        row greedy), "sampled" (some row samples, none filters) and "filtered" (some row
-        samples with top_k or top_p).
+        row greedy), "sampled" (some row samples, none filters), "top_p" (some row
+        samples with top_p, none with top_k) and "top_k" (some row samples with top_k:
+        the filters' sort, `jax_paged.sampling`).
       prefix_hits: also the prefills of n prompts that start on a cached page (as behind a
         shared system prompt once cached) and add w tokens: twice the prefill runs.
       max_samples: also the prefills of prompts with up to this many parallel samples
@@ -234,7 +235,10 @@ class Engine:
     if max_prompt_tokens is not None:
       limit = min(check_positive_int("max_prompt_tokens", max_prompt_tokens), limit)
     settings = {"greedy": {}, "sampled": dict(temperature=1.0),
-                "filtered": dict(temperature=1.0, top_p=0.9)}
+                "top_p": dict(temperature=1.0, top_p=0.9),
+                "top_k": dict(temperature=1.0, top_k=50)}
+    # Each kind's `sampling.filter_method`, for the decode calls of empty rows below.
+    filter_by = {"greedy": None, "sampled": None, "top_p": "rejection", "top_k": "sort"}
     if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
       raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
                        f"{sampling!r}")
@@ -312,7 +316,7 @@ class Engine:
           for checked in (True, False):
             self.kv = self.runner.idle_decode(
                 self.kv, width, steps, greedy=kind == "greedy", checked=checked,
-                filtered=kind == "filtered")
+                filter_by=filter_by[kind])
         steps *= 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the

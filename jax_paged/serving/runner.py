@@ -202,7 +202,7 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
-                greedy: bool, checked: bool, filtered: bool = True):
+                greedy: bool, checked: bool, filter_by: str | None = "rejection"):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -214,7 +214,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
   (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy;
-  filtered (static): some row filters by top-k / top-p (`sampling.sample_rows`).
+  filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`).
 
   Returns:
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool).
@@ -235,7 +235,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
       new = sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p,
-                                 filtered=filtered)
+                                 filter_by=filter_by)
     # `out` has a row for every step a group can run: no bounds check (an XLA reduction
     # kernel per step for `.at[step].set(..., mode="drop")`).
     out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
@@ -316,7 +316,8 @@ class JittedSteps:
     def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
-    def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool, filtered: bool):
+    def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool,
+                       filter_by: str | None):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
@@ -336,13 +337,14 @@ class JittedSteps:
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       return sampling.sample_rows(logits[a["sample_rows"]], a["seeds"], a["index"],
                                   a["temperature"], a["top_k"], a["top_p"],
-                                  all_greedy=greedy, filtered=filtered), kv
+                                  all_greedy=greedy, filter_by=filter_by), kv
 
     def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
-             checked: bool, filtered: bool):
+             checked: bool, filter_by: str | None):
       """Packed: `decode_loop`'s num_steps and per-row arguments, by name."""
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
-                         checked=checked, filtered=filtered, **unpack_arrays(packed, layout))
+                         checked=checked, filter_by=filter_by,
+                         **unpack_arrays(packed, layout))
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
@@ -350,10 +352,10 @@ class JittedSteps:
     self.prefill = _pool_jit(prefill, donate_argnums=1)
     self.decode = _pool_jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = _pool_jit(prefill_sample, donate_argnums=1,
-                                    static_argnames=("layout", "greedy", "filtered"))
+                                    static_argnames=("layout", "greedy", "filter_by"))
     self.decode_loop = _pool_jit(loop, donate_argnums=1,
                                  static_argnames=("layout", "max_steps", "greedy",
-                                                  "checked", "filtered"))
+                                                  "checked", "filter_by"))
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
@@ -407,7 +409,7 @@ class _Sampling:
   top_k: np.ndarray
   top_p: np.ndarray
   greedy: bool    # every row is greedy (`sample_rows(all_greedy=True)`)
-  filtered: bool  # some sampled row filters (`sample_rows(filtered=True)`: a sort)
+  filter_by: str | None  # how sampled rows filter (`sampling.filter_method`)
 
   @classmethod
   def of(cls, rows: Sequence) -> "_Sampling":
@@ -424,7 +426,7 @@ class _Sampling:
       n = len(rows)
       return cls(seeds=np.zeros(n, np.uint32), temperature=np.zeros(n, np.float32),
                  top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True,
-                 filtered=False)
+                 filter_by=None)
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
     temperature = column(lambda r: r.temperature, np.float32)
@@ -433,7 +435,7 @@ class _Sampling:
                        np.float32)
     return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
                temperature=temperature, top_k=top_k, top_p=top_p, greedy=False,
-               filtered=bool(((temperature > 0) & ((top_k > 0) | (top_p < 1))).any()))
+               filter_by=sampling.filter_method(temperature, top_k, top_p))
 
   def arrays(self) -> dict[str, np.ndarray]:
     return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
@@ -481,7 +483,8 @@ class ModelRunner:
 
     prefill(kv, tokens, lengths, seq_ids, start=None) -> (logits, kv)  `prefill_step`
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
-    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filtered=) -> (tokens, kv)
+    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filter_by=)
+      -> (tokens, kv)
     release(kv, seq_ids) -> kv
     clear(kv) -> kv                                               `pool.clear`
     update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
@@ -520,23 +523,23 @@ class ModelRunner:
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
 
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
-                  filtered: bool = True, **rows: np.ndarray):
+                  filter_by: str | None = "rejection", **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
     call's one host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked,
-                                   filtered=filtered)
+                                   filter_by=filter_by)
 
   def idle_decode(self, kv: pool_lib.KVPool, width: int, max_steps: int, *, greedy: bool,
-                  checked: bool, filtered: bool) -> pool_lib.KVPool:
+                  checked: bool, filter_by: str | None) -> pool_lib.KVPool:
     """A decode call over `width` empty rows in a loop of `max_steps` steps, its tokens
     read back as `execute` reads a call's: compiles the programs such a call runs (for
     `Engine.warmup`) and changes nothing (no row is active)."""
     zeros = np.zeros((width,), np.int32)
     decoded, kv = self.decode_loop(
         kv, max_steps, max_steps=max_steps, greedy=greedy, checked=checked,
-        filtered=filtered, tokens=zeros, active=np.zeros((width,), bool), index=zeros,
+        filter_by=filter_by, tokens=zeros, active=np.zeros((width,), bool), index=zeros,
         budget=zeros, stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
         **_Sampling.of([None] * width).arrays())
     _read_back(decoded, kv.page_table, kv.num_free, None)
@@ -638,7 +641,7 @@ class ModelRunner:
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         **sampling_.arrays())
     return self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
-                                      greedy=sampling_.greedy, filtered=sampling_.filtered)
+                                      greedy=sampling_.greedy, filter_by=sampling_.filter_by)
 
   def _decode_plan(self, kv, plan):
     """The plan's decode chunk over its first `decode_width(plan.rows)` slots."""
@@ -664,7 +667,7 @@ class ModelRunner:
     sampling_ = _Sampling.of(rows)
     return self.decode_loop(
         kv, steps, max_steps=max_steps, greedy=sampling_.greedy, checked=checked,
-        filtered=sampling_.filtered,
+        filter_by=sampling_.filter_by,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
         budget=budget, stop_ids=stop_ids, **sampling_.arrays())
