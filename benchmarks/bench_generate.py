@@ -129,7 +129,8 @@ def _contiguous_run(graphdef, params, tokens, lengths, *, new: int, max_len: int
 # The fixed workload's sampling settings (`--sampling`), as `Request` takes them.
 SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
              "top-p": dict(temperature=0.8, top_p=0.95),
-             "top-k": dict(temperature=0.8, top_k=50)}
+             "top-k": dict(temperature=0.8, top_k=50),
+             "top-k-top-p": dict(temperature=0.8, top_k=50, top_p=0.95)}
 
 
 def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool,

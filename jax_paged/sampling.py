@@ -12,15 +12,18 @@ around it filters, and whichever way its filter is computed (`filter_by`):
 * "sort": each filter is a cut-off value read from the row sorted (`filter_mask`), which
   on a GPU costs a good part of the model's decode step (H200, GPT-2's vocabulary at
   batch 128: 0.43 ms, the greedy step 0.8).
-* "rejection" (top-p alone): the noisy argmax is the token drawn if it is in the nucleus,
-  i.e. if the tokens strictly more likely than it hold less than p of the mass: one
-  masked sum tells. If not, every token at most as likely is out, and the argmax over the
-  tokens more likely is the next candidate (vLLM / FlashInfer's sorting-free top-p, on
-  the draw's own noise, so the token is the sort's). A candidate is accepted with
-  probability >= p, so `NUCLEUS_ROUNDS` rounds decide nearly every row; a batch with a row
-  left undecided (or with top-k, which the rounds do not test) sorts it as above, behind
-  one `lax.cond`. 0.16-0.17 ms instead of the sort's 0.43 (H200, batch 128;
-  benchmarks/LOG.md, "2026-11-26, seventh").
+* "rejection" (top-p): the noisy argmax is the token drawn if it is in the nucleus, i.e.
+  if the tokens strictly more likely than it hold less than p of the mass: one masked
+  sum tells. If not, every token at most as likely is out, and the argmax over the tokens
+  more likely is the next candidate (vLLM / FlashInfer's sorting-free top-p, on the
+  draw's own noise, so the token is the sort's). A candidate is accepted with probability
+  >= p, so `NUCLEUS_ROUNDS` rounds decide nearly every row; a batch with a row left
+  undecided (or with top-k) sorts it as above, behind one `lax.cond`. 0.16-0.17 ms
+  instead of the sort's 0.43 (H200, batch 128; benchmarks/LOG.md, "2026-11-26, seventh").
+* "chunked" (top-k up to `CHUNKED_TOP_K`, with or without top-p): the top-k cut-off
+  exactly from the row's chunks of `_CHUNK` tokens with the largest maxima
+  (`top_k_cutoff`: a sort of ~2k values instead of the vocabulary), then the rounds
+  above within it. Rows with a larger top_k go to the sort.
 * None: no row filters; the plain draw.
 """
 
@@ -38,7 +41,13 @@ import numpy as np
 # every row is decided: 231-253 / 356-401 (a host round trip per round).
 NUCLEUS_ROUNDS = 3
 
-FILTER_METHODS = (None, "rejection", "sort")
+# The largest top_k that "chunked" takes, and its chunks' tokens. H200, the cut-off alone
+# at batch 128 / 256 (the sort's filter mask 304-310 / 476 µs): 64 chunks of 32 tokens
+# 52 / 92 µs, of 16 60-62 / 105-107, of 50 64 / 114-116; 256 chunks of 16 85-88 / 160-163.
+CHUNKED_TOP_K = 64
+_CHUNK = 32
+
+FILTER_METHODS = (None, "rejection", "chunked", "sort")
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -89,35 +98,75 @@ def filter_method(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
                   ) -> str | None:
   """On the host, the `filter_by` of a batch with these settings (numpy [B], as
   `sample_rows` takes them): None when no sampling row filters, "sort" when one filters
-  by top-k, else "rejection"."""
+  by a top-k above `CHUNKED_TOP_K`, "chunked" when one filters by top-k, else
+  "rejection"."""
   sampled = np.asarray(temperature) > 0
-  if (sampled & (np.asarray(top_k) > 0)).any():
+  top_k = np.asarray(top_k)[sampled]
+  if (top_k > CHUNKED_TOP_K).any():
     return "sort"
-  return "rejection" if (sampled & (np.asarray(top_p) < 1)).any() else None
+  if (top_k > 0).any():
+    return "chunked"
+  return "rejection" if (np.asarray(top_p)[sampled] < 1).any() else None
+
+
+def top_k_cutoff(tempered: jax.Array, top_k: jax.Array) -> jax.Array:
+  """float32 [B, 1]: each row's top_k-th largest value of tempered [B, V] (-inf where
+  top_k is 0), exact for top_k up to `CHUNKED_TOP_K` (or any, for a vocabulary of at most
+  that many chunks).
+
+  The row's chunks of `_CHUNK` tokens with the CHUNKED_TOP_K largest maxima hold every
+  value above the k-th largest and at least k at or above it (k <= CHUNKED_TOP_K: a value
+  above it outside them would make each of them hold one too, more than k - 1), so the
+  k-th largest of their values is the row's: a sort of CHUNKED_TOP_K x _CHUNK values.
+  """
+  b, v = tempered.shape
+  chunks = -(-v // _CHUNK)
+  padded = jnp.pad(tempered, ((0, 0), (0, chunks * _CHUNK - v)), constant_values=-jnp.inf)
+  padded = padded.reshape(b, chunks, _CHUNK)
+  maxima = _flip_negatives(jax.lax.bitcast_convert_type(padded.max(axis=-1), jnp.int32))
+  # Chunk indices by their maxima, descending (a sort of (key, index) pairs).
+  _, order = jax.lax.sort((-maxima, jnp.broadcast_to(jnp.arange(chunks), (b, chunks))),
+                          dimension=1, num_keys=1)
+  taken = min(chunks, CHUNKED_TOP_K)
+  values = jnp.take_along_axis(padded, order[:, :taken, None], axis=1)
+  keys = _flip_negatives(jax.lax.bitcast_convert_type(values.reshape(b, -1), jnp.int32))
+  ranked = jax.lax.bitcast_convert_type(  # each row descending
+      _flip_negatives(jnp.sort(keys, axis=-1)[:, ::-1]), jnp.float32)
+  cut = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, taken * _CHUNK - 1)[:, None],
+                            axis=-1)
+  return jnp.where(top_k[:, None] > 0, cut, -jnp.inf)
 
 
 def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, decided: jax.Array) -> jax.Array:
+                  top_p: jax.Array, decided: jax.Array, chunked: bool) -> jax.Array:
   """int32 [B]: the argmax of noisy [B, V] (tempered [B, V] + the draw's Gumbel noise)
-  over each row's top-p nucleus of tempered; `decided`: bool [B], rows whose token does
-  not matter (greedy ones). By rejection rounds; rows with top_k, or left undecided, by
-  `filter_mask`."""
-  # Masses relative to the row's largest term, so no exp overflows.
-  terms = jnp.exp(tempered - jnp.max(tempered, axis=-1, keepdims=True))
+  over the tokens each row's top-k, then top-p, keep of tempered; `decided`: bool [B],
+  rows whose token does not matter (greedy ones). By rejection rounds within the top-k
+  cut-off (`top_k_cutoff` when `chunked`; else rows with top_k are left to the sort);
+  rows left undecided by `filter_mask`."""
+  if chunked:
+    in_top_k = tempered >= top_k_cutoff(tempered, top_k)
+    valid = (top_k <= CHUNKED_TOP_K) | (-(-tempered.shape[-1] // _CHUNK) <= CHUNKED_TOP_K)
+  else:
+    in_top_k, valid = tempered > -jnp.inf, top_k <= 0
+  # Masses relative to the row's largest term, so no exp overflows; of the top-k kept.
+  terms = jnp.where(in_top_k, jnp.exp(tempered - jnp.max(tempered, axis=-1, keepdims=True)),
+                    0.0)
   total = jnp.sum(terms, axis=-1)
-  # Candidates: the tokens more likely than `floor` (at first every finite logit).
+  # Candidates: the tokens top-k keeps more likely than `floor` (at first all it keeps).
   floor = jnp.full(top_p.shape + (1,), -jnp.inf, jnp.float32)
   token = jnp.zeros(top_p.shape, jnp.int32)
   undecided = ~decided
   for _ in range(NUCLEUS_ROUNDS):
-    candidate = jnp.argmax(jnp.where(tempered > floor, noisy, -jnp.inf), axis=-1)
+    candidate = jnp.argmax(jnp.where(in_top_k & (tempered > floor), noisy, -jnp.inf),
+                           axis=-1)
     candidate = candidate.astype(jnp.int32)
     value = jnp.take_along_axis(tempered, candidate[:, None], axis=-1)
     before = jnp.sum(jnp.where(tempered > value, terms, 0.0), axis=-1)
-    # In the nucleus: those more likely hold less than p (the sort's "mass before the
-    # token", ties kept alike); an unfiltered row takes its first candidate. A row with
-    # top_k is never accepted here.
-    accepted = ((before < top_p * total) | (top_p >= 1.0)) & (top_k <= 0)
+    # In the nucleus: those more likely hold less than p of what top-k keeps (the sort's
+    # "mass before the token", ties kept alike); without top-p a row takes its first
+    # candidate. A row whose top-k cut-off is not known here is never accepted.
+    accepted = ((before < top_p * total) | (top_p >= 1.0)) & valid
     token = jnp.where(undecided, candidate, token)
     undecided &= ~accepted
     floor = jnp.where(undecided[:, None], value, floor)
@@ -147,12 +196,13 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
       kept = filter_mask(tempered, top_k, top_p)
       sampled = jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
     else:
-      sampled = _nucleus_draw(tempered, noisy, top_k, top_p, temperature <= 0)
+      sampled = _nucleus_draw(tempered, noisy, top_k, top_p, temperature <= 0,
+                              chunked=filter_by == "chunked")
   return jnp.where(temperature > 0, sampled, greedy(logits))
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
-           top_p=1.0, filter_by: str | None = "rejection") -> jax.Array:
+           top_p=1.0, filter_by: str | None = "chunked") -> jax.Array:
   """Draws one token per row.
 
   Args:
@@ -163,10 +213,11 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
     top_k: int scalar or [B]; keep the k most likely tokens (0 = all), as `filter_mask`.
     top_p: float scalar or [B] in (0, 1]; keep the smallest set of most likely tokens whose
       probability reaches top_p (1 = all), as `filter_mask`.
-    filter_by: (static) how the filters are computed, the token being the same: None when
-      no row filters (every top_k 0 and top_p 1); "rejection" (rounds for top-p, the sort
-      for rows they leave and rows with top_k: right for any settings); "sort" (every
-      row; faster than "rejection" when rows use top_k). `filter_method` picks on the host.
+    filter_by: (static) how the filters are computed (see above), the token being the
+      same: None when no row filters (every top_k 0 and top_p 1); "rejection", "chunked"
+      or "sort", each right for any settings (a row one cannot decide goes to the sort),
+      and fastest for rows with top-p only, with top-k up to CHUNKED_TOP_K, and with a
+      larger top-k. `filter_method` picks on the host.
 
   Returns:
     int32 [B] token ids.
@@ -180,7 +231,7 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
 
 def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperature: jax.Array,
                 top_k: jax.Array, top_p: jax.Array, *, all_greedy: bool = False,
-                filter_by: str | None = "rejection") -> jax.Array:
+                filter_by: str | None = "chunked") -> jax.Array:
   """The serving layer's sampling entry: int32 [B], row b drawn with its own key
   `fold_in(key(seeds[b]), index[b])`, so a request's draws depend only on its seed and
   how many tokens it has generated (not on the batch, its row or preemption).

@@ -90,7 +90,7 @@ def test_rows_draw_alike_with_or_without_the_filters():
   key = jax.random.key(8)
   plain = sampling.sample(logits, key, temperature=0.7, filter_by=None)
   # Rows that do not filter draw the same tokens in a batch that does, either way.
-  for filter_by in ("rejection", "sort"):
+  for filter_by in ("rejection", "chunked", "sort"):
     filtered = sampling.sample(logits, key, temperature=0.7, top_k=jnp.array([0, 5] * 4),
                                top_p=jnp.array([1.0] * 4 + [0.5] * 4), filter_by=filter_by)
     np.testing.assert_array_equal(np.asarray(filtered)[:4:2], np.asarray(plain)[:4:2])
@@ -108,10 +108,11 @@ def test_the_draw_is_the_argmax_of_the_logits_plus_the_keys_gumbel_noise():
 
 
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
-def test_rejection_draws_the_sorts_tokens(scale):
-  """Top-p by rejection rounds draws, row for row, the token the sort's mask gives, for
-  rows the rounds decide and rows they leave to the sort (small p, top_k, ties, masked
-  tokens), greedy rows among them; and under vmap (the cond then runs both branches)."""
+def test_rejection_and_chunked_draw_the_sorts_tokens(scale):
+  """Top-p by rejection rounds, and top-k by the chunked cut-off, draw row for row the
+  token the sort's mask gives, for rows they decide and rows they leave to the sort (small
+  p, top_k above CHUNKED_TOP_K, or any top_k for "rejection"), with ties, masked tokens
+  and greedy rows; and under vmap (the cond then runs both branches)."""
   b, v = 96, 2000
   rng = np.random.default_rng(int(scale * 10))
   logits = np.array(rng.standard_normal((b, v)) * scale, np.float32)
@@ -119,24 +120,45 @@ def test_rejection_draws_the_sorts_tokens(scale):
   logits[1::7, :50] = logits[1::7, 50:100]  # ties
   logits = jnp.asarray(logits)
   top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.95, 0.9, 0.5, 0.1, 1e-3], b), jnp.float32)
-  top_k = jnp.asarray(np.where(rng.random(b) < 0.1, rng.integers(1, 100, b), 0), jnp.int32)
+  top_k = jnp.asarray(np.where(rng.random(b) < 0.5, rng.choice([1, 2, 7, 50, 64, 65, 900], b),
+                               0), jnp.int32)
   temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0, 1.5], b), jnp.float32)
   key = jax.random.key(11)
   draw = lambda filter_by, key: sampling.sample(logits, key, temperature=temperature,
                                                 top_k=top_k, top_p=top_p, filter_by=filter_by)
-  rejection = jax.jit(functools.partial(draw, "rejection"))
   sort = jax.jit(functools.partial(draw, "sort"))
-  for i in range(3):
-    np.testing.assert_array_equal(rejection(jax.random.fold_in(key, i)),
-                                  sort(jax.random.fold_in(key, i)))
-  keys = jax.random.split(key, 4)
-  np.testing.assert_array_equal(jax.jit(jax.vmap(rejection))(keys),
-                                jax.jit(jax.vmap(sort))(keys))
-  # With nothing left to the sort (p >= 0.9, no top_k) too.
-  easy = jnp.maximum(top_p, 0.9)
-  np.testing.assert_array_equal(
-      sampling.sample(logits, key, temperature=1.0, top_p=easy, filter_by="rejection"),
-      sampling.sample(logits, key, temperature=1.0, top_p=easy, filter_by="sort"))
+  for method in ("rejection", "chunked"):
+    fast = jax.jit(functools.partial(draw, method))
+    for i in range(3):
+      np.testing.assert_array_equal(fast(jax.random.fold_in(key, i)),
+                                    sort(jax.random.fold_in(key, i)), err_msg=method)
+    keys = jax.random.split(key, 4)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(fast))(keys), jax.jit(jax.vmap(sort))(keys))
+  # With nothing left to the sort (p >= 0.9, top_k up to 64) too.
+  easy = dict(temperature=1.0, top_p=jnp.maximum(top_p, 0.9),
+              top_k=jnp.where(top_k <= 64, top_k, 0))
+  np.testing.assert_array_equal(sampling.sample(logits, key, filter_by="chunked", **easy),
+                                sampling.sample(logits, key, filter_by="sort", **easy))
+
+
+@pytest.mark.parametrize("v", [5, 89, 2048, 50257])
+def test_top_k_cutoff_is_the_kth_largest(v):
+  """The chunked cut-off is the top_k-th largest value for top_k up to CHUNKED_TOP_K (any
+  top_k where the vocabulary has no more chunks than that), ties and -inf included."""
+  rng = np.random.default_rng(v)
+  x = np.array(rng.standard_normal((24, v)), np.float32)
+  x[:8] = np.round(x[:8])  # many ties
+  x[8:12, : v // 2] = -np.inf
+  x[12:16] = np.sort(x[12:16])  # the largest values in the last chunks
+  top_k = rng.integers(0, sampling.CHUNKED_TOP_K + 1, 24)
+  if v <= 89:
+    top_k = rng.integers(0, v + 3, 24)
+  cut = np.asarray(sampling.top_k_cutoff(jnp.asarray(x), jnp.asarray(top_k, jnp.int32)))[:, 0]
+  ranked = -np.sort(-x, axis=-1)
+  want = np.where(top_k > 0, ranked[np.arange(24), np.clip(top_k - 1, 0, v - 1)], -np.inf)
+  # Past the vocabulary every value is kept: the cut-off is at most the smallest.
+  assert (cut <= want).all()
+  np.testing.assert_array_equal(cut[top_k <= v], want[top_k <= v])
 
 
 def test_filter_method_of_a_batch():
@@ -144,7 +166,9 @@ def test_filter_method_of_a_batch():
   assert method([0.0, 0.7], [0, 0], [1.0, 1.0]) is None
   assert method([0.0, 0.7], [50, 0], [0.5, 1.0]) is None  # the greedy row's filters: unused
   assert method([0.0, 0.7], [0, 0], [1.0, 0.9]) == "rejection"
-  assert method([0.7, 0.7], [0, 50], [0.9, 1.0]) == "sort"
+  assert method([0.7, 0.7], [0, 50], [0.9, 1.0]) == "chunked"
+  assert method([0.7, 0.7], [0, sampling.CHUNKED_TOP_K + 1], [0.9, 1.0]) == "sort"
+  assert method([0.7, 0.0], [0, sampling.CHUNKED_TOP_K + 1], [0.9, 1.0]) == "rejection"
   with pytest.raises(ValueError, match="filter_by must be one of"):
     sampling.sample(jnp.zeros((2, 5)), jax.random.key(0), temperature=1.0, filter_by="sorted")
 

@@ -214,8 +214,8 @@ class Engine:
       max_prompt_tokens: the longest prompt to prepare for.
       sampling: the batches to prepare for, each its own compilations: "greedy" (every
         row greedy), "sampled" (some row samples, none filters), "top_p" (some row
-        samples with top_p, none with top_k) and "top_k" (some row samples with top_k:
-        the filters' sort, `jax_paged.sampling`).
+        samples with top_p, none with top_k) and "top_k" (some row samples with a top_k up
+        to `sampling.CHUNKED_TOP_K`; a larger one sorts, compiled on first use).
       prefix_hits: also the prefills of n prompts that start on a cached page (as behind a
         shared system prompt once cached) and add w tokens: twice the prefill runs.
       max_samples: also the prefills of prompts with up to this many parallel samples
@@ -238,7 +238,7 @@ class Engine:
                 "top_p": dict(temperature=1.0, top_p=0.9),
                 "top_k": dict(temperature=1.0, top_k=50)}
     # Each kind's `sampling.filter_method`, for the decode calls of empty rows below.
-    filter_by = {"greedy": None, "sampled": None, "top_p": "rejection", "top_k": "sort"}
+    filter_by = {"greedy": None, "sampled": None, "top_p": "rejection", "top_k": "chunked"}
     if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
       raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
                        f"{sampling!r}")

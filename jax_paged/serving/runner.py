@@ -202,7 +202,7 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
-                greedy: bool, checked: bool, filter_by: str | None = "rejection"):
+                greedy: bool, checked: bool, filter_by: str | None = "chunked"):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -523,7 +523,7 @@ class ModelRunner:
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
 
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
-                  filter_by: str | None = "rejection", **rows: np.ndarray):
+                  filter_by: str | None = "chunked", **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
     call's one host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
