@@ -62,6 +62,15 @@ def _flip_negatives(bits: jax.Array) -> jax.Array:
   return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+def _descending(x: jax.Array) -> jax.Array:
+  """float32 [B, n]: each row of x [B, n] sorted, largest first, as int32 keys in the
+  floats' order (`_flip_negatives`), which XLA sorts faster than float32 (H200, 128 x 50257:
+  0.42 vs 0.64 ms; 256 rows: 0.61 vs 1.38)."""
+  keys = _flip_negatives(jax.lax.bitcast_convert_type(x, jnp.int32))
+  return jax.lax.bitcast_convert_type(
+      _flip_negatives(jnp.sort(keys, axis=-1)[:, ::-1]), jnp.float32)
+
+
 def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """bool [B, V]: the tokens that top-k, then top-p, keep of tempered logits [B, V]
   (never a -inf one).
@@ -74,15 +83,12 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
       more likely (of what top-k kept) is short of p, and any tied with the last kept;
       1 = off.
 
-  Each filter is a cut-off value: only the values are sorted (not the indices, which would
-  double the sort's cost) and a token is kept if it is at or above the cut-off. They are
-  sorted as int32 keys in the floats' order (`_flip_negatives`), which XLA sorts faster than
-  float32 (H200, 128 x 50257: 0.42 vs 0.64 ms; 256 rows: 0.61 vs 1.38).
+  Each filter is a cut-off value: only the values are sorted (`_descending`; not the
+  indices, which would double the sort's cost) and a token is kept if it is at or above
+  the cut-off.
   """
   v = tempered.shape[-1]
-  keys = _flip_negatives(jax.lax.bitcast_convert_type(tempered, jnp.int32))
-  ranked = jax.lax.bitcast_convert_type(  # each row descending
-      _flip_negatives(jnp.sort(keys, axis=-1)[:, ::-1]), jnp.float32)
+  ranked = _descending(tempered)
   k_cut = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
   k_cut = jnp.where(top_k[:, None] > 0, k_cut, -jnp.inf)
   probs = jax.nn.softmax(jnp.where(ranked >= k_cut, ranked, -jnp.inf), axis=-1)
@@ -97,7 +103,7 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 def filter_method(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
                   ) -> str | None:
   """On the host, the `filter_by` of a batch with these settings (numpy [B], as
-  `sample_rows` takes them): None when no sampling row filters, "sort" when one filters
+  `sample_rows` takes them, or scalars for one row): None when no sampling row filters, "sort" when one filters
   by a top-k above `CHUNKED_TOP_K`, "chunked" when one filters by top-k, else
   "rejection"."""
   sampled = np.asarray(temperature) > 0
@@ -129,12 +135,17 @@ def top_k_cutoff(tempered: jax.Array, top_k: jax.Array) -> jax.Array:
                           dimension=1, num_keys=1)
   taken = min(chunks, CHUNKED_TOP_K)
   values = jnp.take_along_axis(padded, order[:, :taken, None], axis=1)
-  keys = _flip_negatives(jax.lax.bitcast_convert_type(values.reshape(b, -1), jnp.int32))
-  ranked = jax.lax.bitcast_convert_type(  # each row descending
-      _flip_negatives(jnp.sort(keys, axis=-1)[:, ::-1]), jnp.float32)
+  ranked = _descending(values.reshape(b, -1))
   cut = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, taken * _CHUNK - 1)[:, None],
                             axis=-1)
   return jnp.where(top_k[:, None] > 0, cut, -jnp.inf)
+
+
+def _sorted_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
+                 top_p: jax.Array) -> jax.Array:
+  """int32 [B]: the argmax of noisy [B, V] over the tokens `filter_mask` keeps."""
+  kept = filter_mask(tempered, top_k, top_p)
+  return jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
 def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
@@ -172,9 +183,7 @@ def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
     floor = jnp.where(undecided[:, None], value, floor)
 
   def sort(token):
-    kept = filter_mask(tempered, top_k, top_p)
-    drawn = jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
-    return jnp.where(undecided, drawn, token)
+    return jnp.where(undecided, _sorted_draw(tempered, noisy, top_k, top_p), token)
 
   return jax.lax.cond(jnp.any(undecided), sort, lambda token: token, token)
 
@@ -193,8 +202,7 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
     noisy = tempered + jax.vmap(
         lambda key: jax.random.gumbel(key, tempered.shape[-1:], jnp.float32))(keys)
     if filter_by == "sort":
-      kept = filter_mask(tempered, top_k, top_p)
-      sampled = jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
+      sampled = _sorted_draw(tempered, noisy, top_k, top_p)
     else:
       sampled = _nucleus_draw(tempered, noisy, top_k, top_p, temperature <= 0,
                               chunked=filter_by == "chunked")

@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from jax_paged import pool as pool_lib
+from jax_paged import sampling as sampling_lib
 from jax_paged import tensor_parallel
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import validation
@@ -237,8 +238,6 @@ class Engine:
     settings = {"greedy": {}, "sampled": dict(temperature=1.0),
                 "top_p": dict(temperature=1.0, top_p=0.9),
                 "top_k": dict(temperature=1.0, top_k=50)}
-    # Each kind's `sampling.filter_method`, for the decode calls of empty rows below.
-    filter_by = {"greedy": None, "sampled": None, "top_p": "rejection", "top_k": "chunked"}
     if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
       raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
                        f"{sampling!r}")
@@ -285,6 +284,10 @@ class Engine:
       k *= 2
     runs = 0
     for kind in dict.fromkeys(sampling):
+      # The decode calls of empty rows below take the filter method of this kind's rows.
+      filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
+                                             settings[kind].get("top_k", 0),
+                                             settings[kind].get("top_p", 1.0))
       for lengths, new in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
@@ -316,7 +319,7 @@ class Engine:
           for checked in (True, False):
             self.kv = self.runner.idle_decode(
                 self.kv, width, steps, greedy=kind == "greedy", checked=checked,
-                filter_by=filter_by[kind])
+                filter_by=filter_by)
         steps *= 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
