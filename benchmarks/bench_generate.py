@@ -130,7 +130,11 @@ def _contiguous_run(graphdef, params, tokens, lengths, *, new: int, max_len: int
 SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
              "top-p": dict(temperature=0.8, top_p=0.95),
              "top-k": dict(temperature=0.8, top_k=50),
-             "top-k-top-p": dict(temperature=0.8, top_k=50, top_p=0.95)}
+             "top-k-top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
+             # Each token's log-probability too (Hugging Face: `output_logits` and
+             # `compute_transition_scores`, normalized).
+             "greedy-logprobs": dict(logprobs=True),
+             "top-p-logprobs": dict(temperature=0.8, top_p=0.95, logprobs=True)}
 
 
 def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool,
@@ -146,11 +150,12 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
 
 def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
                     static: bool, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0) -> float:
+                    top_p: float = 1.0, logprobs: bool = False) -> float:
   """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` tokens (greedy,
   or sampled with `Request`'s settings) after random prompts of `batch` x `prompt` tokens:
   `generate` with a static cache (which transformers compiles with torch.compile) or the
-  dynamic one, the median of three timed calls after an identical one."""
+  dynamic one, the median of three timed calls after an identical one. With `logprobs`,
+  each token's log-probability from the logits `generate` returns."""
   import torch
   ids = torch.randint(0, vocab_size, (batch, prompt), device="cuda")
   kwargs = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
@@ -161,9 +166,15 @@ def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
     # transformers compiles the forward with torch.compile itself for a static cache.
     kwargs.update(cache_implementation="static")
 
+  if logprobs:
+    kwargs.update(output_logits=True, return_dict_in_generate=True)
+
   def run():
     with torch.inference_mode():
       out = model.generate(ids, **kwargs)
+      if logprobs:
+        model.compute_transition_scores(out.sequences, out.logits, normalize_logits=True)
+        out = out.sequences
     torch.cuda.synchronize()
     return out
 

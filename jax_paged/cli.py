@@ -15,6 +15,7 @@ registers `models.gpt2:FAMILY` and `models.llama:FAMILY`. A checkpoint's `config
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -27,13 +28,14 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
 from jax_paged.serving.admission import ADMISSION_POLICIES
 from jax_paged.serving.engine import Engine
-from jax_paged.serving.request import Request
+from jax_paged.serving.request import Request, TokenEvent
 
 ENTRY_POINT_GROUP = "jax_paged.models"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -186,6 +188,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's eos token")
+  gen.add_argument("--logprobs", action="store_true",
+                   help="print each new token's log-probability under the model (before "
+                        "temperature and filters) and each completion's perplexity")
   gen.add_argument("--n", type=_positive_int, default=1,
                    help="samples per prompt, sharing the prompt's pages (default 1; at most "
                         "--max-batch)")
@@ -408,7 +413,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
-                            n=args.n))
+                            n=args.n, logprobs=args.logprobs))
   eng = None
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
@@ -424,7 +429,14 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
           f"{eng.cache_dtype.name} KV cache", file=sys.stderr)
     progress = Progress(sum(r.max_new_tokens * r.n for r in requests),
                         enabled=not args.no_progress)
-    outputs, report = eng.generate(requests, on_token=lambda event: progress.update())
+    logprobs = collections.defaultdict(list)  # (prompt, sample) -> its tokens' logprobs
+
+    def on_token(event: TokenEvent) -> None:
+      progress.update()
+      if event.logprob is not None:
+        logprobs[event.request_id, event.sample].append(event.logprob)
+
+    outputs, report = eng.generate(requests, on_token=on_token)
     progress.close()
   except ValueError as e:
     raise CLIError(str(e)) from e
@@ -443,6 +455,10 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
       print(f"--- {label} {prompt} -> {len(sample)} tokens")
       print(codec.decode(sample) if codec else ",".join(map(str, sample)))
+      if args.logprobs:
+        values = logprobs[i, j]
+        print(f"logprobs (mean {np.mean(values):.4f}, perplexity "
+              f"{np.exp(-np.mean(values)):.3f}): {','.join(f'{v:.4f}' for v in values)}")
   print(report)
   return 0
 

@@ -1,4 +1,5 @@
-"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus).
+"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus), and the
+drawn tokens' log-probabilities (`token_logprobs`).
 
 Everything is jittable and per row, so one batch can mix requests with different
 settings: temperature 0 is greedy, top_k 0 and top_p 1 switch those filters off. The order
@@ -53,6 +54,15 @@ FILTER_METHODS = (None, "rejection", "chunked", "sort")
 def greedy(logits: jax.Array) -> jax.Array:
   """int32 [B]: the argmax of float logits [B, V] (for all-greedy batches)."""
   return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """float32 [B]: log softmax(logits[b])[tokens[b]] of float logits [B, V] and int tokens
+  [B]: each token's log-probability under the model's distribution, before temperature
+  and filters (vLLM's "raw" logprobs). One reduction over the logits (their logsumexp)."""
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _flip_negatives(bits: jax.Array) -> jax.Array:

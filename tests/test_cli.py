@@ -1,5 +1,6 @@
 """The generation CLI end to end, in a subprocess, on CPU."""
 
+import math
 import os
 import subprocess
 import sys
@@ -247,3 +248,23 @@ def test_parallel_samples_and_no_prefix_caching(capsys):
   # Three samples on one prompt's pages (forked, prefix caching or not) hold more live
   # tokens than their pages have slots.
   assert "; above 100%: sequences shared pages)" in again
+
+
+def test_logprobs_print_each_completions_tokens_and_perplexity(capsys):
+  args = ("--model", "tiny", "--prompt", "log", "--prompt", "probs", "--max-new-tokens", "5",
+          "--temperature", "1.0", "--n", "2", "--ignore-eos", "--no-progress")
+  status, out, _ = _main(capsys, *args, "--logprobs")
+  assert status == 0
+  lines = [line for line in out.splitlines() if line.startswith("logprobs (mean ")]
+  assert len(lines) == 4  # 2 prompts x 2 samples, each after its completion
+  for line in lines:
+    head, values = line.split("): ")
+    values = [float(v) for v in values.split(",")]
+    mean, perplexity = float(head.split()[2][:-1]), float(head.split()[4])
+    assert len(values) == 5 and max(values) < 0
+    assert abs(mean - sum(values) / 5) < 1e-3 and abs(perplexity / math.exp(-mean) - 1) < 1e-3
+  status, plain, _ = _main(capsys, *args)
+  assert status == 0 and "logprobs" not in plain
+  completions = lambda out: [line for line in out.split("requests:")[0].splitlines()
+                             if not line.startswith("logprobs")]
+  assert completions(out) == completions(plain)  # the same tokens

@@ -9,6 +9,7 @@ in summation order (fused qkv, softmax, paged vs contiguous keys); the observed 
 order the logits themselves.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -131,6 +132,51 @@ def test_greedy_generate_matches_hf(checkpoint):
       want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     assert got == want
+
+
+def _hf_logprobs(hf, prompt: list[int], new: list[int]) -> np.ndarray:
+  """log softmax of HF's logits at each new token, picked at it."""
+  with torch.no_grad():
+    logits = hf(torch.tensor([prompt + new])).logits[0, len(prompt) - 1:-1]
+  logprobs = torch.log_softmax(logits.double(), dim=-1)
+  return logprobs[torch.arange(len(new)), torch.tensor(new)].numpy()
+
+
+def test_engine_logprobs_are_hf_log_softmax(checkpoint):
+  """Request(logprobs=True): each token's log-probability, first token (prefill) and
+  decode steps, is log_softmax of HF's logits for it, whether greedy (the logits path,
+  not the fused greedy head) or sampled with filters, behind a cached prefix, chunked or
+  as one of n samples; the tokens are those drawn without logprobs, and a request that
+  did not ask gets None beside one that did."""
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  rng = np.random.default_rng(8)
+  system = _prompts(rng, [20])[0]
+  prompts = [system + p for p in _prompts(rng, [3, 7])] + _prompts(rng, [5, 30, 2])
+  # Request 0 asks for none: the first row of a prefill call whose second row asks.
+  settings = [dict(logprobs=False), dict(temperature=0.8, top_p=0.9, seed=3), dict(),
+              dict(temperature=1.0, top_k=20, seed=4), dict(), dict(temperature=0.7, n=2)]
+  requests = [jax_paged.Request(p, 9, **{"logprobs": True, **kw})
+              for p, kw in zip(prompts + [prompts[0]], settings)]
+
+  def run(requests):
+    # Prompts over 16 tokens prefill in chunks; the two system-prompt requests share it.
+    eng = jax_paged.Engine(model, max_batch=6, num_pages=40, page_size=PAGE,
+                           steps_per_call=4, max_prefill_tokens=16)
+    events = []
+    out, _ = eng.generate(requests, on_token=events.append)
+    return out, events
+
+  out, events = run(requests)
+  plain, _ = run([dataclasses.replace(r, logprobs=False) for r in requests])
+  assert out == plain
+  assert {e.logprob is None for e in events if e.request_id == 0} == {True}
+  for i, r in enumerate(requests):
+    for j in range(r.n) if r.logprobs else ():
+      tokens = out[i] if r.n == 1 else out[i][j]
+      got = [e.logprob for e in events if (e.request_id, e.sample) == (i, j)]
+      assert [e.token for e in events if (e.request_id, e.sample) == (i, j)] == tokens
+      np.testing.assert_allclose(got, _hf_logprobs(hf, r.prompt, tokens), atol=1e-4)
 
 
 def _check_pool_consistent(kv: jax_paged.KVPool) -> set[int]:

@@ -7,7 +7,7 @@ page state:
 
     plan = scheduler.schedule(now)                 # bookkeeping, a prefill, a decode chunk
     kv, out = runner.execute(kv, plan)             # jitted calls, pool donated
-    events = scheduler.take_tokens(plan, out.first, out.decoded)   # streamed
+    events = scheduler.take_tokens(plan, out.first, out.decoded, ...)   # streamed
     scheduler.settle(plan, out.page_table, out.num_free)           # page accounting
 
 `generate` / `stream` run a list of requests to completion. A caller serving requests as
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -188,7 +189,8 @@ class Engine:
 
   def warmup(self, max_prompt_tokens: int | None = None,
              sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
-             max_samples: int = 1, short_chunks: bool = False) -> int:
+             max_samples: int = 1, short_chunks: bool = False,
+             logprobs: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -226,6 +228,8 @@ class Engine:
         group of checked steps (`runner.STEPS_PER_CHECK`): loops of 1, 2, 4, ... steps
         over every decode width, checked or not (serving near the pool's capacity; the
         GPT-2 warm-up above: 47 s and 60 compilations more).
+      logprobs: also every call above with a request that asks for its tokens'
+        log-probabilities (`Request.logprobs`): twice the runs.
 
     Returns:
       the throwaway runs served.
@@ -283,11 +287,13 @@ class Engine:
       samples.append(min(k, max_samples))
       k *= 2
     runs = 0
-    for kind in dict.fromkeys(sampling):
+    for kind, with_logprobs in itertools.product(dict.fromkeys(sampling),
+                                                 (False, True) if logprobs else (False,)):
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
                                              settings[kind].get("top_p", 1.0))
+      setting = dict(settings[kind], logprobs=with_logprobs)
       for lengths, new in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
@@ -296,7 +302,7 @@ class Engine:
           if len(lengths) * n_samples > self.max_batch:  # each sample takes a slot
             break
           self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
-          self.generate([Request(p, new, n=n_samples, **settings[kind]) for p in distinct])
+          self.generate([Request(p, new, n=n_samples, **setting) for p in distinct])
           runs += 1
           behind = [self.page_size + n for n in lengths]
           if prefix_hits and new == 1 and behind[0] <= limit and fits(behind, 1):
@@ -307,7 +313,7 @@ class Engine:
             prefix = [0] * self.page_size
             self.reset_prefix_cache()
             self.generate([Request(prefix + [0], 1)])
-            self.generate([Request(prefix + p, 1, n=n_samples, **settings[kind])
+            self.generate([Request(prefix + p, 1, n=n_samples, **setting)
                            for p in distinct])
             runs += 2
       # A decode chunk that the free pages cut below a group of checked steps runs in a
@@ -319,7 +325,7 @@ class Engine:
           for checked in (True, False):
             self.kv = self.runner.idle_decode(
                 self.kv, width, steps, greedy=kind == "greedy", checked=checked,
-                filter_by=filter_by)
+                filter_by=filter_by, logprobs=with_logprobs)
         steps *= 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
@@ -338,12 +344,14 @@ class Engine:
                on_token: Callable[[TokenEvent], None] | None = None
                ) -> tuple[list, Report]:
     """Runs every request to completion; returns (outputs, report). outputs[i] is the new
-    tokens of request i, or for a request with n > 1 samples a list of n such lists."""
+    tokens of request i, or for a request with n > 1 samples a list of n such lists.
+    `on_token` gets each token as an event as soon as the host has it, with its
+    log-probability for a request that asks (`Request.logprobs`)."""
     outputs = collections.defaultdict(list)  # (request id, sample) -> its tokens
-    for rid, sample, tokens, reason in self._run_all(requests):  # (validated first)
+    for rid, sample, tokens, reason, logprobs in self._run_all(requests):  # (validated first)
       outputs[rid, sample] += tokens
       if on_token is not None:
-        for event in _events(rid, sample, tokens, reason):
+        for event in _events(rid, sample, tokens, reason, logprobs):
           on_token(event)
     return [outputs[i, 0] if r.n == 1 else [outputs[i, j] for j in range(r.n)]
             for i, r in enumerate(requests)], self.report
@@ -352,8 +360,8 @@ class Engine:
     """Yields each token as soon as the host has it. `self.report` is complete once the
     iterator is exhausted; closing it early (or breaking out of a loop over it) ends the
     run and frees every page."""
-    for rid, sample, tokens, reason in self._run_all(requests):
-      yield from _events(rid, sample, tokens, reason)
+    for seq in self._run_all(requests):
+      yield from _events(*seq)
 
   def add_request(self, request: Request) -> int:
     """Submits a request while the engine runs, for a caller that serves requests as they
@@ -456,7 +464,7 @@ class Engine:
     self._run = _Run(start, scheduler, first_id)
 
   def _run_all(self, requests: Sequence[Request]
-               ) -> Iterator[tuple[int, int, list[int], str | None]]:
+               ) -> Iterator[tuple[int, int, list[int], str | None, list[float] | None]]:
     """A generate / stream: a run of `requests`, stepped until every one has finished."""
     if self._run is not None:
       raise RuntimeError("this Engine is already running (a generate / stream, or requests "
@@ -472,9 +480,10 @@ class Engine:
       self._streaming = False
       self.abort()
 
-  def _step(self) -> Iterator[tuple[int, int, list[int], str | None]]:
+  def _step(self) -> Iterator[tuple[int, int, list[int], str | None, list[float] | None]]:
     """schedule -> execute -> take_tokens / settle, once. Yields (request id, sample, new
-    tokens, finish reason) per sequence that produced tokens, before the page
+    tokens, finish reason, their log-probabilities or None) per sequence that produced
+    tokens, before the page
     bookkeeping; ends the run when every request has finished. (The scheduler's ids count
     from 0 in each run; the caller's from the run's first_id.)"""
     run, report = self._run, self.report
@@ -498,14 +507,15 @@ class Engine:
       report.decode_s += seconds
     else:
       report.prefill_s += seconds
-    events = scheduler.take_tokens(plan, out.first, out.decoded)
+    events = scheduler.take_tokens(plan, out.first, out.decoded, out.first_logprobs,
+                                   out.decoded_logprobs)
     now = time.perf_counter()
-    for rid, sample, new, reason in events:
+    for rid, sample, new, reason, logprobs in events:
       if rid not in run.started:
         run.started.add(rid)
         report.ttft_s.append(now - run.start - scheduler.arrivals[rid])
       report.generated_tokens += len(new)
-      yield run.first_id + rid, sample, new, reason
+      yield run.first_id + rid, sample, new, reason, logprobs
     # The page bookkeeping once the caller has the tokens.
     scheduler.settle(plan, out.page_table, out.num_free)
     report.peak_pages_in_use = self._cache.peak_used_pages
@@ -539,8 +549,9 @@ class _Run:
   started: set[int] = dataclasses.field(default_factory=set)
 
 
-def _events(rid: int, sample: int, tokens: list[int], reason: str | None
-            ) -> Iterator[TokenEvent]:
+def _events(rid: int, sample: int, tokens: list[int], reason: str | None,
+            logprobs: list[float] | None = None) -> Iterator[TokenEvent]:
   """A sequence's new tokens as events, the finish reason on the last."""
   for j, token in enumerate(tokens):
-    yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample)
+    yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample,
+                     None if logprobs is None else logprobs[j])

@@ -33,6 +33,12 @@ class Request:
       (`sample_seed(seed, j)`: sample 0 draws as a request with n = 1 would).
     arrival_s: the request is not admitted before this many seconds after the run starts
       (`Engine.generate` is called; a workload arriving over time; 0 = at once).
+    logprobs: also return each new token's log-probability under the model's next-token
+      distribution, log_softmax of its float32 logits, before temperature, top-k and
+      top-p (vLLM's default "raw" logprobs; Hugging Face's `output_logits`, normalized):
+      `TokenEvent.logprob`. A greedy request that asks runs its batch's calls through
+      the logits rather than the fused greedy LM head (`linear.argmax_attend`), so in
+      bf16 a near-tie may break differently, as beside a sampled request.
   """
 
   prompt: Sequence[int]
@@ -44,6 +50,7 @@ class Request:
   stop_token_ids: Sequence[int] = ()
   n: int = 1
   arrival_s: float = 0.0
+  logprobs: bool = False
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -61,12 +68,13 @@ def sample_seed(seed: int, sample: int) -> int:
 class TokenEvent:
   """A token produced for sample `sample` of request `request_id` (its index in the
   submitted list). `finish_reason` is None while the sample goes on, else 'stop' or
-  'length'."""
+  'length'. `logprob`: the token's log-probability (`Request.logprobs`), else None."""
 
   request_id: int
   token: int
   finish_reason: str | None
   sample: int = 0
+  logprob: float | None = None
 
 
 def _is_int(x) -> bool:
@@ -150,6 +158,8 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if not _is_int(r.n) or not 1 <= r.n <= max_batch:
       raise ValueError(f"request {i}: n must be an int in [1, max_batch={max_batch}] (its "
                        f"samples run together), got {r.n!r}")
+    if not isinstance(r.logprobs, (bool, np.bool_)):
+      raise ValueError(f"request {i}: logprobs must be True or False, got {r.logprobs!r}")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

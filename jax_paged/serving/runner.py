@@ -202,7 +202,8 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
-                greedy: bool, checked: bool, filter_by: str | None = "chunked"):
+                greedy: bool, checked: bool, filter_by: str | None = "chunked",
+                logprobs: bool = False):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -214,10 +215,14 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
   (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy;
-  filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`).
+  filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`);
+  logprobs (static): also each new token's log-probability (`sampling.token_logprobs`;
+  through the logits, also where every row is greedy).
 
   Returns:
-    (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool).
+    (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool), with
+    `logprobs` ((tokens, float32 [max_steps, B] their log-probabilities, 0 where a row was
+    inactive); the pool).
   """
   b = tokens.shape[0]
   # Known when tracing (not traced): `reserve` then takes its one-kernel decode path.
@@ -229,16 +234,19 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
 
   def body(_, carry):
     # `active` rows are active at `step`, which is below num_steps for any active row.
-    step, kv, tokens, active, index, budget, out = carry
-    if greedy:  # the argmax without the [B, vocab] logits
+    step, kv, tokens, active, index, budget, out, out_logprobs = carry
+    if greedy and not logprobs:  # the argmax without the [B, vocab] logits
       new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
       new = sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p,
-                                 filter_by=filter_by)
+                                 all_greedy=greedy, filter_by=filter_by)
     # `out` has a row for every step a group can run: no bounds check (an XLA reduction
     # kernel per step for `.at[step].set(..., mode="drop")`).
     out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
+    if logprobs:
+      lp = jnp.where(active, sampling.token_logprobs(logits, new), 0.0)
+      out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, lp[None], (step, 0))
     index += active
     budget -= active
     stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
@@ -246,13 +254,18 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     # Masked for the next step here, in this fusion, rather than by a kernel of its own at
     # the start of the next.
     active &= ~stopped & (step + 1 < num_steps)
-    return step + 1, kv, tokens, active, index, budget, out
+    return step + 1, kv, tokens, active, index, budget, out, out_logprobs
 
   per_check = steps_per_check(max_steps) if checked else max_steps
-  out = jnp.full((-(-max_steps // per_check) * per_check, b), -1, jnp.int32)
-  carry = (jnp.int32(0), kv, tokens, active, index, budget, out)
+  rows = -(-max_steps // per_check) * per_check
+  out = jnp.full((rows, b), -1, jnp.int32)
+  out_logprobs = jnp.zeros((rows, b) if logprobs else (0,), jnp.float32)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs)
   group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
-  _, kv, *_, out = jax.lax.while_loop(cond, group, carry) if checked else group(carry)
+  _, kv, *_, out, out_logprobs = (jax.lax.while_loop(cond, group, carry) if checked
+                                  else group(carry))
+  if logprobs:
+    return (out[:max_steps], out_logprobs[:max_steps]), kv
   return out[:max_steps], kv
 
 
@@ -317,12 +330,13 @@ class JittedSteps:
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
     def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool,
-                       filter_by: str | None):
+                       filter_by: str | None, logprobs: bool = False):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
       sample_rows (into both phases' rows) and the sample rows' seeds, index,
-      temperature, top_k, top_p."""
+      temperature, top_k, top_p. Returns (int32 [samples] tokens, or with `logprobs`
+      (tokens, float32 [samples] their log-probabilities); the pool)."""
       a = unpack_arrays(packed, layout)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
         kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
@@ -335,15 +349,19 @@ class JittedSteps:
                                 a["follow_ids"], a["follow_start"])
         logits = jnp.concatenate([logits, more])
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
-      return sampling.sample_rows(logits[a["sample_rows"]], a["seeds"], a["index"],
-                                  a["temperature"], a["top_k"], a["top_p"],
-                                  all_greedy=greedy, filter_by=filter_by), kv
+      logits = logits[a["sample_rows"]]
+      tokens = sampling.sample_rows(logits, a["seeds"], a["index"], a["temperature"],
+                                    a["top_k"], a["top_p"], all_greedy=greedy,
+                                    filter_by=filter_by)
+      if logprobs:
+        return (tokens, sampling.token_logprobs(logits, tokens)), kv
+      return tokens, kv
 
     def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
-             checked: bool, filter_by: str | None):
+             checked: bool, filter_by: str | None, logprobs: bool = False):
       """Packed: `decode_loop`'s num_steps and per-row arguments, by name."""
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
-                         checked=checked, filter_by=filter_by,
+                         checked=checked, filter_by=filter_by, logprobs=logprobs,
                          **unpack_arrays(packed, layout))
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
@@ -352,10 +370,11 @@ class JittedSteps:
     self.prefill = _pool_jit(prefill, donate_argnums=1)
     self.decode = _pool_jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = _pool_jit(prefill_sample, donate_argnums=1,
-                                    static_argnames=("layout", "greedy", "filter_by"))
+                                    static_argnames=("layout", "greedy", "filter_by",
+                                                     "logprobs"))
     self.decode_loop = _pool_jit(loop, donate_argnums=1,
                                  static_argnames=("layout", "max_steps", "greedy",
-                                                  "checked", "filter_by"))
+                                                  "checked", "filter_by", "logprobs"))
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
@@ -378,19 +397,21 @@ _clear = _pool_jit(pool_lib.clear, donate_argnums=0)
 
 @jax.jit
 def _packed(*arrays: jax.Array) -> jax.Array:
-  """int32 arrays as one flat array."""
-  return jnp.concatenate([x.ravel() for x in arrays])
+  """int32 and float32 arrays as one flat int32 array (floats by their bits)."""
+  return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.int32).ravel()
+                          for x in arrays])
 
 
 def _read_back(*arrays: jax.Array | None) -> list[np.ndarray | None]:
-  """int32 device arrays on the host (None stays None), in one device-to-host copy: the
-  host waits for each copy in turn, ~0.3 ms apiece on the device's host after a prefill
-  call, before its first tokens. Split on the host: a jnp slice of a device array
+  """int32 / float32 device arrays on the host (None stays None), in one device-to-host
+  copy: the host waits for each copy in turn, ~0.3 ms apiece on the device's host after a
+  prefill call, before its first tokens. Split on the host: a jnp slice of a device array
   dispatches a kernel (~0.5 ms)."""
   present = [x for x in arrays if x is not None]
   flat = np.asarray(_packed(*present))
   ends = np.cumsum([x.size for x in present])
-  parts = iter([part.reshape(x.shape) for part, x in zip(np.split(flat, ends[:-1]), present)])
+  parts = iter([part.view(x.dtype).reshape(x.shape)
+                for part, x in zip(np.split(flat, ends[:-1]), present)])
   return [None if x is None else next(parts) for x in arrays]
 
 
@@ -410,6 +431,7 @@ class _Sampling:
   top_p: np.ndarray
   greedy: bool    # every row is greedy (`sample_rows(all_greedy=True)`)
   filter_by: str | None  # how sampled rows filter (`sampling.filter_method`)
+  logprobs: bool  # some row's request asks for its tokens' log-probabilities
 
   @classmethod
   def of(cls, rows: Sequence) -> "_Sampling":
@@ -420,13 +442,14 @@ class _Sampling:
     `jnp.asarray` of a list cost ~1 ms each on the device's host.
     """
     requests = [s.request if s is not None else None for s in rows]
+    logprobs = any(r is not None and r.logprobs for r in requests)
     if all(r is None or r.temperature == 0 for r in requests):
       # Greedy rows take the argmax (`sample_rows(all_greedy=True)`): the settings go
       # unused, so no pass over the rows per setting.
       n = len(rows)
       return cls(seeds=np.zeros(n, np.uint32), temperature=np.zeros(n, np.float32),
                  top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True,
-                 filter_by=None)
+                 filter_by=None, logprobs=logprobs)
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
     temperature = column(lambda r: r.temperature, np.float32)
@@ -435,7 +458,8 @@ class _Sampling:
                        np.float32)
     return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
                temperature=temperature, top_k=top_k, top_p=top_p, greedy=False,
-               filter_by=sampling.filter_method(temperature, top_k, top_p))
+               filter_by=sampling.filter_method(temperature, top_k, top_p),
+               logprobs=logprobs)
 
   def arrays(self) -> dict[str, np.ndarray]:
     return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
@@ -468,12 +492,16 @@ class Executed(NamedTuple):
       produced nothing (at most `plan.max_steps` rows; none without a decode chunk).
     page_table, num_free: the pool's after the call (the scheduler's page accounting
       checks them).
+    first_logprobs, decoded_logprobs: float32, their tokens' log-probabilities, shaped as
+      `first` and `decoded`; None where no row of the call asked (`Request.logprobs`).
   """
 
   first: np.ndarray
   decoded: np.ndarray
   page_table: np.ndarray
   num_free: int
+  first_logprobs: np.ndarray | None = None
+  decoded_logprobs: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -483,8 +511,8 @@ class ModelRunner:
 
     prefill(kv, tokens, lengths, seq_ids, start=None) -> (logits, kv)  `prefill_step`
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
-    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filter_by=)
-      -> (tokens, kv)
+    decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filter_by=,
+                logprobs=) -> (tokens | (tokens, logprobs), kv)
     release(kv, seq_ids) -> kv
     clear(kv) -> kv                                               `pool.clear`
     update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
@@ -523,26 +551,30 @@ class ModelRunner:
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
 
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
-                  filter_by: str | None = "chunked", **rows: np.ndarray):
+                  filter_by: str | None = "chunked", logprobs: bool = False,
+                  **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
     call's one host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked,
-                                   filter_by=filter_by)
+                                   filter_by=filter_by, logprobs=logprobs)
 
   def idle_decode(self, kv: pool_lib.KVPool, width: int, max_steps: int, *, greedy: bool,
-                  checked: bool, filter_by: str | None) -> pool_lib.KVPool:
+                  checked: bool, filter_by: str | None, logprobs: bool = False
+                  ) -> pool_lib.KVPool:
     """A decode call over `width` empty rows in a loop of `max_steps` steps, its tokens
     read back as `execute` reads a call's: compiles the programs such a call runs (for
     `Engine.warmup`) and changes nothing (no row is active)."""
     zeros = np.zeros((width,), np.int32)
     decoded, kv = self.decode_loop(
         kv, max_steps, max_steps=max_steps, greedy=greedy, checked=checked,
-        filter_by=filter_by, tokens=zeros, active=np.zeros((width,), bool), index=zeros,
-        budget=zeros, stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
+        filter_by=filter_by, logprobs=logprobs, tokens=zeros,
+        active=np.zeros((width,), bool), index=zeros, budget=zeros,
+        stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
         **_Sampling.of([None] * width).arrays())
-    _read_back(decoded, kv.page_table, kv.num_free, None)
+    _read_back(*(decoded if logprobs else (decoded, None)), kv.page_table, kv.num_free,
+               None, None)
     return kv
 
   def clear(self, kv: pool_lib.KVPool) -> pool_lib.KVPool:
@@ -575,26 +607,34 @@ class ModelRunner:
     chunk, dispatched back to back; the host then reads the results back in one transfer
     (`_read_back`; two with both a prefill and a decode chunk) as `Executed`."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
-    first = decoded = None
+    first = decoded = first_lp = decoded_lp = None
     if plan.prefill:
-      first, kv = self._prefill_plan(kv, plan)
+      first, first_lp, kv = self._prefill_plan(kv, plan)
     if plan.decode_steps:
-      decoded, kv = self._decode_plan(kv, plan)
+      decoded, decoded_lp, kv = self._decode_plan(kv, plan)
     # A call with both reads its first tokens apart: one `_packed` program per
     # combination of their shapes would compile anew mid-run.
-    apart = first if decoded is not None else None
-    decoded, page_table, num_free, first = _read_back(
-        decoded, kv.page_table, kv.num_free, None if apart is not None else first)
+    apart = None
+    if decoded is not None and first is not None:
+      apart, first, first_lp = (first, first_lp), None, None
+    decoded, decoded_lp, page_table, num_free, first, first_lp = _read_back(
+        decoded, decoded_lp, kv.page_table, kv.num_free, first, first_lp)
     if apart is not None:
-      first = np.asarray(apart)
-    first = (np.zeros((0,), np.int32) if first is None
-             else first[:sum(len(c.samples) for c in plan.prefill)])
+      first, first_lp = (None if x is None else np.asarray(x) for x in apart)
+    samples = sum(len(c.samples) for c in plan.prefill)
+    if first is None:
+      first = np.zeros((0,), np.int32)
+    else:
+      first = first[:samples]
+      first_lp = None if first_lp is None else first_lp[:samples]
+    width = len(plan.rows)
     if decoded is None:
-      decoded = np.zeros((0, len(plan.rows)), np.int32)
-    elif decoded.shape[1] < len(plan.rows):  # the slots past the decode width: no tokens
-      decoded = np.pad(decoded, ((0, 0), (0, len(plan.rows) - decoded.shape[1])),
-                       constant_values=-1)
-    return kv, Executed(first, decoded, page_table, int(num_free))
+      decoded = np.zeros((0, width), np.int32)
+    elif decoded.shape[1] < width:  # the slots past the decode width: no tokens
+      pad = ((0, 0), (0, width - decoded.shape[1]))
+      decoded = np.pad(decoded, pad, constant_values=-1)
+      decoded_lp = None if decoded_lp is None else np.pad(decoded_lp, pad)
+    return kv, Executed(first, decoded, page_table, int(num_free), first_lp, decoded_lp)
 
   def _prefill_plan(self, kv, plan):
     first = [c for c in plan.prefill if c.follows is None]
@@ -640,8 +680,11 @@ class ModelRunner:
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         **sampling_.arrays())
-    return self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
-                                      greedy=sampling_.greedy, filter_by=sampling_.filter_by)
+    out, kv = self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
+                                         greedy=sampling_.greedy,
+                                         filter_by=sampling_.filter_by,
+                                         logprobs=sampling_.logprobs)
+    return (*(out if sampling_.logprobs else (out, None)), kv)
 
   def _decode_plan(self, kv, plan):
     """The plan's decode chunk over its first `decode_width(plan.rows)` slots."""
@@ -665,9 +708,10 @@ class ModelRunner:
       # Whole groups of checked steps: a partial group would run idle steps to its end.
       steps -= steps % per_check
     sampling_ = _Sampling.of(rows)
-    return self.decode_loop(
+    out, kv = self.decode_loop(
         kv, steps, max_steps=max_steps, greedy=sampling_.greedy, checked=checked,
-        filter_by=sampling_.filter_by,
+        filter_by=sampling_.filter_by, logprobs=sampling_.logprobs,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
         budget=budget, stop_ids=stop_ids, **sampling_.arrays())
+    return (*(out if sampling_.logprobs else (out, None)), kv)
