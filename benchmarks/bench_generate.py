@@ -134,7 +134,10 @@ SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
              # Each token's log-probability too (Hugging Face: `output_logits` and
              # `compute_transition_scores`, normalized).
              "greedy-logprobs": dict(logprobs=True),
-             "top-p-logprobs": dict(temperature=0.8, top_p=0.95, logprobs=True)}
+             "top-p-logprobs": dict(temperature=0.8, top_p=0.95, logprobs=True),
+             # And the 20 most likely tokens' at each step (HF: a top-k of the logits'
+             # log_softmax).
+             "greedy-top-logprobs": dict(logprobs=True, top_logprobs=20)}
 
 
 def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool,
@@ -150,12 +153,14 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
 
 def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
                     static: bool, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, logprobs: bool = False) -> float:
+                    top_p: float = 1.0, logprobs: bool = False, top_logprobs: int = 0
+                    ) -> float:
   """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` tokens (greedy,
   or sampled with `Request`'s settings) after random prompts of `batch` x `prompt` tokens:
   `generate` with a static cache (which transformers compiles with torch.compile) or the
   dynamic one, the median of three timed calls after an identical one. With `logprobs`,
-  each token's log-probability from the logits `generate` returns."""
+  each token's log-probability from the logits `generate` returns (and with
+  `top_logprobs` the most likely tokens')."""
   import torch
   ids = torch.randint(0, vocab_size, (batch, prompt), device="cuda")
   kwargs = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
@@ -174,6 +179,8 @@ def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
       out = model.generate(ids, **kwargs)
       if logprobs:
         model.compute_transition_scores(out.sequences, out.logits, normalize_logits=True)
+        if top_logprobs:
+          torch.stack(out.logits, dim=1).float().log_softmax(-1).topk(top_logprobs)
         out = out.sequences
     torch.cuda.synchronize()
     return out

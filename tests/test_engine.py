@@ -297,7 +297,8 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
   device = FakeDevice(cache)
   plan = scheduler.schedule()
   assert [c.slot for c in plan.prefill] == [0, 1]
-  assert device.run(scheduler, plan) == [(0, 0, [7], None, None), (1, 0, [7], None, None)]
+  assert device.run(scheduler, plan) == [(0, 0, [7], None, None, None),
+                                         (1, 0, [7], None, None, None)]
   for steps in (4, 1):  # 7 then 8 tokens cached each: the 9th needs a third page each
     plan = scheduler.schedule()
     assert plan.decode_steps == steps and not plan.release
@@ -306,7 +307,7 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
   plan = scheduler.schedule()
   assert plan.release == (1,) and plan.rows[1] is None and plan.decode_steps == 4
   assert scheduler.num_preemptions == 1 and [w[0] for w in scheduler.waiting] == [1]
-  assert device.run(scheduler, plan) == [(0, 0, [7] * 4, "length", None)]
+  assert device.run(scheduler, plan) == [(0, 0, [7] * 4, "length", None, None)]
   assert cache.peak_used_pages == 4
   plan = scheduler.schedule()
   assert plan.release == (0,) and [c.slot for c in plan.prefill] == [0]
@@ -614,25 +615,27 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples():
 
 def test_warmup_covers_decode_chunks_cut_short_by_a_full_pool():
   """A pool too small for its slots (optimistic admission) cuts decode chunks short and
-  preempts: after warmup(prefix_hits=True, short_chunks=True, logprobs=True) such a run,
-  some of its requests asking for logprobs, compiles nothing and gives the tokens and
-  logprobs of a pool that never runs short. A model of its own structure."""
+  preempts: after warmup(prefix_hits=True, short_chunks=True, logprobs=True,
+  top_logprobs=True) such a run, some of its requests asking for logprobs and top
+  logprobs, compiles nothing and gives the tokens and log-probabilities of a pool that
+  never runs short. A model of its own structure."""
   config = gpt2.GPT2Config(vocab_size=83, n_positions=48, n_embd=32, n_layer=1, n_head=4,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(5))
   rng = np.random.default_rng(7)
   requests = [Request(rng.integers(0, 83, rng.integers(3, 20)).tolist(),
-                      int(rng.integers(8, 28)), logprobs=i % 3 == 0) for i in range(12)]
+                      int(rng.integers(8, 28)), logprobs=i % 3 > 0,
+                      top_logprobs=2 * (i % 3 == 2)) for i in range(12)]
 
   def run(eng):
     logprobs = [[] for _ in requests]
-    tokens, report = eng.generate(
-        requests, on_token=lambda e: logprobs[e.request_id].append(e.logprob))
+    tokens, report = eng.generate(requests, on_token=lambda e: logprobs[e.request_id].append(
+        (e.logprob,) + sum(e.top_logprobs or (), ())))
     return tokens, report, logprobs
 
   expected, _, expected_logprobs = run(Engine(model, max_batch=8, num_pages=64, page_size=8))
   eng = Engine(model, max_batch=8, num_pages=14, page_size=8, steps_per_call=5)
-  eng.warmup(prefix_hits=True, short_chunks=True, logprobs=True)
+  eng.warmup(prefix_hits=True, short_chunks=True, logprobs=True, top_logprobs=True)
   assert int(eng.kv.num_free) == 14 and eng.num_cached_pages == 0
   with compilations() as compiles:
     tokens, report, logprobs = run(eng)
@@ -640,9 +643,10 @@ def test_warmup_covers_decode_chunks_cut_short_by_a_full_pool():
   assert not compiles
   for r, got, want in zip(requests, logprobs, expected_logprobs):
     if r.logprobs:  # (a preempted request's next token comes from its new prefill)
+      assert np.shape(got) == (len(want), 1 + 2 * r.top_logprobs)
       np.testing.assert_allclose(got, want, atol=1e-5)
     else:
-      assert got == [None] * len(want)
+      assert got == [(None,)] * len(want)
 
 
 def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_reference):
@@ -702,6 +706,9 @@ def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_r
     (Request([1], 3, top_p=0.0), "top_p"),
     (Request([1], 3, seed=-1), "seed must be"),
     (Request([1], 3, logprobs=1), "logprobs must be True or False"),
+    (Request([1], 3, logprobs=True, top_logprobs=21),
+     r"top_logprobs must be an int in \[0, 20\]"),
+    (Request([1], 3, top_logprobs=2), "top_logprobs=2 needs logprobs=True"),
     (Request([1000], 3), "outside"),
     (Request([1] * 40, 20), "pool is too small"),
 ])

@@ -134,28 +134,29 @@ def test_greedy_generate_matches_hf(checkpoint):
     assert got == want
 
 
-def _hf_logprobs(hf, prompt: list[int], new: list[int]) -> np.ndarray:
-  """log softmax of HF's logits at each new token, picked at it."""
+def _hf_logprobs(hf, prompt: list[int], new: list[int]) -> torch.Tensor:
+  """float64 [len(new), vocab]: log softmax of HF's logits for each new token."""
   with torch.no_grad():
     logits = hf(torch.tensor([prompt + new])).logits[0, len(prompt) - 1:-1]
-  logprobs = torch.log_softmax(logits.double(), dim=-1)
-  return logprobs[torch.arange(len(new)), torch.tensor(new)].numpy()
+  return torch.log_softmax(logits.double(), dim=-1)
 
 
 def test_engine_logprobs_are_hf_log_softmax(checkpoint):
   """Request(logprobs=True): each token's log-probability, first token (prefill) and
-  decode steps, is log_softmax of HF's logits for it, whether greedy (the logits path,
-  not the fused greedy head) or sampled with filters, behind a cached prefix, chunked or
-  as one of n samples; the tokens are those drawn without logprobs, and a request that
-  did not ask gets None beside one that did."""
+  decode steps, is log_softmax of HF's logits for it, and its top_logprobs HF's most
+  likely tokens and theirs, whether greedy (the logits path, not the fused greedy head)
+  or sampled with filters, behind a cached prefix, chunked or as one of n samples; the
+  tokens are those drawn without logprobs, and a request that did not ask gets None
+  beside one that did."""
   hf, path = checkpoint
   model = gpt2.from_pretrained(path)
   rng = np.random.default_rng(8)
   system = _prompts(rng, [20])[0]
   prompts = [system + p for p in _prompts(rng, [3, 7])] + _prompts(rng, [5, 30, 2])
   # Request 0 asks for none: the first row of a prefill call whose second row asks.
-  settings = [dict(logprobs=False), dict(temperature=0.8, top_p=0.9, seed=3), dict(),
-              dict(temperature=1.0, top_k=20, seed=4), dict(), dict(temperature=0.7, n=2)]
+  settings = [dict(logprobs=False), dict(temperature=0.8, top_p=0.9, seed=3, top_logprobs=5),
+              dict(), dict(temperature=1.0, top_k=20, seed=4), dict(top_logprobs=20),
+              dict(temperature=0.7, n=2, top_logprobs=1)]
   requests = [jax_paged.Request(p, 9, **{"logprobs": True, **kw})
               for p, kw in zip(prompts + [prompts[0]], settings)]
 
@@ -168,15 +169,24 @@ def test_engine_logprobs_are_hf_log_softmax(checkpoint):
     return out, events
 
   out, events = run(requests)
-  plain, _ = run([dataclasses.replace(r, logprobs=False) for r in requests])
+  plain, _ = run([dataclasses.replace(r, logprobs=False, top_logprobs=0) for r in requests])
   assert out == plain
-  assert {e.logprob is None for e in events if e.request_id == 0} == {True}
+  assert {(e.logprob, e.top_logprobs) for e in events if e.request_id == 0} == {(None, None)}
   for i, r in enumerate(requests):
     for j in range(r.n) if r.logprobs else ():
       tokens = out[i] if r.n == 1 else out[i][j]
-      got = [e.logprob for e in events if (e.request_id, e.sample) == (i, j)]
-      assert [e.token for e in events if (e.request_id, e.sample) == (i, j)] == tokens
-      np.testing.assert_allclose(got, _hf_logprobs(hf, r.prompt, tokens), atol=1e-4)
+      mine = [e for e in events if (e.request_id, e.sample) == (i, j)]
+      assert [e.token for e in mine] == tokens
+      want = _hf_logprobs(hf, r.prompt, tokens)
+      np.testing.assert_allclose([e.logprob for e in mine],
+                                 want[torch.arange(len(tokens)), tokens], atol=1e-4)
+      if not r.top_logprobs:
+        assert {e.top_logprobs for e in mine} == {None}
+        continue
+      values, ids = torch.topk(want, r.top_logprobs, dim=-1)
+      assert [[t for t, _ in e.top_logprobs] for e in mine] == ids.tolist()
+      np.testing.assert_allclose([[v for _, v in e.top_logprobs] for e in mine], values,
+                                 atol=1e-4)
 
 
 def _check_pool_consistent(kv: jax_paged.KVPool) -> set[int]:

@@ -46,6 +46,16 @@ def test_engine_tokens_match_one_device(model):
   for n in ("2", "4"):
     assert result["tokens"][n] == ref, f"tensor parallel {n}"
   assert result["int8_tokens"]["2"] == result["int8_tokens"]["1"]
+  # Log-probabilities (a greedy request's, two samples' with their top 3): TP's f32 within
+  # 1e-5 of one device's, the same most likely tokens.
+  ref = sorted(result["logprobs"]["1"], key=lambda e: e[:2])
+  assert len(ref) == 14 + 2 * 8 and any(e[3] for e in ref)
+  for n in ("2", "4"):
+    got = sorted(result["logprobs"][n], key=lambda e: e[:2])
+    assert [e[:2] for e in got] == [e[:2] for e in ref]
+    np.testing.assert_allclose([e[2] for e in got], [e[2] for e in ref], atol=1e-5)
+    assert [[t for t, _ in e[3] or ()] for e in got] == [[t for t, _ in e[3] or ()]
+                                                          for e in ref]
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
@@ -175,8 +185,9 @@ def _requests():
   shared = rng.integers(0, 256, 16).tolist()  # two full pages of 8: prefix cache hits
   prompts = [shared + rng.integers(0, 256, k).tolist() for k in (3, 9, 5)]
   prompts += [rng.integers(0, 256, 13).tolist()]
-  reqs = [Request(p, 14) for p in prompts]
-  reqs.append(Request(shared + [7, 7, 7], 8, n=2, temperature=0.8, seed=5))  # forks
+  reqs = [Request(p, 14, logprobs=i == 0) for i, p in enumerate(prompts)]
+  reqs.append(Request(shared + [7, 7, 7], 8, n=2, temperature=0.8, seed=5,  # forks
+                      logprobs=True, top_logprobs=3))
   return reqs
 
 
@@ -196,14 +207,17 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
   for name, model in _models(head_dim).items():
     qkv_before = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
                             else model.layers[0].self_attn.qkv.kernel[...])
-    res = {"tokens": {}, "logit_errors": {}, "pool_errors": {}, "shards": {},
-           "replicated": {}}
+    res = {"tokens": {}, "logprobs": {}, "logit_errors": {}, "pool_errors": {},
+           "shards": {}, "replicated": {}}
     ref_logits = ref_pool = None
     for n in sizes:
       mesh = None if n == 1 else tensor_parallel.make_mesh(n)
       engine = _engine(model, mesh)
-      tokens, report = engine.generate(_requests())
+      events = []
+      tokens, report = engine.generate(_requests(), on_token=events.append)
       res["tokens"][str(n)] = tokens
+      res["logprobs"][str(n)] = [[e.request_id, e.sample, e.logprob, e.top_logprobs]
+                                 for e in events if e.logprob is not None]
       if n in (1, 2):  # an int8 pool: its scales are split by kv head like its pages
         res.setdefault("int8_tokens", {})[str(n)] = _engine(
             model, mesh, cache_dtype="int8").generate(_requests())[0]

@@ -190,7 +190,7 @@ class Engine:
   def warmup(self, max_prompt_tokens: int | None = None,
              sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
              max_samples: int = 1, short_chunks: bool = False,
-             logprobs: bool = False) -> int:
+             logprobs: bool = False, top_logprobs: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -207,8 +207,9 @@ class Engine:
     run in these shapes too (with `prefix_hits` for a chunk after the first). Still
     compiled on first use: prefix-cache hits (unless `prefix_hits`), parallel samples
     (unless `max_samples`), decode chunks cut short by a pool running out of free pages
-    (unless `short_chunks`) and requests admitted together that share uncached pages (a
-    call's second phase). One compilation per shape: GPT-2 124M, 256 slots, prompts up to
+    (unless `short_chunks`), requests that ask for log-probabilities (unless `logprobs` /
+    `top_logprobs`) and requests admitted together that share uncached pages (a call's
+    second phase). One compilation per shape: GPT-2 124M, 256 slots, prompts up to
     512 tokens, greedy, on an H200: 75-103 s, 79 compilations (an engine of another
     steps_per_call on the same model then 13 s: prefill programs are shared); 34 s from
     jax's persistent compilation cache.
@@ -230,6 +231,8 @@ class Engine:
         GPT-2 warm-up above: 47 s and 60 compilations more).
       logprobs: also every call above with a request that asks for its tokens'
         log-probabilities (`Request.logprobs`): twice the runs.
+      top_logprobs: also every call above with a request that asks for top_logprobs (its
+        own compilations: one more time the runs).
 
     Returns:
       the throwaway runs served.
@@ -287,13 +290,15 @@ class Engine:
       samples.append(min(k, max_samples))
       k *= 2
     runs = 0
-    for kind, with_logprobs in itertools.product(dict.fromkeys(sampling),
-                                                 (False, True) if logprobs else (False,)):
+    # Each kind's rows with no logprobs, logprobs, top logprobs (`_Sampling`'s variants).
+    variants = [dict(logprobs=False)] + [dict(logprobs=True)] * logprobs + [
+        dict(logprobs=True, top_logprobs=1)] * top_logprobs
+    for kind, variant in itertools.product(dict.fromkeys(sampling), variants):
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
                                              settings[kind].get("top_p", 1.0))
-      setting = dict(settings[kind], logprobs=with_logprobs)
+      setting = dict(settings[kind], **variant)
       for lengths, new in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
@@ -325,7 +330,8 @@ class Engine:
           for checked in (True, False):
             self.kv = self.runner.idle_decode(
                 self.kv, width, steps, greedy=kind == "greedy", checked=checked,
-                filter_by=filter_by, logprobs=with_logprobs)
+                filter_by=filter_by, logprobs=variant["logprobs"],
+                top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * ("top_logprobs" in variant))
         steps *= 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
@@ -346,12 +352,12 @@ class Engine:
     """Runs every request to completion; returns (outputs, report). outputs[i] is the new
     tokens of request i, or for a request with n > 1 samples a list of n such lists.
     `on_token` gets each token as an event as soon as the host has it, with its
-    log-probability for a request that asks (`Request.logprobs`)."""
+    log-probabilities for a request that asks (`Request.logprobs`, `top_logprobs`)."""
     outputs = collections.defaultdict(list)  # (request id, sample) -> its tokens
-    for rid, sample, tokens, reason, logprobs in self._run_all(requests):  # (validated first)
-      outputs[rid, sample] += tokens
+    for seq in self._run_all(requests):  # (validated first)
+      outputs[seq[:2]] += seq[2]
       if on_token is not None:
-        for event in _events(rid, sample, tokens, reason, logprobs):
+        for event in _events(*seq):
           on_token(event)
     return [outputs[i, 0] if r.n == 1 else [outputs[i, j] for j in range(r.n)]
             for i, r in enumerate(requests)], self.report
@@ -463,8 +469,7 @@ class Engine:
     self.report = Report(num_requests=len(requests), num_pages=self.num_pages)
     self._run = _Run(start, scheduler, first_id)
 
-  def _run_all(self, requests: Sequence[Request]
-               ) -> Iterator[tuple[int, int, list[int], str | None, list[float] | None]]:
+  def _run_all(self, requests: Sequence[Request]) -> Iterator[tuple]:
     """A generate / stream: a run of `requests`, stepped until every one has finished."""
     if self._run is not None:
       raise RuntimeError("this Engine is already running (a generate / stream, or requests "
@@ -480,10 +485,10 @@ class Engine:
       self._streaming = False
       self.abort()
 
-  def _step(self) -> Iterator[tuple[int, int, list[int], str | None, list[float] | None]]:
+  def _step(self) -> Iterator[tuple]:
     """schedule -> execute -> take_tokens / settle, once. Yields (request id, sample, new
-    tokens, finish reason, their log-probabilities or None) per sequence that produced
-    tokens, before the page
+    tokens, finish reason, their log-probabilities, their top log-probabilities: each None
+    unless asked for) per sequence that produced tokens, before the page
     bookkeeping; ends the run when every request has finished. (The scheduler's ids count
     from 0 in each run; the caller's from the run's first_id.)"""
     run, report = self._run, self.report
@@ -510,12 +515,12 @@ class Engine:
     events = scheduler.take_tokens(plan, out.first, out.decoded, out.first_logprobs,
                                    out.decoded_logprobs)
     now = time.perf_counter()
-    for rid, sample, new, reason, logprobs in events:
+    for rid, sample, new, *rest in events:
       if rid not in run.started:
         run.started.add(rid)
         report.ttft_s.append(now - run.start - scheduler.arrivals[rid])
       report.generated_tokens += len(new)
-      yield run.first_id + rid, sample, new, reason, logprobs
+      yield run.first_id + rid, sample, new, *rest
     # The page bookkeeping once the caller has the tokens.
     scheduler.settle(plan, out.page_table, out.num_free)
     report.peak_pages_in_use = self._cache.peak_used_pages
@@ -550,8 +555,10 @@ class _Run:
 
 
 def _events(rid: int, sample: int, tokens: list[int], reason: str | None,
-            logprobs: list[float] | None = None) -> Iterator[TokenEvent]:
+            logprobs: list[float] | None = None, top_logprobs: list[tuple] | None = None
+            ) -> Iterator[TokenEvent]:
   """A sequence's new tokens as events, the finish reason on the last."""
   for j, token in enumerate(tokens):
     yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample,
-                     None if logprobs is None else logprobs[j])
+                     None if logprobs is None else logprobs[j],
+                     None if top_logprobs is None else top_logprobs[j])

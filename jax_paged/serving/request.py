@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from jax_paged.paged_model import ModelSpec
+from jax_paged.sampling import MAX_TOP_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Request:
       `TokenEvent.logprob`. A greedy request that asks runs its batch's calls through
       the logits rather than the fused greedy LM head (`linear.argmax_attend`), so in
       bf16 a near-tie may break differently, as beside a sampled request.
+    top_logprobs: with `logprobs`, also this many most likely tokens at each step and
+      their log-probabilities, most likely first (`TokenEvent.top_logprobs`; OpenAI's
+      top_logprobs), 0 to `sampling.MAX_TOP_LOGPROBS`.
   """
 
   prompt: Sequence[int]
@@ -51,6 +55,7 @@ class Request:
   n: int = 1
   arrival_s: float = 0.0
   logprobs: bool = False
+  top_logprobs: int = 0
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -68,13 +73,16 @@ def sample_seed(seed: int, sample: int) -> int:
 class TokenEvent:
   """A token produced for sample `sample` of request `request_id` (its index in the
   submitted list). `finish_reason` is None while the sample goes on, else 'stop' or
-  'length'. `logprob`: the token's log-probability (`Request.logprobs`), else None."""
+  'length'. `logprob`: the token's log-probability (`Request.logprobs`), else None;
+  `top_logprobs`: ((token, log-probability), ...) of the step's most likely tokens, most
+  likely first (`Request.top_logprobs`), else None."""
 
   request_id: int
   token: int
   finish_reason: str | None
   sample: int = 0
   logprob: float | None = None
+  top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 def _is_int(x) -> bool:
@@ -160,6 +168,11 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
                        f"samples run together), got {r.n!r}")
     if not isinstance(r.logprobs, (bool, np.bool_)):
       raise ValueError(f"request {i}: logprobs must be True or False, got {r.logprobs!r}")
+    if not _is_int(r.top_logprobs) or not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"request {i}: top_logprobs must be an int in [0, "
+                       f"{MAX_TOP_LOGPROBS}], got {r.top_logprobs!r}")
+    if r.top_logprobs and not r.logprobs:
+      raise ValueError(f"request {i}: top_logprobs={r.top_logprobs} needs logprobs=True")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +142,27 @@ def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_i
                       jnp.where(active & ok, lengths, 0), greedy=greedy)
 
 
+class Logprobs(NamedTuple):
+  """Log-probabilities of sampled tokens (`Request.logprobs`), on device or on the host.
+
+  Attributes (for tokens shaped [...]):
+    token: float32 [...], each token's (`sampling.token_logprobs`).
+    top_tokens: int32 [..., n], the n most likely tokens at its step, most likely first
+      (n: 0, or `sampling.MAX_TOP_LOGPROBS` where a request asks for `top_logprobs`).
+    top: float32 [..., n], theirs.
+  """
+
+  token: Any
+  top_tokens: Any
+  top: Any
+
+  @classmethod
+  def of(cls, logits: jax.Array, tokens: jax.Array, top_logprobs: int) -> "Logprobs":
+    """Of tokens int32 [B] drawn from logits [B, V] (in a jitted step)."""
+    return cls(sampling.token_logprobs(logits, tokens),
+               *sampling.top_logprobs(logits, top_logprobs))
+
+
 # XLA runs a while loop from the host: each iteration copies the predicate to the host,
 # which then launches the next body while the GPU waits. So the decode loop checks only
 # between groups of this many steps, run as a fixed-trip inner loop that XLA launches
@@ -203,7 +224,7 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
                 greedy: bool, checked: bool, filter_by: str | None = "chunked",
-                logprobs: bool = False):
+                logprobs: bool = False, top_logprobs: int = 0):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -216,13 +237,13 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
   (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy;
   filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`);
-  logprobs (static): also each new token's log-probability (`sampling.token_logprobs`;
-  through the logits, also where every row is greedy).
+  logprobs (static): also each new token's log-probability (through the logits, also
+  where every row is greedy) and the `top_logprobs` (static) most likely tokens'
+  (`Logprobs`).
 
   Returns:
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool), with
-    `logprobs` ((tokens, float32 [max_steps, B] their log-probabilities, 0 where a row was
-    inactive); the pool).
+    `logprobs` ((tokens, `Logprobs` of [max_steps, B]); the pool).
   """
   b = tokens.shape[0]
   # Known when tracing (not traced): `reserve` then takes its one-kernel decode path.
@@ -234,7 +255,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
 
   def body(_, carry):
     # `active` rows are active at `step`, which is below num_steps for any active row.
-    step, kv, tokens, active, index, budget, out, out_logprobs = carry
+    step, kv, tokens, active, index, budget, out, out_logprobs = carry  # (None: none)
     if greedy and not logprobs:  # the argmax without the [B, vocab] logits
       new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
     else:
@@ -245,8 +266,9 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     # kernel per step for `.at[step].set(..., mode="drop")`).
     out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
     if logprobs:
-      lp = jnp.where(active, sampling.token_logprobs(logits, new), 0.0)
-      out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, lp[None], (step, 0))
+      out_logprobs = jax.tree.map(
+          lambda all_, x: jax.lax.dynamic_update_slice(all_, x[None], (step,) + (0,) * x.ndim),
+          out_logprobs, Logprobs.of(logits, new, top_logprobs))
     index += active
     budget -= active
     stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
@@ -259,13 +281,17 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   per_check = steps_per_check(max_steps) if checked else max_steps
   rows = -(-max_steps // per_check) * per_check
   out = jnp.full((rows, b), -1, jnp.int32)
-  out_logprobs = jnp.zeros((rows, b) if logprobs else (0,), jnp.float32)
+  out_logprobs = None
+  if logprobs:  # (an inactive row's entries are never read)
+    out_logprobs = Logprobs(jnp.zeros((rows, b)),
+                            jnp.zeros((rows, b, top_logprobs), jnp.int32),
+                            jnp.zeros((rows, b, top_logprobs)))
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs)
   group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
   _, kv, *_, out, out_logprobs = (jax.lax.while_loop(cond, group, carry) if checked
                                   else group(carry))
   if logprobs:
-    return (out[:max_steps], out_logprobs[:max_steps]), kv
+    return (out[:max_steps], Logprobs(*(x[:max_steps] for x in out_logprobs))), kv
   return out[:max_steps], kv
 
 
@@ -330,13 +356,14 @@ class JittedSteps:
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
     def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool,
-                       filter_by: str | None, logprobs: bool = False):
+                       filter_by: str | None, logprobs: bool = False,
+                       top_logprobs: int = 0):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
       sample_rows (into both phases' rows) and the sample rows' seeds, index,
       temperature, top_k, top_p. Returns (int32 [samples] tokens, or with `logprobs`
-      (tokens, float32 [samples] their log-probabilities); the pool)."""
+      (tokens, their `Logprobs`); the pool)."""
       a = unpack_arrays(packed, layout)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
         kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
@@ -354,15 +381,16 @@ class JittedSteps:
                                     a["top_k"], a["top_p"], all_greedy=greedy,
                                     filter_by=filter_by)
       if logprobs:
-        return (tokens, sampling.token_logprobs(logits, tokens)), kv
+        return (tokens, Logprobs.of(logits, tokens, top_logprobs)), kv
       return tokens, kv
 
     def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
-             checked: bool, filter_by: str | None, logprobs: bool = False):
+             checked: bool, filter_by: str | None, logprobs: bool = False,
+             top_logprobs: int = 0):
       """Packed: `decode_loop`'s num_steps and per-row arguments, by name."""
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
                          checked=checked, filter_by=filter_by, logprobs=logprobs,
-                         **unpack_arrays(packed, layout))
+                         top_logprobs=top_logprobs, **unpack_arrays(packed, layout))
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
@@ -371,10 +399,11 @@ class JittedSteps:
     self.decode = _pool_jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = _pool_jit(prefill_sample, donate_argnums=1,
                                     static_argnames=("layout", "greedy", "filter_by",
-                                                     "logprobs"))
+                                                     "logprobs", "top_logprobs"))
     self.decode_loop = _pool_jit(loop, donate_argnums=1,
                                  static_argnames=("layout", "max_steps", "greedy",
-                                                  "checked", "filter_by", "logprobs"))
+                                                  "checked", "filter_by", "logprobs",
+                                                  "top_logprobs"))
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
@@ -402,17 +431,16 @@ def _packed(*arrays: jax.Array) -> jax.Array:
                           for x in arrays])
 
 
-def _read_back(*arrays: jax.Array | None) -> list[np.ndarray | None]:
-  """int32 / float32 device arrays on the host (None stays None), in one device-to-host
-  copy: the host waits for each copy in turn, ~0.3 ms apiece on the device's host after a
-  prefill call, before its first tokens. Split on the host: a jnp slice of a device array
-  dispatches a kernel (~0.5 ms)."""
-  present = [x for x in arrays if x is not None]
-  flat = np.asarray(_packed(*present))
-  ends = np.cumsum([x.size for x in present])
-  parts = iter([part.view(x.dtype).reshape(x.shape)
-                for part, x in zip(np.split(flat, ends[:-1]), present)])
-  return [None if x is None else next(parts) for x in arrays]
+def _read_back(*results) -> list:
+  """int32 / float32 device arrays (pytrees of them; None stays None) on the host, in one
+  device-to-host copy: the host waits for each copy in turn, ~0.3 ms apiece on the
+  device's host after a prefill call, before its first tokens. Split on the host: a jnp
+  slice of a device array dispatches a kernel (~0.5 ms)."""
+  leaves, tree = jax.tree.flatten(list(results))
+  flat = np.asarray(_packed(*leaves))
+  ends = np.cumsum([x.size for x in leaves])
+  return jax.tree.unflatten(tree, [part.view(x.dtype).reshape(x.shape)
+                                   for part, x in zip(np.split(flat, ends[:-1]), leaves)])
 
 
 @functools.partial(_pool_jit, donate_argnums=0, static_argnames="layout")
@@ -432,6 +460,7 @@ class _Sampling:
   greedy: bool    # every row is greedy (`sample_rows(all_greedy=True)`)
   filter_by: str | None  # how sampled rows filter (`sampling.filter_method`)
   logprobs: bool  # some row's request asks for its tokens' log-probabilities
+  top_logprobs: int  # alternatives computed per token: 0, or MAX_TOP_LOGPROBS if one asks
 
   @classmethod
   def of(cls, rows: Sequence) -> "_Sampling":
@@ -443,13 +472,14 @@ class _Sampling:
     """
     requests = [s.request if s is not None else None for s in rows]
     logprobs = any(r is not None and r.logprobs for r in requests)
+    top = sampling.MAX_TOP_LOGPROBS * any(r is not None and r.top_logprobs for r in requests)
     if all(r is None or r.temperature == 0 for r in requests):
       # Greedy rows take the argmax (`sample_rows(all_greedy=True)`): the settings go
       # unused, so no pass over the rows per setting.
       n = len(rows)
       return cls(seeds=np.zeros(n, np.uint32), temperature=np.zeros(n, np.float32),
                  top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True,
-                 filter_by=None, logprobs=logprobs)
+                 filter_by=None, logprobs=logprobs, top_logprobs=top)
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
     temperature = column(lambda r: r.temperature, np.float32)
@@ -459,7 +489,7 @@ class _Sampling:
     return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
                temperature=temperature, top_k=top_k, top_p=top_p, greedy=False,
                filter_by=sampling.filter_method(temperature, top_k, top_p),
-               logprobs=logprobs)
+               logprobs=logprobs, top_logprobs=top)
 
   def arrays(self) -> dict[str, np.ndarray]:
     return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
@@ -492,16 +522,16 @@ class Executed(NamedTuple):
       produced nothing (at most `plan.max_steps` rows; none without a decode chunk).
     page_table, num_free: the pool's after the call (the scheduler's page accounting
       checks them).
-    first_logprobs, decoded_logprobs: float32, their tokens' log-probabilities, shaped as
-      `first` and `decoded`; None where no row of the call asked (`Request.logprobs`).
+    first_logprobs, decoded_logprobs: their tokens' `Logprobs` (numpy), shaped as `first`
+      and `decoded`; None where no row of the call asked (`Request.logprobs`).
   """
 
   first: np.ndarray
   decoded: np.ndarray
   page_table: np.ndarray
   num_free: int
-  first_logprobs: np.ndarray | None = None
-  decoded_logprobs: np.ndarray | None = None
+  first_logprobs: Logprobs | None = None
+  decoded_logprobs: Logprobs | None = None
 
 
 class ModelRunner:
@@ -512,7 +542,7 @@ class ModelRunner:
     prefill(kv, tokens, lengths, seq_ids, start=None) -> (logits, kv)  `prefill_step`
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
     decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filter_by=,
-                logprobs=) -> (tokens | (tokens, logprobs), kv)
+                logprobs=, top_logprobs=) -> (tokens | (tokens, Logprobs), kv)
     release(kv, seq_ids) -> kv
     clear(kv) -> kv                                               `pool.clear`
     update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
@@ -552,29 +582,30 @@ class ModelRunner:
 
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
                   filter_by: str | None = "chunked", logprobs: bool = False,
-                  **rows: np.ndarray):
+                  top_logprobs: int = 0, **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
     call's one host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked,
-                                   filter_by=filter_by, logprobs=logprobs)
+                                   filter_by=filter_by, logprobs=logprobs,
+                                   top_logprobs=top_logprobs)
 
   def idle_decode(self, kv: pool_lib.KVPool, width: int, max_steps: int, *, greedy: bool,
-                  checked: bool, filter_by: str | None, logprobs: bool = False
-                  ) -> pool_lib.KVPool:
+                  checked: bool, filter_by: str | None, logprobs: bool = False,
+                  top_logprobs: int = 0) -> pool_lib.KVPool:
     """A decode call over `width` empty rows in a loop of `max_steps` steps, its tokens
     read back as `execute` reads a call's: compiles the programs such a call runs (for
     `Engine.warmup`) and changes nothing (no row is active)."""
     zeros = np.zeros((width,), np.int32)
     decoded, kv = self.decode_loop(
         kv, max_steps, max_steps=max_steps, greedy=greedy, checked=checked,
-        filter_by=filter_by, logprobs=logprobs, tokens=zeros,
+        filter_by=filter_by, logprobs=logprobs, top_logprobs=top_logprobs, tokens=zeros,
         active=np.zeros((width,), bool), index=zeros, budget=zeros,
         stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
         **_Sampling.of([None] * width).arrays())
-    _read_back(*(decoded if logprobs else (decoded, None)), kv.page_table, kv.num_free,
-               None, None)
+    decoded, decoded_lp = decoded if logprobs else (decoded, None)
+    _read_back(decoded, decoded_lp, kv.page_table, kv.num_free)
     return kv
 
   def clear(self, kv: pool_lib.KVPool) -> pool_lib.KVPool:
@@ -620,20 +651,18 @@ class ModelRunner:
     decoded, decoded_lp, page_table, num_free, first, first_lp = _read_back(
         decoded, decoded_lp, kv.page_table, kv.num_free, first, first_lp)
     if apart is not None:
-      first, first_lp = (None if x is None else np.asarray(x) for x in apart)
+      first, first_lp = jax.tree.map(np.asarray, apart)
     samples = sum(len(c.samples) for c in plan.prefill)
     if first is None:
       first = np.zeros((0,), np.int32)
-    else:
-      first = first[:samples]
-      first_lp = None if first_lp is None else first_lp[:samples]
+    first, first_lp = jax.tree.map(lambda x: x[:samples], (first, first_lp))
     width = len(plan.rows)
     if decoded is None:
       decoded = np.zeros((0, width), np.int32)
     elif decoded.shape[1] < width:  # the slots past the decode width: no tokens
-      pad = ((0, 0), (0, width - decoded.shape[1]))
-      decoded = np.pad(decoded, pad, constant_values=-1)
-      decoded_lp = None if decoded_lp is None else np.pad(decoded_lp, pad)
+      pad = lambda x, fill=0: np.pad(x, ((0, 0), (0, width - x.shape[1]))
+                                     + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+      decoded, decoded_lp = pad(decoded, -1), jax.tree.map(pad, decoded_lp)
     return kv, Executed(first, decoded, page_table, int(num_free), first_lp, decoded_lp)
 
   def _prefill_plan(self, kv, plan):
@@ -683,7 +712,8 @@ class ModelRunner:
     out, kv = self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
                                          greedy=sampling_.greedy,
                                          filter_by=sampling_.filter_by,
-                                         logprobs=sampling_.logprobs)
+                                         logprobs=sampling_.logprobs,
+                                         top_logprobs=sampling_.top_logprobs)
     return (*(out if sampling_.logprobs else (out, None)), kv)
 
   def _decode_plan(self, kv, plan):
@@ -711,6 +741,7 @@ class ModelRunner:
     out, kv = self.decode_loop(
         kv, steps, max_steps=max_steps, greedy=sampling_.greedy, checked=checked,
         filter_by=sampling_.filter_by, logprobs=sampling_.logprobs,
+        top_logprobs=sampling_.top_logprobs,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
         budget=budget, stop_ids=stop_ids, **sampling_.arrays())

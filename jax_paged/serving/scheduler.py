@@ -437,9 +437,7 @@ class Scheduler:
     return None
 
   def take_tokens(self, plan: Plan, prefill_tokens: np.ndarray, decode_tokens: np.ndarray,
-                  prefill_logprobs: np.ndarray | None = None,
-                  decode_logprobs: np.ndarray | None = None
-                  ) -> list[tuple[int, int, list[int], str | None, list[float] | None]]:
+                  prefill_logprobs=None, decode_logprobs=None) -> list[tuple]:
     """Takes a plan's new tokens; `settle` takes the rest of its results before the next
     `schedule`. (Two steps, so that the tokens reach the caller before the page
     bookkeeping: ~2 ms of host time after a batch of prefills.)
@@ -450,38 +448,48 @@ class Scheduler:
         of its chunks' `samples`.
       decode_tokens: int32 [steps, max_batch], its decode chunk's tokens (-1 where a row
         produced nothing).
-      prefill_logprobs, decode_logprobs: float32, their log-probabilities, shaped alike;
+      prefill_logprobs, decode_logprobs: their `runner.Logprobs` (numpy), shaped alike;
         None where no row of the call asked (`Request.logprobs`).
 
     Returns:
       (request id, sample, new tokens, finish reason or None, their log-probabilities or
+      None, their top log-probabilities ([((token, log-probability), ...) per token]) or
       None) per sequence that produced tokens: whole chunks, so the host pays per
       sequence, not per token.
     """
     new: dict[int, list[int]] = {}
-    logprobs: dict[int, list[float]] = {}
+    logprobs: dict[int, tuple] = {}  # slot -> (its logprobs, its top logprobs or None)
+
+    def take(slot: int, request: Request, lp, index) -> None:
+      """slot's log-probabilities, `index` of `lp`'s arrays (its tokens), if it asks."""
+      if lp is None or not request.logprobs:
+        return
+      top = None
+      if request.top_logprobs:
+        k = request.top_logprobs
+        top = [tuple(zip(t, v)) for t, v in zip(lp.top_tokens[index][:, :k].tolist(),
+                                                lp.top[index][:, :k].tolist())]
+      logprobs[slot] = (lp.token[index].tolist(), top)
+
     if plan.decode_steps:
       # A row's tokens are a prefix of its column: the device loop stops a row for good on
       # its first stop token or when its budget runs out, so only the last one can end it.
       produced = (decode_tokens >= 0).sum(axis=0)
       new = {i: decode_tokens[:produced[i], i].tolist() for i, s in enumerate(plan.rows)
              if s is not None and produced[i]}
-      if decode_logprobs is not None:
-        logprobs = {i: decode_logprobs[:produced[i], i].tolist() for i in new
-                    if plan.rows[i].request.logprobs}
+      for i in new:
+        take(i, plan.rows[i].request, decode_logprobs, (slice(produced[i]), i))
       # Each step cached the previous newest token.
       self.cache.grow_decode(list(new), [len(t) for t in new.values()])
     sampled = iter(np.asarray(prefill_tokens).tolist())
-    sampled_logprobs = iter(() if prefill_logprobs is None else prefill_logprobs.tolist())
     self.cache.grow([c.slot for c in plan.prefill], [len(c.tokens) for c in plan.prefill])
+    j = 0  # the sample's row among the prefill's
     for chunk in plan.prefill:
       self.cache.fork(chunk.slot, chunk.forks)
       for slot, s in chunk.samples:
         new[slot] = [next(sampled)]
-        if prefill_logprobs is not None:
-          logprob = next(sampled_logprobs)
-          if s.request.logprobs:
-            logprobs[slot] = [logprob]
+        take(slot, s.request, prefill_logprobs, slice(j, j + 1))  # (a [1] slice)
+        j += 1
         s.decoding, s.parent = True, None
     events = []
     for slot, t in new.items():
@@ -490,7 +498,7 @@ class Scheduler:
       reason = self._stop_reason(s)
       if reason is not None:
         self._finished.append(slot)
-      events.append((s.request_id, s.sample, t, reason, logprobs.get(slot)))
+      events.append((s.request_id, s.sample, t, reason) + logprobs.get(slot, (None, None)))
     return events
 
   def settle(self, plan: Plan, page_table: np.ndarray, num_free: int) -> None:
