@@ -290,15 +290,15 @@ class Engine:
       samples.append(min(k, max_samples))
       k *= 2
     runs = 0
-    # Each kind's rows with no logprobs, logprobs, top logprobs (`_Sampling`'s variants).
-    variants = [dict(logprobs=False)] + [dict(logprobs=True)] * logprobs + [
-        dict(logprobs=True, top_logprobs=1)] * top_logprobs
-    for kind, variant in itertools.product(dict.fromkeys(sampling), variants):
+    # Each kind's rows asking for no log-probabilities, the tokens', and the top ones too
+    # (`runner._Sampling`'s logprobs and top_logprobs): (logprobs, top_logprobs) each.
+    variants = [(False, 0)] + [(True, 0)] * logprobs + [(True, 1)] * top_logprobs
+    for kind, (with_logprobs, top) in itertools.product(dict.fromkeys(sampling), variants):
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
                                              settings[kind].get("top_p", 1.0))
-      setting = dict(settings[kind], **variant)
+      setting = dict(settings[kind], logprobs=with_logprobs, top_logprobs=top)
       for lengths, new in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
@@ -330,8 +330,8 @@ class Engine:
           for checked in (True, False):
             self.kv = self.runner.idle_decode(
                 self.kv, width, steps, greedy=kind == "greedy", checked=checked,
-                filter_by=filter_by, logprobs=variant["logprobs"],
-                top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * ("top_logprobs" in variant))
+                filter_by=filter_by, logprobs=with_logprobs,
+                top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
         steps *= 2
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
