@@ -33,6 +33,7 @@ import numpy as np
 from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
+from jax_paged.sampling import MAX_TOP_LOGPROBS
 from jax_paged.serving.admission import ADMISSION_POLICIES
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.request import Request, TokenEvent
@@ -77,6 +78,13 @@ def _int_at_least(lo: int, what: str) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _top_logprobs(text: str) -> int:
+  value = _positive_int(text)
+  if value > MAX_TOP_LOGPROBS:
+    raise argparse.ArgumentTypeError(f"must be in [1, {MAX_TOP_LOGPROBS}], got {value}")
+  return value
 
 
 def _float_in(lo: float, hi: float, *, lo_open: bool, what: str) -> Callable[[str], float]:
@@ -191,6 +199,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
   gen.add_argument("--logprobs", action="store_true",
                    help="print each new token's log-probability under the model (before "
                         "temperature and filters) and each completion's perplexity")
+  gen.add_argument("--top-logprobs", type=_top_logprobs, default=0, metavar="K",
+                   help=f"--logprobs, and each step's K most likely tokens (at most "
+                        f"{MAX_TOP_LOGPROBS}) with theirs, a line per token")
   gen.add_argument("--n", type=_positive_int, default=1,
                    help="samples per prompt, sharing the prompt's pages (default 1; at most "
                         "--max-batch)")
@@ -413,7 +424,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
-                            n=args.n, logprobs=args.logprobs))
+                            n=args.n, logprobs=args.logprobs or args.top_logprobs > 0,
+                            top_logprobs=args.top_logprobs))
   eng = None
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
@@ -429,12 +441,12 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
           f"{eng.cache_dtype.name} KV cache", file=sys.stderr)
     progress = Progress(sum(r.max_new_tokens * r.n for r in requests),
                         enabled=not args.no_progress)
-    logprobs = collections.defaultdict(list)  # (prompt, sample) -> its tokens' logprobs
+    logprobs = collections.defaultdict(list)  # (prompt, sample) -> its tokens' events
 
     def on_token(event: TokenEvent) -> None:
       progress.update()
       if event.logprob is not None:
-        logprobs[event.request_id, event.sample].append(event.logprob)
+        logprobs[event.request_id, event.sample].append(event)
 
     outputs, report = eng.generate(requests, on_token=on_token)
     progress.close()
@@ -455,10 +467,14 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
       print(f"--- {label} {prompt} -> {len(sample)} tokens")
       print(codec.decode(sample) if codec else ",".join(map(str, sample)))
-      if args.logprobs:
-        values = logprobs[i, j]
+      if args.logprobs or args.top_logprobs:
+        values = [e.logprob for e in logprobs[i, j]]
         print(f"logprobs (mean {np.mean(values):.4f}, perplexity "
               f"{np.exp(-np.mean(values)):.3f}): {','.join(f'{v:.4f}' for v in values)}")
+      for e in logprobs[i, j] if args.top_logprobs else ():
+        text = lambda t: repr(codec.decode([t])) if codec else str(t)
+        print(f"  {text(e.token)} {e.logprob:.4f} | "
+              + ", ".join(f"{text(t)} {v:.4f}" for t, v in e.top_logprobs))
   print(report)
   return 0
 

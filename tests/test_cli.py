@@ -149,6 +149,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--prompt-ids", "300"], "token ids [300] outside [0, vocab_size=256)"),
     (["--n", "0"], "argument --n: must be a positive integer, got 0"),
     (["--n", "40"], "n must be an int in [1, max_batch=32]"),
+    (["--top-logprobs", "21"], "argument --top-logprobs: must be in [1, 20], got 21"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
@@ -266,5 +267,18 @@ def test_logprobs_print_each_completions_tokens_and_perplexity(capsys):
   status, plain, _ = _main(capsys, *args)
   assert status == 0 and "logprobs" not in plain
   completions = lambda out: [line for line in out.split("requests:")[0].splitlines()
-                             if not line.startswith("logprobs")]
+                             if not line.startswith(("logprobs", "  "))]
   assert completions(out) == completions(plain)  # the same tokens
+  # --top-logprobs K (implying --logprobs): a line per token, its K most likely after it.
+  status, top, _ = _main(capsys, *args, "--top-logprobs", "3")
+  assert status == 0 and completions(top) == completions(plain)
+  assert [line for line in top.splitlines() if line.startswith("logprobs")] == lines
+  per_token = [line for line in top.splitlines() if line.startswith("  ")]
+  assert len(per_token) == 4 * 5
+  values = [v for line in lines for v in line.split("): ")[1].split(",")]
+  for line, value in zip(per_token, values):
+    own, alternatives = line.rsplit(" | ", 1)
+    assert own.split()[-1] == value
+    ranked = [float(a.rsplit(" ", 1)[1]) for a in alternatives.split(", ")]
+    assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True)
+    assert ranked[0] >= float(value)
