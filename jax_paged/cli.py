@@ -33,10 +33,9 @@ import numpy as np
 from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
-from jax_paged.sampling import MAX_TOP_LOGPROBS
 from jax_paged.serving.admission import ADMISSION_POLICIES
 from jax_paged.serving.engine import Engine
-from jax_paged.serving.request import Request, TokenEvent
+from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent
 
 ENTRY_POINT_GROUP = "jax_paged.models"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
