@@ -412,6 +412,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
     num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
   # Every eos id stops a request (a config may list several: Llama 3's).
   stops = () if args.ignore_eos else spec.eos_token_ids
+  show_logprobs = args.logprobs or args.top_logprobs > 0  # (--top-logprobs implies it)
   requests = []
   for i, (_, ids) in enumerate(prompts):
     # New tokens lowered to what fits the model's context (at least one, so that a prompt
@@ -423,7 +424,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
-                            n=args.n, logprobs=args.logprobs or args.top_logprobs > 0,
+                            n=args.n, logprobs=show_logprobs,
                             top_logprobs=args.top_logprobs))
   eng = None
   try:
@@ -461,17 +462,17 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               "lower --memory-fraction (of the memory jax reports free, which other "
               "processes on the device may hold) or give --num-pages")
     raise CLIError(f"out of device memory{pool}: {advice} ({str(e).splitlines()[0]})") from e
+  text = lambda token: repr(codec.decode([token])) if codec else str(token)
   for i, ((prompt, _), out) in enumerate(zip(prompts, outputs)):
     for j, sample in enumerate([out] if args.n == 1 else out):
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
       print(f"--- {label} {prompt} -> {len(sample)} tokens")
       print(codec.decode(sample) if codec else ",".join(map(str, sample)))
-      if args.logprobs or args.top_logprobs:
+      if show_logprobs:
         values = [e.logprob for e in logprobs[i, j]]
         print(f"logprobs (mean {np.mean(values):.4f}, perplexity "
               f"{np.exp(-np.mean(values)):.3f}): {','.join(f'{v:.4f}' for v in values)}")
       for e in logprobs[i, j] if args.top_logprobs else ():
-        text = lambda t: repr(codec.decode([t])) if codec else str(t)
         print(f"  {text(e.token)} {e.logprob:.4f} | "
               + ", ".join(f"{text(t)} {v:.4f}" for t, v in e.top_logprobs))
   print(report)
