@@ -1,5 +1,5 @@
 """Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus), and the
-drawn tokens' log-probabilities (`token_logprobs`).
+drawn tokens' log-probabilities (`logprobs`).
 
 Everything is jittable and per row, so one batch can mix requests with different
 settings: temperature 0 is greedy, top_k 0 and top_p 1 switch those filters off. The order
@@ -50,7 +50,7 @@ _CHUNK = 32
 
 FILTER_METHODS = (None, "rejection", "chunked", "sort")
 
-# The most alternatives `top_logprobs` returns per token for the serving layer (OpenAI's
+# The most alternatives `logprobs` returns per token for the serving layer (OpenAI's
 # limit; `Request.top_logprobs`): a batch where a request asks computes this many.
 MAX_TOP_LOGPROBS = 20
 
@@ -58,15 +58,6 @@ MAX_TOP_LOGPROBS = 20
 def greedy(logits: jax.Array) -> jax.Array:
   """int32 [B]: the argmax of float logits [B, V] (for all-greedy batches)."""
   return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """float32 [B]: log softmax(logits[b])[tokens[b]] of float logits [B, V] and int tokens
-  [B]: each token's log-probability under the model's distribution, before temperature
-  and filters (vLLM's "raw" logprobs). One reduction over the logits (their logsumexp)."""
-  logits = logits.astype(jnp.float32)
-  picked = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _flip_negatives(bits: jax.Array) -> jax.Array:
@@ -164,21 +155,26 @@ def top_k_cutoff(tempered: jax.Array, top_k: jax.Array) -> jax.Array:
   return jnp.where(top_k[:, None] > 0, cut, -jnp.inf)
 
 
-def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-  """The n most likely tokens of each row of float logits [B, V], most likely first (ties
-  by either token), and their log-probabilities: int32 / float32 [B, n], n <= V and at
-  most `CHUNKED_TOP_K` (static; OpenAI's top_logprobs). From the row's n chunks with the
-  largest maxima (`_top_chunks`): H200, batch 128, n = 20: XLA's `top_k` over the
-  vocabulary takes 0.50 ms, more than half a GPT-2 step."""
+def logprobs(logits: jax.Array, tokens: jax.Array, n: int = 0
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Log-probabilities under float logits [B, V] (log softmax: the model's distribution,
+  before temperature and filters, vLLM's "raw" logprobs), with one logsumexp per row:
+  float32 [B] of each of tokens int [B]; and the n most likely tokens of each row, most
+  likely first (ties by either token), and theirs: int32 / float32 [B, n], n (static) <=
+  V and at most `CHUNKED_TOP_K` (OpenAI's top_logprobs). The top n come from the row's n
+  chunks with the largest maxima (`_top_chunks`): H200, batch 128, n = 20: XLA's `top_k`
+  over the vocabulary takes 0.50 ms, more than half a GPT-2 step."""
   if not 0 <= n <= min(CHUNKED_TOP_K, logits.shape[-1]):
     raise ValueError(f"n must be in [0, {min(CHUNKED_TOP_K, logits.shape[-1])}], got {n}")
   logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  picked = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)
   if n == 0:
-    return jnp.zeros(logits.shape[:1] + (0,), jnp.int32), jnp.zeros(logits.shape[:1] + (0,))
+    b = logits.shape[0]
+    return (picked - lse)[:, 0], jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0))
   values, ids = _top_chunks(logits, n)
   top, where = jax.lax.top_k(values, n)
-  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-  return jnp.take_along_axis(ids, where, axis=-1), top - lse
+  return (picked - lse)[:, 0], jnp.take_along_axis(ids, where, axis=-1), top - lse
 
 
 def _sorted_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,

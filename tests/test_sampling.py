@@ -162,10 +162,10 @@ def test_top_k_cutoff_is_the_kth_largest(v):
 
 
 @pytest.mark.parametrize("v", [5, 89, 50257])
-def test_top_logprobs_are_the_most_likely_tokens_log_softmax(v):
-  """`top_logprobs`: the n most likely tokens, most likely first, and their log_softmax,
-  for n up to min(v, CHUNKED_TOP_K), the largest values anywhere in the row; -inf logits
-  (a padded vocabulary) never come before a finite one. Ties (rounded logits) may come in
+def test_logprobs_of_the_tokens_and_the_most_likely_are_log_softmax(v):
+  """`logprobs`: the tokens' log_softmax, and the n most likely tokens, most likely first,
+  and theirs, for n up to min(v, CHUNKED_TOP_K), the largest values anywhere in the row;
+  -inf logits (a padded vocabulary) never come before a finite one. Ties (rounded logits) may come in
   either order, so those rows are checked by their values and that each token holds its
   value."""
   rng = np.random.default_rng(v)
@@ -174,8 +174,10 @@ def test_top_logprobs_are_the_most_likely_tokens_log_softmax(v):
   x[4:8, v // 2:] = -np.inf
   x[8:12] = np.sort(x[8:12])  # the largest values in the last chunks
   logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+  tokens = rng.integers(0, v, 16)
   for n in sorted({0, 1, min(v, 20), min(v, sampling.CHUNKED_TOP_K)}):
-    ids, values = map(np.asarray, sampling.top_logprobs(jnp.asarray(x), n))
+    own, ids, values = map(np.asarray, sampling.logprobs(jnp.asarray(x), tokens, n))
+    np.testing.assert_allclose(own, logprobs[np.arange(16), tokens], atol=1e-5)
     assert ids.shape == values.shape == (16, n) and ids.dtype == np.int32
     want = -np.sort(-logprobs, axis=-1)[:, :n]
     np.testing.assert_allclose(values, want, atol=1e-5)
@@ -183,7 +185,7 @@ def test_top_logprobs_are_the_most_likely_tokens_log_softmax(v):
     assert all(len(set(row)) == n for row in ids.tolist())  # distinct tokens
     np.testing.assert_array_equal(ids[4:], np.argsort(-x[4:], axis=-1, kind="stable")[:, :n])
   with pytest.raises(ValueError, match="n must be in"):
-    sampling.top_logprobs(jnp.asarray(x), min(v, sampling.CHUNKED_TOP_K) + 1)
+    sampling.logprobs(jnp.asarray(x), tokens, min(v, sampling.CHUNKED_TOP_K) + 1)
 
 
 def test_filter_method_of_a_batch():

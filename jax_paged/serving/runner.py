@@ -146,7 +146,7 @@ class Logprobs(NamedTuple):
   """Log-probabilities of sampled tokens (`Request.logprobs`), on device or on the host.
 
   Attributes (for tokens shaped [...]):
-    token: float32 [...], each token's (`sampling.token_logprobs`).
+    token: float32 [...], each token's (`sampling.logprobs`).
     top_tokens: int32 [..., n], the n most likely tokens at its step, most likely first
       (n: 0, or `sampling.MAX_TOP_LOGPROBS` where a request asks for `top_logprobs`).
     top: float32 [..., n], theirs.
@@ -159,8 +159,7 @@ class Logprobs(NamedTuple):
   @classmethod
   def of(cls, logits: jax.Array, tokens: jax.Array, top_logprobs: int) -> "Logprobs":
     """Of tokens int32 [B] drawn from logits [B, V] (in a jitted step)."""
-    return cls(sampling.token_logprobs(logits, tokens),
-               *sampling.top_logprobs(logits, top_logprobs))
+    return cls(*sampling.logprobs(logits, tokens, top_logprobs))
 
 
 # XLA runs a while loop from the host: each iteration copies the predicate to the host,
