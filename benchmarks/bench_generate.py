@@ -137,7 +137,13 @@ SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
              "top-p-logprobs": dict(temperature=0.8, top_p=0.95, logprobs=True),
              # And the 20 most likely tokens' at each step (HF: a top-k of the logits'
              # log_softmax).
-             "greedy-top-logprobs": dict(logprobs=True, top_logprobs=20)}
+             "greedy-top-logprobs": dict(logprobs=True, top_logprobs=20),
+             # Penalized: HF's `repetition_penalty`; frequency and presence penalties are
+             # OpenAI's / vLLM's, which HF lacks (no HF row).
+             "greedy-repetition": dict(repetition_penalty=1.2),
+             "top-p-repetition": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.2),
+             "greedy-penalties": dict(repetition_penalty=1.2, frequency_penalty=0.5,
+                                      presence_penalty=0.5)}
 
 
 def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool,
@@ -153,20 +159,22 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
 
 def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
                     static: bool, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, logprobs: bool = False, top_logprobs: int = 0
-                    ) -> float:
+                    top_p: float = 1.0, logprobs: bool = False, top_logprobs: int = 0,
+                    repetition_penalty: float = 1.0) -> float:
   """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` tokens (greedy,
   or sampled with `Request`'s settings) after random prompts of `batch` x `prompt` tokens:
   `generate` with a static cache (which transformers compiles with torch.compile) or the
   dynamic one, the median of three timed calls after an identical one. With `logprobs`,
   each token's log-probability from the logits `generate` returns (and with
-  `top_logprobs` the most likely tokens')."""
+  `top_logprobs` the most likely tokens'); with `repetition_penalty`, HF's."""
   import torch
   ids = torch.randint(0, vocab_size, (batch, prompt), device="cuda")
   kwargs = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                 attention_mask=torch.ones_like(ids), do_sample=temperature > 0)
   if temperature > 0:  # (top_k 0: Hugging Face's default of 50 off)
     kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+  if repetition_penalty != 1.0:
+    kwargs.update(repetition_penalty=repetition_penalty)
   if static:
     # transformers compiles the forward with torch.compile itself for a static cache.
     kwargs.update(cache_implementation="static")
@@ -373,7 +381,7 @@ def main():
     ours = engine_tps(max(best, key=best.get), **settings)
     label = ", ".join(f"{k} {v}" for k, v in settings.items())
     emit(f"| paged engine, {label} ({ours / greedy:.2f}x greedy) | {ours:,.0f} | |")
-    if not args.skip_hf:
+    if not args.skip_hf and not {"frequency_penalty", "presence_penalty"} & set(settings):
       hf_rows(ours, [(f"{static_hf[0]}, {label}", True)], **settings)
 
   write_lines(lines)

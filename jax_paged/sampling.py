@@ -1,5 +1,6 @@
-"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus), and the
-drawn tokens' log-probabilities (`logprobs`).
+"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus), the
+repetition, frequency and presence penalties (`penalize`), and the drawn tokens'
+log-probabilities (`logprobs`).
 
 Everything is jittable and per row, so one batch can mix requests with different
 settings: temperature 0 is greedy, top_k 0 and top_p 1 switch those filters off. The order
@@ -175,6 +176,53 @@ def logprobs(logits: jax.Array, tokens: jax.Array, n: int = 0
   values, ids = _top_chunks(logits, n)
   top, where = jax.lax.top_k(values, n)
   return (picked - lse)[:, 0], jnp.take_along_axis(ids, where, axis=-1), top - lse
+
+
+def token_counts(context: jax.Array, context_len: jax.Array, prompt_len: jax.Array,
+                 vocab_size: int) -> tuple[jax.Array, jax.Array]:
+  """What the penalties of `penalize` count, from each row's context (its prompt, then the
+  tokens generated so far; right-padded, the padding ignored).
+
+  Args:
+    context: int32 [B, L]; context_len: int32 [B] (<= L); prompt_len: int32 [B] (<=
+      context_len), the tokens of each context that are its prompt.
+    vocab_size: (static) V.
+
+  Returns:
+    (int32 [B, V]: how often each token was generated; bool [B, V]: whether it is in the
+    prompt).
+  """
+  b, width = context.shape
+  position = jnp.arange(width)[None]
+  generated = (position >= prompt_len[:, None]) & (position < context_len[:, None])
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], context.shape)
+  # Padding adds 0 (generated) or nothing to the prompt's bits: its token ids do not matter.
+  counts = jnp.zeros((b, vocab_size), jnp.int32).at[rows, context].add(
+      generated.astype(jnp.int32))
+  in_prompt = jnp.zeros((b, vocab_size), jnp.int32).at[rows, context].max(
+      (position < prompt_len[:, None]).astype(jnp.int32))
+  return counts, in_prompt > 0
+
+
+def penalize(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array,
+             repetition: jax.Array, frequency: jax.Array, presence: jax.Array) -> jax.Array:
+  """float32 logits [B, V] with vLLM's (and OpenAI's) penalties applied, before
+  temperature and filters: a token in the prompt or generated has its logit divided by
+  the row's `repetition` penalty where positive, multiplied where not (Hugging Face's
+  `repetition_penalty`, CTRL's); then `frequency` times its count of generations and
+  `presence` once if generated at all are subtracted.
+
+  Args:
+    logits: float [B, V]; counts: int32 [B, V] and in_prompt: bool [B, V], as
+      `token_counts` gives them.
+    repetition: float32 [B], > 0 (1: none); frequency, presence: float32 [B] (0: none).
+  """
+  logits = logits.astype(jnp.float32)
+  seen = in_prompt | (counts > 0)
+  r = repetition[:, None]
+  logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+  return (logits - frequency[:, None] * counts.astype(jnp.float32)
+          - jnp.where(counts > 0, presence[:, None], 0.0))
 
 
 def _sorted_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,

@@ -29,11 +29,14 @@ def test_decode_step_benchmark_runs_the_engine_loop():
 def test_generate_benchmark_tiny_with_sampling(monkeypatch, tmp_path):
   monkeypatch.setenv("OUT", str(tmp_path))
   monkeypatch.setattr(sys, "argv", ["bench_generate.py", "--tiny", "--skip-mixed",
-                                    "--sampling", "greedy", "temperature", "top-p"])
+                                    "--sampling", "greedy", "temperature", "top-p",
+                                    "greedy-penalties"])
   bench_generate.main()
   table = (tmp_path / "bench_generate.md").read_text()
   assert "paged engine, temperature 0.8 (" in table
   assert "paged engine, temperature 0.8, top_p 0.95 (" in table
+  assert ("paged engine, repetition_penalty 1.2, frequency_penalty 0.5, presence_penalty 0.5 ("
+          in table)
 
 
 def test_serving_benchmark_tiny(monkeypatch, tmp_path):

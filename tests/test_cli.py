@@ -1,5 +1,6 @@
 """The generation CLI end to end, in a subprocess, on CPU."""
 
+import collections
 import math
 import os
 import subprocess
@@ -150,6 +151,13 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--n", "0"], "argument --n: must be a positive integer, got 0"),
     (["--n", "40"], "n must be an int in [1, max_batch=32]"),
     (["--top-logprobs", "21"], "argument --top-logprobs: must be in [1, 20], got 21"),
+    (["--temperature", "inf"], "argument --temperature: must be a number >= 0, got inf"),
+    (["--repetition-penalty", "0"], "argument --repetition-penalty: must be a number > 0"),
+    (["--repetition-penalty", "nan"], "argument --repetition-penalty: must be a number > 0"),
+    (["--frequency-penalty", "2.5"],
+     "argument --frequency-penalty: must be a number in [-2, 2], got 2.5"),
+    (["--presence-penalty", "x"],
+     "argument --presence-penalty: expected a number in [-2, 2], got 'x'"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
@@ -282,3 +290,18 @@ def test_logprobs_print_each_completions_tokens_and_perplexity(capsys):
     ranked = [float(a.rsplit(" ", 1)[1]) for a in alternatives.split(", ")]
     assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True)
     assert ranked[0] >= float(value)
+
+
+def test_penalties_change_greedy_repeats(capsys):
+  """The tiny random model repeats a token greedily; the penalties (the repetition
+  penalty, and each generated token's logit lowered by 2 + 2 per time) break that."""
+  args = ("--model", "tiny", "--prompt-ids", "5,6,7", "--max-new-tokens", "24",
+          "--ignore-eos", "--no-progress")
+  most_repeated = lambda out: collections.Counter(
+      out.split(" -> 24 tokens\n")[1].split("\nrequests:")[0].replace("\ufffd", "")
+      ).most_common(1)[0][1]
+  status, plain, _ = _main(capsys, *args)
+  assert status == 0 and most_repeated(plain) >= 8
+  status, penalized, _ = _main(capsys, *args, "--repetition-penalty", "3",
+                               "--presence-penalty", "2", "--frequency-penalty", "2")
+  assert status == 0 and most_repeated(penalized) <= 3

@@ -329,6 +329,25 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, gree
   assert_pages_back(eng)
 
 
+def test_penalties_hold_through_preemption(model, prompts):
+  """Penalized requests (greedy and sampled, n = 2) under a pool that preempts them give a
+  large pool's tokens: a preempted request's new prefill counts its earlier tokens as
+  generated (frequency, presence), not as prompt. The penalties change the tokens."""
+  settings = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, repetition_penalty=1.3),
+              dict(temperature=0.9, seed=3, frequency_penalty=0.8, presence_penalty=-0.5),
+              dict(temperature=1.0, seed=4, top_k=20, repetition_penalty=0.7, n=2), dict()]
+  requests = [Request(p, 14, **settings[i % len(settings)]) for i, p in enumerate(prompts)]
+  run = lambda num_pages: Engine(model, max_batch=8, num_pages=num_pages, page_size=8,
+                                 steps_per_call=6).generate(requests)
+  expected, _ = run(64)
+  outputs, report = run(9)
+  assert report.preemptions > 0 and outputs == expected
+  plain, _ = Engine(model, max_batch=8, num_pages=64, page_size=8).generate(
+      [Request(r.prompt, 14, temperature=r.temperature, seed=r.seed, top_k=r.top_k, n=r.n)
+       for r in requests])
+  assert sum(a != b for a, b in zip(expected, plain)) >= 5
+
+
 def test_peak_admission_never_preempts(model, prompts, greedy_reference):
   eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6,
                admission="peak")
@@ -613,6 +632,33 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples():
   assert_pages_back(eng)
 
 
+def test_warmup_covers_penalized_requests_and_their_context_widths():
+  """After warmup(penalties=True), requests with and without penalties, greedy and
+  sampled, submitted between steps, compile nothing, also where decoding takes their
+  contexts past `runner.MIN_CONTEXT_WIDTH` (a wider context array). A model of its own
+  structure."""
+  config = gpt2.GPT2Config(vocab_size=89, n_positions=160, n_embd=16, n_layer=1, n_head=2,
+                           bos_token_id=None, eos_token_id=None)
+  model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(8))
+  eng = Engine(model, max_batch=4, num_pages=200, page_size=8, steps_per_call=8)
+  eng.warmup(max_prompt_tokens=16, sampling=("greedy", "sampled"), penalties=True)
+  rng = np.random.default_rng(9)
+  queue = [Request(rng.integers(0, 89, rng.integers(1, 17)).tolist(),
+                   int(rng.integers(1, 8)) if i % 3 else 140,
+                   temperature=0.8 * (i % 2), seed=i,
+                   repetition_penalty=1.2 if i % 4 < 2 else 1.0,
+                   frequency_penalty=0.5 * (i % 4 == 1)) for i in range(12)]
+  assert max(len(r.prompt) + r.max_new_tokens for r in queue) > runner_lib.MIN_CONTEXT_WIDTH
+  done = set()
+  with compilations() as compiles:
+    while queue or eng.has_unfinished_requests():
+      for _ in range(min(len(queue), rng.integers(0, 3))):
+        eng.add_request(queue.pop(0))
+      done.update(e.request_id for e in eng.step() if e.finish_reason)
+  assert len(done) == 12 and not compiles
+  assert_pages_back(eng)
+
+
 def test_warmup_covers_decode_chunks_cut_short_by_a_full_pool():
   """A pool too small for its slots (optimistic admission) cuts decode chunks short and
   preempts: after warmup(prefix_hits=True, short_chunks=True, logprobs=True,
@@ -709,6 +755,14 @@ def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_r
     (Request([1], 3, logprobs=True, top_logprobs=21),
      r"top_logprobs must be an int in \[0, 20\]"),
     (Request([1], 3, top_logprobs=2), "top_logprobs=2 needs logprobs=True"),
+    (Request([1], 3, repetition_penalty=0.0),
+     "repetition_penalty must be a finite number > 0"),
+    (Request([1], 3, repetition_penalty=float("inf")), "repetition_penalty must be a finite"),
+    (Request([1], 3, repetition_penalty="1.2"), "repetition_penalty must be a finite"),
+    (Request([1], 3, frequency_penalty=-2.5),
+     r"frequency_penalty must be a number in \[-2, 2\]"),
+    (Request([1], 3, presence_penalty=float("nan")), "presence_penalty must be a number in"),
+    (Request([1], 3, presence_penalty=True), "presence_penalty must be a number in"),
     (Request([1000], 3), "outside"),
     (Request([1] * 40, 20), "pool is too small"),
 ])

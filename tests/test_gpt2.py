@@ -189,6 +189,55 @@ def test_engine_logprobs_are_hf_log_softmax(checkpoint):
                                  atol=1e-4)
 
 
+def _penalized_greedy(hf, prompt: list[int], new: int, repetition: float,
+                      frequency: float, presence: float) -> list[int]:
+  """Greedy tokens from HF's logits with vLLM's penalties applied each step (numpy)."""
+  out = []
+  for _ in range(new):
+    logits = _hf_last_logits(hf, prompt + out).astype(np.float64)
+    counts = np.bincount(out, minlength=len(logits))
+    seen = (counts > 0) | (np.bincount(prompt, minlength=len(logits)) > 0)
+    r = np.where(seen, repetition, 1.0)
+    logits = np.where(logits > 0, logits / r, logits * r)
+    out.append(int(np.argmax(logits - frequency * counts - presence * (counts > 0))))
+  return out
+
+
+def test_engine_penalties_match_hf_repetition_penalty_and_vllms_formula(checkpoint):
+  """Greedy requests with penalties: with repetition_penalty alone, Hugging Face's
+  `generate(repetition_penalty=)`; with frequency and presence penalties, argmax of HF's
+  logits penalized as vLLM does; behind a cached system prompt, chunked, as n = 2
+  samples, beside a request without (its tokens those of a run without penalties)."""
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  rng = np.random.default_rng(9)
+  system = _prompts(rng, [20])[0]
+  prompts = [system + p for p in _prompts(rng, [3, 6])] + _prompts(rng, [5, 30, 2, 4])
+  settings = [dict(repetition_penalty=1.5), dict(repetition_penalty=0.8),
+              dict(frequency_penalty=0.7), dict(presence_penalty=1.2, repetition_penalty=1.2),
+              dict(frequency_penalty=-0.5, presence_penalty=2.0, n=2), dict()]
+  new = 12
+  requests = [jax_paged.Request(p, new, **kw) for p, kw in zip(prompts, settings)]
+  eng = jax_paged.Engine(model, max_batch=6, num_pages=40, page_size=PAGE,
+                         steps_per_call=4, max_prefill_tokens=16)
+  out, _ = eng.generate(requests)
+  plain, _ = eng.generate([jax_paged.Request(p, new) for p in prompts])
+  assert out[-1] == plain[-1]
+  changed = 0
+  for i, r in enumerate(requests[:-1]):
+    want = _penalized_greedy(hf, r.prompt, new, r.repetition_penalty, r.frequency_penalty,
+                             r.presence_penalty)
+    assert out[i] == (want if r.n == 1 else [want, want]), i
+    changed += out[i] != plain[i]
+    if r.frequency_penalty == r.presence_penalty == 0:
+      with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([r.prompt]), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             repetition_penalty=r.repetition_penalty)
+      assert out[i] == hf_out[0, len(r.prompt):].tolist(), i
+  assert changed >= 3  # the penalties changed tokens
+
+
 def _check_pool_consistent(kv: jax_paged.KVPool) -> set[int]:
   """Every page is owned by exactly one sequence or free; returns the owned pages."""
   used = np.asarray(kv.pages_used())

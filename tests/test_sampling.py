@@ -188,6 +188,64 @@ def test_logprobs_of_the_tokens_and_the_most_likely_are_log_softmax(v):
     sampling.logprobs(jnp.asarray(x), tokens, min(v, sampling.CHUNKED_TOP_K) + 1)
 
 
+def test_token_counts_split_prompt_and_generated_tokens():
+  """`token_counts`: generated tokens counted, prompt tokens flagged, padding ignored
+  (whatever its ids), against numpy's bincount."""
+  rng = np.random.default_rng(3)
+  v, width = 37, 24
+  context = rng.integers(0, v, (6, width)).astype(np.int32)
+  context[:, :8] = rng.integers(0, 4, (6, 8))  # repeats
+  context_len = np.array([24, 20, 1, 9, 0, 13], np.int32)
+  prompt_len = np.array([10, 20, 1, 3, 0, 0], np.int32)
+  counts, in_prompt = map(np.asarray, jax.jit(sampling.token_counts, static_argnums=3)(
+      context, context_len, prompt_len, v))
+  for b in range(6):
+    generated = context[b, prompt_len[b]:context_len[b]]
+    np.testing.assert_array_equal(counts[b], np.bincount(generated, minlength=v))
+    np.testing.assert_array_equal(
+        in_prompt[b], np.bincount(context[b, :prompt_len[b]], minlength=v) > 0)
+
+
+def _vllm_penalties(logits, counts, in_prompt, repetition, frequency, presence):
+  """vLLM's `apply_penalties` (model_executor/layers/utils.py), in numpy."""
+  logits = logits.copy()
+  seen = in_prompt | (counts > 0)
+  r = np.where(seen, repetition[:, None], 1.0)
+  logits = np.where(logits > 0, logits / r, logits * r)
+  return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def test_penalties_are_vllms_and_repetition_is_hugging_faces():
+  """`penalize` against vLLM's formula (numpy) on random logits of both signs, counts and
+  prompt flags, -inf logits staying -inf; the repetition penalty alone against Hugging
+  Face's `RepetitionPenaltyLogitsProcessor` over the prompt and generated ids."""
+  torch = pytest.importorskip("torch")
+  logits_process = pytest.importorskip("transformers.generation.logits_process")
+  rng = np.random.default_rng(4)
+  b, v = 8, 300
+  logits = np.array(rng.standard_normal((b, v)) * 3, np.float32)
+  logits[0, :5] = -np.inf
+  context = rng.integers(0, v, (b, 40)).astype(np.int32)
+  context_len = rng.integers(1, 41, b).astype(np.int32)
+  prompt_len = (context_len * rng.uniform(0, 1, b)).astype(np.int32)
+  counts, in_prompt = sampling.token_counts(context, context_len, prompt_len, v)
+  repetition = np.array([1.0, 1.3, 0.7, 2.0, 1.0, 1.0, 1.1, 1.0], np.float32)
+  frequency = np.array([0.0, 0.0, 0.0, 0.5, -0.4, 0.0, 2.0, 1.0], np.float32)
+  presence = np.array([0.0, 0.0, 0.0, 0.3, 0.0, -1.5, -2.0, 1.0], np.float32)
+  got = np.asarray(jax.jit(sampling.penalize)(logits, counts, in_prompt, repetition,
+                                              frequency, presence))
+  want = _vllm_penalties(logits, np.asarray(counts), np.asarray(in_prompt), repetition,
+                         frequency, presence)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert np.isneginf(got[0, :5]).all()
+  assert not np.allclose(got[1:4], logits[1:4])  # the penalties changed something
+  for row in range(3):  # rows with the repetition penalty alone
+    ids = torch.tensor(context[row:row + 1, :context_len[row]], dtype=torch.long)
+    hf = logits_process.RepetitionPenaltyLogitsProcessor(float(repetition[row]))(
+        ids, torch.tensor(logits[row:row + 1])).numpy()[0]
+    np.testing.assert_allclose(got[row], hf, rtol=1e-6)
+
+
 def test_filter_method_of_a_batch():
   method = lambda t, k, p: sampling.filter_method(np.array(t), np.array(k), np.array(p))
   assert method([0.0, 0.7], [0, 0], [1.0, 1.0]) is None

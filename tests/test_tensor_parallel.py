@@ -185,7 +185,9 @@ def _requests():
   shared = rng.integers(0, 256, 16).tolist()  # two full pages of 8: prefix cache hits
   prompts = [shared + rng.integers(0, 256, k).tolist() for k in (3, 9, 5)]
   prompts += [rng.integers(0, 256, 13).tolist()]
-  reqs = [Request(p, 14, logprobs=i == 0) for i, p in enumerate(prompts)]
+  # Requests 1 and 2 penalized: their contexts and counts through the shard_map.
+  reqs = [Request(p, 14, logprobs=i == 0, frequency_penalty=0.7 * (i == 1),
+                  repetition_penalty=1.3 if i == 2 else 1.0) for i, p in enumerate(prompts)]
   reqs.append(Request(shared + [7, 7, 7], 8, n=2, temperature=0.8, seed=5,  # forks
                       logprobs=True, top_logprobs=3))
   return reqs

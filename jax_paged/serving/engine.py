@@ -190,7 +190,8 @@ class Engine:
   def warmup(self, max_prompt_tokens: int | None = None,
              sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
              max_samples: int = 1, short_chunks: bool = False,
-             logprobs: bool = False, top_logprobs: bool = False) -> int:
+             logprobs: bool = False, top_logprobs: bool = False,
+             penalties: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -208,11 +209,13 @@ class Engine:
     compiled on first use: prefix-cache hits (unless `prefix_hits`), parallel samples
     (unless `max_samples`), decode chunks cut short by a pool running out of free pages
     (unless `short_chunks`), requests that ask for log-probabilities (unless `logprobs` /
-    `top_logprobs`) and requests admitted together that share uncached pages (a call's
-    second phase). One compilation per shape: GPT-2 124M, 256 slots, prompts up to
-    512 tokens, greedy, on an H200: 75-103 s, 79 compilations (an engine of another
-    steps_per_call on the same model then 13 s: prefill programs are shared); 34 s from
-    jax's persistent compilation cache.
+    `top_logprobs`), requests with penalties (unless `penalties`; with it, still their
+    prefills whose context is wider than their prompt's width: a long prompt's later
+    chunks, a preempted request's) and requests admitted together that share uncached
+    pages (a call's second phase). One compilation per shape: GPT-2 124M, 256 slots,
+    prompts up to 512 tokens, greedy, on an H200: 75-103 s, 79 compilations (an engine
+    of another steps_per_call on the same model then 13 s: prefill programs are shared);
+    34 s from jax's persistent compilation cache.
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
@@ -233,6 +236,10 @@ class Engine:
         log-probabilities (`Request.logprobs`): twice the runs.
       top_logprobs: also every call above with a request that asks for top_logprobs (its
         own compilations: one more time the runs).
+      penalties: also every call above with a penalized request (`Request.penalized`:
+        its own compilations, twice the runs), and such decode calls over every decode
+        width with each width of the contexts they send (`runner.MIN_CONTEXT_WIDTH`
+        times a power of two, up to the model's context), checked or not.
 
     Returns:
       the throwaway runs served.
@@ -291,14 +298,19 @@ class Engine:
       k *= 2
     runs = 0
     # Each kind's rows asking for no log-probabilities, the tokens', and the top ones too
-    # (`runner._Sampling`'s logprobs and top_logprobs): (logprobs, top_logprobs) each.
+    # (`runner._Sampling`'s logprobs and top_logprobs): (logprobs, top_logprobs) each;
+    # without penalties and with (`runner.penalty_arrays`).
     variants = [(False, 0)] + [(True, 0)] * logprobs + [(True, 1)] * top_logprobs
-    for kind, (with_logprobs, top) in itertools.product(dict.fromkeys(sampling), variants):
+    for kind, (with_logprobs, top), penalized in itertools.product(
+        dict.fromkeys(sampling), variants, (False, True) if penalties else (False,)):
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
                                              settings[kind].get("top_p", 1.0))
-      setting = dict(settings[kind], logprobs=with_logprobs, top_logprobs=top)
+      setting = dict(settings[kind], logprobs=with_logprobs, top_logprobs=top,
+                     repetition_penalty=1.1 if penalized else 1.0)
+      idle = dict(greedy=kind == "greedy", filter_by=filter_by, logprobs=with_logprobs,
+                  top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
       for lengths, new in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
@@ -324,15 +336,23 @@ class Engine:
       # A decode chunk that the free pages cut below a group of checked steps runs in a
       # loop of its length rounded up to a power of two (runner): empty rows, nothing
       # written.
+      # Penalized rows' decode calls send contexts of any width up to the model's
+      # (`runner.penalty_arrays`); 0: none.
+      widest = runner_lib.bucket(self.spec.max_positions, runner_lib.MIN_CONTEXT_WIDTH)
+      context_widths = [runner_lib.MIN_CONTEXT_WIDTH << k for k in range(
+          (widest // runner_lib.MIN_CONTEXT_WIDTH).bit_length())] if penalized else [0]
       per_check, steps = runner_lib.steps_per_check(self.steps_per_call), 1
       while short_chunks and steps <= runner_lib.bucket(per_check - 1, 1):
-        for width in fewest:
-          for checked in (True, False):
-            self.kv = self.runner.idle_decode(
-                self.kv, width, steps, greedy=kind == "greedy", checked=checked,
-                filter_by=filter_by, logprobs=with_logprobs,
-                top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
+        for width, context_width, checked in itertools.product(
+            fewest, context_widths, (True, False)):
+          self.kv = self.runner.idle_decode(self.kv, width, steps, checked=checked,
+                                            context_width=context_width, **idle)
         steps *= 2
+      for width, context_width, checked in itertools.product(
+          fewest, context_widths if penalized else [], (True, False)):
+        self.kv = self.runner.idle_decode(self.kv, width, self.steps_per_call,
+                                          checked=checked, context_width=context_width,
+                                          **idle)
     self.reset_prefix_cache()
     # A call's page bookkeeping is shaped by the cached pages it holds or drops, up to the
     # whole pool (bench_serving at 1000 requests/s met 8192 and 16384 at once). -1 is

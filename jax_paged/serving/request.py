@@ -43,6 +43,17 @@ class Request:
     top_logprobs: with `logprobs`, also this many most likely tokens at each step and
       their log-probabilities, most likely first (`TokenEvent.top_logprobs`; OpenAI's
       top_logprobs), 0 to `sampling.MAX_TOP_LOGPROBS`.
+    repetition_penalty: > 0; a token of the prompt or generated so far has its logit
+      divided by it where positive, multiplied where not (Hugging Face's and vLLM's;
+      1 = none, > 1 discourages repeating).
+    frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was
+      generated (OpenAI's and vLLM's; 0 = none).
+    presence_penalty: in [-2, 2]; subtracted from the logit of every token generated at
+      least once (OpenAI's and vLLM's; 0 = none).
+      The penalties apply to the model's logits before temperature, top-k and top-p, also
+      for greedy requests (`sampling.penalize`); log-probabilities stay the model's.
+      Each call of a batch with a penalized request sends its contexts to the device
+      (shapes bucketed by the longest: a few more compilations).
   """
 
   prompt: Sequence[int]
@@ -56,6 +67,15 @@ class Request:
   arrival_s: float = 0.0
   logprobs: bool = False
   top_logprobs: int = 0
+  repetition_penalty: float = 1.0
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+
+  @property
+  def penalized(self) -> bool:
+    """Whether any penalty applies."""
+    return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0)
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -89,6 +109,11 @@ def _is_int(x) -> bool:
   """A Python or numpy integer, not a bool."""
   # A plain int first: the ABC check costs ~1 µs, three per request.
   return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+def _is_real(x) -> bool:
+  """A Python or numpy real number, not a bool."""
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def _token_ids(prompt) -> np.ndarray | None:
@@ -173,6 +198,15 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
                        f"{MAX_TOP_LOGPROBS}], got {r.top_logprobs!r}")
     if r.top_logprobs and not r.logprobs:
       raise ValueError(f"request {i}: top_logprobs={r.top_logprobs} needs logprobs=True")
+    if not (_is_real(r.repetition_penalty)
+            and 0.0 < r.repetition_penalty < float("inf")):  # also NaN
+      raise ValueError(f"request {i}: repetition_penalty must be a finite number > 0 (1: "
+                       f"none), got {r.repetition_penalty!r}")
+    for name in ("frequency_penalty", "presence_penalty"):
+      value = getattr(r, name)
+      if not (_is_real(value) and -2.0 <= value <= 2.0):
+        raise ValueError(f"request {i}: {name} must be a number in [-2, 2] (0: none), got "
+                         f"{value!r}")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

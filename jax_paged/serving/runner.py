@@ -223,7 +223,8 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
                 greedy: bool, checked: bool, filter_by: str | None = "chunked",
-                logprobs: bool = False, top_logprobs: int = 0):
+                logprobs: bool = False, top_logprobs: int = 0,
+                penalties: dict[str, jax.Array] | None = None):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -238,7 +239,9 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`);
   logprobs (static): also each new token's log-probability (through the logits, also
   where every row is greedy) and the `top_logprobs` (static) most likely tokens'
-  (`Logprobs`).
+  (`Logprobs`); penalties: None, or the rows' `penalty_arrays` (each step then draws
+  from `sampling.penalize`d logits, counting its new tokens; log-probabilities stay the
+  model's).
 
   Returns:
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool), with
@@ -254,13 +257,17 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
 
   def body(_, carry):
     # `active` rows are active at `step`, which is below num_steps for any active row.
-    step, kv, tokens, active, index, budget, out, out_logprobs = carry  # (None: none)
-    if greedy and not logprobs:  # the argmax without the [B, vocab] logits
+    # (out_logprobs, counts: None where not asked for)
+    step, kv, tokens, active, index, budget, out, out_logprobs, counts = carry
+    if greedy and not logprobs and penalties is None:  # the argmax without the logits
       new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
-      new = sampling.sample_rows(logits, seeds, index, temperature, top_k, top_p,
+      new = sampling.sample_rows(penalized_logits(logits, penalties, counts, in_prompt),
+                                 seeds, index, temperature, top_k, top_p,
                                  all_greedy=greedy, filter_by=filter_by)
+      if penalties is not None:
+        counts = counts.at[jnp.arange(b), new].add(active.astype(jnp.int32))
     # `out` has a row for every step a group can run: no bounds check (an XLA reduction
     # kernel per step for `.at[step].set(..., mode="drop")`).
     out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
@@ -275,7 +282,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     # Masked for the next step here, in this fusion, rather than by a kernel of its own at
     # the start of the next.
     active &= ~stopped & (step + 1 < num_steps)
-    return step + 1, kv, tokens, active, index, budget, out, out_logprobs
+    return step + 1, kv, tokens, active, index, budget, out, out_logprobs, counts
 
   per_check = steps_per_check(max_steps) if checked else max_steps
   rows = -(-max_steps // per_check) * per_check
@@ -285,13 +292,75 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     out_logprobs = Logprobs(jnp.zeros((rows, b)),
                             jnp.zeros((rows, b, top_logprobs), jnp.int32),
                             jnp.zeros((rows, b, top_logprobs)))
-  carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs)
+  counts, in_prompt = penalty_counts(penalties, model.spec.vocab_size)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs, counts)
   group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
-  _, kv, *_, out, out_logprobs = (jax.lax.while_loop(cond, group, carry) if checked
-                                  else group(carry))
+  _, kv, *_, out, out_logprobs, _ = (jax.lax.while_loop(cond, group, carry) if checked
+                                     else group(carry))
   if logprobs:
     return (out[:max_steps], Logprobs(*(x[:max_steps] for x in out_logprobs))), kv
   return out[:max_steps], kv
+
+
+# The narrowest context a call with penalized rows sends per row (`penalty_arrays`): the
+# longest row's context rounded up to this times a power of two (a compilation each).
+MIN_CONTEXT_WIDTH = 128
+
+_PENALTY_ARRAYS = ("context", "context_len", "prompt_len", "repetition", "frequency",
+                   "presence")
+
+
+def penalty_arrays(rows: Sequence, width: int | None = None) -> dict[str, np.ndarray]:
+  """The penalties of rows (scheduler `RunningRequest`s, None for an empty row) as a
+  call's host arrays, {} where no row's request has any (`Request.penalized`): each row's
+  settings (float32 [B]) and, for a penalized row, its context (int32 [B, width], its
+  prompt then every token generated so far; empty for other rows) with context_len and
+  prompt_len (int32 [B]), from which the call counts (`sampling.token_counts`). A given
+  `width` makes the arrays, that wide, whatever the rows (`ModelRunner.idle_decode`)."""
+  penalized = [i for i, s in enumerate(rows) if s is not None and s.request.penalized]
+  if not penalized and width is None:
+    return {}
+  contexts = [rows[i].context for i in penalized]
+  if width is None:
+    width = bucket(max(map(len, contexts)), MIN_CONTEXT_WIDTH)
+  b = len(rows)
+  context = np.zeros((b, width), np.int32)
+  fill_rows(context, penalized, contexts)
+  context_len, prompt_len = np.zeros((2, b), np.int32)
+  context_len[penalized] = [len(c) for c in contexts]
+  prompt_len[penalized] = [len(rows[i].prompt) for i in penalized]
+  setting = lambda name, none: np.asarray(
+      [none if s is None else getattr(s.request, name) for s in rows], np.float32)
+  return dict(context=context, context_len=context_len, prompt_len=prompt_len,
+              repetition=setting("repetition_penalty", 1.0),
+              frequency=setting("frequency_penalty", 0.0),
+              presence=setting("presence_penalty", 0.0))
+
+
+def take_penalties(arrays: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+  """`penalty_arrays`' arrays popped from a call's unpacked arrays; None without them."""
+  if "context" not in arrays:
+    return None
+  return {name: arrays.pop(name) for name in _PENALTY_ARRAYS}
+
+
+def penalty_counts(penalties: dict[str, jax.Array] | None, vocab_size: int
+                   ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
+  """On device: (int32 [B, V] generated counts, bool [B, V] in the prompt) of each row
+  (`sampling.token_counts` of `penalty_arrays`' contexts); (None, None) without."""
+  if penalties is None:
+    return None, None
+  return sampling.token_counts(penalties["context"], penalties["context_len"],
+                               penalties["prompt_len"], vocab_size)
+
+
+def penalized_logits(logits: jax.Array, penalties: dict[str, jax.Array] | None,
+                     counts: jax.Array | None, in_prompt: jax.Array | None) -> jax.Array:
+  """logits [B, V] with the rows' penalties (`sampling.penalize`); as they are without."""
+  if penalties is None:
+    return logits
+  return sampling.penalize(logits, counts, in_prompt, penalties["repetition"],
+                           penalties["frequency"], penalties["presence"])
 
 
 # A jitted call copies each numpy argument to the device on its own: nine of them cost
@@ -361,8 +430,8 @@ class JittedSteps:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
       sample_rows (into both phases' rows) and the sample rows' seeds, index,
-      temperature, top_k, top_p. Returns (int32 [samples] tokens, or with `logprobs`
-      (tokens, their `Logprobs`); the pool)."""
+      temperature, top_k, top_p and `penalty_arrays` (absent: none). Returns (int32
+      [samples] tokens, or with `logprobs` (tokens, their `Logprobs`); the pool)."""
       a = unpack_arrays(packed, layout)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
         kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
@@ -376,7 +445,10 @@ class JittedSteps:
         logits = jnp.concatenate([logits, more])
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       logits = logits[a["sample_rows"]]
-      tokens = sampling.sample_rows(logits, a["seeds"], a["index"], a["temperature"],
+      penalties = take_penalties(a)
+      counts, in_prompt = penalty_counts(penalties, logits.shape[-1])
+      tokens = sampling.sample_rows(penalized_logits(logits, penalties, counts, in_prompt),
+                                    a["seeds"], a["index"], a["temperature"],
                                     a["top_k"], a["top_p"], all_greedy=greedy,
                                     filter_by=filter_by)
       if logprobs:
@@ -386,10 +458,13 @@ class JittedSteps:
     def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
              checked: bool, filter_by: str | None, logprobs: bool = False,
              top_logprobs: int = 0):
-      """Packed: `decode_loop`'s num_steps and per-row arguments, by name."""
+      """Packed: `decode_loop`'s num_steps and per-row arguments, by name, and the
+      `penalty_arrays` if any."""
+      a = unpack_arrays(packed, layout)
+      penalties = take_penalties(a)
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
                          checked=checked, filter_by=filter_by, logprobs=logprobs,
-                         top_logprobs=top_logprobs, **unpack_arrays(packed, layout))
+                         top_logprobs=top_logprobs, penalties=penalties, **a)
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
@@ -582,8 +657,9 @@ class ModelRunner:
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
                   filter_by: str | None = "chunked", logprobs: bool = False,
                   top_logprobs: int = 0, **rows: np.ndarray):
-    """`decode_loop`: num_steps and the per-row arguments (numpy, by name) travel as the
-    call's one host-to-device copy (`pack_arrays`)."""
+    """`decode_loop`: num_steps and the per-row arguments (numpy, by name; and the
+    `penalty_arrays` where a row has penalties) travel as the call's one host-to-device
+    copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked,
@@ -592,17 +668,19 @@ class ModelRunner:
 
   def idle_decode(self, kv: pool_lib.KVPool, width: int, max_steps: int, *, greedy: bool,
                   checked: bool, filter_by: str | None, logprobs: bool = False,
-                  top_logprobs: int = 0) -> pool_lib.KVPool:
+                  top_logprobs: int = 0, context_width: int = 0) -> pool_lib.KVPool:
     """A decode call over `width` empty rows in a loop of `max_steps` steps, its tokens
     read back as `execute` reads a call's: compiles the programs such a call runs (for
-    `Engine.warmup`) and changes nothing (no row is active)."""
+    `Engine.warmup`; with penalized rows whose contexts take `context_width` > 0) and
+    changes nothing (no row is active)."""
     zeros = np.zeros((width,), np.int32)
     decoded, kv = self.decode_loop(
         kv, max_steps, max_steps=max_steps, greedy=greedy, checked=checked,
         filter_by=filter_by, logprobs=logprobs, top_logprobs=top_logprobs, tokens=zeros,
         active=np.zeros((width,), bool), index=zeros, budget=zeros,
         stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
-        **_Sampling.of([None] * width).arrays())
+        **_Sampling.of([None] * width).arrays(),
+        **penalty_arrays([None] * width, context_width or None))
     decoded, decoded_lp = decoded if logprobs else (decoded, None)
     _read_back(decoded, decoded_lp, kv.page_table, kv.num_free)
     return kv
@@ -707,7 +785,7 @@ class ModelRunner:
         fork_src=fork_src, fork_dst=fork_dst,
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
-        **sampling_.arrays())
+        **sampling_.arrays(), **penalty_arrays(seqs))
     out, kv = self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
                                          greedy=sampling_.greedy,
                                          filter_by=sampling_.filter_by,
@@ -743,5 +821,5 @@ class ModelRunner:
         top_logprobs=sampling_.top_logprobs,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
-        budget=budget, stop_ids=stop_ids, **sampling_.arrays())
+        budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **penalty_arrays(rows))
     return (*(out if sampling_.logprobs else (out, None)), kv)
