@@ -87,6 +87,12 @@ def _top_logprobs(text: str) -> int:
   return value
 
 
+def _non_empty(text: str) -> str:
+  if not text:
+    raise argparse.ArgumentTypeError("expected a non-empty text")
+  return text
+
+
 def _float_in(lo: float, hi: float, *, lo_open: bool, what: str) -> Callable[[str], float]:
   def parse(text: str) -> float:
     try:
@@ -197,6 +203,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's eos token")
+  gen.add_argument("--stop", action="append", default=[], type=_non_empty, metavar="TEXT",
+                   help="end a completion where its text first contains TEXT (cut before "
+                        "it; repeatable; needs text: a tokenizer or the tiny models')")
   gen.add_argument("--logprobs", action="store_true",
                    help="print each new token's log-probability under the model (before "
                         "temperature and filters) and each completion's perplexity")
@@ -377,6 +386,38 @@ class Progress:
       sys.stderr.write("\n")
 
 
+class StopTexts:
+  """Where each completion's text first contains one of `--stop`'s texts (vLLM's stop
+  strings, met on the host as tokens arrive; the engine works in token ids)."""
+
+  def __init__(self, texts: Sequence[str], codec: Codec | None, samples: Sequence[int]):
+    if texts and codec is None:
+      raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its "
+                     "tokens are ids): drop --stop")
+    self.texts, self.codec, self.samples = list(texts), codec, samples
+    self.tokens = collections.defaultdict(list)  # (prompt, sample) -> its tokens so far
+    # (prompt, sample) -> (its tokens up to the one completing a stop text, its text
+    # before it, the stop text)
+    self.stops: dict[tuple[int, int], tuple[int, str, str]] = {}
+
+  def take(self, event: TokenEvent) -> bool:
+    """Takes a token; True when it completes the first stop text of the last of its
+    prompt's samples to meet one (the request can end)."""
+    key = event.request_id, event.sample
+    if not self.texts or key in self.stops:
+      return False
+    tokens = self.tokens[key]
+    tokens.append(event.token)
+    text = self.codec.decode(tokens)
+    found = [(at, stop) for stop in self.texts if (at := text.find(stop)) >= 0]
+    if not found:
+      return False
+    at, stop = min(found)
+    self.stops[key] = (len(tokens), text[:at], stop)
+    n = self.samples[event.request_id]
+    return all((event.request_id, j) in self.stops for j in range(n))
+
+
 def _notice(message: str) -> None:
   print(f"jax-paged-generate: note: {message}", file=sys.stderr)
 
@@ -441,6 +482,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty))
+  stopped = StopTexts(args.stop, codec, [r.n for r in requests])
   eng = None
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
@@ -462,6 +504,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
       progress.update()
       if event.logprob is not None:
         logprobs[event.request_id, event.sample].append(event)
+      if stopped.take(event):  # every sample of its prompt has met a stop text
+        eng.abort_request(event.request_id)
 
     outputs, report = eng.generate(requests, on_token=on_token)
     progress.close()
@@ -481,8 +525,15 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   for i, ((prompt, _), out) in enumerate(zip(prompts, outputs)):
     for j, sample in enumerate([out] if args.n == 1 else out):
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
-      print(f"--- {label} {prompt} -> {len(sample)} tokens")
-      print(codec.decode(sample) if codec else ",".join(map(str, sample)))
+      stop = stopped.stops.get((i, j))  # (tokens up to it, text before it, the text)
+      if stop is None:
+        print(f"--- {label} {prompt} -> {len(sample)} tokens")
+        print(codec.decode(sample) if codec else ",".join(map(str, sample)))
+      else:
+        sample = sample[:stop[0]]
+        print(f"--- {label} {prompt} -> {len(sample)} tokens, stopped at {stop[2]!r}")
+        print(stop[1])
+      logprobs[i, j] = logprobs[i, j][:len(sample)]
       if show_logprobs:
         values = [e.logprob for e in logprobs[i, j]]
         print(f"logprobs (mean {np.mean(values):.4f}, perplexity "

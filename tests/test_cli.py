@@ -151,6 +151,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--n", "0"], "argument --n: must be a positive integer, got 0"),
     (["--n", "40"], "n must be an int in [1, max_batch=32]"),
     (["--top-logprobs", "21"], "argument --top-logprobs: must be in [1, 20], got 21"),
+    (["--stop", ""], "argument --stop: expected a non-empty text"),
     (["--temperature", "inf"], "argument --temperature: must be a number >= 0, got inf"),
     (["--repetition-penalty", "0"], "argument --repetition-penalty: must be a number > 0"),
     (["--repetition-penalty", "nan"], "argument --repetition-penalty: must be a number > 0"),
@@ -305,3 +306,35 @@ def test_penalties_change_greedy_repeats(capsys):
   status, penalized, _ = _main(capsys, *args, "--repetition-penalty", "3",
                                "--presence-penalty", "2", "--frequency-penalty", "2")
   assert status == 0 and most_repeated(penalized) <= 3
+
+
+def test_stop_texts_cut_each_completion_and_end_its_request(capsys):
+  """--stop: each sample's completion ends before the first stop text its text contains
+  (whichever stop text comes first), the tokens and log-probabilities counted up to the
+  token that completed it; a request whose samples all stopped is aborted (the report
+  says so); a completion with no stop text is whole."""
+  args = ("--model", "tiny", "--prompt", "Hello", "--prompt", "pages", "--max-new-tokens",
+          "24", "--ignore-eos", "--no-progress", "--temperature", "1.0", "--n", "2",
+          "--logprobs")
+  status, plain, _ = _main(capsys, *args)
+  assert status == 0
+  blocks = plain.split("requests:")[0].split("--- ")[1:]
+  texts = [b.split("\n")[1] for b in blocks]  # [0.0], [0.1], [1.0], [1.1]
+  stop_a, stop_b = texts[0][3], texts[1][2]  # characters met early in samples 0.0, 0.1
+  status, out, _ = _main(capsys, *args, "--stop", stop_a, "--stop", stop_b)
+  assert status == 0
+  got = out.split("requests:")[0].split("--- ")[1:]
+  for want_text, block in zip(texts, got):
+    head, text, values = block.split("\n")[:3]
+    cuts = [at for at in (want_text.find(stop_a), want_text.find(stop_b)) if at >= 0]
+    if not cuts:
+      assert text == want_text and head.endswith("-> 24 tokens")
+      continue
+    assert text == want_text[:min(cuts)]
+    assert "stopped at" in head
+    n = int(head.split("-> ")[1].split()[0])
+    assert 1 <= n < 24 and len(values.split("): ")[1].split(",")) == n
+  assert "aborted requests: 1" in out or "aborted requests: 2" in out
+  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(cli.CLIError, match="--stop needs text"):
+    cli.StopTexts(["x"], None, [1])

@@ -1,6 +1,7 @@
 """The serving layer: the continuous-batching engine against static-batch `generate`
 under pressure, and its scheduler and runner on their own."""
 
+import collections
 import contextlib
 import functools
 import time
@@ -731,6 +732,87 @@ def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_r
   stream.close()
   assert int(eng.kv.num_free) == 64
   assert eng.generate([Request(p, 14) for p in prompts])[0] == greedy_reference
+
+
+def test_abort_request_between_steps_drops_it_wherever_it_is(model, prompts,
+                                                              greedy_reference):
+  """`abort_request` between steps: a request in the middle of a chunked prefill, a
+  waiting one (no slot yet), one with n = 2 samples decoding (forked) and a greedy one
+  after some of its tokens each stop producing tokens; the others get their tokens
+  alone; every page comes back; aborting the last requests left ends the run."""
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=3,
+               max_prefill_tokens=8)
+  chunked = eng.add_request(Request(prompts[5] * 2, 14))  # 58 tokens, 8 per call
+  forked = eng.add_request(Request(prompts[5], 14, n=2, temperature=1.0))
+  ids = [eng.add_request(Request(p, 14)) for p in prompts[:4]]
+  waiting = eng.add_request(Request(prompts[6], 14))
+  scheduler = eng._run.scheduler  # (to check each request's state when aborted)
+  state = lambda rid: [s for s in scheduler.slots if s is not None and s.request_id == rid]
+  tokens = collections.defaultdict(list)
+  eng.step()
+  (s,) = state(chunked)
+  assert 0 < s.prefilled < s.prefill_stop and not state(waiting)
+  assert eng.abort_request(chunked) and eng.abort_request(waiting)
+  aborted = {chunked, waiting}
+  while eng.has_unfinished_requests():
+    for e in eng.step():
+      assert e.request_id not in aborted
+      tokens[e.request_id, e.sample].append(e.token)
+    if forked not in aborted and tokens[forked, 0] and tokens[forked, 1]:
+      assert all(s.decoding for s in state(forked))
+      assert eng.abort_request(forked) and not eng.abort_request(forked)
+      aborted.add(forked)
+    if ids[1] not in aborted and len(tokens[ids[1], 0]) >= 2:
+      assert eng.abort_request(ids[1])
+      aborted.add(ids[1])
+  assert 2 <= len(tokens[ids[1], 0]) < 14 and len(tokens[forked, 0]) < 14
+  for i in (0, 2, 3):
+    assert tokens[ids[i], 0] == greedy_reference[i]
+  assert eng.report.aborted == 4
+  assert not eng.abort_request(ids[0])  # finished: no run in progress
+  assert_pages_back(eng)
+  # Aborting every request left ends the run at once.
+  first = eng.add_request(Request(prompts[0], 14))
+  second = eng.add_request(Request(prompts[1], 14, arrival_s=30.0))
+  eng.step()
+  assert eng.abort_request(first) and eng.has_unfinished_requests()
+  assert eng.abort_request(second) and not eng.has_unfinished_requests()
+  assert eng.step() == [] and "aborted requests: 2" in str(eng.report)
+  assert_pages_back(eng)
+  assert eng.generate([Request(p, 14) for p in prompts])[0] == greedy_reference
+
+
+def test_abort_request_from_a_callback_or_a_streams_consumer(model, prompts,
+                                                               greedy_reference):
+  """An `on_token` callback (and a stream's consumer) that aborts a request after its
+  third token: the output holds those three, no later event comes (the rest of the same
+  device call's tokens are dropped), the others are unchanged; bad ids are refused."""
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=8)
+  events = []
+
+  def on_token(e):
+    events.append(e)
+    if e.request_id == 2 and sum(x.request_id == 2 for x in events) == 3:
+      assert eng.abort_request(2)
+
+  out, report = eng.generate([Request(p, 14) for p in prompts], on_token=on_token)
+  assert out[2] == greedy_reference[2][:3] == [e.token for e in events if e.request_id == 2]
+  assert [o for i, o in enumerate(out) if i != 2] == greedy_reference[:2] + greedy_reference[3:]
+  assert report.aborted == 1 and report.generated_tokens > sum(map(len, out))
+  assert_pages_back(eng)
+  got = collections.defaultdict(list)
+  for e in eng.stream([Request(p, 14) for p in prompts]):
+    got[e.request_id].append(e.token)
+    if e.request_id == 0 and len(got[0]) == 3:
+      eng.abort_request(0)
+      with pytest.raises(ValueError, match="the run in progress has ids 0 to 8"):
+        eng.abort_request(9)
+      for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="request_id must be"):
+          eng.abort_request(bad)
+  assert got[0] == greedy_reference[0][:3]
+  assert [got[i] for i in range(1, 9)] == greedy_reference[1:]
+  assert_pages_back(eng)
 
 
 @pytest.mark.parametrize("request_,match", [

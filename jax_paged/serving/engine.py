@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import numbers
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -372,13 +373,18 @@ class Engine:
     """Runs every request to completion; returns (outputs, report). outputs[i] is the new
     tokens of request i, or for a request with n > 1 samples a list of n such lists.
     `on_token` gets each token as an event as soon as the host has it, with its
-    log-probabilities for a request that asks (`Request.logprobs`, `top_logprobs`)."""
+    log-probabilities for a request that asks (`Request.logprobs`, `top_logprobs`); it
+    may end a request (`abort_request`), whose output then holds the tokens it got."""
     outputs = collections.defaultdict(list)  # (request id, sample) -> its tokens
     for seq in self._run_all(requests):  # (validated first)
-      outputs[seq[:2]] += seq[2]
-      if on_token is not None:
-        for event in _events(*seq):
-          on_token(event)
+      if on_token is None:
+        outputs[seq[:2]] += seq[2]
+        continue
+      for event in _events(*seq):  # (an `abort_request` in on_token drops the rest)
+        if seq[0] in self._run.aborted:
+          break
+        outputs[seq[:2]].append(event.token)
+        on_token(event)
     return [outputs[i, 0] if r.n == 1 else [outputs[i, j] for j in range(r.n)]
             for i, r in enumerate(requests)], self.report
 
@@ -387,7 +393,10 @@ class Engine:
     iterator is exhausted; closing it early (or breaking out of a loop over it) ends the
     run and frees every page."""
     for seq in self._run_all(requests):
-      yield from _events(*seq)
+      for event in _events(*seq):  # (an `abort_request` by the consumer drops the rest)
+        if seq[0] in self._run.aborted:
+          break
+        yield event
 
   def add_request(self, request: Request) -> int:
     """Submits a request while the engine runs, for a caller that serves requests as they
@@ -440,6 +449,42 @@ class Engine:
     except BaseException:
       self.abort()
       raise
+
+  def abort_request(self, request_id: int) -> bool:
+    """Drops one request of the run in progress, every sample of it (vLLM's
+    `abort_request`: its client has gone, or met a stop string of its own): it leaves the
+    queue or the batch, its pages go back (full pages already cached stay cached), and
+    none of its tokens come after this call, from `step()`, `stream` or `generate`'s
+    `on_token` (from which it may be called: the tokens of the same device call that
+    follow are dropped; `generate` returns the tokens given). Call from the thread that
+    runs the engine: between steps, in an `on_token` callback, or while consuming a
+    stream. Returns whether it was unfinished (False: finished, or already aborted).
+
+    Raises:
+      ValueError: request_id is not an int >= 0, or not an id of the run in progress.
+    """
+    run = self._run
+    if not isinstance(request_id, numbers.Integral) or isinstance(request_id, bool):
+      raise ValueError(f"request_id must be an int, got {request_id!r}")
+    if request_id < 0:
+      raise ValueError(f"request_id must be >= 0, got {request_id}")
+    if run is None:  # nothing in progress: every request has finished
+      return False
+    rid = request_id - run.first_id
+    if not 0 <= rid < len(run.scheduler.requests):
+      raise ValueError(f"request_id {request_id}: the run in progress has ids "
+                       f"{run.first_id} to {run.first_id + len(run.scheduler.requests) - 1}")
+    if request_id in run.aborted or not run.scheduler.unfinished(rid):
+      return False
+    run.aborted.add(request_id)
+    self.report.aborted += 1
+    if self._streaming:  # mid-call (a callback, a stream's consumer): at the next step
+      run.aborting.append(rid)
+    else:
+      run.scheduler.abort(rid)
+      if run.scheduler.finished:
+        self._finish()
+    return True
 
   def abort(self) -> None:
     """Ends the run in progress at once, its unfinished requests dropped: every page goes
@@ -513,6 +558,12 @@ class Engine:
     from 0 in each run; the caller's from the run's first_id.)"""
     run, report = self._run, self.report
     scheduler = run.scheduler
+    for rid in run.aborting:  # (aborted during the last call's events)
+      scheduler.abort(rid)
+    run.aborting.clear()
+    if scheduler.finished:  # (every request left was aborted)
+      self._finish()
+      return
     plan = scheduler.schedule(time.perf_counter() - run.start)
     if plan is None:  # the next request has not arrived yet
       time.sleep(max(0.0, scheduler.next_arrival() - (time.perf_counter() - run.start)))
@@ -536,6 +587,8 @@ class Engine:
                                    out.decoded_logprobs)
     now = time.perf_counter()
     for rid, sample, new, *rest in events:
+      if run.first_id + rid in run.aborted:  # (its slot retires at the next step)
+        continue
       if rid not in run.started:
         run.started.add(rid)
         report.ttft_s.append(now - run.start - scheduler.arrivals[rid])
@@ -566,12 +619,15 @@ class Engine:
 @dataclasses.dataclass
 class _Run:
   """A run in progress: its clock's start, its scheduler, its first request's id, the
-  requests (scheduler ids) that have had their first token."""
+  requests (scheduler ids) that have had their first token, the requests aborted
+  (`Engine.abort_request`) and those still to drop from the scheduler."""
 
   start: float
   scheduler: Scheduler
   first_id: int = 0
   started: set[int] = dataclasses.field(default_factory=set)
+  aborted: set[int] = dataclasses.field(default_factory=set)  # caller's ids
+  aborting: list[int] = dataclasses.field(default_factory=list)  # scheduler ids, pending
 
 
 def _events(rid: int, sample: int, tokens: list[int], reason: str | None,

@@ -27,6 +27,7 @@ class Report:
   num_pages: int = 0
   kv_efficiency: float = 0.0
   preemptions: int = 0
+  aborted: int = 0            # requests dropped by `Engine.abort_request`
   decode_calls: int = 0
   prefill_calls: int = 0
   decode_steps: int = 0       # device decode steps run (a step decodes every running row)
@@ -59,7 +60,9 @@ class Report:
         f"prefix cache: {self.cached_prompt_tokens} of {self.prompt_tokens} prompt tokens "
         f"({self.prefix_hit_rate:.1%}) served from cached pages; {self.pages_saved} pages "
         f"shared instead of filled; {self.evicted_pages} evicted",
-        f"preemptions: {self.preemptions}  prefill calls: {self.prefill_calls} "
+        f"preemptions: {self.preemptions}  "
+        + (f"aborted requests: {self.aborted}  " if self.aborted else "")
+        + f"prefill calls: {self.prefill_calls} "
         f"({self.prefill_s:.2f} s)  decode calls: {self.decode_calls} ({self.decode_s:.2f} s, "
         f"{self.decode_steps} steps, {self.decode_tokens / max(1, self.decode_steps):.1f} "
         f"sequences per step, {1e3 * self.decode_s / max(1, self.decode_steps):.2f} ms per "

@@ -206,6 +206,20 @@ class Scheduler:
     self.waiting.append((rid, None, []))
     return rid
 
+  def unfinished(self, rid: int) -> bool:
+    """Whether request `rid` has a sample waiting or in a slot."""
+    return (any(w[0] == rid for w in self.waiting)
+            or any(s is not None and s.request_id == rid for s in self.slots))
+
+  def abort(self, rid: int) -> None:
+    """Drops request `rid`, every sample of it, waiting, prefilling or decoding: its slots
+    are retired (their pages released with the next plan; full pages already registered
+    stay cached). Call between a `settle` and the next `schedule`."""
+    self.waiting = collections.deque(w for w in self.waiting if w[0] != rid)
+    slots = [i for i, s in enumerate(self.slots) if s is not None and s.request_id == rid]
+    self._prefill_queue = [i for i in self._prefill_queue if i not in slots]
+    self._retire(slots)
+
   def next_arrival(self) -> float:
     """When (seconds after the start) the next waiting request arrives."""
     return min(self.arrivals[rid] for rid, _, _ in self.waiting)
