@@ -143,7 +143,11 @@ SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
              "greedy-repetition": dict(repetition_penalty=1.2),
              "top-p-repetition": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.2),
              "greedy-penalties": dict(repetition_penalty=1.2, frequency_penalty=0.5,
-                                      presence_penalty=0.5)}
+                                      presence_penalty=0.5),
+             # Logit bias on 8 tokens and min_tokens (HF: `sequence_bias`; its
+             # `min_new_tokens` is set on every row already).
+             "greedy-logit-bias": dict(logit_bias={t: -5.0 for t in range(8)},
+                                       min_tokens=16)}
 
 
 def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, static: bool,
@@ -160,13 +164,15 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
 def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
                     static: bool, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, logprobs: bool = False, top_logprobs: int = 0,
-                    repetition_penalty: float = 1.0) -> float:
+                    repetition_penalty: float = 1.0, logit_bias: dict | None = None,
+                    min_tokens: int = 0) -> float:
   """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` tokens (greedy,
   or sampled with `Request`'s settings) after random prompts of `batch` x `prompt` tokens:
   `generate` with a static cache (which transformers compiles with torch.compile) or the
   dynamic one, the median of three timed calls after an identical one. With `logprobs`,
   each token's log-probability from the logits `generate` returns (and with
-  `top_logprobs` the most likely tokens'); with `repetition_penalty`, HF's."""
+  `top_logprobs` the most likely tokens'); with `repetition_penalty`, HF's; with
+  `logit_bias`, HF's `sequence_bias` (`min_tokens`: `min_new_tokens` is set anyway)."""
   import torch
   ids = torch.randint(0, vocab_size, (batch, prompt), device="cuda")
   kwargs = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
@@ -175,6 +181,8 @@ def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
     kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
   if repetition_penalty != 1.0:
     kwargs.update(repetition_penalty=repetition_penalty)
+  if logit_bias:
+    kwargs.update(sequence_bias={(t,): b for t, b in logit_bias.items()})
   if static:
     # transformers compiles the forward with torch.compile itself for a static cache.
     kwargs.update(cache_implementation="static")

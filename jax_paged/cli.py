@@ -87,6 +87,18 @@ def _top_logprobs(text: str) -> int:
   return value
 
 
+def _logit_bias(text: str) -> dict[int, float]:
+  try:
+    pairs = [item.split(":") for item in text.split(",") if item.strip()]
+    bias = {int(token): float(value) for token, value in pairs}
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated ID:BIAS pairs, got "
+                                     f"{text!r}") from None
+  if not bias:
+    raise argparse.ArgumentTypeError(f"expected comma-separated ID:BIAS pairs, got {text!r}")
+  return bias
+
+
 def _non_empty(text: str) -> str:
   if not text:
     raise argparse.ArgumentTypeError("expected a non-empty text")
@@ -203,6 +215,12 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's eos token")
+  gen.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID:BIAS,...",
+                   help="add BIAS (in [-100, 100]) to token ID's logit, e.g. 50256:-100 "
+                        "bans GPT-2's end of text")
+  gen.add_argument("--min-tokens", type=_non_negative_int, default=0,
+                   help="generate at least this many tokens before a stop token may end a "
+                        "completion (default 0)")
   gen.add_argument("--stop", action="append", default=[], type=_non_empty, metavar="TEXT",
                    help="end a completion where its text first contains TEXT (cut before "
                         "it; repeatable; needs text: a tokenizer or the tiny models')")
@@ -481,7 +499,9 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             top_logprobs=args.top_logprobs,
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty,
-                            presence_penalty=args.presence_penalty))
+                            presence_penalty=args.presence_penalty,
+                            logit_bias=args.logit_bias,
+                            min_tokens=min(args.min_tokens, new)))
   stopped = StopTexts(args.stop, codec, [r.n for r in requests])
   eng = None
   try:

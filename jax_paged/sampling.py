@@ -1,6 +1,6 @@
-"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus), the
-repetition, frequency and presence penalties (`penalize`), and the drawn tokens'
-log-probabilities (`logprobs`).
+"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus); logits
+processors before them (`add_bias`, `ban`, the repetition, frequency and presence
+penalties of `penalize`); and the drawn tokens' log-probabilities (`logprobs`).
 
 Everything is jittable and per row, so one batch can mix requests with different
 settings: temperature 0 is greedy, top_k 0 and top_p 1 switch those filters off. The order
@@ -176,6 +176,22 @@ def logprobs(logits: jax.Array, tokens: jax.Array, n: int = 0
   values, ids = _top_chunks(logits, n)
   top, where = jax.lax.top_k(values, n)
   return (picked - lse)[:, 0], jnp.take_along_axis(ids, where, axis=-1), top - lse
+
+
+def add_bias(logits: jax.Array, tokens: jax.Array, values: jax.Array) -> jax.Array:
+  """float32 logits [B, V] with values float32 [B, K] added at tokens int32 [B, K]
+  (OpenAI's logit_bias; padding entries add 0 to any token)."""
+  rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
+  return logits.astype(jnp.float32).at[rows, tokens].add(values)
+
+
+def ban(logits: jax.Array, tokens: jax.Array, banned: jax.Array) -> jax.Array:
+  """float32 logits [B, V] with -inf at each row's tokens int32 [B, S] (-1: padding)
+  where banned bool [B] (vLLM's min_tokens: a row's stop tokens before its minimum)."""
+  rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
+  hit = banned[:, None] & (tokens >= 0)
+  return logits.astype(jnp.float32).at[rows, jnp.maximum(tokens, 0)].min(
+      jnp.where(hit, -jnp.inf, jnp.inf))
 
 
 def token_counts(context: jax.Array, context_len: jax.Array, prompt_len: jax.Array,

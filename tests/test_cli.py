@@ -152,6 +152,10 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--n", "40"], "n must be an int in [1, max_batch=32]"),
     (["--top-logprobs", "21"], "argument --top-logprobs: must be in [1, 20], got 21"),
     (["--stop", ""], "argument --stop: expected a non-empty text"),
+    (["--logit-bias", "5"], "argument --logit-bias: expected comma-separated ID:BIAS pairs"),
+    (["--logit-bias", "300:1"], "logit_bias token 300 is not a token id in [0, vocab_size=256)"),
+    (["--logit-bias", "3:-101"], "logit_bias[3] must be a number in [-100, 100]"),
+    (["--min-tokens", "-1"], "argument --min-tokens: must be an integer >= 0"),
     (["--temperature", "inf"], "argument --temperature: must be a number >= 0, got inf"),
     (["--repetition-penalty", "0"], "argument --repetition-penalty: must be a number > 0"),
     (["--repetition-penalty", "nan"], "argument --repetition-penalty: must be a number > 0"),
@@ -338,3 +342,9 @@ def test_stop_texts_cut_each_completion_and_end_its_request(capsys):
   from jax_paged import cli  # pylint: disable=import-outside-toplevel
   with pytest.raises(cli.CLIError, match="--stop needs text"):
     cli.StopTexts(["x"], None, [1])
+
+
+def test_logit_bias_forces_a_token(capsys):
+  status, out, _ = _main(capsys, "--model", "tiny", "--prompt", "x", "--max-new-tokens", "8",
+                         "--no-progress", "--logit-bias", "65:100,66:-100", "--min-tokens", "3")
+  assert status == 0 and "-> 8 tokens\nAAAAAAAA\n" in out

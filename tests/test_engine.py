@@ -330,13 +330,16 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model, prompts, gree
   assert_pages_back(eng)
 
 
-def test_penalties_hold_through_preemption(model, prompts):
-  """Penalized requests (greedy and sampled, n = 2) under a pool that preempts them give a
-  large pool's tokens: a preempted request's new prefill counts its earlier tokens as
-  generated (frequency, presence), not as prompt. The penalties change the tokens."""
+def test_logits_processors_hold_through_preemption(model, prompts):
+  """Requests with logits processors (penalties, logit_bias, min_tokens; greedy and
+  sampled, n = 2) under a pool that preempts them give a large pool's tokens: a preempted
+  request's new prefill counts its earlier tokens as generated (frequency, presence),
+  not as prompt, and its min_tokens from its first token. They change the tokens."""
   settings = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, repetition_penalty=1.3),
               dict(temperature=0.9, seed=3, frequency_penalty=0.8, presence_penalty=-0.5),
-              dict(temperature=1.0, seed=4, top_k=20, repetition_penalty=0.7, n=2), dict()]
+              dict(temperature=1.0, seed=4, top_k=20, repetition_penalty=0.7, n=2),
+              dict(logit_bias={5: 3.0, 50: 2.5, 90: -1.0}),
+              dict(min_tokens=12, stop_token_ids=[1, 86]), dict()]  # (5: greedy 1, 1, 1, 86)
   requests = [Request(p, 14, **settings[i % len(settings)]) for i, p in enumerate(prompts)]
   run = lambda num_pages: Engine(model, max_batch=8, num_pages=num_pages, page_size=8,
                                  steps_per_call=6).generate(requests)
@@ -344,9 +347,10 @@ def test_penalties_hold_through_preemption(model, prompts):
   outputs, report = run(9)
   assert report.preemptions > 0 and outputs == expected
   plain, _ = Engine(model, max_batch=8, num_pages=64, page_size=8).generate(
-      [Request(r.prompt, 14, temperature=r.temperature, seed=r.seed, top_k=r.top_k, n=r.n)
-       for r in requests])
-  assert sum(a != b for a, b in zip(expected, plain)) >= 5
+      [Request(r.prompt, 14, temperature=r.temperature, seed=r.seed, top_k=r.top_k, n=r.n,
+               stop_token_ids=r.stop_token_ids) for r in requests])
+  assert sum(a != b for a, b in zip(expected, plain)) >= 6
+  assert all(len(o) >= 12 for o, r in zip(expected, requests) if r.min_tokens)
 
 
 def test_peak_admission_never_preempts(model, prompts, greedy_reference):
@@ -633,22 +637,25 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples():
   assert_pages_back(eng)
 
 
-def test_warmup_covers_penalized_requests_and_their_context_widths():
-  """After warmup(penalties=True), requests with and without penalties, greedy and
-  sampled, submitted between steps, compile nothing, also where decoding takes their
+def test_warmup_covers_logits_processors_and_their_context_widths():
+  """After warmup(logits_processors=True), requests with and without penalties,
+  logit_bias and min_tokens, greedy and sampled, submitted between steps, compile nothing, also where decoding takes their
   contexts past `runner.MIN_CONTEXT_WIDTH` (a wider context array). A model of its own
   structure."""
   config = gpt2.GPT2Config(vocab_size=89, n_positions=160, n_embd=16, n_layer=1, n_head=2,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(8))
   eng = Engine(model, max_batch=4, num_pages=200, page_size=8, steps_per_call=8)
-  eng.warmup(max_prompt_tokens=16, sampling=("greedy", "sampled"), penalties=True)
+  eng.warmup(max_prompt_tokens=16, sampling=("greedy", "sampled"), logits_processors=True)
   rng = np.random.default_rng(9)
   queue = [Request(rng.integers(0, 89, rng.integers(1, 17)).tolist(),
                    int(rng.integers(1, 8)) if i % 3 else 140,
                    temperature=0.8 * (i % 2), seed=i,
                    repetition_penalty=1.2 if i % 4 < 2 else 1.0,
-                   frequency_penalty=0.5 * (i % 4 == 1)) for i in range(12)]
+                   frequency_penalty=0.5 * (i % 4 == 1),
+                   logit_bias={i: 2.0, 2 * i: -2.0} if i % 4 == 2 else None,
+                   min_tokens=1 if i % 4 == 3 else 0, stop_token_ids=[i, i + 1])
+           for i in range(12)]
   assert max(len(r.prompt) + r.max_new_tokens for r in queue) > runner_lib.MIN_CONTEXT_WIDTH
   done = set()
   with compilations() as compiles:
@@ -845,6 +852,15 @@ def test_abort_request_from_a_callback_or_a_streams_consumer(model, prompts,
      r"frequency_penalty must be a number in \[-2, 2\]"),
     (Request([1], 3, presence_penalty=float("nan")), "presence_penalty must be a number in"),
     (Request([1], 3, presence_penalty=True), "presence_penalty must be a number in"),
+    (Request([1], 3, logit_bias=[(1, 2.0)]), "logit_bias must be a mapping"),
+    (Request([1], 3, logit_bias={97: 1.0}), r"logit_bias token 97 is not a token id in "
+     r"\[0, vocab_size=97\)"),
+    (Request([1], 3, logit_bias={1.0: 1.0}), "logit_bias token 1.0 is not a token id"),
+    (Request([1], 3, logit_bias={2: 101.0}), r"logit_bias\[2\] must be a number in "
+     r"\[-100, 100\]"),
+    (Request([1], 3, logit_bias={2: float("nan")}), r"logit_bias\[2\] must be a number"),
+    (Request([1], 3, min_tokens=4), r"min_tokens must be an int in \[0, max_new_tokens=3\]"),
+    (Request([1], 3, min_tokens=-1), "min_tokens must be an int"),
     (Request([1000], 3), "outside"),
     (Request([1] * 40, 20), "pool is too small"),
 ])

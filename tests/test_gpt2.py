@@ -238,6 +238,38 @@ def test_engine_penalties_match_hf_repetition_penalty_and_vllms_formula(checkpoi
   assert changed >= 3  # the penalties changed tokens
 
 
+def test_engine_logit_bias_and_min_tokens_match_hf(checkpoint):
+  """Greedy requests with logit_bias, min_tokens (a stop token the model generates early,
+  banned until then) and a repetition penalty give Hugging Face's `generate` with
+  `sequence_bias`, `min_new_tokens` / `eos_token_id` and `repetition_penalty` (HF applies
+  them in the same order: the ban commutes with the penalty); ended by the stop token
+  once allowed, which both include."""
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(10), [4, 9, 17])
+  new = 14
+  eng = jax_paged.Engine(model, max_batch=4, num_pages=40, page_size=PAGE,
+                         steps_per_call=4, max_prefill_tokens=16)
+  plain, _ = eng.generate([jax_paged.Request(p, new) for p in prompts])
+  for prompt, out, settings in zip(prompts, plain, [
+      dict(logit_bias={7: 4.0, 100: -3.0}), dict(min_tokens=6, repetition_penalty=1.2),
+      dict(logit_bias={5: 2.0, 6: 2.0}, min_tokens=5)]):
+    stop = out[2]  # generated early: min_tokens bans it until then
+    bias = settings.get("logit_bias", {})
+    request = jax_paged.Request(prompt, new, stop_token_ids=(stop,), **settings)
+    (got,), _ = eng.generate([request])
+    with torch.no_grad():
+      want = hf.generate(
+          torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=stop,
+          eos_token_id=stop, min_new_tokens=request.min_tokens,
+          repetition_penalty=request.repetition_penalty,
+          sequence_bias={(t,): b for t, b in bias.items()} or None)[0, len(prompt):]
+    assert got == want.tolist(), settings
+    assert stop not in got[:request.min_tokens] and got != out
+    if request.min_tokens:
+      assert got[-1] == stop or len(got) == new
+
+
 def _check_pool_consistent(kv: jax_paged.KVPool) -> set[int]:
   """Every page is owned by exactly one sequence or free; returns the owned pages."""
   used = np.asarray(kv.pages_used())

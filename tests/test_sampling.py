@@ -246,6 +246,26 @@ def test_penalties_are_vllms_and_repetition_is_hugging_faces():
     np.testing.assert_allclose(got[row], hf, rtol=1e-6)
 
 
+def test_bias_adds_and_ban_masks_each_rows_tokens():
+  """`add_bias` adds each row's values at its tokens (padding entries: 0 at token 0);
+  `ban` sets -inf at each banned row's tokens (-1: padding), other rows untouched."""
+  rng = np.random.default_rng(5)
+  logits = np.array(rng.standard_normal((3, 11)), np.float32)
+  tokens = np.array([[2, 7, 0], [5, 0, 0], [0, 0, 0]], np.int32)
+  values = np.array([[1.5, -100.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+  want = logits.copy()
+  want[0, 2] += 1.5
+  want[0, 7] -= 100.0
+  want[1, 5] += 3.0
+  np.testing.assert_allclose(jax.jit(sampling.add_bias)(logits, tokens, values), want,
+                             rtol=1e-6)
+  stops = np.array([[4, 9, -1], [1, -1, -1], [3, 4, -1]], np.int32)
+  got = np.asarray(jax.jit(sampling.ban)(logits, stops, np.array([True, False, True])))
+  want = logits.copy()
+  want[0, [4, 9]] = want[2, [3, 4]] = -np.inf
+  np.testing.assert_array_equal(got, want)
+
+
 def test_filter_method_of_a_batch():
   method = lambda t, k, p: sampling.filter_method(np.array(t), np.array(k), np.array(p))
   assert method([0.0, 0.7], [0, 0], [1.0, 1.0]) is None

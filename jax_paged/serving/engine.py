@@ -192,7 +192,7 @@ class Engine:
              sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
              max_samples: int = 1, short_chunks: bool = False,
              logprobs: bool = False, top_logprobs: bool = False,
-             penalties: bool = False) -> int:
+             logits_processors: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -210,9 +210,10 @@ class Engine:
     compiled on first use: prefix-cache hits (unless `prefix_hits`), parallel samples
     (unless `max_samples`), decode chunks cut short by a pool running out of free pages
     (unless `short_chunks`), requests that ask for log-probabilities (unless `logprobs` /
-    `top_logprobs`), requests with penalties (unless `penalties`; with it, still their
-    prefills whose context is wider than their prompt's width: a long prompt's later
-    chunks, a preempted request's) and requests admitted together that share uncached
+    `top_logprobs`), requests with logits processors (unless `logits_processors`; with
+    it, still their prefills whose context is wider than their prompt's width, a long
+    prompt's later chunks, a preempted request's, and more than
+    `runner.MIN_BIAS_TOKENS` logit_bias entries) and requests admitted together that share uncached
     pages (a call's second phase). One compilation per shape: GPT-2 124M, 256 slots,
     prompts up to 512 tokens, greedy, on an H200: 75-103 s, 79 compilations (an engine
     of another steps_per_call on the same model then 13 s: prefill programs are shared);
@@ -237,10 +238,11 @@ class Engine:
         log-probabilities (`Request.logprobs`): twice the runs.
       top_logprobs: also every call above with a request that asks for top_logprobs (its
         own compilations: one more time the runs).
-      penalties: also every call above with a penalized request (`Request.penalized`:
-        its own compilations, twice the runs), and such decode calls over every decode
-        width with each width of the contexts they send (`runner.MIN_CONTEXT_WIDTH`
-        times a power of two, up to the model's context), checked or not.
+      logits_processors: also every call above with a request that has logits
+        processors (`Request.processes_logits`: penalties, logit_bias, min_tokens; their
+        own compilations, twice the runs), and such decode calls over every decode width
+        with each width of the contexts they send (`runner.MIN_CONTEXT_WIDTH` times a
+        power of two, up to the model's context), checked or not.
 
     Returns:
       the throwaway runs served.
@@ -300,16 +302,17 @@ class Engine:
     runs = 0
     # Each kind's rows asking for no log-probabilities, the tokens', and the top ones too
     # (`runner._Sampling`'s logprobs and top_logprobs): (logprobs, top_logprobs) each;
-    # without penalties and with (`runner.penalty_arrays`).
+    # without logits processors and with (`runner.processor_arrays`).
     variants = [(False, 0)] + [(True, 0)] * logprobs + [(True, 1)] * top_logprobs
-    for kind, (with_logprobs, top), penalized in itertools.product(
-        dict.fromkeys(sampling), variants, (False, True) if penalties else (False,)):
+    for kind, (with_logprobs, top), processed in itertools.product(
+        dict.fromkeys(sampling), variants,
+        (False, True) if logits_processors else (False,)):
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
                                              settings[kind].get("top_p", 1.0))
       setting = dict(settings[kind], logprobs=with_logprobs, top_logprobs=top,
-                     repetition_penalty=1.1 if penalized else 1.0)
+                     repetition_penalty=1.1 if processed else 1.0)
       idle = dict(greedy=kind == "greedy", filter_by=filter_by, logprobs=with_logprobs,
                   top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
       for lengths, new in runs_of:
@@ -334,14 +337,14 @@ class Engine:
             self.generate([Request(prefix + p, 1, n=n_samples, **setting)
                            for p in distinct])
             runs += 2
+      # Decode calls with logits processors send contexts of any width up to the model's
+      # (`runner.processor_arrays`); 0: none.
+      widest = runner_lib.bucket(self.spec.max_positions, runner_lib.MIN_CONTEXT_WIDTH)
+      context_widths = [runner_lib.MIN_CONTEXT_WIDTH << k for k in range(
+          (widest // runner_lib.MIN_CONTEXT_WIDTH).bit_length())] if processed else [0]
       # A decode chunk that the free pages cut below a group of checked steps runs in a
       # loop of its length rounded up to a power of two (runner): empty rows, nothing
       # written.
-      # Penalized rows' decode calls send contexts of any width up to the model's
-      # (`runner.penalty_arrays`); 0: none.
-      widest = runner_lib.bucket(self.spec.max_positions, runner_lib.MIN_CONTEXT_WIDTH)
-      context_widths = [runner_lib.MIN_CONTEXT_WIDTH << k for k in range(
-          (widest // runner_lib.MIN_CONTEXT_WIDTH).bit_length())] if penalized else [0]
       per_check, steps = runner_lib.steps_per_check(self.steps_per_call), 1
       while short_chunks and steps <= runner_lib.bucket(per_check - 1, 1):
         for width, context_width, checked in itertools.product(
@@ -350,7 +353,7 @@ class Engine:
                                             context_width=context_width, **idle)
         steps *= 2
       for width, context_width, checked in itertools.product(
-          fewest, context_widths if penalized else [], (True, False)):
+          fewest, context_widths if processed else [], (True, False)):
         self.kv = self.runner.idle_decode(self.kv, width, self.steps_per_call,
                                           checked=checked, context_width=context_width,
                                           **idle)

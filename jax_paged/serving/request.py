@@ -5,7 +5,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import numbers
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -50,10 +50,17 @@ class Request:
       generated (OpenAI's and vLLM's; 0 = none).
     presence_penalty: in [-2, 2]; subtracted from the logit of every token generated at
       least once (OpenAI's and vLLM's; 0 = none).
-      The penalties apply to the model's logits before temperature, top-k and top-p, also
-      for greedy requests (`sampling.penalize`); log-probabilities stay the model's.
-      Each call of a batch with a penalized request sends its contexts to the device
-      (shapes bucketed by the longest: a few more compilations).
+    logit_bias: token id -> a number in [-100, 100] added to its logit (OpenAI's
+      logit_bias: -100 all but bans a token, 100 all but forces it); None = none.
+    min_tokens: the fewest new tokens before a stop token (the eos, stop_token_ids) may
+      end the request: until then their logits are -inf (vLLM's min_tokens); 0 to
+      max_new_tokens.
+      These logits processors apply in vLLM's order, logit_bias and min_tokens, then the
+      penalties (`sampling.penalize`), before temperature, top-k and top-p, also for
+      greedy requests; log-probabilities stay the model's. A batch with such a request
+      runs them all (its own compilations; `Engine.warmup(logits_processors=True)`), and
+      each of its calls sends the penalized requests' contexts to the device (shapes
+      bucketed by the longest: a few more compilations).
   """
 
   prompt: Sequence[int]
@@ -70,12 +77,19 @@ class Request:
   repetition_penalty: float = 1.0
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
+  logit_bias: Mapping[int, float] | None = None
+  min_tokens: int = 0
 
   @property
   def penalized(self) -> bool:
     """Whether any penalty applies."""
     return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0)
+
+  @property
+  def processes_logits(self) -> bool:
+    """Whether any logits processor applies (penalties, logit_bias, min_tokens)."""
+    return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -207,6 +221,20 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
       if not (_is_real(value) and -2.0 <= value <= 2.0):
         raise ValueError(f"request {i}: {name} must be a number in [-2, 2] (0: none), got "
                          f"{value!r}")
+    if r.logit_bias is not None:
+      if not isinstance(r.logit_bias, Mapping):
+        raise ValueError(f"request {i}: logit_bias must be a mapping of token ids to "
+                         f"numbers, got {type(r.logit_bias).__name__}")
+      for token, bias in r.logit_bias.items():
+        if not (_is_int(token) and 0 <= token < spec.vocab_size):
+          raise ValueError(f"request {i}: logit_bias token {token!r} is not a token id in "
+                           f"[0, vocab_size={spec.vocab_size})")
+        if not (_is_real(bias) and -100.0 <= bias <= 100.0):
+          raise ValueError(f"request {i}: logit_bias[{token}] must be a number in "
+                           f"[-100, 100], got {bias!r}")
+    if not _is_int(r.min_tokens) or not 0 <= r.min_tokens <= r.max_new_tokens:
+      raise ValueError(f"request {i}: min_tokens must be an int in [0, max_new_tokens="
+                       f"{r.max_new_tokens}], got {r.min_tokens!r}")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

@@ -224,7 +224,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
                 budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
                 greedy: bool, checked: bool, filter_by: str | None = "chunked",
                 logprobs: bool = False, top_logprobs: int = 0,
-                penalties: dict[str, jax.Array] | None = None):
+                processors: dict[str, jax.Array] | None = None):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -239,8 +239,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`);
   logprobs (static): also each new token's log-probability (through the logits, also
   where every row is greedy) and the `top_logprobs` (static) most likely tokens'
-  (`Logprobs`); penalties: None, or the rows' `penalty_arrays` (each step then draws
-  from `sampling.penalize`d logits, counting its new tokens; log-probabilities stay the
+  (`Logprobs`); processors: None, or the rows' `processor_arrays` (each step then draws
+  from `processed_logits`, counting its new tokens; log-probabilities stay the
   model's).
 
   Returns:
@@ -259,14 +259,15 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     # `active` rows are active at `step`, which is below num_steps for any active row.
     # (out_logprobs, counts: None where not asked for)
     step, kv, tokens, active, index, budget, out, out_logprobs, counts = carry
-    if greedy and not logprobs and penalties is None:  # the argmax without the logits
+    if greedy and not logprobs and processors is None:  # the argmax without the logits
       new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
-      new = sampling.sample_rows(penalized_logits(logits, penalties, counts, in_prompt),
+      new = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
+                                                  index),
                                  seeds, index, temperature, top_k, top_p,
                                  all_greedy=greedy, filter_by=filter_by)
-      if penalties is not None:
+      if processors is not None:
         counts = counts.at[jnp.arange(b), new].add(active.astype(jnp.int32))
     # `out` has a row for every step a group can run: no bounds check (an XLA reduction
     # kernel per step for `.at[step].set(..., mode="drop")`).
@@ -292,7 +293,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     out_logprobs = Logprobs(jnp.zeros((rows, b)),
                             jnp.zeros((rows, b, top_logprobs), jnp.int32),
                             jnp.zeros((rows, b, top_logprobs)))
-  counts, in_prompt = penalty_counts(penalties, model.spec.vocab_size)
+  counts, in_prompt = token_counts(processors, model.spec.vocab_size)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs, counts)
   group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
   _, kv, *_, out, out_logprobs, _ = (jax.lax.while_loop(cond, group, carry) if checked
@@ -302,65 +303,96 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   return out[:max_steps], kv
 
 
-# The narrowest context a call with penalized rows sends per row (`penalty_arrays`): the
-# longest row's context rounded up to this times a power of two (a compilation each).
+# The narrowest context a call with penalized rows sends per row (`processor_arrays`): the
+# longest row's context rounded up to this times a power of two (a compilation each);
+# likewise the fewest `logit_bias` entries per row.
 MIN_CONTEXT_WIDTH = 128
+MIN_BIAS_TOKENS = 8
 
-_PENALTY_ARRAYS = ("context", "context_len", "prompt_len", "repetition", "frequency",
-                   "presence")
+_PROCESSOR_ARRAYS = ("context", "context_len", "prompt_len", "repetition", "frequency",
+                     "presence", "bias_tokens", "bias_values", "min_tokens", "min_stop_ids")
 
 
-def penalty_arrays(rows: Sequence, width: int | None = None) -> dict[str, np.ndarray]:
-  """The penalties of rows (scheduler `RunningRequest`s, None for an empty row) as a
-  call's host arrays, {} where no row's request has any (`Request.penalized`): each row's
-  settings (float32 [B]) and, for a penalized row, its context (int32 [B, width], its
-  prompt then every token generated so far; empty for other rows) with context_len and
-  prompt_len (int32 [B]), from which the call counts (`sampling.token_counts`). A given
-  `width` makes the arrays, that wide, whatever the rows (`ModelRunner.idle_decode`)."""
-  penalized = [i for i, s in enumerate(rows) if s is not None and s.request.penalized]
-  if not penalized and width is None:
+def processor_arrays(rows: Sequence, context_width: int | None = None
+                     ) -> dict[str, np.ndarray]:
+  """The logits processors of rows (scheduler `RunningRequest`s, None for an empty row;
+  `Request.processes_logits`) as a call's host arrays, {} where no row has any. Each row's
+  penalties (float32 [B] repetition, frequency, presence) and, for a penalized row, its
+  context (int32 [B, width], its prompt then every token generated so far; empty for
+  other rows) with context_len and prompt_len (int32 [B]), from which the call counts
+  (`sampling.token_counts`); its logit_bias as bias_tokens / bias_values (int32 / float32
+  [B, K], padded with zeros); its min_tokens (int32 [B]) and the stop tokens that are
+  banned until then (min_stop_ids, int32 [B, S], -1 padded). A given `context_width`
+  makes the arrays, that wide, whatever the rows (`ModelRunner.idle_decode`)."""
+  used = [i for i, s in enumerate(rows) if s is not None and s.request.processes_logits]
+  if not used and context_width is None:
     return {}
-  contexts = [rows[i].context for i in penalized]
-  if width is None:
-    width = bucket(max(map(len, contexts)), MIN_CONTEXT_WIDTH)
+  requests = {i: rows[i].request for i in used}
   b = len(rows)
-  context = np.zeros((b, width), np.int32)
+  penalized = [i for i in used if requests[i].penalized]
+  contexts = [rows[i].context for i in penalized]
+  if context_width is None:
+    context_width = bucket(max(map(len, contexts), default=1), MIN_CONTEXT_WIDTH)
+  context = np.zeros((b, context_width), np.int32)
   fill_rows(context, penalized, contexts)
-  context_len, prompt_len = np.zeros((2, b), np.int32)
+  context_len, prompt_len, min_tokens = np.zeros((3, b), np.int32)
   context_len[penalized] = [len(c) for c in contexts]
   prompt_len[penalized] = [len(rows[i].prompt) for i in penalized]
+  biased = [i for i in used if requests[i].logit_bias]
+  width = bucket(max((len(requests[i].logit_bias) for i in biased), default=1),
+                 MIN_BIAS_TOKENS)
+  bias_tokens = np.zeros((b, width), np.int32)
+  bias_values = np.zeros((b, width), np.float32)
+  for i in biased:
+    bias = requests[i].logit_bias
+    bias_tokens[i, :len(bias)] = list(bias.keys())
+    bias_values[i, :len(bias)] = list(bias.values())
+  waiting = [i for i in used if requests[i].min_tokens]  # (rows whose stops are banned)
+  min_tokens[waiting] = [requests[i].min_tokens for i in waiting]
+  min_stop_ids = np.full((b, bucket(max((len(rows[i].stop_token_ids) for i in waiting),
+                                        default=1), MIN_STOP_IDS)), -1, np.int32)
+  for i in waiting:
+    min_stop_ids[i, :len(rows[i].stop_token_ids)] = rows[i].stop_token_ids
   setting = lambda name, none: np.asarray(
       [none if s is None else getattr(s.request, name) for s in rows], np.float32)
   return dict(context=context, context_len=context_len, prompt_len=prompt_len,
               repetition=setting("repetition_penalty", 1.0),
               frequency=setting("frequency_penalty", 0.0),
-              presence=setting("presence_penalty", 0.0))
+              presence=setting("presence_penalty", 0.0), bias_tokens=bias_tokens,
+              bias_values=bias_values, min_tokens=min_tokens, min_stop_ids=min_stop_ids)
 
 
-def take_penalties(arrays: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
-  """`penalty_arrays`' arrays popped from a call's unpacked arrays; None without them."""
+def take_processors(arrays: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+  """`processor_arrays`' arrays popped from a call's unpacked arrays; None without them."""
   if "context" not in arrays:
     return None
-  return {name: arrays.pop(name) for name in _PENALTY_ARRAYS}
+  return {name: arrays.pop(name) for name in _PROCESSOR_ARRAYS}
 
 
-def penalty_counts(penalties: dict[str, jax.Array] | None, vocab_size: int
-                   ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
+def token_counts(processors: dict[str, jax.Array] | None, vocab_size: int
+                 ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
   """On device: (int32 [B, V] generated counts, bool [B, V] in the prompt) of each row
-  (`sampling.token_counts` of `penalty_arrays`' contexts); (None, None) without."""
-  if penalties is None:
+  (`sampling.token_counts` of `processor_arrays`' contexts); (None, None) without."""
+  if processors is None:
     return None, None
-  return sampling.token_counts(penalties["context"], penalties["context_len"],
-                               penalties["prompt_len"], vocab_size)
+  return sampling.token_counts(processors["context"], processors["context_len"],
+                               processors["prompt_len"], vocab_size)
 
 
-def penalized_logits(logits: jax.Array, penalties: dict[str, jax.Array] | None,
-                     counts: jax.Array | None, in_prompt: jax.Array | None) -> jax.Array:
-  """logits [B, V] with the rows' penalties (`sampling.penalize`); as they are without."""
-  if penalties is None:
+def processed_logits(logits: jax.Array, processors: dict[str, jax.Array] | None,
+                     counts: jax.Array | None, in_prompt: jax.Array | None,
+                     index: jax.Array) -> jax.Array:
+  """logits [B, V] through the rows' logits processors, in vLLM's order: logit_bias
+  (`sampling.add_bias`), the stop tokens banned while index int32 [B] (tokens generated
+  so far) is below min_tokens (`sampling.ban`), the penalties (`sampling.penalize`);
+  as they are without."""
+  if processors is None:
     return logits
-  return sampling.penalize(logits, counts, in_prompt, penalties["repetition"],
-                           penalties["frequency"], penalties["presence"])
+  p = processors
+  logits = sampling.add_bias(logits, p["bias_tokens"], p["bias_values"])
+  logits = sampling.ban(logits, p["min_stop_ids"], index < p["min_tokens"])
+  return sampling.penalize(logits, counts, in_prompt, p["repetition"], p["frequency"],
+                           p["presence"])
 
 
 # A jitted call copies each numpy argument to the device on its own: nine of them cost
@@ -430,7 +462,7 @@ class JittedSteps:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
       sample_rows (into both phases' rows) and the sample rows' seeds, index,
-      temperature, top_k, top_p and `penalty_arrays` (absent: none). Returns (int32
+      temperature, top_k, top_p and `processor_arrays` (absent: none). Returns (int32
       [samples] tokens, or with `logprobs` (tokens, their `Logprobs`); the pool)."""
       a = unpack_arrays(packed, layout)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
@@ -445,9 +477,10 @@ class JittedSteps:
         logits = jnp.concatenate([logits, more])
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       logits = logits[a["sample_rows"]]
-      penalties = take_penalties(a)
-      counts, in_prompt = penalty_counts(penalties, logits.shape[-1])
-      tokens = sampling.sample_rows(penalized_logits(logits, penalties, counts, in_prompt),
+      processors = take_processors(a)
+      counts, in_prompt = token_counts(processors, logits.shape[-1])
+      tokens = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
+                                                     a["index"]),
                                     a["seeds"], a["index"], a["temperature"],
                                     a["top_k"], a["top_p"], all_greedy=greedy,
                                     filter_by=filter_by)
@@ -459,12 +492,12 @@ class JittedSteps:
              checked: bool, filter_by: str | None, logprobs: bool = False,
              top_logprobs: int = 0):
       """Packed: `decode_loop`'s num_steps and per-row arguments, by name, and the
-      `penalty_arrays` if any."""
+      `processor_arrays` if any."""
       a = unpack_arrays(packed, layout)
-      penalties = take_penalties(a)
+      processors = take_processors(a)
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
                          checked=checked, filter_by=filter_by, logprobs=logprobs,
-                         top_logprobs=top_logprobs, penalties=penalties, **a)
+                         top_logprobs=top_logprobs, processors=processors, **a)
 
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
@@ -658,7 +691,7 @@ class ModelRunner:
                   filter_by: str | None = "chunked", logprobs: bool = False,
                   top_logprobs: int = 0, **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name; and the
-    `penalty_arrays` where a row has penalties) travel as the call's one host-to-device
+    `processor_arrays` where a row has logits processors) travel as the call's one host-to-device
     copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
@@ -680,7 +713,7 @@ class ModelRunner:
         active=np.zeros((width,), bool), index=zeros, budget=zeros,
         stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
         **_Sampling.of([None] * width).arrays(),
-        **penalty_arrays([None] * width, context_width or None))
+        **processor_arrays([None] * width, context_width or None))
     decoded, decoded_lp = decoded if logprobs else (decoded, None)
     _read_back(decoded, decoded_lp, kv.page_table, kv.num_free)
     return kv
@@ -785,7 +818,7 @@ class ModelRunner:
         fork_src=fork_src, fork_dst=fork_dst,
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
-        **sampling_.arrays(), **penalty_arrays(seqs))
+        **sampling_.arrays(), **processor_arrays(seqs))
     out, kv = self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
                                          greedy=sampling_.greedy,
                                          filter_by=sampling_.filter_by,
@@ -821,5 +854,5 @@ class ModelRunner:
         top_logprobs=sampling_.top_logprobs,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
-        budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **penalty_arrays(rows))
+        budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **processor_arrays(rows))
     return (*(out if sampling_.logprobs else (out, None)), kv)
