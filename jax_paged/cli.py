@@ -90,13 +90,12 @@ def _top_logprobs(text: str) -> int:
 def _logit_bias(text: str) -> dict[int, float]:
   try:
     pairs = [item.split(":") for item in text.split(",") if item.strip()]
-    bias = {int(token): float(value) for token, value in pairs}
+    if not pairs:
+      raise ValueError(text)
+    return {int(token): float(value) for token, value in pairs}
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected comma-separated ID:BIAS pairs, got "
                                      f"{text!r}") from None
-  if not bias:
-    raise argparse.ArgumentTypeError(f"expected comma-separated ID:BIAS pairs, got {text!r}")
-  return bias
 
 
 def _non_empty(text: str) -> str:

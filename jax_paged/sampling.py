@@ -178,19 +178,22 @@ def logprobs(logits: jax.Array, tokens: jax.Array, n: int = 0
   return (picked - lse)[:, 0], jnp.take_along_axis(ids, where, axis=-1), top - lse
 
 
+def _row_ids(shape: tuple[int, int]) -> jax.Array:
+  """int32 [B, K]: each entry's row, to scatter per-row ids [B, K] into [B, V]."""
+  return jnp.broadcast_to(jnp.arange(shape[0])[:, None], shape)
+
+
 def add_bias(logits: jax.Array, tokens: jax.Array, values: jax.Array) -> jax.Array:
   """float32 logits [B, V] with values float32 [B, K] added at tokens int32 [B, K]
   (OpenAI's logit_bias; padding entries add 0 to any token)."""
-  rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
-  return logits.astype(jnp.float32).at[rows, tokens].add(values)
+  return logits.astype(jnp.float32).at[_row_ids(tokens.shape), tokens].add(values)
 
 
 def ban(logits: jax.Array, tokens: jax.Array, banned: jax.Array) -> jax.Array:
   """float32 logits [B, V] with -inf at each row's tokens int32 [B, S] (-1: padding)
   where banned bool [B] (vLLM's min_tokens: a row's stop tokens before its minimum)."""
-  rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
   hit = banned[:, None] & (tokens >= 0)
-  return logits.astype(jnp.float32).at[rows, jnp.maximum(tokens, 0)].min(
+  return logits.astype(jnp.float32).at[_row_ids(tokens.shape), jnp.maximum(tokens, 0)].min(
       jnp.where(hit, -jnp.inf, jnp.inf))
 
 
@@ -211,7 +214,7 @@ def token_counts(context: jax.Array, context_len: jax.Array, prompt_len: jax.Arr
   b, width = context.shape
   position = jnp.arange(width)[None]
   generated = (position >= prompt_len[:, None]) & (position < context_len[:, None])
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], context.shape)
+  rows = _row_ids(context.shape)
   # Padding adds 0 (generated) or nothing to the prompt's bits: its token ids do not matter.
   counts = jnp.zeros((b, vocab_size), jnp.int32).at[rows, context].add(
       generated.astype(jnp.int32))

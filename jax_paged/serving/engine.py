@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import numbers
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -45,7 +44,7 @@ from jax_paged.paged_model import PagedModel
 from jax_paged.serving import admission as admission_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
 from jax_paged.serving.report import Report
-from jax_paged.serving.request import Request, TokenEvent, validate_requests
+from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.scheduler import Scheduler
 
@@ -213,11 +212,11 @@ class Engine:
     `top_logprobs`), requests with logits processors (unless `logits_processors`; with
     it, still their prefills whose context is wider than their prompt's width, a long
     prompt's later chunks, a preempted request's, and more than
-    `runner.MIN_BIAS_TOKENS` logit_bias entries) and requests admitted together that share uncached
-    pages (a call's second phase). One compilation per shape: GPT-2 124M, 256 slots,
-    prompts up to 512 tokens, greedy, on an H200: 75-103 s, 79 compilations (an engine
-    of another steps_per_call on the same model then 13 s: prefill programs are shared);
-    34 s from jax's persistent compilation cache.
+    `runner.MIN_BIAS_TOKENS` logit_bias entries) and requests admitted together that
+    share uncached pages (a call's second phase). One compilation per shape: GPT-2
+    124M, 256 slots, prompts up to 512 tokens, greedy, on an H200: 75-103 s, 79
+    compilations (an engine of another steps_per_call on the same model then 13 s:
+    prefill programs are shared); 34 s from jax's persistent compilation cache.
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
@@ -379,14 +378,12 @@ class Engine:
     log-probabilities for a request that asks (`Request.logprobs`, `top_logprobs`); it
     may end a request (`abort_request`), whose output then holds the tokens it got."""
     outputs = collections.defaultdict(list)  # (request id, sample) -> its tokens
-    for seq in self._run_all(requests):  # (validated first)
-      if on_token is None:
+    if on_token is None:
+      for seq in self._run_all(requests):  # (validated first)
         outputs[seq[:2]] += seq[2]
-        continue
-      for event in _events(*seq):  # (an `abort_request` in on_token drops the rest)
-        if seq[0] in self._run.aborted:
-          break
-        outputs[seq[:2]].append(event.token)
+    else:
+      for event in self._live_events(self._run_all(requests)):
+        outputs[event.request_id, event.sample].append(event.token)
         on_token(event)
     return [outputs[i, 0] if r.n == 1 else [outputs[i, j] for j in range(r.n)]
             for i, r in enumerate(requests)], self.report
@@ -395,11 +392,7 @@ class Engine:
     """Yields each token as soon as the host has it. `self.report` is complete once the
     iterator is exhausted; closing it early (or breaking out of a loop over it) ends the
     run and frees every page."""
-    for seq in self._run_all(requests):
-      for event in _events(*seq):  # (an `abort_request` by the consumer drops the rest)
-        if seq[0] in self._run.aborted:
-          break
-        yield event
+    yield from self._live_events(self._run_all(requests))
 
   def add_request(self, request: Request) -> int:
     """Submits a request while the engine runs, for a caller that serves requests as they
@@ -467,7 +460,7 @@ class Engine:
       ValueError: request_id is not an int >= 0, or not an id of the run in progress.
     """
     run = self._run
-    if not isinstance(request_id, numbers.Integral) or isinstance(request_id, bool):
+    if not is_int(request_id):
       raise ValueError(f"request_id must be an int, got {request_id!r}")
     if request_id < 0:
       raise ValueError(f"request_id must be >= 0, got {request_id}")
@@ -536,6 +529,15 @@ class Engine:
                           eos_token_id=self.eos_token_id, prompts=prompts)
     self.report = Report(num_requests=len(requests), num_pages=self.num_pages)
     self._run = _Run(start, scheduler, first_id)
+
+  def _live_events(self, seqs: Iterator[tuple]) -> Iterator[TokenEvent]:
+    """The events of `_step`'s sequences, one at a time; a request aborted while its
+    events are taken (`abort_request` by their consumer) gets no more."""
+    for seq in seqs:
+      for event in _events(*seq):
+        if seq[0] in self._run.aborted:
+          break
+        yield event
 
   def _run_all(self, requests: Sequence[Request]) -> Iterator[tuple]:
     """A generate / stream: a run of `requests`, stepped until every one has finished."""

@@ -119,7 +119,7 @@ class TokenEvent:
   top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
   """A Python or numpy integer, not a bool."""
   # A plain int first: the ABC check costs ~1 µs, three per request.
   return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
@@ -181,33 +181,33 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if bad.size:
       raise ValueError(f"request {i}: token ids {bad[:5].tolist()} outside [0, vocab_size="
                        f"{spec.vocab_size})")
-    if not _is_int(r.max_new_tokens) or r.max_new_tokens < 1:
+    if not is_int(r.max_new_tokens) or r.max_new_tokens < 1:
       raise ValueError(f"request {i}: max_new_tokens must be an int >= 1, got "
                        f"{r.max_new_tokens!r}")
     # (also NaN; an infinite one would turn a -inf logit, e.g. a padded vocabulary's, NaN)
     if not 0 <= r.temperature < float("inf"):
       raise ValueError(f"request {i}: temperature must be a finite number >= 0, got "
                        f"{r.temperature}")
-    if r.top_k is not None and (not _is_int(r.top_k) or r.top_k < 1):
+    if r.top_k is not None and (not is_int(r.top_k) or r.top_k < 1):
       raise ValueError(f"request {i}: top_k must be an int >= 1 or None, got {r.top_k!r}")
     if r.top_p is not None and not 0.0 < r.top_p <= 1.0:
       raise ValueError(f"request {i}: top_p must be in (0, 1], got {r.top_p}")
-    if not _is_int(r.seed) or not 0 <= r.seed < 2 ** 32:
+    if not is_int(r.seed) or not 0 <= r.seed < 2 ** 32:
       raise ValueError(f"request {i}: seed must be an int in [0, 2**32), got {r.seed!r}")
     if len(r.stop_token_ids):
-      if not all(_is_int(t) for t in r.stop_token_ids):
+      if not all(is_int(t) for t in r.stop_token_ids):
         raise ValueError(f"request {i}: stop_token_ids must be integer token ids, got "
                          f"{list(r.stop_token_ids)!r}")
       bad = [int(t) for t in r.stop_token_ids if not 0 <= t < spec.vocab_size]
       if bad:  # never generated: likely another tokenizer's ids
         raise ValueError(f"request {i}: stop_token_ids {bad[:5]} outside [0, vocab_size="
                          f"{spec.vocab_size})")
-    if not _is_int(r.n) or not 1 <= r.n <= max_batch:
+    if not is_int(r.n) or not 1 <= r.n <= max_batch:
       raise ValueError(f"request {i}: n must be an int in [1, max_batch={max_batch}] (its "
                        f"samples run together), got {r.n!r}")
     if not isinstance(r.logprobs, (bool, np.bool_)):
       raise ValueError(f"request {i}: logprobs must be True or False, got {r.logprobs!r}")
-    if not _is_int(r.top_logprobs) or not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+    if not is_int(r.top_logprobs) or not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"request {i}: top_logprobs must be an int in [0, "
                        f"{MAX_TOP_LOGPROBS}], got {r.top_logprobs!r}")
     if r.top_logprobs and not r.logprobs:
@@ -226,13 +226,13 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
         raise ValueError(f"request {i}: logit_bias must be a mapping of token ids to "
                          f"numbers, got {type(r.logit_bias).__name__}")
       for token, bias in r.logit_bias.items():
-        if not (_is_int(token) and 0 <= token < spec.vocab_size):
+        if not (is_int(token) and 0 <= token < spec.vocab_size):
           raise ValueError(f"request {i}: logit_bias token {token!r} is not a token id in "
                            f"[0, vocab_size={spec.vocab_size})")
         if not (_is_real(bias) and -100.0 <= bias <= 100.0):
           raise ValueError(f"request {i}: logit_bias[{token}] must be a number in "
                            f"[-100, 100], got {bias!r}")
-    if not _is_int(r.min_tokens) or not 0 <= r.min_tokens <= r.max_new_tokens:
+    if not is_int(r.min_tokens) or not 0 <= r.min_tokens <= r.max_new_tokens:
       raise ValueError(f"request {i}: min_tokens must be an int in [0, max_new_tokens="
                        f"{r.max_new_tokens}], got {r.min_tokens!r}")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN

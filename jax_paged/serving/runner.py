@@ -293,7 +293,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     out_logprobs = Logprobs(jnp.zeros((rows, b)),
                             jnp.zeros((rows, b, top_logprobs), jnp.int32),
                             jnp.zeros((rows, b, top_logprobs)))
-  counts, in_prompt = token_counts(processors, model.spec.vocab_size)
+  counts, in_prompt = processor_counts(processors, model.spec.vocab_size)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs, counts)
   group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
   _, kv, *_, out, out_logprobs, _ = (jax.lax.while_loop(cond, group, carry) if checked
@@ -343,16 +343,14 @@ def processor_arrays(rows: Sequence, context_width: int | None = None
                  MIN_BIAS_TOKENS)
   bias_tokens = np.zeros((b, width), np.int32)
   bias_values = np.zeros((b, width), np.float32)
-  for i in biased:
-    bias = requests[i].logit_bias
-    bias_tokens[i, :len(bias)] = list(bias.keys())
-    bias_values[i, :len(bias)] = list(bias.values())
+  fill_rows(bias_tokens, biased, [list(requests[i].logit_bias.keys()) for i in biased])
+  fill_rows(bias_values, biased, [list(requests[i].logit_bias.values()) for i in biased])
   waiting = [i for i in used if requests[i].min_tokens]  # (rows whose stops are banned)
   min_tokens[waiting] = [requests[i].min_tokens for i in waiting]
-  min_stop_ids = np.full((b, bucket(max((len(rows[i].stop_token_ids) for i in waiting),
-                                        default=1), MIN_STOP_IDS)), -1, np.int32)
-  for i in waiting:
-    min_stop_ids[i, :len(rows[i].stop_token_ids)] = rows[i].stop_token_ids
+  stops = [rows[i].stop_token_ids for i in waiting]
+  min_stop_ids = np.full((b, bucket(max(map(len, stops), default=1), MIN_STOP_IDS)), -1,
+                         np.int32)
+  fill_rows(min_stop_ids, waiting, stops)
   setting = lambda name, none: np.asarray(
       [none if s is None else getattr(s.request, name) for s in rows], np.float32)
   return dict(context=context, context_len=context_len, prompt_len=prompt_len,
@@ -369,8 +367,8 @@ def take_processors(arrays: dict[str, jax.Array]) -> dict[str, jax.Array] | None
   return {name: arrays.pop(name) for name in _PROCESSOR_ARRAYS}
 
 
-def token_counts(processors: dict[str, jax.Array] | None, vocab_size: int
-                 ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
+def processor_counts(processors: dict[str, jax.Array] | None, vocab_size: int
+                     ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
   """On device: (int32 [B, V] generated counts, bool [B, V] in the prompt) of each row
   (`sampling.token_counts` of `processor_arrays`' contexts); (None, None) without."""
   if processors is None:
@@ -478,7 +476,7 @@ class JittedSteps:
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       logits = logits[a["sample_rows"]]
       processors = take_processors(a)
-      counts, in_prompt = token_counts(processors, logits.shape[-1])
+      counts, in_prompt = processor_counts(processors, logits.shape[-1])
       tokens = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
                                                      a["index"]),
                                     a["seeds"], a["index"], a["temperature"],
@@ -691,8 +689,8 @@ class ModelRunner:
                   filter_by: str | None = "chunked", logprobs: bool = False,
                   top_logprobs: int = 0, **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name; and the
-    `processor_arrays` where a row has logits processors) travel as the call's one host-to-device
-    copy (`pack_arrays`)."""
+    `processor_arrays` where a row has logits processors) travel as the call's one
+    host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
     return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked,
