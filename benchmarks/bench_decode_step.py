@@ -97,7 +97,8 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
       num_steps=np.int32(steps), tokens=np.zeros((batch,), np.int32), active=active,
       index=np.zeros((batch,), np.int32), budget=budget, stop_ids=stop_ids,
       seeds=np.zeros((batch,), np.uint32), temperature=np.zeros((batch,), np.float32),
-      top_k=np.zeros((batch,), np.int32), top_p=np.ones((batch,), np.float32))
+      top_k=np.zeros((batch,), np.int32), top_p=np.ones((batch,), np.float32),
+      min_p=np.zeros((batch,), np.float32))
   # As `Engine` decides: no row can stop early, so the call runs unchecked.
   checked = runner_lib.needs_checks(steps, steps, active, budget, stop_ids)
   return loop(leaves, kv, packed, layout=layout, max_steps=steps, greedy=True,

@@ -131,6 +131,7 @@ SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8),
              "top-p": dict(temperature=0.8, top_p=0.95),
              "top-k": dict(temperature=0.8, top_k=50),
              "top-k-top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
+             "min-p": dict(temperature=1.0, min_p=0.05),
              # Each token's log-probability too (Hugging Face: `output_logits` and
              # `compute_transition_scores`, normalized).
              "greedy-logprobs": dict(logprobs=True),
@@ -163,7 +164,8 @@ def hf_generate(config: gpt2.GPT2Config, batch: int, prompt: int, new: int, stat
 
 def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
                     static: bool, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, logprobs: bool = False, top_logprobs: int = 0,
+                    top_p: float = 1.0, min_p: float = 0.0, logprobs: bool = False,
+                    top_logprobs: int = 0,
                     repetition_penalty: float = 1.0, logit_bias: dict | None = None,
                     min_tokens: int = 0) -> float:
   """New tokens/s of a Hugging Face causal LM (on "cuda") generating `new` tokens (greedy,
@@ -179,6 +181,8 @@ def hf_tokens_per_s(model, vocab_size: int, batch: int, prompt: int, new: int,
                 attention_mask=torch.ones_like(ids), do_sample=temperature > 0)
   if temperature > 0:  # (top_k 0: Hugging Face's default of 50 off)
     kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+    if min_p:
+      kwargs.update(min_p=min_p)
   if repetition_penalty != 1.0:
     kwargs.update(repetition_penalty=repetition_penalty)
   if logit_bias:

@@ -210,6 +210,9 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
   gen.add_argument("--top-k", type=_positive_int, default=None)
   gen.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True, what="in (0, 1]"),
                    default=None)
+  gen.add_argument("--min-p", type=_float_in(0.0, 1.0, lo_open=False, what="in [0, 1]"),
+                   default=0.0, help="keep the tokens at least this many times as likely as "
+                                     "the most likely one (default 0: all)")
   gen.add_argument("--seed", type=_non_negative_int, default=0,
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
@@ -493,8 +496,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{len(ids)} tokens leave that much of the model's n_positions="
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed + i, stop_token_ids=stops,
-                            n=args.n, logprobs=show_logprobs,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed + i,
+                            stop_token_ids=stops, n=args.n, logprobs=show_logprobs,
                             top_logprobs=args.top_logprobs,
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty,

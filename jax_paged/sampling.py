@@ -1,10 +1,13 @@
-"""Next-token sampling on device: greedy, temperature, top-k and top-p (nucleus); logits
-processors before them (`add_bias`, `ban`, the repetition, frequency and presence
+"""Next-token sampling on device: greedy, temperature, top-k, top-p (nucleus) and min-p;
+logits processors before them (`add_bias`, `ban`, the repetition, frequency and presence
 penalties of `penalize`); and the drawn tokens' log-probabilities (`logprobs`).
 
 Everything is jittable and per row, so one batch can mix requests with different
-settings: temperature 0 is greedy, top_k 0 and top_p 1 switch those filters off. The order
-is Hugging Face's: temperature first, then top-k, then top-p on the tempered distribution.
+settings: temperature 0 is greedy, top_k 0, top_p 1 and min_p 0 switch those filters off.
+The order is Hugging Face's: temperature first, then top-k, then top-p on the tempered
+distribution, then min-p (a token is kept if at least min_p times as likely as the most
+likely one, which every filter keeps: a cut-off at the row's largest tempered logit plus
+log(min_p), so it keeps a prefix of the ranking whatever the filters before it).
 
 A token is drawn from the tempered logits in vocabulary order (Gumbel-max, `categorical`:
 the argmax of the logits plus the key's Gumbel noise), with the tokens a filter drops
@@ -14,9 +17,9 @@ around it filters, and whichever way its filter is computed (`filter_by`):
 * "sort": each filter is a cut-off value read from the row sorted (`filter_mask`), which
   on a GPU costs a good part of the model's decode step (H200, GPT-2's vocabulary at
   batch 128: 0.43 ms, the greedy step 0.8).
-* "rejection" (top-p): the noisy argmax is the token drawn if it is in the nucleus, i.e.
-  if the tokens strictly more likely than it hold less than p of the mass: one masked
-  sum tells. If not, every token at most as likely is out, and the argmax over the tokens
+* "rejection" (top-p, min-p): the noisy argmax among the tokens min-p keeps is the token
+  drawn if it is in the nucleus, i.e. if the tokens strictly more likely than it hold
+  less than p of the mass: one masked sum tells. If not, every token at most as likely is out, and the argmax over the tokens
   more likely is the next candidate (vLLM / FlashInfer's sorting-free top-p, on the
   draw's own noise, so the token is the sort's). A candidate is accepted with probability
   >= p, so `NUCLEUS_ROUNDS` rounds decide nearly every row; a batch with a row left
@@ -77,9 +80,20 @@ def _descending(x: jax.Array) -> jax.Array:
       _flip_negatives(jnp.sort(keys, axis=-1)[:, ::-1]), jnp.float32)
 
 
-def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """bool [B, V]: the tokens that top-k, then top-p, keep of tempered logits [B, V]
-  (never a -inf one).
+def min_p_cutoff(tempered: jax.Array, min_p: jax.Array) -> jax.Array:
+  """float32 [B, 1]: the least tempered logit min-p keeps of each row of tempered [B, V]:
+  the row's largest plus log(min_p) (-inf where min_p is 0, off). A token's probability is
+  at least min_p times the most likely one's exactly when its logit reaches this (Hugging
+  Face's `MinPLogitsWarper` compares the probabilities; the two can differ on a token
+  within float rounding of the cut-off)."""
+  top = jnp.max(tempered, axis=-1, keepdims=True)
+  return jnp.where(min_p[:, None] > 0, top + jnp.log(min_p)[:, None], -jnp.inf)
+
+
+def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                min_p: jax.Array | None = None) -> jax.Array:
+  """bool [B, V]: the tokens that top-k, then top-p, then min-p keep of tempered logits
+  [B, V] (never a -inf one).
 
   Args:
     tempered: float32 [B, V], the logits divided by the temperature.
@@ -88,6 +102,8 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     top_p: float32 [B]: then keep the most likely tokens while the probability of those
       more likely (of what top-k kept) is short of p, and any tied with the last kept;
       1 = off.
+    min_p: float32 [B] in [0, 1] or None: then keep the tokens at least min_p times as
+      likely as the most likely (`min_p_cutoff`); 0 or None = off.
 
   Each filter is a cut-off value: only the values are sorted (`_descending`; not the
   indices, which would double the sort's cost) and a token is kept if it is at or above
@@ -102,23 +118,28 @@ def filter_mask(tempered: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
   kept = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p[:, None], axis=-1)
   p_cut = jnp.take_along_axis(ranked, jnp.maximum(kept - 1, 0)[:, None], axis=-1)
   p_cut = jnp.where(top_p[:, None] < 1.0, p_cut, -jnp.inf)
+  cut = jnp.maximum(k_cut, p_cut)
+  if min_p is not None:
+    cut = jnp.maximum(cut, min_p_cutoff(tempered, min_p))
   # (-inf logits, e.g. a padded vocabulary's, are never kept: they cannot be drawn.)
-  return (tempered >= jnp.maximum(k_cut, p_cut)) & (tempered > -jnp.inf)
+  return (tempered >= cut) & (tempered > -jnp.inf)
 
 
-def filter_method(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
-                  ) -> str | None:
+def filter_method(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray | float = 0.0) -> str | None:
   """On the host, the `filter_by` of a batch with these settings (numpy [B], as
-  `sample_rows` takes them, or scalars for one row): None when no sampling row filters, "sort" when one filters
-  by a top-k above `CHUNKED_TOP_K`, "chunked" when one filters by top-k, else
-  "rejection"."""
+  `sample_rows` takes them, or scalars for one row): None when no sampling row filters,
+  "sort" when one filters by a top-k above `CHUNKED_TOP_K`, "chunked" when one filters by
+  top-k, else "rejection" (top-p, min-p)."""
   sampled = np.asarray(temperature) > 0
   top_k = np.asarray(top_k)[sampled]
   if (top_k > CHUNKED_TOP_K).any():
     return "sort"
   if (top_k > 0).any():
     return "chunked"
-  return "rejection" if (np.asarray(top_p)[sampled] < 1).any() else None
+  filters = (np.asarray(top_p)[sampled] < 1).any() or (
+      np.broadcast_to(min_p, sampled.shape)[sampled] > 0).any()
+  return "rejection" if filters else None
 
 
 def _top_chunks(x: jax.Array, taken: int) -> tuple[jax.Array, jax.Array]:
@@ -245,19 +266,20 @@ def penalize(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array,
 
 
 def _sorted_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
-                 top_p: jax.Array) -> jax.Array:
+                 top_p: jax.Array, min_p: jax.Array) -> jax.Array:
   """int32 [B]: the argmax of noisy [B, V] over the tokens `filter_mask` keeps."""
-  kept = filter_mask(tempered, top_k, top_p)
+  kept = filter_mask(tempered, top_k, top_p, min_p)
   return jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
 def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, decided: jax.Array, chunked: bool) -> jax.Array:
+                  top_p: jax.Array, min_p: jax.Array, decided: jax.Array, chunked: bool
+                  ) -> jax.Array:
   """int32 [B]: the argmax of noisy [B, V] (tempered [B, V] + the draw's Gumbel noise)
-  over the tokens each row's top-k, then top-p, keep of tempered; `decided`: bool [B],
-  rows whose token does not matter (greedy ones). By rejection rounds within the top-k
-  cut-off (`top_k_cutoff` when `chunked`; else rows with top_k are left to the sort);
-  rows left undecided by `filter_mask`."""
+  over the tokens each row's top-k, then top-p, then min-p keep of tempered; `decided`:
+  bool [B], rows whose token does not matter (greedy ones). By rejection rounds within
+  the top-k and min-p cut-offs (`top_k_cutoff` when `chunked`; else rows with top_k are
+  left to the sort); rows left undecided by `filter_mask`."""
   if chunked:
     in_top_k = tempered >= top_k_cutoff(tempered, top_k)
     valid = (top_k <= CHUNKED_TOP_K) | (-(-tempered.shape[-1] // _CHUNK) <= CHUNKED_TOP_K)
@@ -267,12 +289,15 @@ def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
   terms = jnp.where(in_top_k, jnp.exp(tempered - jnp.max(tempered, axis=-1, keepdims=True)),
                     0.0)
   total = jnp.sum(terms, axis=-1)
-  # Candidates: the tokens top-k keeps more likely than `floor` (at first all it keeps).
+  # Min-p keeps a prefix of the ranking, as the nucleus is: a candidate is drawn within it,
+  # and the nucleus test below still weighs the mass top-k keeps (top-p before min-p).
+  in_top_k_min_p = in_top_k & (tempered >= min_p_cutoff(tempered, min_p))
+  # Candidates: the tokens both keep more likely than `floor` (at first all they keep).
   floor = jnp.full(top_p.shape + (1,), -jnp.inf, jnp.float32)
   token = jnp.zeros(top_p.shape, jnp.int32)
   undecided = ~decided
   for _ in range(NUCLEUS_ROUNDS):
-    candidate = jnp.argmax(jnp.where(in_top_k & (tempered > floor), noisy, -jnp.inf),
+    candidate = jnp.argmax(jnp.where(in_top_k_min_p & (tempered > floor), noisy, -jnp.inf),
                            axis=-1)
     candidate = candidate.astype(jnp.int32)
     value = jnp.take_along_axis(tempered, candidate[:, None], axis=-1)
@@ -286,13 +311,13 @@ def _nucleus_draw(tempered: jax.Array, noisy: jax.Array, top_k: jax.Array,
     floor = jnp.where(undecided[:, None], value, floor)
 
   def sort(token):
-    return jnp.where(undecided, _sorted_draw(tempered, noisy, top_k, top_p), token)
+    return jnp.where(undecided, _sorted_draw(tempered, noisy, top_k, top_p, min_p), token)
 
   return jax.lax.cond(jnp.any(undecided), sort, lambda token: token, token)
 
 
 def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-          top_p: jax.Array, filter_by: str | None) -> jax.Array:
+          top_p: jax.Array, min_p: jax.Array, filter_by: str | None) -> jax.Array:
   """int32 [B]: row b drawn with keys[b] (settings [B] as `sample` takes them)."""
   if filter_by not in FILTER_METHODS:
     raise ValueError(f"filter_by must be one of {FILTER_METHODS}, got {filter_by!r}")
@@ -305,15 +330,15 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
     noisy = tempered + jax.vmap(
         lambda key: jax.random.gumbel(key, tempered.shape[-1:], jnp.float32))(keys)
     if filter_by == "sort":
-      sampled = _sorted_draw(tempered, noisy, top_k, top_p)
+      sampled = _sorted_draw(tempered, noisy, top_k, top_p, min_p)
     else:
-      sampled = _nucleus_draw(tempered, noisy, top_k, top_p, temperature <= 0,
+      sampled = _nucleus_draw(tempered, noisy, top_k, top_p, min_p, temperature <= 0,
                               chunked=filter_by == "chunked")
   return jnp.where(temperature > 0, sampled, greedy(logits))
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
-           top_p=1.0, filter_by: str | None = "chunked") -> jax.Array:
+           top_p=1.0, min_p=0.0, filter_by: str | None = "chunked") -> jax.Array:
   """Draws one token per row.
 
   Args:
@@ -324,11 +349,13 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
     top_k: int scalar or [B]; keep the k most likely tokens (0 = all), as `filter_mask`.
     top_p: float scalar or [B] in (0, 1]; keep the smallest set of most likely tokens whose
       probability reaches top_p (1 = all), as `filter_mask`.
+    min_p: float scalar or [B] in [0, 1]; keep the tokens at least min_p times as likely
+      as the most likely one (0 = all), as `filter_mask`.
     filter_by: (static) how the filters are computed (see above), the token being the
-      same: None when no row filters (every top_k 0 and top_p 1); "rejection", "chunked"
-      or "sort", each right for any settings (a row one cannot decide goes to the sort),
-      and fastest for rows with top-p only, with top-k up to CHUNKED_TOP_K, and with a
-      larger top-k. `filter_method` picks on the host.
+      same: None when no row filters (every top_k 0, top_p 1 and min_p 0); "rejection",
+      "chunked" or "sort", each right for any settings (a row one cannot decide goes to
+      the sort), and fastest for rows with top-p or min-p only, with top-k up to
+      CHUNKED_TOP_K, and with a larger top-k. `filter_method` picks on the host.
 
   Returns:
     int32 [B] token ids.
@@ -337,12 +364,12 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
   setting = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (b,))
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
   return _draw(logits, keys, setting(temperature, jnp.float32), setting(top_k, jnp.int32),
-               setting(top_p, jnp.float32), filter_by)
+               setting(top_p, jnp.float32), setting(min_p, jnp.float32), filter_by)
 
 
 def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperature: jax.Array,
-                top_k: jax.Array, top_p: jax.Array, *, all_greedy: bool = False,
-                filter_by: str | None = "chunked") -> jax.Array:
+                top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
+                all_greedy: bool = False, filter_by: str | None = "chunked") -> jax.Array:
   """The serving layer's sampling entry: int32 [B], row b drawn with its own key
   `fold_in(key(seeds[b]), index[b])`, so a request's draws depend only on its seed and
   how many tokens it has generated (not on the batch, its row or preemption).
@@ -350,11 +377,12 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, index: jax.Array, temperatu
   Args:
     logits: float [B, V].
     seeds: uint32 [B]; index: int32 [B] (the request's own token count).
-    temperature: float32 [B]; top_k: int32 [B]; top_p: float32 [B]: as `sample` takes them.
+    temperature: float32 [B]; top_k: int32 [B]; top_p, min_p: float32 [B]: as `sample`
+      takes them.
     all_greedy: (static) every row is greedy: the argmax alone.
     filter_by: (static) as `sample`'s (`filter_method` of the settings).
   """
   if all_greedy:
     return greedy(logits)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
-  return _draw(logits, keys, temperature, top_k, top_p, filter_by)
+  return _draw(logits, keys, temperature, top_k, top_p, min_p, filter_by)

@@ -145,6 +145,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--memory-fraction", "0"], "argument --memory-fraction: must be a fraction in (0, 1]"),
     (["--memory-fraction", "0.5"], "--memory-fraction sizes the pool from an accelerator"),
     (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
+    (["--min-p", "-0.1"], "argument --min-p: must be in [0, 1], got -0.1"),
     (["--temperature", "-1"], "argument --temperature: must be a number >= 0"),
     (["--prompt-ids", "1,x"], "argument --prompt-ids: expected comma-separated token ids"),
     (["--prompt-ids", "300"], "token ids [300] outside [0, vocab_size=256)"),
@@ -295,6 +296,18 @@ def test_logprobs_print_each_completions_tokens_and_perplexity(capsys):
     ranked = [float(a.rsplit(" ", 1)[1]) for a in alternatives.split(", ")]
     assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True)
     assert ranked[0] >= float(value)
+
+
+def test_min_p_one_samples_the_greedy_tokens(capsys):
+  args = ("--model", "tiny", "--prompt", "min p", "--max-new-tokens", "12", "--ignore-eos",
+          "--no-progress")
+  texts = lambda out: out.split("requests:")[0]
+  status, greedy, _ = _main(capsys, *args)
+  assert status == 0
+  status, hot, _ = _main(capsys, *args, "--temperature", "5")
+  assert status == 0 and texts(hot) != texts(greedy)
+  status, kept, _ = _main(capsys, *args, "--temperature", "5", "--min-p", "1")
+  assert status == 0 and texts(kept) == texts(greedy)
 
 
 def test_penalties_change_greedy_repeats(capsys):

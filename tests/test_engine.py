@@ -123,7 +123,8 @@ def _prefilled(model, prompts):
   for i in rows:
     tokens[i, :lengths[i]] = prompts[i]
   sampling = dict(seeds=np.zeros(2, np.uint32), temperature=np.zeros(2, np.float32),
-                  top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32))
+                  top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32),
+                  min_p=np.zeros(2, np.float32))
   logits, kv = runner.prefill(kv, tokens, lengths, rows)
   first = np.argmax(np.asarray(logits), axis=-1)
   pack = lambda budget: dict(
@@ -411,6 +412,19 @@ def test_a_request_draws_alike_beside_filtering_requests(model, prompts):
   alone = run([plain])[0]
   assert run([plain, Request(prompts[1], 10, temperature=0.9, top_p=0.5, seed=8)])[0] == alone
   assert run([plain, Request(prompts[1], 10, temperature=0.9, top_k=3, seed=8)])[0] == alone
+  assert run([plain, Request(prompts[1], 10, temperature=0.9, min_p=0.2, seed=8)])[0] == alone
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(model, prompts, greedy_reference):
+  # min_p = 1 keeps the tokens as likely as the most likely: the greedy tokens, drawn at
+  # a temperature that would otherwise wander, in the prefill's draw and the decode loop's.
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8)
+  out, _ = eng.generate([Request(p, 10, temperature=5.0, min_p=1.0, seed=i)
+                         for i, p in enumerate(prompts[:3])])
+  assert out == [greedy_reference[i][:10] for i in range(3)]
+  wander, _ = eng.generate([Request(p, 10, temperature=5.0, min_p=0.0, seed=i)
+                            for i, p in enumerate(prompts[:3])])
+  assert wander != out
 
 
 def test_stop_tokens_and_eos_end_requests(model, prompts, greedy_reference):
@@ -544,7 +558,7 @@ def test_pool_programs_compile_quietly_for_a_pool_of_most_of_the_gpu(capfd):
       num_steps=np.int32(16), tokens=zeros, active=np.ones((rows,), bool), index=zeros,
       budget=zeros + 16, stop_ids=np.full((rows, runner_lib.MIN_STOP_IDS), -1, np.int32),
       seeds=zeros.astype(np.uint32), temperature=zeros.astype(np.float32), top_k=zeros,
-      top_p=np.ones((rows,), np.float32))
+      top_p=np.ones((rows,), np.float32), min_p=zeros.astype(np.float32))
   runner.jitted.decode_loop.lower(runner.leaves, kv, packed, layout=layout, max_steps=16,
                                   greedy=True, checked=False, filter_by=None).compile()
   assert "rematerialization" not in capfd.readouterr().err
@@ -839,6 +853,8 @@ def test_abort_request_from_a_callback_or_a_streams_consumer(model, prompts,
     (Request([1], 3, n=0), "n must be an int"),
     (Request([1] * 90, 10), "exceeds the model's n_positions"),
     (Request([1], 3, top_p=0.0), "top_p"),
+    (Request([1], 3, min_p=1.5), r"min_p must be a number in \[0, 1\], got 1.5"),
+    (Request([1], 3, min_p=None), r"min_p must be a number in \[0, 1\], got None"),
     (Request([1], 3, seed=-1), "seed must be"),
     (Request([1], 3, logprobs=1), "logprobs must be True or False"),
     (Request([1], 3, logprobs=True, top_logprobs=21),

@@ -1,4 +1,4 @@
-"""`jax_paged.sampling`: greedy, temperature, top-k and top-p, per row."""
+"""`jax_paged.sampling`: greedy, temperature, top-k, top-p and min-p, per row."""
 
 import functools
 
@@ -27,17 +27,23 @@ def test_greedy_rows_and_top_k_1_are_argmax():
   np.testing.assert_array_equal(np.asarray(mixed)[::2], argmax[::2])
 
 
-def test_temperature_top_k_and_top_p_distributions():
+def test_temperature_top_k_top_p_and_min_p_distributions():
   probs = np.array([0.5, 0.25, 0.15, 0.1])
-  logits = jnp.log(jnp.asarray(np.tile(probs, (3, 1)), jnp.float32))
+  logits = jnp.log(jnp.asarray(np.tile(probs, (5, 1)), jnp.float32))
   n = 4000
-  draws = _draws(logits, n, temperature=1.0, top_k=jnp.array([0, 2, 0]),
-                 top_p=jnp.array([1.0, 1.0, 0.7]))
-  freq = [np.bincount(draws[:, r], minlength=4) / n for r in range(3)]
+  draws = _draws(logits, n, temperature=1.0, top_k=jnp.array([0, 2, 0, 0, 0]),
+                 top_p=jnp.array([1.0, 1.0, 0.7, 1.0, 0.95]),
+                 min_p=jnp.array([0.0, 0.0, 0.0, 0.25, 0.25]))
+  freq = [np.bincount(draws[:, r], minlength=4) / n for r in range(5)]
   np.testing.assert_allclose(freq[0], probs, atol=0.03)  # 6 sigma at n=4000
   np.testing.assert_allclose(freq[1], [2 / 3, 1 / 3, 0, 0], atol=0.03)
   # top_p 0.7: 0.5 is short of it, 0.5 + 0.25 reaches it; the tail is cut.
   np.testing.assert_allclose(freq[2], [2 / 3, 1 / 3, 0, 0], atol=0.03)
+  # min_p 0.25: at least 0.125 (a quarter of 0.5), so the 0.1 is cut.
+  np.testing.assert_allclose(freq[3], [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0], atol=0.03)
+  # top_p 0.95 keeps three (0.9 is short of it), then min_p's cut-off (0.125 of the
+  # original; the ratio to the most likely is the same after top-p) keeps them.
+  np.testing.assert_allclose(freq[4], [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0], atol=0.03)
   # High temperature flattens the distribution.
   hot = np.bincount(_draws(logits[:1], n, temperature=100.0)[:, 0], minlength=4) / n
   np.testing.assert_allclose(hot, 0.25, atol=0.03)
@@ -51,8 +57,9 @@ def test_rows_are_independent_of_the_batch():
   assert not np.array_equal(full, sampling.sample(logits, jax.random.key(5), temperature=1.0))
 
 
-def _hf_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-  """bool [V]: the tokens Hugging Face's warpers keep of one row (top-k, then top-p)."""
+def _hf_kept(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+  """bool [V]: the tokens Hugging Face's warpers keep of one row (top-k, then top-p, then
+  min-p)."""
   torch = pytest.importorskip("torch")
   logits_process = pytest.importorskip("transformers.generation.logits_process")
   scores = torch.tensor(logits[None])
@@ -60,21 +67,29 @@ def _hf_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     scores = logits_process.TopKLogitsWarper(top_k)(None, scores)
   if top_p < 1:
     scores = logits_process.TopPLogitsWarper(top_p)(None, scores)
+  if min_p:
+    scores = logits_process.MinPLogitsWarper(min_p)(None, scores)
   return np.isfinite(scores.numpy()[0])
 
 
 def test_filters_keep_what_hugging_face_keeps():
   v = 500
-  settings = [(k, p) for k in (0, 1, 7, 50, v + 3) for p in (1.0, 0.95, 0.6, 0.1, 1e-6)]
+  settings = [(k, p, m) for k in (0, 1, 7, 50, v + 3) for p in (1.0, 0.95, 0.6, 0.1, 1e-6)
+              for m in (0.0, 0.01, 0.2, 1.0)]
   logits = np.array(jax.random.normal(jax.random.key(6), (len(settings), v)) * 2.5,
                     np.float32)
   logits[::4, :40] = -np.inf  # masked tokens (a padded vocabulary) are never kept
-  top_k = jnp.array([k for k, _ in settings], jnp.int32)
-  top_p = jnp.array([p for _, p in settings], jnp.float32)
-  kept = np.asarray(jax.jit(sampling.filter_mask)(jnp.asarray(logits), top_k, top_p))
-  for row, (k, p) in enumerate(settings):
-    np.testing.assert_array_equal(kept[row], _hf_kept(logits[row], k, p),
-                                  err_msg=f"top_k={k} top_p={p}")
+  top_k, top_p, min_p = (jnp.array(x) for x in zip(*settings))
+  kept = np.asarray(jax.jit(sampling.filter_mask)(jnp.asarray(logits), top_k, top_p, min_p))
+  for row, (k, p, m) in enumerate(settings):
+    np.testing.assert_array_equal(kept[row], _hf_kept(logits[row], k, p, m),
+                                  err_msg=f"top_k={k} top_p={p} min_p={m}")
+  # Top-p weighs what top-k keeps, before min-p: 0.5 + 0.25 reach p = 0.7 of the whole
+  # row, where min-p first (vLLM's order) would leave 0.5 + 0.25 of 0.75 and keep one.
+  probs = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
+  np.testing.assert_array_equal(
+      sampling.filter_mask(probs, jnp.array([0]), jnp.array([0.7]), jnp.array([0.3])),
+      [[True, True, False, False]])
 
 
 def test_filters_keep_ties_with_the_last_kept_token():
@@ -123,9 +138,11 @@ def test_rejection_and_chunked_draw_the_sorts_tokens(scale):
   top_k = jnp.asarray(np.where(rng.random(b) < 0.5, rng.choice([1, 2, 7, 50, 64, 65, 900], b),
                                0), jnp.int32)
   temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0, 1.5], b), jnp.float32)
+  min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.02, 0.3], b), jnp.float32)
   key = jax.random.key(11)
   draw = lambda filter_by, key: sampling.sample(logits, key, temperature=temperature,
-                                                top_k=top_k, top_p=top_p, filter_by=filter_by)
+                                                top_k=top_k, top_p=top_p, min_p=min_p,
+                                                filter_by=filter_by)
   sort = jax.jit(functools.partial(draw, "sort"))
   for method in ("rejection", "chunked"):
     fast = jax.jit(functools.partial(draw, method))
@@ -136,7 +153,7 @@ def test_rejection_and_chunked_draw_the_sorts_tokens(scale):
     np.testing.assert_array_equal(jax.jit(jax.vmap(fast))(keys), jax.jit(jax.vmap(sort))(keys))
   # With nothing left to the sort (p >= 0.9, top_k up to 64) too.
   easy = dict(temperature=1.0, top_p=jnp.maximum(top_p, 0.9),
-              top_k=jnp.where(top_k <= 64, top_k, 0))
+              top_k=jnp.where(top_k <= 64, top_k, 0), min_p=min_p)
   np.testing.assert_array_equal(sampling.sample(logits, key, filter_by="chunked", **easy),
                                 sampling.sample(logits, key, filter_by="sort", **easy))
 
@@ -271,6 +288,9 @@ def test_filter_method_of_a_batch():
   assert method([0.0, 0.7], [0, 0], [1.0, 1.0]) is None
   assert method([0.0, 0.7], [50, 0], [0.5, 1.0]) is None  # the greedy row's filters: unused
   assert method([0.0, 0.7], [0, 0], [1.0, 0.9]) == "rejection"
+  min_p = lambda t, m: sampling.filter_method(np.array(t), np.zeros(2), np.ones(2), np.array(m))
+  assert min_p([0.7, 0.7], [0.0, 0.1]) == "rejection"
+  assert min_p([0.7, 0.0], [0.0, 0.1]) is None  # the greedy row's min_p: unused
   assert method([0.7, 0.7], [0, 50], [0.9, 1.0]) == "chunked"
   assert method([0.7, 0.7], [0, sampling.CHUNKED_TOP_K + 1], [0.9, 1.0]) == "sort"
   assert method([0.7, 0.0], [0, sampling.CHUNKED_TOP_K + 1], [0.9, 1.0]) == "rejection"

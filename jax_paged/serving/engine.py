@@ -222,8 +222,9 @@ class Engine:
       max_prompt_tokens: the longest prompt to prepare for.
       sampling: the batches to prepare for, each its own compilations: "greedy" (every
         row greedy), "sampled" (some row samples, none filters), "top_p" (some row
-        samples with top_p, none with top_k) and "top_k" (some row samples with a top_k up
-        to `sampling.CHUNKED_TOP_K`; a larger one sorts, compiled on first use).
+        samples with top_p or min_p, none with top_k) and "top_k" (some row samples with
+        a top_k up to `sampling.CHUNKED_TOP_K`; a larger one sorts, compiled on first
+        use).
       prefix_hits: also the prefills of n prompts that start on a cached page (as behind a
         shared system prompt once cached) and add w tokens: twice the prefill runs.
       max_samples: also the prefills of prompts with up to this many parallel samples

@@ -25,6 +25,8 @@ class Request:
     temperature: 0 is greedy, otherwise the softmax temperature.
     top_k: keep the k most likely tokens (None = all).
     top_p: nucleus sampling mass in (0, 1] (None = all).
+    min_p: keep the tokens at least this many times as likely as the most likely one, in
+      [0, 1] (0 = all; applied after top-k and top-p, as Hugging Face's `min_p`).
     seed: this request's sampling seed, in [0, 2**32). Token i is drawn with the key
       `fold_in(key(seed), i)`, so a request's tokens do not depend on what runs beside it.
     stop_token_ids: tokens that end the request (included in its output), in addition to
@@ -68,6 +70,7 @@ class Request:
   temperature: float = 0.0
   top_k: int | None = None
   top_p: float | None = None
+  min_p: float = 0.0
   seed: int = 0
   stop_token_ids: Sequence[int] = ()
   n: int = 1
@@ -192,6 +195,8 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
       raise ValueError(f"request {i}: top_k must be an int >= 1 or None, got {r.top_k!r}")
     if r.top_p is not None and not 0.0 < r.top_p <= 1.0:
       raise ValueError(f"request {i}: top_p must be in (0, 1], got {r.top_p}")
+    if not (_is_real(r.min_p) and 0.0 <= r.min_p <= 1.0):
+      raise ValueError(f"request {i}: min_p must be a number in [0, 1], got {r.min_p!r}")
     if not is_int(r.seed) or not 0 <= r.seed < 2 ** 32:
       raise ValueError(f"request {i}: seed must be an int in [0, 2**32), got {r.seed!r}")
     if len(r.stop_token_ids):

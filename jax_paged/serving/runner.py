@@ -221,7 +221,7 @@ def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.
 
 
 def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active, index,
-                budget, stop_ids, seeds, temperature, top_k, top_p, *, max_steps: int,
+                budget, stop_ids, seeds, temperature, top_k, top_p, min_p, *, max_steps: int,
                 greedy: bool, checked: bool, filter_by: str | None = "chunked",
                 logprobs: bool = False, top_logprobs: int = 0,
                 processors: dict[str, jax.Array] | None = None):
@@ -235,8 +235,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
 
   Args (per slot, [B]): tokens, the newest token (not yet cached); active; index, tokens
   generated so far (the sampling key index); budget, tokens still allowed; stop_ids [B, S]
-  (-1 padded); seeds, temperature, top_k, top_p; greedy (static): every row is greedy;
-  filter_by (static): how rows filter by top-k / top-p (`sampling.sample_rows`);
+  (-1 padded); seeds, temperature, top_k, top_p, min_p; greedy (static): every row is
+  greedy; filter_by (static): how rows filter (`sampling.sample_rows`);
   logprobs (static): also each new token's log-probability (through the logits, also
   where every row is greedy) and the `top_logprobs` (static) most likely tokens'
   (`Logprobs`); processors: None, or the rows' `processor_arrays` (each step then draws
@@ -265,7 +265,7 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
       new = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
                                                   index),
-                                 seeds, index, temperature, top_k, top_p,
+                                 seeds, index, temperature, top_k, top_p, min_p,
                                  all_greedy=greedy, filter_by=filter_by)
       if processors is not None:
         counts = counts.at[jnp.arange(b), new].add(active.astype(jnp.int32))
@@ -460,7 +460,7 @@ class JittedSteps:
       fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
       follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
       sample_rows (into both phases' rows) and the sample rows' seeds, index,
-      temperature, top_k, top_p and `processor_arrays` (absent: none). Returns (int32
+      temperature, top_k, top_p, min_p and `processor_arrays` (absent: none). Returns (int32
       [samples] tokens, or with `logprobs` (tokens, their `Logprobs`); the pool)."""
       a = unpack_arrays(packed, layout)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
@@ -480,7 +480,7 @@ class JittedSteps:
       tokens = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
                                                      a["index"]),
                                     a["seeds"], a["index"], a["temperature"],
-                                    a["top_k"], a["top_p"], all_greedy=greedy,
+                                    a["top_k"], a["top_p"], a["min_p"], all_greedy=greedy,
                                     filter_by=filter_by)
       if logprobs:
         return (tokens, Logprobs.of(logits, tokens, top_logprobs)), kv
@@ -562,6 +562,7 @@ class _Sampling:
   temperature: np.ndarray
   top_k: np.ndarray
   top_p: np.ndarray
+  min_p: np.ndarray
   greedy: bool    # every row is greedy (`sample_rows(all_greedy=True)`)
   filter_by: str | None  # how sampled rows filter (`sampling.filter_method`)
   logprobs: bool  # some row's request asks for its tokens' log-probabilities
@@ -583,7 +584,8 @@ class _Sampling:
       # unused, so no pass over the rows per setting.
       n = len(rows)
       return cls(seeds=np.zeros(n, np.uint32), temperature=np.zeros(n, np.float32),
-                 top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=True,
+                 top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                 min_p=np.zeros(n, np.float32), greedy=True,
                  filter_by=None, logprobs=logprobs, top_logprobs=top)
     column = lambda fn, dtype: np.asarray([fn(r) if r is not None else 0 for r in requests],
                                           dtype)
@@ -591,14 +593,15 @@ class _Sampling:
     top_k = column(lambda r: r.top_k or 0, np.int32)
     top_p = np.asarray([1.0 if r is None or r.top_p is None else r.top_p for r in requests],
                        np.float32)
+    min_p = column(lambda r: r.min_p, np.float32)
     return cls(seeds=np.asarray([s.seed if s is not None else 0 for s in rows], np.uint32),
-               temperature=temperature, top_k=top_k, top_p=top_p, greedy=False,
-               filter_by=sampling.filter_method(temperature, top_k, top_p),
+               temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=False,
+               filter_by=sampling.filter_method(temperature, top_k, top_p, min_p),
                logprobs=logprobs, top_logprobs=top)
 
   def arrays(self) -> dict[str, np.ndarray]:
     return dict(seeds=self.seeds, temperature=self.temperature, top_k=self.top_k,
-                top_p=self.top_p)
+                top_p=self.top_p, min_p=self.min_p)
 
 
 def _chunk_rows(chunks, page_size: int):

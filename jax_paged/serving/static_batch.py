@@ -17,7 +17,8 @@ from jax_paged.serving.request import Request
 
 def generate(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, page_size: int = 16, eos_token_id: int | None = None,
+             min_p: float = 0.0, seed: int = 0, page_size: int = 16,
+             eos_token_id: int | None = None,
              cache_dtype=None, mesh=None) -> list[list[int]]:
   """Continues each prompt by up to `max_new_tokens` tokens.
 
@@ -26,7 +27,7 @@ def generate(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens
     prompts: token ids, one non-empty list per prompt; lengths may differ.
     max_new_tokens: tokens to generate per prompt (>= 1).
     temperature: 0 is greedy; otherwise the softmax temperature.
-    top_k, top_p: optional filters for sampling (see `jax_paged.sampling.sample`).
+    top_k, top_p, min_p: optional filters for sampling (see `jax_paged.sampling.sample`).
     seed: prompt i samples with seed + i (reproducible; independent of the batch).
     page_size: tokens per KV page.
     eos_token_id: if given, a row stops after generating it (the eos token is included).
@@ -40,7 +41,7 @@ def generate(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens
       not isinstance(p, Sequence) or len(p) == 0 for p in prompts):
     raise ValueError("prompts must be a non-empty list of non-empty token lists")
   requests = [Request(list(p), max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=seed + i) for i, p in enumerate(prompts)]
+                      top_p=top_p, min_p=min_p, seed=seed + i) for i, p in enumerate(prompts)]
   # The last new token is returned, never fed back, so it takes no room in the cache.
   pages = sum(-(-(len(p) + max(max_new_tokens, 1) - 1) // page_size) for p in prompts)
   # "peak" admission admits every request at once: their summed peaks fit the pool.
