@@ -231,7 +231,11 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                         "temperature and filters) and each completion's perplexity")
   gen.add_argument("--top-logprobs", type=_top_logprobs, default=0, metavar="K",
                    help=f"--logprobs, and each step's K most likely tokens (at most "
-                        f"{MAX_TOP_LOGPROBS}) with theirs, a line per token")
+                        f"{MAX_TOP_LOGPROBS}) with theirs, a line per token (with "
+                        "--prompt-logprobs, per prompt token too)")
+  gen.add_argument("--prompt-logprobs", action="store_true",
+                   help="print each prompt token's log-probability given those before it "
+                        "and the prompt's perplexity (scoring a text: --max-new-tokens 1)")
   penalty = _float_in(-2.0, 2.0, lo_open=False, what="a number in [-2, 2]")
   gen.add_argument("--repetition-penalty", default=1.0,
                    type=_float_in(0.0, float("inf"), lo_open=True, what="a number > 0"),
@@ -499,6 +503,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed + i,
                             stop_token_ids=stops, n=args.n, logprobs=show_logprobs,
                             top_logprobs=args.top_logprobs,
+                            prompt_logprobs=args.prompt_logprobs,
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty,
@@ -521,11 +526,14 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
     progress = Progress(sum(r.max_new_tokens * r.n for r in requests),
                         enabled=not args.no_progress)
     logprobs = collections.defaultdict(list)  # (prompt, sample) -> its tokens' events
+    scores = {}  # prompt -> its first event with prompt log-probabilities
 
     def on_token(event: TokenEvent) -> None:
       progress.update()
       if event.logprob is not None:
         logprobs[event.request_id, event.sample].append(event)
+      if event.prompt_logprobs is not None:
+        scores.setdefault(event.request_id, event)
       if stopped.take(event):  # every sample of its prompt has met a stop text
         eng.abort_request(event.request_id)
 
@@ -544,7 +552,24 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               "processes on the device may hold) or give --num-pages")
     raise CLIError(f"out of device memory{pool}: {advice} ({str(e).splitlines()[0]})") from e
   text = lambda token: repr(codec.decode([token])) if codec else str(token)
-  for i, ((prompt, _), out) in enumerate(zip(prompts, outputs)):
+
+  def print_logprobs(head: str, values: list[float], tokens: list[int], tops) -> None:
+    """One line of values, their mean and perplexity; with --top-logprobs a line per
+    token with its step's most likely tokens."""
+    print(f"{head} (mean {np.mean(values):.4f}, perplexity {np.exp(-np.mean(values)):.3f}): "
+          f"{','.join(f'{v:.4f}' for v in values)}")
+    for token, value, top in zip(tokens, values, tops) if args.top_logprobs else ():
+      print(f"  {text(token)} {value:.4f} | "
+            + ", ".join(f"{text(t)} {v:.4f}" for t, v in top))
+
+  for i, ((prompt, ids), out) in enumerate(zip(prompts, outputs)):
+    if i in scores:  # (the first token has none: nothing before it)
+      e = scores[i]
+      if len(ids) > 1:
+        print_logprobs(f"--- [{i}] prompt logprobs", e.prompt_logprobs[1:], ids[1:],
+                       (e.prompt_top_logprobs or ())[1:])
+      else:
+        print(f"--- [{i}] prompt logprobs: none (a one-token prompt)")
     for j, sample in enumerate([out] if args.n == 1 else out):
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
       stop = stopped.stops.get((i, j))  # (tokens up to it, text before it, the text)
@@ -555,14 +580,10 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
         sample = sample[:stop[0]]
         print(f"--- {label} {prompt} -> {len(sample)} tokens, stopped at {stop[2]!r}")
         print(stop[1])
-      logprobs[i, j] = logprobs[i, j][:len(sample)]
+      events = logprobs[i, j][:len(sample)]
       if show_logprobs:
-        values = [e.logprob for e in logprobs[i, j]]
-        print(f"logprobs (mean {np.mean(values):.4f}, perplexity "
-              f"{np.exp(-np.mean(values)):.3f}): {','.join(f'{v:.4f}' for v in values)}")
-      for e in logprobs[i, j] if args.top_logprobs else ():
-        print(f"  {text(e.token)} {e.logprob:.4f} | "
-              + ", ".join(f"{text(t)} {v:.4f}" for t, v in e.top_logprobs))
+        print_logprobs("logprobs", [e.logprob for e in events], [e.token for e in events],
+                       [e.top_logprobs for e in events])
   print(report)
   return 0
 

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from jax_paged import pool as pool_lib
 
@@ -78,6 +79,11 @@ class PagedModel(Protocol):
   first projection column-parallel, its second row-parallel, applied through
   `nn.project_add` / `project_add_norm` / `projection`, which sum a row-parallel
   projection over the devices). The attention layers are split by head without it.
+
+  Optional, for prompt log-probabilities (`Request.prompt_logprobs`): `prefill_hidden`,
+  `prefill`'s arguments -> (the final hidden state, after the last norm, of every new
+  token [B, T, D], the pool), and `logits(h)`, hidden states [..., D] -> float32 logits
+  [..., vocab_size] (`prefill` is then `logits(last_tokens(prefill_hidden(...)))`).
   """
 
   @property
@@ -128,6 +134,18 @@ class PagedModel(Protocol):
       (float32 logits [B, vocab_size], or with `greedy` int32 tokens [B]; the pool with
       the new tokens' K/V written).
     """
+
+
+def last_tokens(h: jax.Array, lengths: jax.Array) -> jax.Array:
+  """[B, D]: each row's last new token of per-token values h [B, T, D] (lengths int32 [B]
+  in [1, T]; a padding row's 0 takes its first)."""
+  return h[jnp.arange(h.shape[0]), jnp.maximum(lengths - 1, 0)]
+
+
+def offers_prompt_logprobs(model) -> bool:
+  """Whether `model` has `PagedModel`'s optional `prefill_hidden` and `logits`."""
+  return callable(getattr(model, "prefill_hidden", None)) and callable(
+      getattr(model, "logits", None))
 
 
 @dataclasses.dataclass(frozen=True)

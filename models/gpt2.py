@@ -32,7 +32,7 @@ from flax import nnx
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
-from jax_paged.paged_model import ModelFamily, ModelSpec
+from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -195,17 +195,20 @@ class GPT2LMHeadModel(nnx.Module):
       x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1])
     return h, kv
 
-  def _logits(self, h: jax.Array) -> jax.Array:
+  def logits(self, h: jax.Array) -> jax.Array:
+    """float32 logits [..., vocab] of final hidden states h [..., n_embd] (`prefill_hidden`'s;
+    the LM head tied to wte)."""
     return self.wte.attend(h).astype(jnp.float32)
 
   def _greedy(self, h: jax.Array) -> jax.Array:
-    """int32 argmax of `_logits(h)` without writing the logits."""
+    """int32 argmax of `logits(h)` without writing the logits."""
     return paged_nn.attend_argmax(self.wte, h)
 
-  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
-              lengths: jax.Array, *, start: jax.Array | None = None,
-              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
-    """New tokens of several sequences (`jax_paged.PagedModel.prefill`).
+  def prefill_hidden(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+                     lengths: jax.Array, *, start: jax.Array | None = None,
+                     page_table: jax.Array | None = None
+                     ) -> tuple[jax.Array, pool_lib.KVPool]:
+    """New tokens of several sequences (`jax_paged.PagedModel.prefill_hidden`).
 
     Args:
       tokens: int32 [B, T], right-padded.
@@ -217,18 +220,25 @@ class GPT2LMHeadModel(nnx.Module):
       page_table: int32 [B, max_pages_per_seq], the batch's rows (with `start`).
 
     Returns:
-      (float32 logits [B, vocab] of each row's last new token, pool).
+      (ln_f of every new token [B, T, n_embd] in the compute dtype, pool).
     """
-    b, t = tokens.shape
+    t = tokens.shape[1]
     positions = jnp.arange(t)[None, :] + (0 if start is None else start[:, None])
     # Padding positions may run past n_positions: clamped (their outputs are unused).
     positions = jnp.minimum(positions, self.config.n_positions - 1)
-    h, kv = self._forward(
+    return self._forward(
         tokens, positions, kv,
         lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, start=start,
                                                 page_table=page_table, project=False))
-    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
-    return self._logits(last), kv
+
+  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+              lengths: jax.Array, *, start: jax.Array | None = None,
+              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+    """`prefill_hidden`, then float32 logits [B, vocab] of each row's last new token
+    (`jax_paged.PagedModel.prefill`)."""
+    h, kv = self.prefill_hidden(tokens, kv, slots, lengths, start=start,
+                                page_table=page_table)
+    return self.logits(last_tokens(h, lengths)), kv
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
              slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
@@ -250,7 +260,7 @@ class GPT2LMHeadModel(nnx.Module):
         tokens, positions, kv,
         lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
                                                project=False))
-    return (self._greedy(h) if greedy else self._logits(h)), kv
+    return (self._greedy(h) if greedy else self.logits(h)), kv
 
 
 def _load_checkpoint(path: str) -> dict[str, np.ndarray]:

@@ -34,7 +34,7 @@ from flax import nnx
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
-from jax_paged.paged_model import ModelFamily, ModelSpec
+from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -307,17 +307,20 @@ class LlamaForCausalLM(nnx.Module):
   def _head(self) -> nnx.Embed:
     return self.embed_tokens if self.lm_head is None else self.lm_head
 
-  def _logits(self, h: jax.Array) -> jax.Array:
+  def logits(self, h: jax.Array) -> jax.Array:
+    """float32 logits [..., vocab] of final hidden states h [..., hidden_size]
+    (`prefill_hidden`'s)."""
     return self._head().attend(h).astype(jnp.float32)
 
   def _greedy(self, h: jax.Array) -> jax.Array:
-    """int32 argmax of `_logits(h)` without writing the logits."""
+    """int32 argmax of `logits(h)` without writing the logits."""
     return paged_nn.attend_argmax(self._head(), h)
 
-  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
-              lengths: jax.Array, *, start: jax.Array | None = None,
-              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
-    """New tokens of several sequences (`jax_paged.PagedModel.prefill`).
+  def prefill_hidden(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+                     lengths: jax.Array, *, start: jax.Array | None = None,
+                     page_table: jax.Array | None = None
+                     ) -> tuple[jax.Array, pool_lib.KVPool]:
+    """New tokens of several sequences (`jax_paged.PagedModel.prefill_hidden`).
 
     Args:
       tokens: int32 [B, T], right-padded.
@@ -330,15 +333,21 @@ class LlamaForCausalLM(nnx.Module):
       page_table: int32 [B, max_pages_per_seq], the batch's rows (with `start`).
 
     Returns:
-      (float32 logits [B, vocab] of each row's last new token, pool).
+      (the final norm of every new token [B, T, hidden_size] in the compute dtype, pool).
     """
-    b = tokens.shape[0]
-    h, kv = self._forward(
+    return self._forward(
         tokens, kv,
         lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, start=start,
                                                 page_table=page_table, project=False))
-    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
-    return self._logits(last), kv
+
+  def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
+              lengths: jax.Array, *, start: jax.Array | None = None,
+              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+    """`prefill_hidden`, then float32 logits [B, vocab] of each row's last new token
+    (`jax_paged.PagedModel.prefill`)."""
+    h, kv = self.prefill_hidden(tokens, kv, slots, lengths, start=start,
+                                page_table=page_table)
+    return self.logits(last_tokens(h, lengths)), kv
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
              slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
@@ -362,7 +371,7 @@ class LlamaForCausalLM(nnx.Module):
         tokens, kv,
         lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
                                                project=False))
-    return (self._greedy(h) if greedy else self._logits(h)), kv
+    return (self._greedy(h) if greedy else self.logits(h)), kv
 
 
 # ----------------------------------------------------------------- checkpoints

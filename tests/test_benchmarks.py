@@ -9,6 +9,7 @@ from flax import nnx
 from benchmarks import bench_decode_step
 from benchmarks import bench_generate
 from benchmarks import bench_prefix
+from benchmarks import bench_score
 from benchmarks import bench_serving
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
@@ -37,6 +38,19 @@ def test_generate_benchmark_tiny_with_sampling(monkeypatch, tmp_path):
   assert "paged engine, temperature 0.8, top_p 0.95 (" in table
   assert ("paged engine, repetition_penalty 1.2, frequency_penalty 0.5, presence_penalty 0.5 ("
           in table)
+
+
+def test_score_benchmark_tiny(monkeypatch, tmp_path):
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["bench_score.py", "--tiny"])
+  bench_score.main()
+  table = (tmp_path / "bench_score.md").read_text()
+  assert table.count("| paged engine, ") == 3
+  model = gpt2.GPT2LMHeadModel(CONFIG, rngs=nnx.Rngs(0))
+  engine = Engine(model, max_batch=2, num_pages=16, page_size=8)
+  scores = bench_score.engine_scores(engine, [[1, 2, 3], [4, 5]])
+  assert [len(s) for s in scores] == [3, 2] and scores[0][0] is None
+  assert bench_score.engine_scores(engine, [[1, 2, 3]], score=False) == [None]
 
 
 def test_serving_benchmark_tiny(monkeypatch, tmp_path):

@@ -310,6 +310,35 @@ def test_min_p_one_samples_the_greedy_tokens(capsys):
   assert status == 0 and texts(kept) == texts(greedy)
 
 
+def test_prompt_logprobs_print_each_prompts_scores_and_perplexity(capsys):
+  args = ("--model", "tiny", "--prompt", "scored", "--prompt", "x", "--max-new-tokens", "2",
+          "--no-progress")
+  status, out, _ = _main(capsys, *args, "--prompt-logprobs")
+  assert status == 0
+  (line,) = [line for line in out.splitlines() if line.startswith("--- [0] prompt logprobs")]
+  head, values = line.split("): ")
+  values = [float(v) for v in values.split(",")]
+  assert len(values) == len("scored") - 1 and max(values) < 0
+  assert abs(float(head.split()[5][:-1]) - sum(values) / len(values)) < 1e-3
+  assert "--- [1] prompt logprobs: none (a one-token prompt)" in out
+  status, plain, _ = _main(capsys, *args)
+  assert status == 0 and "prompt logprobs" not in plain
+  texts = lambda out: [line for line in out.split("requests:")[0].splitlines()
+                       if "prompt logprobs" not in line and not line.startswith("  ")]
+  assert texts(out) == texts(plain)
+  # With --top-logprobs: a line per prompt token after the first, its value and the
+  # position's most likely tokens.
+  status, top, _ = _main(capsys, *args, "--prompt-logprobs", "--top-logprobs", "2")
+  assert status == 0
+  lines = top.split("--- [0] prompt logprobs")[1].split("--- [0] 'scored'")[0].splitlines()
+  per_token = lines[1:]
+  assert len(per_token) == 5
+  for line, value in zip(per_token, values):
+    own, alternatives = line.rsplit(" | ", 1)
+    assert abs(float(own.split()[-1]) - value) < 1e-3
+    assert len(alternatives.split(", ")) == 2
+
+
 def test_penalties_change_greedy_repeats(capsys):
   """The tiny random model repeats a token greedily; the penalties (the repetition
   penalty, and each generated token's logit lowered by 2 + 2 per time) break that."""

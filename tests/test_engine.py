@@ -3,6 +3,7 @@ under pressure, and its scheduler and runner on their own."""
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -299,8 +300,8 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
   device = FakeDevice(cache)
   plan = scheduler.schedule()
   assert [c.slot for c in plan.prefill] == [0, 1]
-  assert device.run(scheduler, plan) == [(0, 0, [7], None, None, None),
-                                         (1, 0, [7], None, None, None)]
+  assert device.run(scheduler, plan) == [(0, 0, [7], None) + (None,) * 4,
+                                         (1, 0, [7], None) + (None,) * 4]
   for steps in (4, 1):  # 7 then 8 tokens cached each: the 9th needs a third page each
     plan = scheduler.schedule()
     assert plan.decode_steps == steps and not plan.release
@@ -309,7 +310,7 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
   plan = scheduler.schedule()
   assert plan.release == (1,) and plan.rows[1] is None and plan.decode_steps == 4
   assert scheduler.num_preemptions == 1 and [w[0] for w in scheduler.waiting] == [1]
-  assert device.run(scheduler, plan) == [(0, 0, [7] * 4, "length", None, None)]
+  assert device.run(scheduler, plan) == [(0, 0, [7] * 4, "length") + (None,) * 4]
   assert cache.peak_used_pages == 4
   plan = scheduler.schedule()
   assert plan.release == (0,) and [c.slot for c in plan.prefill] == [0]
@@ -352,6 +353,43 @@ def test_logits_processors_hold_through_preemption(model, prompts):
                stop_token_ids=r.stop_token_ids) for r in requests])
   assert sum(a != b for a, b in zip(expected, plain)) >= 6
   assert all(len(o) >= 12 for o, r in zip(expected, requests) if r.min_tokens)
+
+
+def test_prompt_logprobs_hold_through_chunks_and_preemption(model, prompts):
+  """Prompt log-probabilities under a pool that preempts and prefill calls of 8 tokens
+  (chunked prompts) equal those of a large pool prefilling each prompt whole, and come
+  once per sample (a preempted request's new prefill gives none); the tokens are the
+  large pool's, and those of requests that do not ask."""
+  requests = [Request(p, 14, prompt_logprobs=i % 3 != 1, top_logprobs=2 * (i % 3 == 2),
+                      n=1 + (i == 4), temperature=0.9 * (i == 4), seed=i)
+              for i, p in enumerate(prompts)]
+
+  def run(num_pages, max_prefill_tokens):
+    eng = Engine(model, max_batch=8, num_pages=num_pages, page_size=8, steps_per_call=6,
+                 max_prefill_tokens=max_prefill_tokens)
+    events = []
+    out, report = eng.generate(requests, on_token=events.append)
+    scored = collections.defaultdict(list)
+    for e in events:
+      if e.prompt_logprobs is not None:
+        scored[e.request_id, e.sample].append((e.prompt_logprobs, e.prompt_top_logprobs))
+    return out, report, scored
+
+  expected, _, want = run(64, 256)
+  outputs, report, got = run(9, 8)
+  assert report.preemptions > 0 and outputs == expected
+  assert sorted(got) == sorted(want) == sorted(
+      (i, j) for i, r in enumerate(requests) for j in range(r.n) if r.prompt_logprobs)
+  for key, [(lps, top)] in want.items():
+    [(got_lps, got_top)] = got[key]
+    assert len(lps) == len(prompts[key[0]]) and lps[0] is got_lps[0] is None
+    np.testing.assert_allclose(got_lps[1:], lps[1:], rtol=1e-5, atol=1e-5)
+    assert (top is None) == (got_top is None) == (requests[key[0]].top_logprobs == 0)
+    if top is not None:
+      assert [[t for t, _ in s] for s in got_top[1:]] == [[t for t, _ in s] for s in top[1:]]
+  plain, _ = Engine(model, max_batch=8, num_pages=64, page_size=8).generate(
+      [dataclasses.replace(r, prompt_logprobs=False, top_logprobs=0) for r in requests])
+  assert plain == expected
 
 
 def test_peak_admission_never_preempts(model, prompts, greedy_reference):
@@ -859,7 +897,9 @@ def test_abort_request_from_a_callback_or_a_streams_consumer(model, prompts,
     (Request([1], 3, logprobs=1), "logprobs must be True or False"),
     (Request([1], 3, logprobs=True, top_logprobs=21),
      r"top_logprobs must be an int in \[0, 20\]"),
-    (Request([1], 3, top_logprobs=2), "top_logprobs=2 needs logprobs=True"),
+    (Request([1], 3, top_logprobs=2), "top_logprobs=2 needs logprobs=True or "
+     "prompt_logprobs=True"),
+    (Request([1], 3, prompt_logprobs=1), "prompt_logprobs must be True or False, got 1"),
     (Request([1], 3, repetition_penalty=0.0),
      "repetition_penalty must be a finite number > 0"),
     (Request([1], 3, repetition_penalty=float("inf")), "repetition_penalty must be a finite"),

@@ -189,6 +189,58 @@ def test_engine_logprobs_are_hf_log_softmax(checkpoint):
                                  atol=1e-4)
 
 
+def test_engine_prompt_logprobs_are_hf_log_softmax(checkpoint):
+  """Request(prompt_logprobs=True): each prompt token's log-probability given those before
+  it is log_softmax of HF's logits, and with top_logprobs HF's most likely tokens there,
+  on the first event of each sample only: for prompts prefilled in chunks, behind a
+  system prompt cached by an earlier run (computed whole: the cache is not read for them,
+  while a request beside them that does not ask reads it), with n = 2, a one-token prompt
+  (nothing to score), beside requests that do not ask; the tokens are those generated
+  without."""
+  hf, path = checkpoint
+  model = gpt2.from_pretrained(path)
+  eng = jax_paged.Engine(model, max_batch=8, num_pages=60, page_size=PAGE, steps_per_call=4,
+                         max_prefill_tokens=16)
+  rng = np.random.default_rng(9)
+  system = _prompts(rng, [20])[0]
+  eng.generate([jax_paged.Request(system + [5], 2)])  # caches the system prompt's 2 pages
+  prompts = [system + p for p in _prompts(rng, [3, 7, 30])] + _prompts(rng, [1, 12])
+  settings = [dict(), dict(prompt_logprobs=True, top_logprobs=3),
+              dict(prompt_logprobs=True, n=2, temperature=0.8, seed=2),
+              dict(prompt_logprobs=True, logprobs=True),
+              dict(prompt_logprobs=True, top_logprobs=20)]
+  requests = [jax_paged.Request(p, 5, **kw) for p, kw in zip(prompts, settings)]
+  events = []
+  out, report = eng.generate(requests, on_token=events.append)
+  assert report.cached_prompt_tokens == 2 * PAGE  # request 0's hit alone
+  plain, _ = eng.generate([dataclasses.replace(r, prompt_logprobs=False, top_logprobs=0)
+                           for r in requests])
+  assert out == plain
+  for i, r in enumerate(requests):
+    for j in range(r.n):
+      mine = [e for e in events if (e.request_id, e.sample) == (i, j)]
+      assert all(e.prompt_logprobs is e.prompt_top_logprobs is None for e in mine[1:])
+      got, top = mine[0].prompt_logprobs, mine[0].prompt_top_logprobs
+      if not r.prompt_logprobs:
+        assert got is top is None
+        continue
+      assert len(got) == len(r.prompt) and got[0] is None
+      assert (top is None) == (not r.top_logprobs)
+      if len(r.prompt) == 1:
+        assert top in (None, (None,))
+        continue
+      with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([r.prompt])).logits[0, :-1].double(), -1)
+      np.testing.assert_allclose(got[1:], want[torch.arange(len(r.prompt) - 1),
+                                               r.prompt[1:]], atol=1e-4)
+      if top is not None:
+        assert top[0] is None and all(len(t) == r.top_logprobs for t in top[1:])
+        values, ids = torch.topk(want, r.top_logprobs, dim=-1)
+        assert [[t for t, _ in step] for step in top[1:]] == ids.tolist()
+        np.testing.assert_allclose([[v for _, v in step] for step in top[1:]], values,
+                                   atol=1e-4)
+
+
 def _penalized_greedy(hf, prompt: list[int], new: int, repetition: float,
                       frequency: float, presence: float) -> list[int]:
   """Greedy tokens from HF's logits with vLLM's penalties applied each step (numpy)."""

@@ -8,6 +8,7 @@ from flax import nnx
 
 import jax_paged
 from jax_paged import nn
+from jax_paged.paged_model import offers_prompt_logprobs
 from jax_paged.serving.runner import ModelRunner
 from tests.test_engine import assert_pages_back
 
@@ -101,6 +102,18 @@ def test_engine_and_generate_serve_it(model):
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0
   assert_pages_back(eng)
+
+
+def test_prompt_logprobs_need_the_optional_methods(model):
+  """TinyGQA has no `prefill_hidden` / `logits`: a request for prompt log-probabilities
+  is refused by name before anything runs; other requests are served."""
+  assert not offers_prompt_logprobs(model)
+  eng = jax_paged.Engine(model, max_batch=2, num_pages=8, page_size=8)
+  with pytest.raises(ValueError, match=r"request 1: prompt_logprobs=True needs a model with "
+                                       r"prefill_hidden and logits"):
+    eng.generate([jax_paged.Request([1, 2], 2), jax_paged.Request([1, 2], 2,
+                                                                  prompt_logprobs=True)])
+  assert len(eng.generate([jax_paged.Request([1, 2], 2)])[0][0]) == 2
 
 
 def test_a_model_that_does_not_meet_the_protocol_is_refused():

@@ -56,6 +56,13 @@ def test_engine_tokens_match_one_device(model):
     np.testing.assert_allclose([e[2] for e in got], [e[2] for e in ref], atol=1e-5)
     assert [[t for t, _ in e[3] or ()] for e in got] == [[t for t, _ in e[3] or ()]
                                                           for e in ref]
+  # The prompt log-probabilities of request 3 (13 tokens, the top 2 at each) alike.
+  (ref,) = result["prompt_logprobs"]["1"]
+  assert ref[0] == 3 and len(ref[1]) == 12
+  for n in ("2", "4"):
+    (got,) = result["prompt_logprobs"][n]
+    np.testing.assert_allclose(got[1], ref[1], atol=1e-5)
+    assert [[t for t, _ in top] for top in got[2]] == [[t for t, _ in top] for top in ref[2]]
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
@@ -185,9 +192,11 @@ def _requests():
   shared = rng.integers(0, 256, 16).tolist()  # two full pages of 8: prefix cache hits
   prompts = [shared + rng.integers(0, 256, k).tolist() for k in (3, 9, 5)]
   prompts += [rng.integers(0, 256, 13).tolist()]
-  # Requests 1 and 2 penalized: their contexts and counts through the shard_map.
+  # Requests 1 and 2 penalized: their contexts and counts through the shard_map; request
+  # 3 scores its prompt (the LM head over every prompt token in it).
   reqs = [Request(p, 14, logprobs=i == 0, frequency_penalty=0.7 * (i == 1),
-                  repetition_penalty=1.3 if i == 2 else 1.0) for i, p in enumerate(prompts)]
+                  repetition_penalty=1.3 if i == 2 else 1.0, prompt_logprobs=i == 3,
+                  top_logprobs=2 * (i == 3)) for i, p in enumerate(prompts)]
   reqs.append(Request(shared + [7, 7, 7], 8, n=2, temperature=0.8, seed=5,  # forks
                       logprobs=True, top_logprobs=3))
   return reqs
@@ -209,8 +218,8 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
   for name, model in _models(head_dim).items():
     qkv_before = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
                             else model.layers[0].self_attn.qkv.kernel[...])
-    res = {"tokens": {}, "logprobs": {}, "logit_errors": {}, "pool_errors": {},
-           "shards": {}, "replicated": {}}
+    res = {"tokens": {}, "logprobs": {}, "prompt_logprobs": {}, "logit_errors": {},
+           "pool_errors": {}, "shards": {}, "replicated": {}}
     ref_logits = ref_pool = None
     for n in sizes:
       mesh = None if n == 1 else tensor_parallel.make_mesh(n)
@@ -220,6 +229,9 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
       res["tokens"][str(n)] = tokens
       res["logprobs"][str(n)] = [[e.request_id, e.sample, e.logprob, e.top_logprobs]
                                  for e in events if e.logprob is not None]
+      res["prompt_logprobs"][str(n)] = [[e.request_id, e.prompt_logprobs[1:],
+                                         e.prompt_top_logprobs[1:]]
+                                        for e in events if e.prompt_logprobs is not None]
       if n in (1, 2):  # an int8 pool: its scales are split by kv head like its pages
         res.setdefault("int8_tokens", {})[str(n)] = _engine(
             model, mesh, cache_dtype="int8").generate(_requests())[0]

@@ -504,7 +504,8 @@ class Engine:
   def _validate(self, requests: Sequence[Request], first_id: int = 0) -> list:
     return validate_requests(requests, self.spec, page_size=self.page_size,
                              max_pages=min(self.num_pages, self.max_pages_per_seq),
-                             max_batch=self.max_batch, first_id=first_id)
+                             max_batch=self.max_batch, first_id=first_id,
+                             scores_prompts=self.runner.scores_prompts)
 
   def _begin(self, requests: Sequence[Request], first_id: int = 0) -> None:
     """Starts a run of `requests` (validated here), whose ids are first_id, first_id + 1,
@@ -558,8 +559,9 @@ class Engine:
 
   def _step(self) -> Iterator[tuple]:
     """schedule -> execute -> take_tokens / settle, once. Yields (request id, sample, new
-    tokens, finish reason, their log-probabilities, their top log-probabilities: each None
-    unless asked for) per sequence that produced tokens, before the page
+    tokens, finish reason, their log-probabilities, their top log-probabilities, the
+    prompt's and its top ones: each None unless asked for and due) per sequence that
+    produced tokens, before the page
     bookkeeping; ends the run when every request has finished. (The scheduler's ids count
     from 0 in each run; the caller's from the run's first_id.)"""
     run, report = self._run, self.report
@@ -590,7 +592,7 @@ class Engine:
     else:
       report.prefill_s += seconds
     events = scheduler.take_tokens(plan, out.first, out.decoded, out.first_logprobs,
-                                   out.decoded_logprobs)
+                                   out.decoded_logprobs, out.prompt_logprobs)
     now = time.perf_counter()
     for rid, sample, new, *rest in events:
       if run.first_id + rid in run.aborted:  # (its slot retires at the next step)
@@ -637,10 +639,13 @@ class _Run:
 
 
 def _events(rid: int, sample: int, tokens: list[int], reason: str | None,
-            logprobs: list[float] | None = None, top_logprobs: list[tuple] | None = None
+            logprobs: list[float] | None = None, top_logprobs: list[tuple] | None = None,
+            prompt_logprobs: tuple | None = None, prompt_top_logprobs: tuple | None = None
             ) -> Iterator[TokenEvent]:
-  """A sequence's new tokens as events, the finish reason on the last."""
+  """A sequence's new tokens as events, the finish reason on the last and the prompt's
+  log-probabilities on the first."""
   for j, token in enumerate(tokens):
     yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample,
                      None if logprobs is None else logprobs[j],
-                     None if top_logprobs is None else top_logprobs[j])
+                     None if top_logprobs is None else top_logprobs[j],
+                     *((prompt_logprobs, prompt_top_logprobs) if j == 0 else ()))

@@ -44,7 +44,14 @@ class Request:
       bf16 a near-tie may break differently, as beside a sampled request.
     top_logprobs: with `logprobs`, also this many most likely tokens at each step and
       their log-probabilities, most likely first (`TokenEvent.top_logprobs`; OpenAI's
-      top_logprobs), 0 to `sampling.MAX_TOP_LOGPROBS`.
+      top_logprobs), 0 to `sampling.MAX_TOP_LOGPROBS`; with `prompt_logprobs`, at each
+      prompt position too.
+    prompt_logprobs: also return each prompt token's log-probability given the tokens
+      before it (vLLM's prompt_logprobs, OpenAI's echo; raw, as `logprobs`): on the first
+      event of each sample (`TokenEvent.prompt_logprobs`, None for the first token). Its
+      prompt is computed whole, not read from the prefix cache (vLLM's rule: cached tokens
+      have no logits), though its pages are cached for others; each prefill with such a
+      request runs the LM head over its every token (its own compilations).
     repetition_penalty: > 0; a token of the prompt or generated so far has its logit
       divided by it where positive, multiplied where not (Hugging Face's and vLLM's;
       1 = none, > 1 discourages repeating).
@@ -77,6 +84,7 @@ class Request:
   arrival_s: float = 0.0
   logprobs: bool = False
   top_logprobs: int = 0
+  prompt_logprobs: bool = False
   repetition_penalty: float = 1.0
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
@@ -112,7 +120,10 @@ class TokenEvent:
   submitted list). `finish_reason` is None while the sample goes on, else 'stop' or
   'length'. `logprob`: the token's log-probability (`Request.logprobs`), else None;
   `top_logprobs`: ((token, log-probability), ...) of the step's most likely tokens, most
-  likely first (`Request.top_logprobs`), else None."""
+  likely first (`Request.top_logprobs`), else None. `prompt_logprobs` (on a sample's first
+  event, with `Request.prompt_logprobs`; else None): each prompt token's log-probability
+  given those before it, None for the first; `prompt_top_logprobs` (with top_logprobs
+  too): each prompt position's most likely tokens as `top_logprobs`, None for the first."""
 
   request_id: int
   token: int
@@ -120,6 +131,8 @@ class TokenEvent:
   sample: int = 0
   logprob: float | None = None
   top_logprobs: tuple[tuple[int, float], ...] | None = None
+  prompt_logprobs: tuple[float | None, ...] | None = None
+  prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
 
 
 def is_int(x) -> bool:
@@ -152,7 +165,8 @@ def _token_ids(prompt) -> np.ndarray | None:
 
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
-                      max_pages: int, max_batch: int, first_id: int = 0) -> list[np.ndarray]:
+                      max_pages: int, max_batch: int, first_id: int = 0,
+                      scores_prompts: bool = True) -> list[np.ndarray]:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
   serve as asked; returns the prompts as int32 arrays [prompt tokens].
 
@@ -163,6 +177,8 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     max_pages: the most pages one sequence can hold (the pool's pages, at most its page
       table's width).
     max_batch: the engine's slots (a request's n samples run together).
+    scores_prompts: whether the model gives prompt log-probabilities
+      (`paged_model.offers_prompt_logprobs`).
   """
   if isinstance(requests, Request):
     raise ValueError("requests must be a non-empty list of Request, got one Request: pass "
@@ -215,8 +231,16 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if not is_int(r.top_logprobs) or not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"request {i}: top_logprobs must be an int in [0, "
                        f"{MAX_TOP_LOGPROBS}], got {r.top_logprobs!r}")
-    if r.top_logprobs and not r.logprobs:
-      raise ValueError(f"request {i}: top_logprobs={r.top_logprobs} needs logprobs=True")
+    if not isinstance(r.prompt_logprobs, (bool, np.bool_)):
+      raise ValueError(f"request {i}: prompt_logprobs must be True or False, got "
+                       f"{r.prompt_logprobs!r}")
+    if r.top_logprobs and not (r.logprobs or r.prompt_logprobs):
+      raise ValueError(f"request {i}: top_logprobs={r.top_logprobs} needs logprobs=True or "
+                       "prompt_logprobs=True")
+    if r.prompt_logprobs and not scores_prompts:
+      raise ValueError(f"request {i}: prompt_logprobs=True needs a model with "
+                       "prefill_hidden and logits (jax_paged.PagedModel's optional methods); "
+                       "this engine's model has not both")
     if not (_is_real(r.repetition_penalty)
             and 0.0 < r.repetition_penalty < float("inf")):  # also NaN
       raise ValueError(f"request {i}: repetition_penalty must be a finite number > 0 (1: "

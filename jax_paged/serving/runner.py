@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jax_paged import pool as pool_lib
 from jax_paged import sampling
 from jax_paged import tensor_parallel
-from jax_paged.paged_model import ModelSpec, PagedModel
+from jax_paged.paged_model import ModelSpec, PagedModel, last_tokens, offers_prompt_logprobs
 
 
 # jax.jit for the programs that carry the pool (donated). XLA's rematerialization pass
@@ -68,8 +68,8 @@ def fill_rows(out: np.ndarray, rows, values: Sequence[np.ndarray]) -> np.ndarray
 
 
 def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
-                 lengths: jax.Array, seq_ids: jax.Array, start: jax.Array | None = None
-                 ) -> tuple[jax.Array, pool_lib.KVPool]:
+                 lengths: jax.Array, seq_ids: jax.Array, start: jax.Array | None = None,
+                 *, hidden: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
   """Reserves and fills the pages of new tokens of several sequences.
 
   Args:
@@ -80,16 +80,19 @@ def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
     seq_ids: int32 [B], distinct pool sequence ids; -1 for a padding row (reserves nothing).
     start: None when the sequences are empty; else int32 [B], the tokens each holds (its
       pool length), which the new ones attend to.
+    hidden: (static) the model's `prefill_hidden` rather than its `prefill`.
 
   Returns:
-    (float32 logits [B, vocab] of each row's last new token, the new pool). A sequence
-    that did not fit in the pool is left as it was.
+    (float32 logits [B, vocab] of each row's last new token, or with `hidden` the final
+    hidden states [B, T, D] of every new token; the new pool). A sequence that did not fit
+    in the pool is left as it was.
   """
   kv, slots, _ = pool_lib.reserve(kv, seq_ids, lengths, max_new_tokens=tokens.shape[1])
+  forward = model.prefill_hidden if hidden else model.prefill
   if start is None:
-    return model.prefill(tokens, kv, slots, lengths)
+    return forward(tokens, kv, slots, lengths)
   page_table = kv.page_table[jnp.clip(seq_ids, 0, kv.max_seqs - 1)]
-  return model.prefill(tokens, kv, slots, lengths, start=start, page_table=page_table)
+  return forward(tokens, kv, slots, lengths, start=start, page_table=page_table)
 
 
 def update_pages(kv: pool_lib.KVPool, holds: jax.Array, release: jax.Array
@@ -160,6 +163,31 @@ class Logprobs(NamedTuple):
   def of(cls, logits: jax.Array, tokens: jax.Array, top_logprobs: int) -> "Logprobs":
     """Of tokens int32 [B] drawn from logits [B, V] (in a jitted step)."""
     return cls(*sampling.logprobs(logits, tokens, top_logprobs))
+
+
+# Prompt positions one LM head pass of `prompt_logprobs` takes: it holds their float32
+# logits at once (GPT-2's vocabulary: 51 MB; Llama 3's: 131 MB), whatever the prompts.
+PROMPT_LOGPROBS_BLOCK = 256
+
+
+def prompt_logprobs(logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                    targets: jax.Array, top_logprobs: int) -> Logprobs:
+  """`Logprobs` [P, T] of prompt tokens: targets int32 [P, T] (-1 where a position
+  predicts no prompt token: its entries are meaningless) under logits(hidden), hidden
+  [P, T, D] the final hidden states of the positions before them (`prefill_hidden`),
+  `top_logprobs` (static) of the most likely tokens at each. The LM head runs over
+  `PROMPT_LOGPROBS_BLOCK` positions at a time (`lax.map`)."""
+  p, t, d = hidden.shape
+  n = p * t
+  block = min(n, PROMPT_LOGPROBS_BLOCK)
+  blocks = -(-n // block)
+  pad = blocks * block - n
+  hidden = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(blocks, block, d)
+  targets = jnp.pad(jnp.maximum(targets, 0).reshape(n), (0, pad)).reshape(blocks, block)
+  out = jax.lax.map(lambda hb: Logprobs.of(logits(hb[0]), hb[1], top_logprobs),
+                    (hidden, targets))
+  return jax.tree.map(lambda x: x.reshape(blocks * block, *x.shape[2:])[:n].reshape(
+      p, t, *x.shape[2:]), out)
 
 
 # XLA runs a while loop from the host: each iteration copies the predicate to the host,
@@ -455,22 +483,34 @@ class JittedSteps:
 
     def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool,
                        filter_by: str | None, logprobs: bool = False,
-                       top_logprobs: int = 0):
+                       top_logprobs: int = 0, prompt_top_logprobs: int = 0):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
-      fresh prompts), the second phase's follow_tokens, follow_lengths, follow_ids,
-      follow_start and follow_src (absent: no second phase), fork_src, fork_dst,
-      sample_rows (into both phases' rows) and the sample rows' seeds, index,
-      temperature, top_k, top_p, min_p and `processor_arrays` (absent: none). Returns (int32
-      [samples] tokens, or with `logprobs` (tokens, their `Logprobs`); the pool)."""
+      fresh prompts), score_rows and score_targets (first-phase rows whose prompt
+      log-probabilities are asked, the tokens their positions predict; absent: none), the
+      second phase's follow_tokens, follow_lengths, follow_ids, follow_start and
+      follow_src (absent: no second phase), fork_src, fork_dst, sample_rows (into both
+      phases' rows) and the sample rows' seeds, index, temperature, top_k, top_p, min_p
+      and `processor_arrays` (absent: none). Returns ((int32 [samples] tokens, their
+      `Logprobs` with `logprobs` else None, the scored rows' `prompt_logprobs` (with
+      `prompt_top_logprobs` most likely tokens) or None); the pool)."""
       a = unpack_arrays(packed, layout)
+      m = model(leaves)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
         kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
-      logits, kv = prefill_step(model(leaves), kv, a["tokens"], a["lengths"], a["seq_ids"],
-                                a.get("start"))
+      scored = None
+      if "score_rows" in a:
+        hidden, kv = prefill_step(m, kv, a["tokens"], a["lengths"], a["seq_ids"],
+                                  a.get("start"), hidden=True)
+        scored = prompt_logprobs(m.logits, hidden[a["score_rows"]], a["score_targets"],
+                                 prompt_top_logprobs)
+        logits = m.logits(last_tokens(hidden, a["lengths"]))
+      else:
+        logits, kv = prefill_step(m, kv, a["tokens"], a["lengths"], a["seq_ids"],
+                                  a.get("start"))
       if "follow_src" in a:  # rows starting on the first pages of rows prefilled above
         src_rows = kv.page_table[jnp.clip(a["follow_src"], 0, kv.max_seqs - 1)]
         kv = pool_lib.attach(kv, a["follow_ids"], src_rows, a["follow_start"])
-        more, kv = prefill_step(model(leaves), kv, a["follow_tokens"], a["follow_lengths"],
+        more, kv = prefill_step(m, kv, a["follow_tokens"], a["follow_lengths"],
                                 a["follow_ids"], a["follow_start"])
         logits = jnp.concatenate([logits, more])
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
@@ -482,9 +522,8 @@ class JittedSteps:
                                     a["seeds"], a["index"], a["temperature"],
                                     a["top_k"], a["top_p"], a["min_p"], all_greedy=greedy,
                                     filter_by=filter_by)
-      if logprobs:
-        return (tokens, Logprobs.of(logits, tokens, top_logprobs)), kv
-      return tokens, kv
+      lp = Logprobs.of(logits, tokens, top_logprobs) if logprobs else None
+      return (tokens, lp, scored), kv
 
     def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
              checked: bool, filter_by: str | None, logprobs: bool = False,
@@ -504,7 +543,8 @@ class JittedSteps:
     self.decode = _pool_jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = _pool_jit(prefill_sample, donate_argnums=1,
                                     static_argnames=("layout", "greedy", "filter_by",
-                                                     "logprobs", "top_logprobs"))
+                                                     "logprobs", "top_logprobs",
+                                                     "prompt_top_logprobs"))
     self.decode_loop = _pool_jit(loop, donate_argnums=1,
                                  static_argnames=("layout", "max_steps", "greedy",
                                                   "checked", "filter_by", "logprobs",
@@ -578,7 +618,8 @@ class _Sampling:
     """
     requests = [s.request if s is not None else None for s in rows]
     logprobs = any(r is not None and r.logprobs for r in requests)
-    top = sampling.MAX_TOP_LOGPROBS * any(r is not None and r.top_logprobs for r in requests)
+    top = sampling.MAX_TOP_LOGPROBS * any(r is not None and r.logprobs and r.top_logprobs
+                                          for r in requests)
     if all(r is None or r.temperature == 0 for r in requests):
       # Greedy rows take the argmax (`sample_rows(all_greedy=True)`): the settings go
       # unused, so no pass over the rows per setting.
@@ -632,6 +673,8 @@ class Executed(NamedTuple):
       checks them).
     first_logprobs, decoded_logprobs: their tokens' `Logprobs` (numpy), shaped as `first`
       and `decoded`; None where no row of the call asked (`Request.logprobs`).
+    prompt_logprobs: `Logprobs` (numpy) [rows, T] of the prefill's chunks with `targets`
+      (`prompt_logprobs`), in their order; None where it has none.
   """
 
   first: np.ndarray
@@ -640,6 +683,7 @@ class Executed(NamedTuple):
   num_free: int
   first_logprobs: Logprobs | None = None
   decoded_logprobs: Logprobs | None = None
+  prompt_logprobs: Logprobs | None = None
 
 
 class ModelRunner:
@@ -662,6 +706,8 @@ class ModelRunner:
       raise TypeError(f"{type(model).__name__} does not meet jax_paged.PagedModel: it needs "
                       "a `spec` and `prefill` / `decode` forwards over the pool")
     self.spec: ModelSpec = model.spec
+    # Whether prefills can give prompt log-probabilities (`Request.prompt_logprobs`).
+    self.scores_prompts = offers_prompt_logprobs(model)
     self.mesh = mesh
     if mesh is None:
       graphdef, params = nnx.split(model)
@@ -749,20 +795,20 @@ class ModelRunner:
     chunk, dispatched back to back; the host then reads the results back in one transfer
     (`_read_back`; two with both a prefill and a decode chunk) as `Executed`."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
-    first = decoded = first_lp = decoded_lp = None
+    first = decoded = first_lp = decoded_lp = scored = None
     if plan.prefill:
-      first, first_lp, kv = self._prefill_plan(kv, plan)
+      (first, first_lp, scored), kv = self._prefill_plan(kv, plan)
     if plan.decode_steps:
       decoded, decoded_lp, kv = self._decode_plan(kv, plan)
     # A call with both reads its first tokens apart: one `_packed` program per
     # combination of their shapes would compile anew mid-run.
     apart = None
     if decoded is not None and first is not None:
-      apart, first, first_lp = (first, first_lp), None, None
-    decoded, decoded_lp, page_table, num_free, first, first_lp = _read_back(
-        decoded, decoded_lp, kv.page_table, kv.num_free, first, first_lp)
+      apart, first, first_lp, scored = (first, first_lp, scored), None, None, None
+    decoded, decoded_lp, page_table, num_free, first, first_lp, scored = _read_back(
+        decoded, decoded_lp, kv.page_table, kv.num_free, first, first_lp, scored)
     if apart is not None:
-      first, first_lp = jax.tree.map(np.asarray, apart)
+      first, first_lp, scored = jax.tree.map(np.asarray, apart)
     samples = sum(len(c.samples) for c in plan.prefill)
     if first is None:
       first = np.zeros((0,), np.int32)
@@ -774,7 +820,8 @@ class ModelRunner:
       pad = lambda x, fill=0: np.pad(x, ((0, 0), (0, width - x.shape[1]))
                                      + ((0, 0),) * (x.ndim - 2), constant_values=fill)
       decoded, decoded_lp = pad(decoded, -1), jax.tree.map(pad, decoded_lp)
-    return kv, Executed(first, decoded, page_table, int(num_free), first_lp, decoded_lp)
+    return kv, Executed(first, decoded, page_table, int(num_free), first_lp, decoded_lp,
+                        scored)
 
   def _prefill_plan(self, kv, plan):
     first = [c for c in plan.prefill if c.follows is None]
@@ -795,6 +842,15 @@ class ModelRunner:
       follow_src[:len(second)] = [c.follows for c in second]
       continued.update(follow_tokens=f_tokens, follow_lengths=f_lengths, follow_ids=f_ids,
                        follow_start=f_start, follow_src=follow_src)
+    scored = [j for j, c in enumerate(first) if c.targets is not None]
+    prompt_top = 0
+    if scored:  # rows whose prompt log-probabilities are asked (never second-phase ones)
+      score_rows = np.zeros((bucket(len(scored), 1),), np.int32)
+      score_rows[:len(scored)] = scored
+      score_targets = np.full((len(score_rows), tokens.shape[1]), -1, np.int32)
+      fill_rows(score_targets, range(len(scored)), [first[j].targets for j in scored])
+      continued.update(score_rows=score_rows, score_targets=score_targets)
+      prompt_top = sampling.MAX_TOP_LOGPROBS * any(first[j].top_logprobs for j in scored)
     # Each chunk's row among both phases' logits (chunks hash by identity).
     row = {c: j for j, c in enumerate(first)}
     row.update((c, n + j) for j, c in enumerate(second))
@@ -820,12 +876,11 @@ class ModelRunner:
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         **sampling_.arrays(), **processor_arrays(seqs))
-    out, kv = self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
-                                         greedy=sampling_.greedy,
-                                         filter_by=sampling_.filter_by,
-                                         logprobs=sampling_.logprobs,
-                                         top_logprobs=sampling_.top_logprobs)
-    return (*(out if sampling_.logprobs else (out, None)), kv)
+    return self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
+                                      greedy=sampling_.greedy, filter_by=sampling_.filter_by,
+                                      logprobs=sampling_.logprobs,
+                                      top_logprobs=sampling_.top_logprobs,
+                                      prompt_top_logprobs=prompt_top)
 
   def _decode_plan(self, kv, plan):
     """The plan's decode chunk over its first `decode_width(plan.rows)` slots."""

@@ -60,6 +60,11 @@ class RunningRequest:
   decoding: bool = False
   looked_up: bool = False  # its context was looked up in the prefix cache
   keys: np.ndarray | None = None  # uint64: its context's full pages' `page_keys`
+  # While its first prefill runs for a request with `prompt_logprobs`: the prompt's
+  # log-probabilities so far (None for its first token), and with `top_logprobs` each
+  # position's most likely tokens; None otherwise (and once delivered).
+  prompt_logprobs: list | None = None
+  prompt_top_logprobs: list | None = None
 
   @property
   def seed(self) -> int:
@@ -100,6 +105,12 @@ class PrefillChunk:
       call computes (requests sharing a prefix, admitted together), that chunk's slot:
       the call prefills this chunk in a second phase, after attaching the slot to the
       first start / page_size pages of that slot's row; None otherwise.
+    targets: for a chunk of a prompt whose log-probabilities are asked
+      (`Request.prompt_logprobs`), int32 context[start + 1:stop + 1] within the prompt:
+      the token each of its positions predicts (the prompt's last position none); None
+      otherwise. Such a chunk is never cached nor `follows` (its prompt is computed whole).
+    top_logprobs: with targets, how many of each position's most likely tokens to give
+      (`Request.top_logprobs`).
   """
 
   slot: int
@@ -108,6 +119,8 @@ class PrefillChunk:
   samples: tuple[tuple[int, RunningRequest], ...] = ()
   cached: np.ndarray | None = None
   follows: int | None = None
+  targets: np.ndarray | None = None
+  top_logprobs: int = 0
 
   @property
   def forks(self) -> tuple[int, ...]:
@@ -316,6 +329,10 @@ class Scheduler:
         self.slots[slot] = RunningRequest(
             rid, request, self.prompts[rid], list(done), self._admissions, stops, j,
             context_length if slot == first else 0, 0, None if slot == first else first)
+      if request.prompt_logprobs and not done:  # (a preempted one has delivered them)
+        s = self.slots[first]
+        s.prompt_logprobs = [None]
+        s.prompt_top_logprobs = [None] if request.top_logprobs else None
       self._admissions += 1
       admitted.append(first)
     # Longest first, so each prefill call pads its rows to similar lengths.
@@ -361,10 +378,12 @@ class Scheduler:
       s = self.slots[slot]
       context = s.context
       fresh = s.prefilled == 0 and not s.looked_up
-      hit = hits.get(slot, ()) if fresh else ()
+      scored = s.prompt_logprobs is not None  # computed whole: no hit, never follows
+      hit = hits.get(slot, ()) if fresh and not scored else ()
       prefilled = len(hit) * page_size or s.prefilled
       follows = None
-      if fresh and self.cache.prefix_caching and len(hit) < (len(context) - 1) // page_size:
+      if (fresh and not scored and self.cache.prefix_caching
+          and len(hit) < (len(context) - 1) // page_size):
         leader = computing.get(int(s.keys[len(hit)]))
         if leader is not None:
           lead, lead_stop, second = leader
@@ -409,7 +428,9 @@ class Scheduler:
         samples = ((slot, s),) + tuple(forks.get(slot, ()))
         done.add(slot)
       chunks.append(PrefillChunk(slot, s.prefilled, context[s.prefilled:stop], samples,
-                                 cached, follows))
+                                 cached, follows,
+                                 context[s.prefilled + 1:stop + 1] if scored else None,
+                                 s.request.top_logprobs if scored else 0))
       s.prefilled = stop
       if stop != s.prefill_stop:
         break  # a chunked context: its next chunk goes into the next call
@@ -451,7 +472,8 @@ class Scheduler:
     return None
 
   def take_tokens(self, plan: Plan, prefill_tokens: np.ndarray, decode_tokens: np.ndarray,
-                  prefill_logprobs=None, decode_logprobs=None) -> list[tuple]:
+                  prefill_logprobs=None, decode_logprobs=None, prompt_logprobs=None
+                  ) -> list[tuple]:
     """Takes a plan's new tokens; `settle` takes the rest of its results before the next
     `schedule`. (Two steps, so that the tokens reach the caller before the page
     bookkeeping: ~2 ms of host time after a batch of prefills.)
@@ -464,12 +486,15 @@ class Scheduler:
         produced nothing).
       prefill_logprobs, decode_logprobs: their `runner.Logprobs` (numpy), shaped alike;
         None where no row of the call asked (`Request.logprobs`).
+      prompt_logprobs: `runner.Logprobs` (numpy) [rows, T] of the prefill's chunks with
+        `targets`, in their order (None if none): each position's target's.
 
     Returns:
       (request id, sample, new tokens, finish reason or None, their log-probabilities or
       None, their top log-probabilities ([((token, log-probability), ...) per token]) or
-      None) per sequence that produced tokens: whole chunks, so the host pays per
-      sequence, not per token.
+      None, the prompt's log-probabilities and top ones (`TokenEvent`'s) or None) per
+      sequence that produced tokens: whole chunks, so the host pays per sequence, not per
+      token.
     """
     new: dict[int, list[int]] = {}
     logprobs: dict[int, tuple] = {}  # slot -> (its logprobs, its top logprobs or None)
@@ -498,8 +523,24 @@ class Scheduler:
     sampled = iter(np.asarray(prefill_tokens).tolist())
     self.cache.grow([c.slot for c in plan.prefill], [len(c.tokens) for c in plan.prefill])
     j = 0  # the sample's row among the prefill's
+    scored = 0  # the chunk's row among `prompt_logprobs`'
+    prompts: dict[int, tuple] = {}  # slot -> its prompt's log-probabilities and top ones
     for chunk in plan.prefill:
       self.cache.fork(chunk.slot, chunk.forks)
+      if chunk.targets is not None:
+        s, n = self.slots[chunk.slot], len(chunk.targets)
+        s.prompt_logprobs += prompt_logprobs.token[scored, :n].tolist()
+        if chunk.top_logprobs:
+          k = chunk.top_logprobs
+          s.prompt_top_logprobs += [
+              tuple(zip(t, v)) for t, v in zip(prompt_logprobs.top_tokens[scored, :n, :k].tolist(),
+                                               prompt_logprobs.top[scored, :n, :k].tolist())]
+        scored += 1
+        if chunk.samples:  # the prompt's last chunk: every sample's first event has them
+          whole = (tuple(s.prompt_logprobs), s.prompt_top_logprobs
+                   and tuple(s.prompt_top_logprobs))
+          prompts.update((slot, whole) for slot, _ in chunk.samples)
+          s.prompt_logprobs = s.prompt_top_logprobs = None
       for slot, s in chunk.samples:
         new[slot] = [next(sampled)]
         take(slot, s.request, prefill_logprobs, slice(j, j + 1))  # (a [1] slice)
@@ -512,7 +553,8 @@ class Scheduler:
       reason = self._stop_reason(s)
       if reason is not None:
         self._finished.append(slot)
-      events.append((s.request_id, s.sample, t, reason) + logprobs.get(slot, (None, None)))
+      events.append((s.request_id, s.sample, t, reason) + logprobs.get(slot, (None, None))
+                    + prompts.get(slot, (None, None)))
     return events
 
   def settle(self, plan: Plan, page_table: np.ndarray, num_free: int) -> None:
