@@ -17,6 +17,7 @@ around it filters, and whichever way its filter is computed (`filter_by`):
 * "sort": each filter is a cut-off value read from the row sorted (`filter_mask`), which
   on a GPU costs a good part of the model's decode step (H200, GPT-2's vocabulary at
   batch 128: 0.43 ms, the greedy step 0.8).
+* "min_p" (min-p alone): the noisy argmax among the tokens at or above the cut-off.
 * "rejection" (top-p, min-p): the noisy argmax among the tokens min-p keeps is the token
   drawn if it is in the nucleus, i.e. if the tokens strictly more likely than it hold
   less than p of the mass: one masked sum tells. If not, every token at most as likely is out, and the argmax over the tokens
@@ -52,7 +53,7 @@ NUCLEUS_ROUNDS = 3
 CHUNKED_TOP_K = 64
 _CHUNK = 32
 
-FILTER_METHODS = (None, "rejection", "chunked", "sort")
+FILTER_METHODS = (None, "min_p", "rejection", "chunked", "sort")
 
 # The most alternatives `logprobs` returns per token for the serving layer (OpenAI's
 # limit; `Request.top_logprobs`): a batch where a request asks computes this many.
@@ -130,16 +131,16 @@ def filter_method(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
   """On the host, the `filter_by` of a batch with these settings (numpy [B], as
   `sample_rows` takes them, or scalars for one row): None when no sampling row filters,
   "sort" when one filters by a top-k above `CHUNKED_TOP_K`, "chunked" when one filters by
-  top-k, else "rejection" (top-p, min-p)."""
+  top-k, "rejection" when one by top-p, else "min_p" when one by min-p."""
   sampled = np.asarray(temperature) > 0
   top_k = np.asarray(top_k)[sampled]
   if (top_k > CHUNKED_TOP_K).any():
     return "sort"
   if (top_k > 0).any():
     return "chunked"
-  filters = (np.asarray(top_p)[sampled] < 1).any() or (
-      np.broadcast_to(min_p, sampled.shape)[sampled] > 0).any()
-  return "rejection" if filters else None
+  if (np.asarray(top_p)[sampled] < 1).any():
+    return "rejection"
+  return "min_p" if (np.broadcast_to(min_p, sampled.shape)[sampled] > 0).any() else None
 
 
 def _top_chunks(x: jax.Array, taken: int) -> tuple[jax.Array, jax.Array]:
@@ -329,7 +330,10 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
     # `categorical`'s draw is the argmax of the logits plus this noise (checked in tests).
     noisy = tempered + jax.vmap(
         lambda key: jax.random.gumbel(key, tempered.shape[-1:], jnp.float32))(keys)
-    if filter_by == "sort":
+    if filter_by == "min_p":  # (no row filters by top-k or top-p)
+      kept = tempered >= min_p_cutoff(tempered, min_p)
+      sampled = jnp.argmax(jnp.where(kept, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
+    elif filter_by == "sort":
       sampled = _sorted_draw(tempered, noisy, top_k, top_p, min_p)
     else:
       sampled = _nucleus_draw(tempered, noisy, top_k, top_p, min_p, temperature <= 0,
@@ -352,10 +356,11 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0,
     min_p: float scalar or [B] in [0, 1]; keep the tokens at least min_p times as likely
       as the most likely one (0 = all), as `filter_mask`.
     filter_by: (static) how the filters are computed (see above), the token being the
-      same: None when no row filters (every top_k 0, top_p 1 and min_p 0); "rejection",
-      "chunked" or "sort", each right for any settings (a row one cannot decide goes to
-      the sort), and fastest for rows with top-p or min-p only, with top-k up to
-      CHUNKED_TOP_K, and with a larger top-k. `filter_method` picks on the host.
+      same: None when no row filters (every top_k 0, top_p 1 and min_p 0); "min_p" when
+      no row filters by top-k or top-p; "rejection", "chunked" or "sort", each right for
+      any settings (a row one cannot decide goes to the sort), and fastest for rows with
+      top-p (and min-p), with top-k up to CHUNKED_TOP_K, and with a larger top-k.
+      `filter_method` picks on the host.
 
   Returns:
     int32 [B] token ids.

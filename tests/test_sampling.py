@@ -156,6 +156,10 @@ def test_rejection_and_chunked_draw_the_sorts_tokens(scale):
               top_k=jnp.where(top_k <= 64, top_k, 0), min_p=min_p)
   np.testing.assert_array_equal(sampling.sample(logits, key, filter_by="chunked", **easy),
                                 sampling.sample(logits, key, filter_by="sort", **easy))
+  # Min-p alone by its one masked argmax.
+  alone = dict(temperature=temperature, min_p=min_p)
+  np.testing.assert_array_equal(sampling.sample(logits, key, filter_by="min_p", **alone),
+                                sampling.sample(logits, key, filter_by="sort", **alone))
 
 
 @pytest.mark.parametrize("v", [5, 89, 2048, 50257])
@@ -284,13 +288,14 @@ def test_bias_adds_and_ban_masks_each_rows_tokens():
 
 
 def test_filter_method_of_a_batch():
-  method = lambda t, k, p: sampling.filter_method(np.array(t), np.array(k), np.array(p))
+  method = lambda t, k, p, m=(0.0, 0.0): sampling.filter_method(*map(np.array, (t, k, p, m)))
   assert method([0.0, 0.7], [0, 0], [1.0, 1.0]) is None
   assert method([0.0, 0.7], [50, 0], [0.5, 1.0]) is None  # the greedy row's filters: unused
   assert method([0.0, 0.7], [0, 0], [1.0, 0.9]) == "rejection"
-  min_p = lambda t, m: sampling.filter_method(np.array(t), np.zeros(2), np.ones(2), np.array(m))
-  assert min_p([0.7, 0.7], [0.0, 0.1]) == "rejection"
-  assert min_p([0.7, 0.0], [0.0, 0.1]) is None  # the greedy row's min_p: unused
+  assert method([0.7, 0.7], [0, 0], [1.0, 1.0], [0.0, 0.1]) == "min_p"
+  assert method([0.7, 0.7], [0, 0], [0.9, 1.0], [0.0, 0.1]) == "rejection"
+  assert method([0.7, 0.7], [5, 0], [1.0, 1.0], [0.0, 0.1]) == "chunked"
+  assert method([0.7, 0.0], [0, 0], [1.0, 1.0], [0.0, 0.1]) is None  # a greedy row's
   assert method([0.7, 0.7], [0, 50], [0.9, 1.0]) == "chunked"
   assert method([0.7, 0.7], [0, sampling.CHUNKED_TOP_K + 1], [0.9, 1.0]) == "sort"
   assert method([0.7, 0.0], [0, sampling.CHUNKED_TOP_K + 1], [0.9, 1.0]) == "rejection"

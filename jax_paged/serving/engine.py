@@ -222,9 +222,9 @@ class Engine:
       max_prompt_tokens: the longest prompt to prepare for.
       sampling: the batches to prepare for, each its own compilations: "greedy" (every
         row greedy), "sampled" (some row samples, none filters), "top_p" (some row
-        samples with top_p or min_p, none with top_k) and "top_k" (some row samples with
-        a top_k up to `sampling.CHUNKED_TOP_K`; a larger one sorts, compiled on first
-        use).
+        samples with top_p, none with top_k), "min_p" (some row samples with min_p, none
+        with top_p or top_k) and "top_k" (some row samples with a top_k up to
+        `sampling.CHUNKED_TOP_K`; a larger one sorts, compiled on first use).
       prefix_hits: also the prefills of n prompts that start on a cached page (as behind a
         shared system prompt once cached) and add w tokens: twice the prefill runs.
       max_samples: also the prefills of prompts with up to this many parallel samples
@@ -254,6 +254,7 @@ class Engine:
       limit = min(check_positive_int("max_prompt_tokens", max_prompt_tokens), limit)
     settings = {"greedy": {}, "sampled": dict(temperature=1.0),
                 "top_p": dict(temperature=1.0, top_p=0.9),
+                "min_p": dict(temperature=1.0, min_p=0.05),
                 "top_k": dict(temperature=1.0, top_k=50)}
     if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
       raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
@@ -310,7 +311,8 @@ class Engine:
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
-                                             settings[kind].get("top_p", 1.0))
+                                             settings[kind].get("top_p", 1.0),
+                                             settings[kind].get("min_p", 0.0))
       setting = dict(settings[kind], logprobs=with_logprobs, top_logprobs=top,
                      repetition_penalty=1.1 if processed else 1.0)
       idle = dict(greedy=kind == "greedy", filter_by=filter_by, logprobs=with_logprobs,
