@@ -536,10 +536,12 @@ class Engine:
 
   def _live_events(self, seqs: Iterator[tuple]) -> Iterator[TokenEvent]:
     """The events of `_step`'s sequences, one at a time; a request aborted while its
-    events are taken (`abort_request` by their consumer) gets no more."""
+    events are taken (`abort_request` by their consumer) gets no more, and the report
+    does not count them."""
     for seq in seqs:
-      for event in _events(*seq):
+      for j, event in enumerate(_events(*seq)):
         if seq[0] in self._run.aborted:
+          self.report.generated_tokens -= len(seq[2]) - j
           break
         yield event
 

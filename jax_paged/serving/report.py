@@ -17,7 +17,9 @@ class Report:
   `peak_pages_in_use` is the most pages the pool held at once (finished sequences hold
   theirs until their device call returns); `kv_efficiency` is live tokens /
   token slots of the pages held, summed over every decode step: the fraction of reserved
-  KV memory holding data. Neither depends on the steps per device call."""
+  KV memory holding data. Neither depends on the steps per device call.
+  `generated_tokens` counts the tokens delivered (not those of an aborted request that
+  its device call produced after the abort)."""
 
   num_requests: int = 0
   generated_tokens: int = 0
