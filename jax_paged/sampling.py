@@ -20,12 +20,13 @@ around it filters, and whichever way its filter is computed (`filter_by`):
 * "min_p" (min-p alone): the noisy argmax among the tokens at or above the cut-off.
 * "rejection" (top-p, min-p): the noisy argmax among the tokens min-p keeps is the token
   drawn if it is in the nucleus, i.e. if the tokens strictly more likely than it hold
-  less than p of the mass: one masked sum tells. If not, every token at most as likely is out, and the argmax over the tokens
-  more likely is the next candidate (vLLM / FlashInfer's sorting-free top-p, on the
-  draw's own noise, so the token is the sort's). A candidate is accepted with probability
-  >= p, so `NUCLEUS_ROUNDS` rounds decide nearly every row; a batch with a row left
-  undecided (or with top-k) sorts it as above, behind one `lax.cond`. 0.16-0.17 ms
-  instead of the sort's 0.43 (H200, batch 128; benchmarks/LOG.md, "2026-11-26, seventh").
+  less than p of the mass: one masked sum tells. If not, every token at most as likely is
+  out, and the argmax over the tokens more likely is the next candidate (vLLM /
+  FlashInfer's sorting-free top-p, on the draw's own noise, so the token is the sort's).
+  A candidate is accepted with probability >= p, so `NUCLEUS_ROUNDS` rounds decide nearly
+  every row; a batch with a row left undecided (or with top-k) sorts it as above, behind
+  one `lax.cond`. 0.16-0.17 ms instead of the sort's 0.43 (H200, batch 128;
+  benchmarks/LOG.md, "2026-11-26, seventh").
 * "chunked" (top-k up to `CHUNKED_TOP_K`, with or without top-p): the top-k cut-off
   exactly from the row's chunks of `_CHUNK` tokens with the largest maxima
   (`top_k_cutoff`: a sort of ~2k values instead of the vocabulary), then the rounds

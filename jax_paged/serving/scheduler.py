@@ -42,6 +42,12 @@ from jax_paged.serving.request import Request, sample_seed
 from jax_paged.serving.runner import STEPS_PER_CHECK, bucket
 
 
+def _top_pairs(top_tokens: np.ndarray, top: np.ndarray, k: int) -> list[tuple]:
+  """Per step, its k most likely tokens as ((token, log-probability), ...), from
+  `runner.Logprobs`' top_tokens / top [steps, n >= k] (numpy)."""
+  return [tuple(zip(t, v)) for t, v in zip(top_tokens[:, :k].tolist(), top[:, :k].tolist())]
+
+
 @dataclasses.dataclass(eq=False, slots=True)  # by identity: slots are scanned for None
 class RunningRequest:
   """One sample of a request in a slot. While decoding, the pool caches its context but
@@ -505,9 +511,7 @@ class Scheduler:
         return
       top = None
       if request.top_logprobs:
-        k = request.top_logprobs
-        top = [tuple(zip(t, v)) for t, v in zip(lp.top_tokens[index][:, :k].tolist(),
-                                                lp.top[index][:, :k].tolist())]
+        top = _top_pairs(lp.top_tokens[index], lp.top[index], request.top_logprobs)
       logprobs[slot] = (lp.token[index].tolist(), top)
 
     if plan.decode_steps:
@@ -531,10 +535,9 @@ class Scheduler:
         s, n = self.slots[chunk.slot], len(chunk.targets)
         s.prompt_logprobs += prompt_logprobs.token[scored, :n].tolist()
         if chunk.top_logprobs:
-          k = chunk.top_logprobs
-          s.prompt_top_logprobs += [
-              tuple(zip(t, v)) for t, v in zip(prompt_logprobs.top_tokens[scored, :n, :k].tolist(),
-                                               prompt_logprobs.top[scored, :n, :k].tolist())]
+          s.prompt_top_logprobs += _top_pairs(prompt_logprobs.top_tokens[scored, :n],
+                                              prompt_logprobs.top[scored, :n],
+                                              chunk.top_logprobs)
         scored += 1
         if chunk.samples:  # the prompt's last chunk: every sample's first event has them
           whole = (tuple(s.prompt_logprobs), s.prompt_top_logprobs
