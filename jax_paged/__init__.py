@@ -10,7 +10,7 @@ Layers, each using only those before it:
   nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
   PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
   serving   scheduler, runner, engine: Engine / Request / TokenEvent (continuous
-            batching) and generate (one static batch)
+            batching), generate (one static batch) and beam_search
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
 Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 """
@@ -27,9 +27,10 @@ from jax_paged.serving.engine import Engine
 from jax_paged.serving.report import Report
 from jax_paged.serving.request import Request, TokenEvent
 from jax_paged.serving.static_batch import generate
+from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted", "Report",
-    "Request", "TokenEvent", "generate", "merge_attention_states", "merge_attention_states_n",
+    "Beam", "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted", "Report",
+    "Request", "TokenEvent", "beam_search", "generate", "merge_attention_states", "merge_attention_states_n",
     "nn", "paged_decode_attention", "paged_prefill_attention", "pool", "reference",
 ]

@@ -35,6 +35,7 @@ from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
 from jax_paged.serving.admission import ADMISSION_POLICIES
+from jax_paged.serving.beam_search import beam_search
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent
 
@@ -249,9 +250,26 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
   gen.add_argument("--n", type=_positive_int, default=1,
                    help="samples per prompt, sharing the prompt's pages (default 1; at most "
                         "--max-batch)")
+  beam = p.add_argument_group("beam search (instead of sampling)")
+  beam.add_argument("--beam-width", type=_positive_int, default=None,
+                    metavar="K", help="beam search with K beams per prompt sharing their "
+                    "pages (Hugging Face's num_beams); prints each prompt's best "
+                    "hypotheses with their scores")
+  beam.add_argument("--length-penalty", default=1.0,
+                    type=_float_in(-math.inf, math.inf, lo_open=True, what="a finite number"),
+                    help="hypotheses score sum of log-probabilities / length ** this "
+                         "(default 1.0; > 0 favours longer ones)")
+  beam.add_argument("--early-stopping", choices=("false", "true", "never"), default="false",
+                    help="false: stop a prompt when its best beam can no longer beat its "
+                         "worst finished one at its current length; true: once it has K "
+                         "finished; never: as false, at --max-new-tokens' length when the "
+                         "length penalty is > 0 (default false; Hugging Face's)")
+  beam.add_argument("--num-return-sequences", type=_positive_int, default=1, metavar="N",
+                    help="hypotheses printed per prompt, best first (default 1; at most K)")
   eng = p.add_argument_group("engine")
   eng.add_argument("--max-batch", type=_positive_int, default=32,
-                   help="decode slots (default 32)")
+                   help="decode slots (default 32; with --beam-width, beams decoded "
+                        "together)")
   eng.add_argument("--page-size", type=_positive_int, default=16,
                    help="tokens per KV page (default 16; the GPU kernels take powers of two "
                         "in [8, 128])")
@@ -484,11 +502,13 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   if args.memory_fraction is not None and not on_gpu:
     raise CLIError("--memory-fraction sizes the pool from an accelerator's free memory; "
                    f"on {jax.default_backend()} give --num-pages")
+  # Every eos id stops a request (a config may list several: Llama 3's).
+  stops = () if args.ignore_eos else spec.eos_token_ids
+  if args.beam_width is not None:
+    return run_beam_search(args, model, codec, prompts, label, stops, mesh)
   num_pages = args.num_pages
   if num_pages is None and not on_gpu:
     num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
-  # Every eos id stops a request (a config may list several: Llama 3's).
-  stops = () if args.ignore_eos else spec.eos_token_ids
   show_logprobs = args.logprobs or args.top_logprobs > 0  # (--top-logprobs implies it)
   requests = []
   for i, (_, ids) in enumerate(prompts):
@@ -585,6 +605,59 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
         print_logprobs("logprobs", [e.logprob for e in events], [e.token for e in events],
                        [e.top_logprobs for e in events])
   print(report)
+  return 0
+
+
+# Sampling options and what they are set to when not given: beam search takes none.
+_SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=None, top_p=None, min_p=0.0, n=1,
+                          logit_bias=None, min_tokens=0, stop=[], logprobs=False,
+                          top_logprobs=0, prompt_logprobs=False, repetition_penalty=1.0,
+                          frequency_penalty=0.0, presence_penalty=0.0, seed=0,
+                          admission="optimistic", no_prefix_caching=False,
+                          num_pages=None, memory_fraction=None)
+
+
+def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | None,
+                    prompts: list[tuple[str, list[int]]], label: str,
+                    stops: Sequence[int], mesh) -> int:
+  """--beam-width: `jax_paged.beam_search` over the prompts; prints each prompt's
+  --num-return-sequences best hypotheses with their scores, then a summary."""
+  given = [name for name, default in _SAMPLING_DEFAULTS.items()
+           if getattr(args, name) != default]
+  if given:
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    raise CLIError(f"--beam-width searches deterministically over a pool of its own: "
+                   f"{flags} do not apply (give them without --beam-width)")
+  spec = model.spec
+  longest = max(len(ids) for _, ids in prompts)
+  new = max(1, min(args.max_new_tokens, spec.max_positions - longest + 1))
+  if new < args.max_new_tokens:
+    _notice(f"--max-new-tokens {args.max_new_tokens} lowered to {new}: the longest prompt "
+            f"leaves that much of the model's n_positions={spec.max_positions}")
+  early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
+  print(f"model: {label}; beam search, {args.beam_width} beams per prompt", file=sys.stderr)
+  try:
+    beams, report = beam_search(
+        model, [ids for _, ids in prompts], new, beam_width=args.beam_width,
+        length_penalty=args.length_penalty, early_stopping=early,
+        num_return_sequences=args.num_return_sequences, eos_token_id=list(stops) or None,
+        page_size=args.page_size, max_batch=args.max_batch,
+        steps_per_call=args.steps_per_call, cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        mesh=mesh)
+  except ValueError as e:
+    raise CLIError(str(e)) from e
+  for i, ((prompt, _), hyps) in enumerate(zip(prompts, beams)):
+    for j, beam in enumerate(hyps):
+      tag = f"[{i}]" if len(hyps) == 1 else f"[{i}.{j}]"
+      print(f"--- {tag} {prompt} -> {len(beam.tokens)} tokens, score {beam.score:.4f}")
+      print(codec.decode(beam.tokens) if codec else ",".join(map(str, beam.tokens)))
+  print(f"prompts: {report.num_requests}  beams: {args.beam_width}  returned tokens: "
+        f"{report.generated_tokens}  time: {report.elapsed_s:.2f} s")
+  print(f"KV pages: peak {report.peak_pages_in_use} of {report.num_pages} (a wave's "
+        f"beams if none shared a page past the prompt)  prefill calls: "
+        f"{report.prefill_calls}  decode calls: {report.decode_calls} "
+        f"({report.decode_steps} steps, {report.decode_tokens} beam tokens)")
+  print(f"throughput: {report.decode_tokens / report.elapsed_s:.1f} beam tokens/s")
   return 0
 
 

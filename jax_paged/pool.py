@@ -34,6 +34,7 @@ from jax_paged.kernels import cache_write
 from jax_paged.kernels import decode_reserve
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import linear
+from jax_paged.kernels import page_copy
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
 
@@ -414,21 +415,31 @@ def _no_shared(num_free, refcounts, shared, need, current):
   return num_free, refcounts, no, no, jnp.zeros(shared.shape, jnp.int32)
 
 
-def copy_pages(pool: KVPool, src, dst) -> KVPool:
+def copy_pages(pool: KVPool, src, dst, *, interpret: bool | None = None) -> KVPool:
   """Copies the K/V of pages `src[i]` to pages `dst[i]` in every layer and kv head, with a
   quantized pool's scales (`KVPool.page_arrays`).
 
   Args:
     pool: the pool.
-    src, dst: int32 [n] page ids; a negative dst is skipped (no copy).
+    src, dst: int32 [n] page ids; a negative dst is skipped (no copy). The dst pages are
+      distinct and none of them a src (fresh pages).
+    interpret: None = on a GPU one Pallas-Triton kernel moving only the copied pages
+      (`jax_paged.kernels.page_copy`), XLA's gather and scatter of every listed page
+      elsewhere; True = that kernel in interpret mode (tests); False = the kernel.
 
   Returns:
     The pool with the copies made; nothing else changes (the caller owns the page table
     and the reference counts).
   """
   src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
-  dst = jnp.where(dst < 0, pool.num_pages, dst)  # out of range -> dropped
+  dst = jnp.where((dst < 0) | (dst >= pool.num_pages), -1, dst)
   src = jnp.clip(src, 0, pool.num_pages - 1)
+  mode = triton_backend.kernel_mode(interpret, supported=src.shape[0] > 0)
+  if mode is not None:
+    arrays = pool.page_arrays()
+    copied = page_copy.copy_pages_pallas(tuple(arrays.values()), src, dst, interpret=mode)
+    return pool.replace(**dict(zip(arrays, copied)))
+  dst = jnp.where(dst < 0, pool.num_pages, dst)  # out of range -> dropped
 
   return pool.replace(**{name: array.at[:, :, dst].set(array[:, :, src], mode="drop")
                          for name, array in pool.page_arrays().items()})
@@ -553,48 +564,73 @@ def release_pages(pool: KVPool, page_ids) -> KVPool:
   return _drop_references(pool, page_ids, live)
 
 
-def fork(pool: KVPool, src_seq, dst_seqs) -> KVPool:
+def fork(pool: KVPool, src_seq, dst_seqs, *, own_last_page: bool = False) -> KVPool:
   """Makes each destination sequence a copy of its source that shares the source's pages.
 
   No K/V is copied: a destination's page-table row points at its source's pages, whose
   reference counts grow by one per destination, and its length becomes the source's.
   Whoever writes first into a shared, partly filled last page gets a copy of it
   (`reserve`'s copy-on-write), so the sequences diverge without seeing each other's
-  tokens. A destination that held tokens drops its own pages first (`release`).
+  tokens. A destination that held tokens drops its own pages (after the new references
+  are counted). Sources are read as they were before the call, so a destination may be a
+  source too: beams taking over their parents' rows (`jax_paged.serving.beam_search`) are
+  one fork of their group's rows onto themselves.
 
   Args:
     pool: the pool.
     src_seq: int, the source sequence id in [0, max_seqs); or int32 [n], one source per
       destination.
-    dst_seqs: int32 [n] distinct ids in [0, max_seqs), none of them a source. Under jit,
-      out-of-range (e.g. -1 padding), repeated or source ids are ignored.
+    dst_seqs: int32 [n] distinct ids in [0, max_seqs). Under jit, out-of-range (e.g. -1
+      padding) or repeated ids are ignored.
+    own_last_page: give each destination whose source's last page is partly filled its
+      own copy of that page now, all in one vectorised copy, rather than at its next write
+      (`reserve`'s copy-on-write walks shared pages one sequence at a time: a fork of
+      many rows then costs a serial copy per row). One sharer per page keeps it: the
+      source, or when the source is itself a destination (its own row reassigned), the
+      first destination of that source. A destination finding no free page for its copy
+      shares the page as without the flag.
   """
-  dst_seqs, known_dst = _check_seq_ids(pool, dst_seqs)
+  dst_seqs, _ = _check_seq_ids(pool, dst_seqs)
   n = dst_seqs.shape[0]
   known_src = validation.concrete(src_seq)
   src = jnp.asarray(src_seq)
   if src.shape not in ((), (n,)) or not jnp.issubdtype(src.dtype, jnp.integer):
     raise ValueError(f"src_seq must be an int or an int array of shape [{n}] (one per "
                      f"destination), got shape {src.shape} dtype {src.dtype}")
-  if known_src is not None:
-    if known_src.size and (known_src.min() < 0 or known_src.max() >= pool.max_seqs):
-      raise ValueError(f"src_seq must be sequence ids in [0, max_seqs={pool.max_seqs}), got "
-                       f"{known_src.tolist()}")
-    if known_dst is not None and set(np.ravel(known_src).tolist()) & set(known_dst.tolist()):
-      raise ValueError(f"dst_seqs must not contain a source (src_seq "
-                       f"{np.ravel(known_src).tolist()}), got {known_dst.tolist()}")
+  if known_src is not None and known_src.size and (
+      known_src.min() < 0 or known_src.max() >= pool.max_seqs):
+    raise ValueError(f"src_seq must be sequence ids in [0, max_seqs={pool.max_seqs}), got "
+                     f"{np.ravel(known_src).tolist()}")
   src = jnp.clip(jnp.broadcast_to(src, (n,)).astype(jnp.int32), 0, pool.max_seqs - 1)
-  is_source = (dst_seqs[:, None] == src[None, :]).any(axis=1)
-  valid = _first_valid_occurrence(pool, dst_seqs) & ~is_source
-  pool = _release(pool, dst_seqs, valid)
-  rows = jnp.where(valid, dst_seqs, pool.max_seqs)  # out of range -> dropped
-  page_table = pool.page_table.at[rows].set(pool.page_table[src], mode="drop")
-  lengths = pool.lengths.at[rows].set(pool.lengths[src], mode="drop")
-  shared = valid[:, None] & (jnp.arange(pool.max_pages_per_seq)[None, :]
-                             < pool.pages_used()[src][:, None])
-  refcounts = pool.refcounts.at[jnp.where(shared, pool.page_table[src], pool.num_pages)].add(
-      1, mode="drop")
-  return pool.replace(page_table=page_table, lengths=lengths, refcounts=refcounts)
+  valid = _first_valid_occurrence(pool, dst_seqs)
+  safe_dst = jnp.where(valid, dst_seqs, 0)
+  rows = pool.page_table[src]  # the destinations' new rows
+  lengths = pool.lengths[src]
+  used = pool.pages_used(lengths)
+  j = jnp.arange(pool.max_pages_per_seq)
+  num_free = pool.num_free
+  if own_last_page:
+    last = jnp.clip(used - 1, 0, pool.max_pages_per_seq - 1)
+    same_src = (src[:, None] == src[None, :]) & valid[None, :]
+    is_first = ~jnp.tril(same_src, k=-1).any(axis=1)
+    reassigned = ((src[:, None] == dst_seqs[None, :]) & valid[None, :]).any(axis=1)
+    copy = valid & (lengths % pool.page_size != 0) & ~(reassigned & is_first)
+    rank = jnp.cumsum(copy)
+    copy &= rank <= num_free
+    fresh = pool.free_pages[jnp.clip(num_free - rank, 0, pool.num_pages - 1)]
+    pool = copy_pages(pool, rows[jnp.arange(n), last], jnp.where(copy, fresh, -1))
+    rows = jnp.where(copy[:, None] & (j[None, :] == last[:, None]), fresh[:, None], rows)
+    num_free = num_free - jnp.sum(copy)
+  # New references first, then the destinations' old ones dropped: a page a destination
+  # keeps (its own, or its source's) never reaches zero in between.
+  counted = valid[:, None] & (j[None, :] < used[:, None])
+  refcounts = pool.refcounts.at[jnp.where(counted, rows, pool.num_pages)].add(1, mode="drop")
+  old_used = jnp.where(valid, pool.pages_used()[safe_dst], 0)
+  pool = _drop_references(pool.replace(refcounts=refcounts, num_free=num_free),
+                          pool.page_table[safe_dst], j[None, :] < old_used[:, None])
+  target = jnp.where(valid, dst_seqs, pool.max_seqs)  # out of range -> dropped
+  return pool.replace(page_table=pool.page_table.at[target].set(rows, mode="drop"),
+                      lengths=pool.lengths.at[target].set(lengths, mode="drop"))
 
 
 def attach(pool: KVPool, seq_ids, page_ids, num_tokens) -> KVPool:

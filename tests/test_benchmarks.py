@@ -7,6 +7,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import bench_decode_step
+from benchmarks import bench_beam
 from benchmarks import bench_generate
 from benchmarks import bench_prefix
 from benchmarks import bench_score
@@ -77,3 +78,11 @@ def test_prefix_benchmark_tiny(monkeypatch, tmp_path):
   bench_prefix.main()
   table = (tmp_path / "bench_prefix.md").read_text()
   assert "## 1. Shared system prompt" in table and "Chunked: worst gap" in table
+
+
+def test_beam_benchmark_tiny(monkeypatch, tmp_path):
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["bench_beam.py", "--tiny"])
+  bench_beam.main()
+  table = (tmp_path / "bench_beam.md").read_text()
+  assert table.count("| jax_paged.beam_search |") == 1 and "(unshared 48)" in table

@@ -390,3 +390,42 @@ def test_logit_bias_forces_a_token(capsys):
   status, out, _ = _main(capsys, "--model", "tiny", "--prompt", "x", "--max-new-tokens", "8",
                          "--no-progress", "--logit-bias", "65:100,66:-100", "--min-tokens", "3")
   assert status == 0 and "-> 8 tokens\nAAAAAAAA\n" in out
+
+
+def test_beam_search_prints_best_hypotheses_with_scores(capsys):
+  """--beam-width: each prompt's hypotheses, best first, as `jax_paged.beam_search` of the
+  same model gives them; beam width 1 prints the greedy completion."""
+  args = ("--model", "tiny", "--prompt", "beams", "--prompt", "xy", "--max-new-tokens", "6",
+          "--ignore-eos", "--no-progress")
+  status, out, _ = _main(capsys, *args, "--beam-width", "3", "--num-return-sequences", "2",
+                         "--length-penalty", "0.5", "--early-stopping", "never")
+  assert status == 0
+  heads = [line for line in out.splitlines() if line.startswith("--- [")]
+  assert [h.split()[1] for h in heads] == ["[0.0]", "[0.1]", "[1.0]", "[1.1]"]
+  scores = [float(h.rsplit("score ", 1)[1]) for h in heads]
+  assert scores[0] >= scores[1] and scores[2] >= scores[3] and max(scores) < 0
+  assert "prompts: 2  beams: 3  returned tokens: 24" in out
+  assert "beam tokens/s" in out.splitlines()[-1]
+  status, one, _ = _main(capsys, *args, "--beam-width", "1")
+  status, greedy, _ = _main(capsys, *args)
+  assert status == 0
+  texts = lambda out: [line for line in out.splitlines()[1:] if not line.startswith("---")]
+  assert texts(one)[:2] == [line for line in greedy.splitlines()
+                            if not line.startswith("---")][:2]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--beam-width", "2", "--temperature", "0.7", "--n", "2"],
+     "--beam-width searches deterministically over a pool of its own: --temperature, --n do "
+     "not apply"),
+    (["--beam-width", "33"], "beam_width must be an int in [1, 32], got 33"),
+    (["--beam-width", "2", "--num-return-sequences", "3"],
+     "num_return_sequences must be an int in [1, beam_width=2], got 3"),
+    (["--beam-width", "0"], "argument --beam-width: must be a positive integer, got 0"),
+    (["--beam-width", "2", "--length-penalty", "inf"],
+     "argument --length-penalty: must be a finite number, got inf"),
+    (["--beam-width", "2", "--early-stopping", "maybe"], "argument --early-stopping: invalid"),
+])
+def test_beam_search_errors_are_one_line(capsys, args, message):
+  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
+  assert status == 2 and message in err.strip().splitlines()[-1], err

@@ -32,7 +32,7 @@ reserve = jax.jit(functools.partial(kvpool.reserve, max_new_tokens=WIDTH), donat
 reserve_one = jax.jit(functools.partial(kvpool.reserve, max_new_tokens=1), donate_argnums=0)
 write_kv = jax.jit(kvpool.write_kv, donate_argnums=0)
 release = jax.jit(kvpool.release, donate_argnums=0)
-fork = jax.jit(kvpool.fork, donate_argnums=0)
+fork = jax.jit(kvpool.fork, donate_argnums=0, static_argnames="own_last_page")
 attach = jax.jit(kvpool.attach, donate_argnums=0)
 retain = jax.jit(kvpool.retain_pages, donate_argnums=0)
 unhold = jax.jit(kvpool.release_pages, donate_argnums=0)
@@ -124,15 +124,18 @@ class SharingMachine(RuleBasedStateMachine):
       k = jnp.asarray(values[:, :, layer])
       self.pool = write_kv(self.pool, layer, jnp.asarray(slots), k, -k)
 
-  @rule(src=st.integers(0, MAX_SEQS - 1),
-        dst=st.lists(st.integers(0, MAX_SEQS - 1), min_size=1, max_size=3, unique=True))
-  def fork(self, src, dst):
-    dst = [d for d in dst if d != src]
-    if not dst:
-      return
-    self.pool = fork(self.pool, src, jnp.asarray(dst))
-    for d in dst:
-      self.values[d] = list(self.values[src])
+  @rule(dst=st.lists(st.integers(0, MAX_SEQS - 1), min_size=1, max_size=3, unique=True),
+        data=st.data(), own_last_page=st.booleans())
+  def fork(self, dst, data, own_last_page):
+    """Each destination takes its source's tokens as they were before the fork; sources
+    may be destinations too (beams reassigned within their group)."""
+    src = data.draw(st.lists(st.integers(0, MAX_SEQS - 1), min_size=len(dst),
+                             max_size=len(dst)))
+    self.pool = fork(self.pool, jnp.asarray(src), jnp.asarray(dst),
+                     own_last_page=own_last_page)
+    before = [list(v) for v in self.values]
+    for s, d in zip(src, dst):
+      self.values[d] = list(before[s])
 
   @rule(seq=st.integers(0, MAX_SEQS - 1), data=st.data())
   def hold_pages(self, seq, data):
@@ -285,9 +288,69 @@ def test_fork_with_one_source_per_destination():
   p = make_pool()
   p, _, _ = kvpool.reserve(p, jnp.array([0, 1]), jnp.array([5, 9]))
   p = jax.jit(kvpool.fork)(p, jnp.array([0, 1, 1, 0]), jnp.array([2, 3, 4, 0]))
-  np.testing.assert_array_equal(p.lengths, [5, 9, 5, 9, 9, 0])  # dst 0 is a source: ignored
+  np.testing.assert_array_equal(p.lengths, [5, 9, 5, 9, 9, 0])  # 0 takes its own pages
   np.testing.assert_array_equal(p.page_table[3, :3], p.page_table[1, :3])
   check_accounting(p, {})
+
+
+def test_fork_onto_sources_owning_last_pages():
+  """Beams taking over their parents' rows: rows 0-3 become copies of rows 0, 0, 2, 1 as
+  they were; with own_last_page the partly filled pages end up unshared (one copy made
+  now, for row 1), so the next decode step writes every row in place."""
+  p = make_pool()
+  p, slots, _ = kvpool.reserve(p, jnp.arange(4), 6)  # a full page and 6 - PAGE_SIZE more
+  k = jax.random.normal(jax.random.key(3), (4, 6, HKV, D))
+  for layer in range(LAYERS):
+    p = kvpool.write_kv(p, layer, slots, k + layer, -k)
+  old = np.asarray(p.page_table)
+  free = int(p.num_free)
+  p = jax.jit(kvpool.fork, static_argnames="own_last_page")(
+      p, jnp.array([0, 0, 2, 1]), jnp.arange(4), own_last_page=True)
+  table = np.asarray(p.page_table)
+  np.testing.assert_array_equal(p.lengths[:4], 6)
+  np.testing.assert_array_equal(table[:4, 0], old[[0, 0, 2, 1], 0])  # full pages shared
+  np.testing.assert_array_equal(table[[0, 2, 3], 1], old[[0, 2, 1], 1])  # kept, not copied
+  assert table[1, 1] not in old[:4, :2]  # the one copy
+  assert int(p.num_free) == free + 2 - 1  # row 3's two pages freed, one copy taken
+  check_accounting(p, {})
+  assert (np.asarray(p.refcounts)[table[:4, 1]] == 1).all()
+  for row, src in enumerate([0, 0, 2, 1]):
+    for pos in range(6):
+      np.testing.assert_array_equal(
+          p.k_pages[:, :, table[row, pos // PAGE_SIZE], pos % PAGE_SIZE],
+          k[src, pos][None] + jnp.arange(LAYERS)[:, None, None])
+  p, slots, ok = kvpool.reserve(p, jnp.arange(4), 1, interpret=True)  # the decode kernel
+  assert np.asarray(ok).all()
+  np.testing.assert_array_equal(np.asarray(slots)[:, 0] // PAGE_SIZE, table[:4, 1])
+
+
+def _check_copy_pages(dtype, interpret):
+  """The page-copy kernel copies each listed page whole (an int8 pool's scales too), as
+  XLA's gather / scatter does, and nothing for a negative destination."""
+  p = make_pool(dtype=dtype)
+  keys = jax.random.split(jax.random.key(4), 4)
+  fill = lambda key, x: (jax.random.normal(key, x.shape) * 50).astype(x.dtype)
+  p = p.replace(**{name: fill(key, x) for key, (name, x) in zip(keys, p.page_arrays().items())})
+  src, dst = jnp.array([3, 0, 5, 3]), jnp.array([7, -1, 2, 9])
+  got = kvpool.copy_pages(p, src, dst, interpret=interpret)
+  for x, before in zip(got.page_arrays().values(), p.page_arrays().values()):
+    want = np.asarray(before).copy()
+    want[:, :, [7, 2, 9]] = want[:, :, [3, 5, 3]]
+    np.testing.assert_array_equal(x, want)
+  if jax.default_backend() == "cpu":
+    chex.assert_trees_all_equal(kvpool.copy_pages(p, src, dst).page_arrays(),  # XLA
+                                got.page_arrays())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_copy_pages_kernel_in_interpret_mode(dtype):
+  _check_copy_pages(dtype, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_copy_pages_kernel_on_gpu(dtype):
+  _check_copy_pages(dtype, False)
 
 
 def test_release_frees_a_page_shared_by_two_released_sequences_once():
@@ -319,7 +382,6 @@ def test_holds_keep_pages_past_their_sequences():
 
 @pytest.mark.parametrize("call,match", [
     (lambda p: kvpool.fork(p, MAX_SEQS, [1]), r"src_seq must be sequence ids in \[0, max_seqs"),
-    (lambda p: kvpool.fork(p, 0, [0, 1]), r"must not contain a source \(src_seq \[0\]\)"),
     (lambda p: kvpool.fork(p, [0, 1, 2], [3, 4]), r"src_seq must be an int or an int array of shape \[2\]"),
     (lambda p: kvpool.fork(p, 0, [1, 1]), "distinct"),
     (lambda p: kvpool.retain_pages(p, [NUM_PAGES]), "page_ids must be < num_pages"),

@@ -14,6 +14,7 @@ the compiled kernel (GPU), interpret mode (`interpret=True`, tests) or plain XLA
   cache_write       K/V into the pool's pages (and the q/k/v projection that stores them)
   kv_quant          int8 / float8 cache dtypes: per-token scales, quantize / dequantize
   decode_reserve    a decode step's page reservation
+  page_copy         copies of whole pages (copy-on-write, a fork's own last pages)
   triton_backend    backend choice, compiler params, the kernel-or-XLA decision
   validation        argument checks shared by kernels and references
 """

@@ -536,6 +536,7 @@ class JittedSteps:
                          checked=checked, filter_by=filter_by, logprobs=logprobs,
                          top_logprobs=top_logprobs, processors=processors, **a)
 
+    self._model, self._sharding, self._jitted = model, sharding, {}
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
       prefill, decode, prefill_sample, loop = (
           _per_device(fn, *sharding) for fn in (prefill, decode, prefill_sample, loop))
@@ -549,6 +550,20 @@ class JittedSteps:
                                  static_argnames=("layout", "max_steps", "greedy",
                                                   "checked", "filter_by", "logprobs",
                                                   "top_logprobs"))
+
+
+  def jit(self, fn: Callable, static: tuple) -> Callable:
+    """fn(model, kv, *args, **dict(static)) -> (out, kv), a device function of another
+    layer (e.g. `beam_search.beam_loop`), as (leaves, kv, *args) -> (out, kv) jitted
+    like the steps above: pool donated, one shard_map over a mesh (`out` and `args`
+    replicated); once per (fn, static)."""
+    if (fn, static) not in self._jitted:
+      model, kwargs = self._model, dict(static)
+      call = lambda leaves, kv, *args: fn(model(leaves), kv, *args, **kwargs)
+      if self._sharding is not None:
+        call = _per_device(call, *self._sharding)
+      self._jitted[fn, static] = _pool_jit(call, donate_argnums=1)
+    return self._jitted[fn, static]
 
 
 def _per_device(fn, mesh: Mesh, specs: tuple):
@@ -699,6 +714,7 @@ class ModelRunner:
     clear(kv) -> kv                                               `pool.clear`
     update_pages(kv, retain=, release=, evict=) -> kv               `update_pages`
     execute(kv, plan) -> (kv, Executed)                           a scheduler's `Plan`
+    run(fn, kv, *args, **static) -> (out, kv)          another layer's device function
   """
 
   def __init__(self, model: PagedModel, mesh: Mesh | None = None):
@@ -764,6 +780,12 @@ class ModelRunner:
     decoded, decoded_lp = decoded if logprobs else (decoded, None)
     _read_back(decoded, decoded_lp, kv.page_table, kv.num_free)
     return kv
+
+  def run(self, fn: Callable, kv: pool_lib.KVPool, *args, **static):
+    """fn(model, kv, *args, **static) -> (out, kv) jitted over this runner's model
+    (`JittedSteps.jit`; static keywords hashable): how a layer above runs a device loop
+    of its own (`beam_search.beam_loop`). Returns (out, kv)."""
+    return self.jitted.jit(fn, tuple(sorted(static.items())))(self.leaves, kv, *args)
 
   def clear(self, kv: pool_lib.KVPool) -> pool_lib.KVPool:
     """Every page free and every sequence empty (`pool.clear`), in place."""
