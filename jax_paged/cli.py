@@ -432,19 +432,19 @@ class StopTexts:
   """Where each completion's text first contains one of `--stop`'s texts (vLLM's stop
   strings, met on the host as tokens arrive; the engine works in token ids)."""
 
-  def __init__(self, texts: Sequence[str], codec: Codec | None, samples: Sequence[int]):
+  def __init__(self, texts: Sequence[str], codec: Codec | None):
     if texts and codec is None:
       raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its "
                      "tokens are ids): drop --stop")
-    self.texts, self.codec, self.samples = list(texts), codec, samples
+    self.texts, self.codec = list(texts), codec
     self.tokens = collections.defaultdict(list)  # (prompt, sample) -> its tokens so far
     # (prompt, sample) -> (its tokens up to the one completing a stop text, its text
     # before it, the stop text)
     self.stops: dict[tuple[int, int], tuple[int, str, str]] = {}
 
   def take(self, event: TokenEvent) -> bool:
-    """Takes a token; True when it completes the first stop text of the last of its
-    prompt's samples to meet one (the request can end)."""
+    """Takes a token; True when it completes its sample's first stop text (the sample
+    can end)."""
     key = event.request_id, event.sample
     if not self.texts or key in self.stops:
       return False
@@ -456,8 +456,7 @@ class StopTexts:
       return False
     at, stop = min(found)
     self.stops[key] = (len(tokens), text[:at], stop)
-    n = self.samples[event.request_id]
-    return all((event.request_id, j) in self.stops for j in range(n))
+    return True
 
 
 def _notice(message: str) -> None:
@@ -529,7 +528,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             presence_penalty=args.presence_penalty,
                             logit_bias=args.logit_bias,
                             min_tokens=min(args.min_tokens, new)))
-  stopped = StopTexts(args.stop, codec, [r.n for r in requests])
+  stopped = StopTexts(args.stop, codec)
   eng = None
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
@@ -554,8 +553,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
         logprobs[event.request_id, event.sample].append(event)
       if event.prompt_logprobs is not None:
         scores.setdefault(event.request_id, event)
-      if stopped.take(event):  # every sample of its prompt has met a stop text
-        eng.abort_request(event.request_id)
+      if stopped.take(event):  # the sample has met a stop text
+        eng.abort_request(event.request_id, event.sample)
 
     outputs, report = eng.generate(requests, on_token=on_token)
     progress.close()

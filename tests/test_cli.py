@@ -383,7 +383,7 @@ def test_stop_texts_cut_each_completion_and_end_its_request(capsys):
   assert "aborted requests: 1" in out or "aborted requests: 2" in out
   from jax_paged import cli  # pylint: disable=import-outside-toplevel
   with pytest.raises(cli.CLIError, match="--stop needs text"):
-    cli.StopTexts(["x"], None, [1])
+    cli.StopTexts(["x"], None)
 
 
 def test_logit_bias_forces_a_token(capsys):

@@ -875,6 +875,86 @@ def test_abort_request_from_a_callback_or_a_streams_consumer(model, prompts,
   assert_pages_back(eng)
 
 
+def test_abort_request_of_one_sample_wherever_it_is(model, prompts):
+  """`abort_request(id, sample)`: that sample gets no more tokens, whether decoding,
+  prefilling the pages its forks will share, or not yet admitted; the request's other
+  samples and the other requests get the tokens they get without it; aborting every
+  sample one by one counts the request aborted; every page comes back."""
+  long_prompt = prompts[5] * 2
+  sampled = Request(long_prompt, 14, n=3, temperature=1.0, seed=4)
+  ref = Engine(model, max_batch=8, num_pages=64, page_size=8).generate(
+      [sampled, Request(prompts[0], 14)])[0]
+
+  def run(eng, abort_at, first=None):
+    """Adds (first,) the sampled request, a greedy one; calls abort_at(tokens) -> the
+    (request, sample) pairs to abort after each step."""
+    ids = ([eng.add_request(first)] if first else []) + [eng.add_request(sampled),
+                                                        eng.add_request(Request(prompts[0], 14))]
+    tokens = collections.defaultdict(list)
+    aborted = set()
+    while eng.has_unfinished_requests():
+      for e in eng.step():
+        assert (e.request_id, e.sample) not in aborted
+        tokens[e.request_id, e.sample].append(e.token)
+      for pair in abort_at(eng, ids, tokens) - aborted:
+        assert eng.abort_request(*pair) and not eng.abort_request(*pair)
+        aborted.add(pair)
+    assert_pages_back(eng)
+    return ids, tokens
+
+  # Decoding: sample 1 after two tokens.
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=3)
+  (a, b), tokens = run(eng, lambda eng, ids, t: {(ids[0], 1)} if len(t[ids[0], 1]) >= 2
+                       else set())
+  assert [tokens[a, 0], tokens[a, 2], tokens[b, 0]] == [ref[0][0], ref[0][2], ref[1]]
+  assert 2 <= len(tokens[a, 1]) < 14 and tokens[a, 1] == ref[0][1][:len(tokens[a, 1])]
+  assert eng.report.aborted == 0
+
+  # Prefilling (chunked, 8 tokens per call) the pages samples 1 and 2 will fork from.
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=3,
+               max_prefill_tokens=8)
+
+  def while_prefilling(eng, ids, tokens):
+    if eng._run is None:  # (the step ended the run)
+      return set()
+    slots = [s for s in eng._run.scheduler.slots if s is not None and s.request_id == ids[0]]
+    if any(s.sample == 0 and 0 < s.prefilled < s.prefill_stop for s in slots):
+      return {(ids[0], 0)}
+    return set()
+
+  (a, b), tokens = run(eng, while_prefilling)
+  assert (a, 0) not in tokens and [tokens[a, 1], tokens[a, 2]] == ref[0][1:]
+  assert tokens[b, 0] == ref[1]
+
+  # Not yet admitted (behind a request holding 2 of 3 slots); then every sample, one by
+  # one: the request counts as aborted and the run ends with the others.
+  eng = Engine(model, max_batch=3, num_pages=64, page_size=8, steps_per_call=3)
+  (first, a, b), tokens = run(
+      eng, lambda eng, ids, t: {(ids[1], 0)}, Request(prompts[1], 14, n=2))
+  assert (a, 0) not in tokens and [tokens[a, 1], tokens[a, 2]] == ref[0][1:]
+  assert eng.report.decode_tokens == 13 * 5  # (2 + 2 + 1 sequences: sample 0 never ran)
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=3)
+  (a, b), tokens = run(eng, lambda eng, ids, t: {(ids[0], j) for j in range(3)
+                                                 if len(t[ids[0], j]) >= 1 + 2 * j})
+  assert eng.report.aborted == 1 and tokens[b, 0] == ref[1]
+
+  # From a callback, with the sample's tokens in the output up to the abort; bad samples.
+  def on_token(e):
+    got[e.request_id, e.sample].append(e.token)
+    if (e.request_id, e.sample) == (0, 2) and len(got[0, 2]) == 3:
+      assert eng.abort_request(0, 2)
+      for bad in (3, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"sample must be None \(every sample\) or an "
+                                             r"int in \[0, n=3\) for request 0"):
+          eng.abort_request(0, bad)
+
+  got = collections.defaultdict(list)
+  out, report = eng.generate([sampled, Request(prompts[0], 14)], on_token=on_token)
+  assert out == [[ref[0][0], ref[0][1], ref[0][2][:3]], ref[1]]
+  assert report.aborted == 0 and report.generated_tokens == 14 * 3 + 3
+  assert_pages_back(eng)
+
+
 @pytest.mark.parametrize("request_,match", [
     (Request([], 3), "prompt is empty"),
     (Request([1, 2.5], 3), r"prompt must be a flat list of integer token ids .* shape \(2,\)"),

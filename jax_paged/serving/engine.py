@@ -449,18 +449,21 @@ class Engine:
       self.abort()
       raise
 
-  def abort_request(self, request_id: int) -> bool:
-    """Drops one request of the run in progress, every sample of it (vLLM's
-    `abort_request`: its client has gone, or met a stop string of its own): it leaves the
-    queue or the batch, its pages go back (full pages already cached stay cached), and
-    none of its tokens come after this call, from `step()`, `stream` or `generate`'s
-    `on_token` (from which it may be called: the tokens of the same device call that
-    follow are dropped; `generate` returns the tokens given). Call from the thread that
-    runs the engine: between steps, in an `on_token` callback, or while consuming a
-    stream. Returns whether it was unfinished (False: finished, or already aborted).
+  def abort_request(self, request_id: int, sample: int | None = None) -> bool:
+    """Drops one request of the run in progress, every sample of it, or only its `sample`
+    (vLLM's `abort_request`: its client has gone, or met a stop string of its own): it
+    leaves the queue or the batch, its pages go back (full pages already cached stay
+    cached), and none of its tokens come after this call, from `step()`, `stream` or
+    `generate`'s `on_token` (from which it may be called: the tokens of the same device
+    call that follow are dropped; `generate` returns the tokens given). A request whose
+    every sample was aborted one by one counts as aborted (`Report.aborted`). Call from
+    the thread that runs the engine: between steps, in an `on_token` callback, or while
+    consuming a stream. Returns whether it (the sample) was unfinished (False: finished,
+    or already aborted).
 
     Raises:
-      ValueError: request_id is not an int >= 0, or not an id of the run in progress.
+      ValueError: request_id is not an int >= 0, or not an id of the run in progress;
+        sample is not an int in [0, n).
     """
     run = self._run
     if not is_int(request_id):
@@ -473,12 +476,30 @@ class Engine:
     if not 0 <= rid < len(run.scheduler.requests):
       raise ValueError(f"request_id {request_id}: the run in progress has ids "
                        f"{run.first_id} to {run.first_id + len(run.scheduler.requests) - 1}")
-    if request_id in run.aborted or not run.scheduler.unfinished(rid):
+    n = run.scheduler.requests[rid].n
+    if sample is not None and not (is_int(sample) and 0 <= sample < n):
+      raise ValueError(f"sample must be None (every sample) or an int in [0, n={n}) for "
+                       f"request {request_id}, got {sample!r}")
+    if request_id in run.aborted or (request_id, sample) in run.aborted_samples:
+      return False
+    if sample is not None:
+      if not run.scheduler.unfinished(rid, sample):
+        return False
+      run.aborted_samples.add((request_id, sample))
+      left = [j for j in range(n) if (request_id, j) not in run.aborted_samples
+              and run.scheduler.unfinished(rid, j)]
+      if left:  # the request goes on without this sample
+        if self._streaming:
+          run.aborting.append((rid, sample))
+        else:
+          run.scheduler.abort(rid, sample)
+        return True
+    elif not run.scheduler.unfinished(rid):
       return False
     run.aborted.add(request_id)
     self.report.aborted += 1
     if self._streaming:  # mid-call (a callback, a stream's consumer): at the next step
-      run.aborting.append(rid)
+      run.aborting.append((rid, None))
     else:
       run.scheduler.abort(rid)
       if run.scheduler.finished:
@@ -540,7 +561,7 @@ class Engine:
     does not count them."""
     for seq in seqs:
       for j, event in enumerate(_events(*seq)):
-        if seq[0] in self._run.aborted:
+        if self._run.dropped(seq[0], seq[1]):
           self.report.generated_tokens -= len(seq[2]) - j
           break
         yield event
@@ -570,8 +591,8 @@ class Engine:
     from 0 in each run; the caller's from the run's first_id.)"""
     run, report = self._run, self.report
     scheduler = run.scheduler
-    for rid in run.aborting:  # (aborted during the last call's events)
-      scheduler.abort(rid)
+    for rid, sample in run.aborting:  # (aborted during the last call's events)
+      scheduler.abort(rid, sample)
     run.aborting.clear()
     if scheduler.finished:  # (every request left was aborted)
       self._finish()
@@ -599,7 +620,7 @@ class Engine:
                                    out.decoded_logprobs, out.prompt_logprobs)
     now = time.perf_counter()
     for rid, sample, new, *rest in events:
-      if run.first_id + rid in run.aborted:  # (its slot retires at the next step)
+      if run.dropped(run.first_id + rid, sample):  # (its slot retires at the next step)
         continue
       if rid not in run.started:
         run.started.add(rid)
@@ -639,7 +660,14 @@ class _Run:
   first_id: int = 0
   started: set[int] = dataclasses.field(default_factory=set)
   aborted: set[int] = dataclasses.field(default_factory=set)  # caller's ids
-  aborting: list[int] = dataclasses.field(default_factory=list)  # scheduler ids, pending
+  # (caller's id, sample) of samples aborted alone
+  aborted_samples: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+  # (scheduler id, sample or None: every sample), pending
+  aborting: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
+
+  def dropped(self, request_id: int, sample: int) -> bool:
+    """Whether this sample's tokens are no longer delivered (caller's id)."""
+    return request_id in self.aborted or (request_id, sample) in self.aborted_samples
 
 
 def _events(rid: int, sample: int, tokens: list[int], reason: str | None,

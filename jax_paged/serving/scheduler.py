@@ -71,6 +71,9 @@ class RunningRequest:
   # position's most likely tokens; None otherwise (and once delivered).
   prompt_logprobs: list | None = None
   prompt_top_logprobs: list | None = None
+  # Aborted (`Scheduler.abort` of this sample) while its prefill is still needed by the
+  # samples forked from it: it retires after that prefill, its token undelivered.
+  aborted: bool = False
 
   @property
   def seed(self) -> int:
@@ -209,6 +212,8 @@ class Scheduler:
     self._cohort_starting = False
     self._release: list[int] = []
     self._finished: list[int] = []  # slots whose sequence ended in the last plan
+    # request id -> samples aborted before the request was admitted (`abort`)
+    self._aborted_samples: dict[int, set[int]] = {}
 
   @property
   def finished(self) -> bool:
@@ -225,19 +230,40 @@ class Scheduler:
     self.waiting.append((rid, None, []))
     return rid
 
-  def unfinished(self, rid: int) -> bool:
-    """Whether request `rid` has a sample waiting or in a slot."""
-    return (any(w[0] == rid for w in self.waiting)
-            or any(s is not None and s.request_id == rid for s in self.slots))
+  def unfinished(self, rid: int, sample: int | None = None) -> bool:
+    """Whether request `rid` (or its `sample`) has a sample waiting or in a slot."""
+    if sample is None:
+      return (any(w[0] == rid for w in self.waiting)
+              or any(s is not None and s.request_id == rid for s in self.slots))
+    return (any(w[0] == rid and (w[1] == sample or w[1] is None
+                                 and sample not in self._aborted_samples.get(rid, ()))
+                for w in self.waiting)
+            or any(s is not None and s.request_id == rid and s.sample == sample
+                   and not s.aborted for s in self.slots))
 
-  def abort(self, rid: int) -> None:
-    """Drops request `rid`, every sample of it, waiting, prefilling or decoding: its slots
-    are retired (their pages released with the next plan; full pages already registered
-    stay cached). Call between a `settle` and the next `schedule`."""
-    self.waiting = collections.deque(w for w in self.waiting if w[0] != rid)
-    slots = [i for i, s in enumerate(self.slots) if s is not None and s.request_id == rid]
-    self._prefill_queue = [i for i in self._prefill_queue if i not in slots]
-    self._retire(slots)
+  def abort(self, rid: int, sample: int | None = None) -> None:
+    """Drops request `rid`, every sample of it (or only `sample`), waiting, prefilling or
+    decoding: its slots are retired (their pages released with the next plan; full pages
+    already registered stay cached). A sample whose prefill its forks still need retires
+    after it (`RunningRequest.aborted`). Call between a `settle` and the next
+    `schedule`."""
+    if sample is None:
+      self.waiting = collections.deque(w for w in self.waiting if w[0] != rid)
+      slots = [i for i, s in enumerate(self.slots) if s is not None and s.request_id == rid]
+      self._prefill_queue = [i for i in self._prefill_queue if i not in slots]
+      self._retire(slots)
+      return
+    if any(w[0] == rid and w[1] is None for w in self.waiting):  # not admitted yet
+      self._aborted_samples.setdefault(rid, set()).add(sample)
+    self.waiting = collections.deque(w for w in self.waiting if w[:2] != (rid, sample))
+    for i, s in enumerate(self.slots):
+      if s is None or s.request_id != rid or s.sample != sample:
+        continue
+      if any(f is not None and f.parent == i for f in self.slots):
+        s.aborted = True
+      else:
+        self._prefill_queue = [j for j in self._prefill_queue if j != i]
+        self._retire([i])
 
   def next_arrival(self) -> float:
     """When (seconds after the start) the next waiting request arrives."""
@@ -314,7 +340,11 @@ class Scheduler:
     while self.waiting and self.arrivals[self.waiting[0][0]] <= now:
       rid, sample, done = self.waiting[0]
       request = self.requests[rid]
-      samples = range(request.n) if sample is None else [sample]
+      if sample is None:  # (less the samples aborted while it waited)
+        aborted = self._aborted_samples.get(rid, ())
+        samples = [j for j in range(request.n) if j not in aborted]
+      else:
+        samples = [sample]
       if len(free) < len(samples):
         break
       # Prefill caches the context and samples one token; then decode steps. (Pages a
@@ -327,6 +357,7 @@ class Scheduler:
       for _ in samples[1:]:  # forks copy the shared last page, then grow
         self.admission.add(context_length % page_size, steps_left)
       self.waiting.popleft()
+      self._aborted_samples.pop(rid, None)
       stops = (eos + tuple(int(t) for t in request.stop_token_ids)
                if len(request.stop_token_ids) else eos)
       first = free[0]
@@ -471,6 +502,8 @@ class Scheduler:
 
   def _stop_reason(self, s: RunningRequest) -> str | None:
     """Why the sequence ends after its newest token, or None if it goes on."""
+    if s.aborted:
+      return "abort"
     if s.tokens[-1] in s.stop_token_ids:
       return "stop"
     if not s.budget:
