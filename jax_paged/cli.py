@@ -428,37 +428,6 @@ class Progress:
       sys.stderr.write("\n")
 
 
-class StopTexts:
-  """Where each completion's text first contains one of `--stop`'s texts (vLLM's stop
-  strings, met on the host as tokens arrive; the engine works in token ids)."""
-
-  def __init__(self, texts: Sequence[str], codec: Codec | None):
-    if texts and codec is None:
-      raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its "
-                     "tokens are ids): drop --stop")
-    self.texts, self.codec = list(texts), codec
-    self.tokens = collections.defaultdict(list)  # (prompt, sample) -> its tokens so far
-    # (prompt, sample) -> (its tokens up to the one completing a stop text, its text
-    # before it, the stop text)
-    self.stops: dict[tuple[int, int], tuple[int, str, str]] = {}
-
-  def take(self, event: TokenEvent) -> bool:
-    """Takes a token; True when it completes its sample's first stop text (the sample
-    can end)."""
-    key = event.request_id, event.sample
-    if not self.texts or key in self.stops:
-      return False
-    tokens = self.tokens[key]
-    tokens.append(event.token)
-    text = self.codec.decode(tokens)
-    found = [(at, stop) for stop in self.texts if (at := text.find(stop)) >= 0]
-    if not found:
-      return False
-    at, stop = min(found)
-    self.stops[key] = (len(tokens), text[:at], stop)
-    return True
-
-
 def _notice(message: str) -> None:
   print(f"jax-paged-generate: note: {message}", file=sys.stderr)
 
@@ -520,7 +489,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
               f"{spec.max_positions}")
     requests.append(Request(ids, new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed + i,
-                            stop_token_ids=stops, n=args.n, logprobs=show_logprobs,
+                            stop_token_ids=stops, stop=args.stop, n=args.n,
+                            logprobs=show_logprobs,
                             top_logprobs=args.top_logprobs,
                             prompt_logprobs=args.prompt_logprobs,
                             repetition_penalty=args.repetition_penalty,
@@ -528,14 +498,17 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             presence_penalty=args.presence_penalty,
                             logit_bias=args.logit_bias,
                             min_tokens=min(args.min_tokens, new)))
-  stopped = StopTexts(args.stop, codec)
+  if args.stop and codec is None:
+    raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its tokens "
+                   "are ids): drop --stop")
   eng = None
   try:
     eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
                  page_size=args.page_size, steps_per_call=args.steps_per_call,
                  admission=args.admission, prefix_caching=not args.no_prefix_caching,
-                 cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=mesh)
+                 cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=mesh,
+                 detokenize=codec.decode if codec else None)
     print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
           f"{spec.head_dim}; {jnp.dtype(dtype).name} on "
           f"{args.tensor_parallel} x {jax.devices()[0].platform}; text as "
@@ -546,6 +519,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                         enabled=not args.no_progress)
     logprobs = collections.defaultdict(list)  # (prompt, sample) -> its tokens' events
     scores = {}  # prompt -> its first event with prompt log-probabilities
+    stop_texts = {}  # (prompt, sample) -> the stop text that ended it
 
     def on_token(event: TokenEvent) -> None:
       progress.update()
@@ -553,8 +527,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
         logprobs[event.request_id, event.sample].append(event)
       if event.prompt_logprobs is not None:
         scores.setdefault(event.request_id, event)
-      if stopped.take(event):  # the sample has met a stop text
-        eng.abort_request(event.request_id, event.sample)
+      if event.stop_text is not None:
+        stop_texts[event.request_id, event.sample] = event.stop_text
 
     outputs, report = eng.generate(requests, on_token=on_token)
     progress.close()
@@ -591,14 +565,14 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
         print(f"--- [{i}] prompt logprobs: none (a one-token prompt)")
     for j, sample in enumerate([out] if args.n == 1 else out):
       label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
-      stop = stopped.stops.get((i, j))  # (tokens up to it, text before it, the text)
+      stop = stop_texts.get((i, j))
       if stop is None:
         print(f"--- {label} {prompt} -> {len(sample)} tokens")
         print(codec.decode(sample) if codec else ",".join(map(str, sample)))
-      else:
-        sample = sample[:stop[0]]
-        print(f"--- {label} {prompt} -> {len(sample)} tokens, stopped at {stop[2]!r}")
-        print(stop[1])
+      else:  # (its last token completed the stop text: the completion is the text before)
+        text = codec.decode(sample)
+        print(f"--- {label} {prompt} -> {len(sample)} tokens, stopped at {stop!r}")
+        print(text[:text.find(stop)])
       events = logprobs[i, j][:len(sample)]
       if show_logprobs:
         print_logprobs("logprobs", [e.logprob for e in events], [e.token for e in events],

@@ -242,6 +242,9 @@ def test_prompt_ids_clamp_notice_and_truncated_weights(capsys, tmp_path):
                            "--max-new-tokens", "20", "--ignore-eos", "--no-progress")
   assert status == 0, err
   assert "--max-new-tokens 20 lowered to 14" in err and "generated tokens: 14" in out
+  status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1",
+                         "--stop", "x")
+  assert status == 2 and "--stop needs text, and this checkpoint has no tokenizer" in err
   weights = tmp_path / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:100])
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1")
@@ -357,8 +360,7 @@ def test_penalties_change_greedy_repeats(capsys):
 def test_stop_texts_cut_each_completion_and_end_its_request(capsys):
   """--stop: each sample's completion ends before the first stop text its text contains
   (whichever stop text comes first), the tokens and log-probabilities counted up to the
-  token that completed it; a request whose samples all stopped is aborted (the report
-  says so); a completion with no stop text is whole."""
+  token that completed it; a completion with no stop text is whole."""
   args = ("--model", "tiny", "--prompt", "Hello", "--prompt", "pages", "--max-new-tokens",
           "24", "--ignore-eos", "--no-progress", "--temperature", "1.0", "--n", "2",
           "--logprobs")
@@ -380,10 +382,7 @@ def test_stop_texts_cut_each_completion_and_end_its_request(capsys):
     assert "stopped at" in head
     n = int(head.split("-> ")[1].split()[0])
     assert 1 <= n < 24 and len(values.split("): ")[1].split(",")) == n
-  assert "aborted requests: 1" in out or "aborted requests: 2" in out
-  from jax_paged import cli  # pylint: disable=import-outside-toplevel
-  with pytest.raises(cli.CLIError, match="--stop needs text"):
-    cli.StopTexts(["x"], None)
+  assert "aborted" not in out  # (samples end at their stop texts: finished, not aborted)
 
 
 def test_logit_bias_forces_a_token(capsys):

@@ -955,6 +955,43 @@ def test_abort_request_of_one_sample_wherever_it_is(model, prompts):
   assert_pages_back(eng)
 
 
+def test_stop_texts_end_each_sample_at_its_first(model, prompts, greedy_reference):
+  """`Request.stop` with the engine's `detokenize` (a toy: one letter per token): a sample
+  ends with the token completing the first stop text in its generated text (one spanning
+  two tokens; a sample of n = 2 at its own), finish_reason 'stop' and `stop_text` on its
+  last event; its tokens up to there and the other requests' are unchanged; nothing
+  counts as aborted; bad stops and a missing detokenize are named."""
+  detok = lambda ids: "".join(chr(97 + t % 26) for t in ids)
+  eng = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=5,
+               detokenize=detok)
+  text = detok(greedy_reference[0])
+  stop = text[4:6]
+  events = []
+  out, report = eng.generate([Request(prompts[0], 14, stop=[stop, "never seen"]),
+                              Request(prompts[1], 14)], on_token=events.append)
+  assert out == [greedy_reference[0][:text.find(stop) + 2], greedy_reference[1]]
+  last = [e for e in events if e.request_id == 0][-1]
+  assert (last.finish_reason, last.stop_text) == ("stop", stop)
+  assert all(e.stop_text is None for e in events if e is not last)
+  assert report.generated_tokens == len(out[0]) + 14 and report.aborted == 0
+  assert_pages_back(eng)
+  sampled = Request(prompts[2], 14, n=2, temperature=1.0, seed=3)
+  (ref,), _ = eng.generate([sampled])
+  stop = detok(ref[0])[5]
+  (got,), _ = eng.generate([dataclasses.replace(sampled, stop=[stop])])
+  for want, tokens in zip(ref, got):
+    cut = detok(want).find(stop)
+    assert tokens == (want if cut < 0 else want[:cut + 1])
+  assert any(len(t) < 14 for t in got)
+  assert_pages_back(eng)
+  with pytest.raises(ValueError, match="request 0: stop texts need the engine's detokenize"):
+    Engine(model, max_batch=4, num_pages=64, page_size=8).generate(
+        [Request(prompts[0], 4, stop=["a"])])
+  for bad in ("a", [""], [1]):
+    with pytest.raises(ValueError, match="request 0: stop must be a list of non-empty texts"):
+      eng.generate([Request(prompts[0], 4, stop=bad)])
+
+
 @pytest.mark.parametrize("request_,match", [
     (Request([], 3), "prompt is empty"),
     (Request([1, 2.5], 3), r"prompt must be a flat list of integer token ids .* shape \(2,\)"),

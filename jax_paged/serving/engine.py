@@ -81,6 +81,8 @@ class Engine:
       while every running request can still reach its max_new_tokens; never preempts;
       best when requests rarely stop early). See `jax_paged.serving.admission`.
     eos_token_id: ends every request when generated (optional).
+    detokenize: token ids -> text (e.g. a tokenizer's `decode`), for requests with stop
+      texts (`Request.stop`); None: the engine works in token ids only.
     cache_dtype: the pool dtype (default: the model's compute dtype): a float dtype, or
       int8 / float8_e4m3fn for a quantized cache (one scale per token per kv head; ~1.9x
       the tokens of bf16 in the same memory at head dim 64, attention reads ~half the
@@ -108,7 +110,8 @@ class Engine:
                page_size: int = 16, steps_per_call: int = 128,
                max_prefill_tokens: int = 16384, admission: str = "optimistic",
                eos_token_id: int | None = None, cache_dtype=None,
-               prefix_caching: bool = True, mesh=None):
+               prefix_caching: bool = True, mesh=None,
+               detokenize: Callable[[Sequence[int]], str] | None = None):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)
     self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -118,6 +121,10 @@ class Engine:
                        f"{admission!r}")
     self.admission = admission
     self.eos_token_id = eos_token_id
+    if detokenize is not None and not callable(detokenize):
+      raise ValueError(f"detokenize must be a function of token ids returning text, got "
+                       f"{detokenize!r}")
+    self.detokenize = detokenize
     self.prefix_caching = bool(prefix_caching)
     self.runner = runner_lib.ModelRunner(model, mesh)
     self.mesh = mesh
@@ -528,7 +535,8 @@ class Engine:
     return validate_requests(requests, self.spec, page_size=self.page_size,
                              max_pages=min(self.num_pages, self.max_pages_per_seq),
                              max_batch=self.max_batch, first_id=first_id,
-                             scores_prompts=self.runner.scores_prompts)
+                             scores_prompts=self.runner.scores_prompts,
+                             detokenizes=self.detokenize is not None)
 
   def _begin(self, requests: Sequence[Request], first_id: int = 0) -> None:
     """Starts a run of `requests` (validated here), whose ids are first_id, first_id + 1,
@@ -585,10 +593,10 @@ class Engine:
   def _step(self) -> Iterator[tuple]:
     """schedule -> execute -> take_tokens / settle, once. Yields (request id, sample, new
     tokens, finish reason, their log-probabilities, their top log-probabilities, the
-    prompt's and its top ones: each None unless asked for and due) per sequence that
-    produced tokens, before the page
-    bookkeeping; ends the run when every request has finished. (The scheduler's ids count
-    from 0 in each run; the caller's from the run's first_id.)"""
+    prompt's and its top ones, the stop text completed: each None unless asked for and
+    due) per sequence that produced tokens, before the page bookkeeping; a sample meeting
+    a stop text ends there. Ends the run when every request has finished. (The
+    scheduler's ids count from 0 in each run; the caller's from the run's first_id.)"""
     run, report = self._run, self.report
     scheduler = run.scheduler
     for rid, sample in run.aborting:  # (aborted during the last call's events)
@@ -619,14 +627,26 @@ class Engine:
     events = scheduler.take_tokens(plan, out.first, out.decoded, out.first_logprobs,
                                    out.decoded_logprobs, out.prompt_logprobs)
     now = time.perf_counter()
-    for rid, sample, new, *rest in events:
+    for rid, sample, new, reason, logprobs, top, *prompt in events:
       if run.dropped(run.first_id + rid, sample):  # (its slot retires at the next step)
         continue
       if rid not in run.started:
         run.started.add(rid)
         report.ttft_s.append(now - run.start - scheduler.arrivals[rid])
+      stop_text = None
+      if len(scheduler.requests[rid].stop):
+        tokens = run.generated.setdefault((rid, sample), [])
+        found = _find_stop(tokens, new, scheduler.requests[rid].stop, self.detokenize)
+        if found is not None:  # the sample ends at that token: later ones are dropped
+          end, stop_text = found
+          new, reason = new[:end], "stop"
+          logprobs, top = (x if x is None else x[:end] for x in (logprobs, top))
+          run.aborting.append((rid, sample))  # (its slot retires at the next step)
+        tokens += new
       report.generated_tokens += len(new)
-      yield run.first_id + rid, sample, new, *rest
+      yield run.first_id + rid, sample, new, reason, logprobs, top, *prompt, stop_text
+      if stop_text is not None:  # (once its tokens are delivered) no more of them
+        run.aborted_samples.add((run.first_id + rid, sample))
     # The page bookkeeping once the caller has the tokens.
     scheduler.settle(plan, out.page_table, out.num_free)
     report.peak_pages_in_use = self._cache.peak_used_pages
@@ -665,6 +685,9 @@ class _Run:
   # (scheduler id, sample or None: every sample), pending
   aborting: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
 
+  # (scheduler id, sample) -> the tokens generated so far, of samples with stop texts
+  generated: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
+
   def dropped(self, request_id: int, sample: int) -> bool:
     """Whether this sample's tokens are no longer delivered (caller's id)."""
     return request_id in self.aborted or (request_id, sample) in self.aborted_samples
@@ -672,12 +695,33 @@ class _Run:
 
 def _events(rid: int, sample: int, tokens: list[int], reason: str | None,
             logprobs: list[float] | None = None, top_logprobs: list[tuple] | None = None,
-            prompt_logprobs: tuple | None = None, prompt_top_logprobs: tuple | None = None
-            ) -> Iterator[TokenEvent]:
-  """A sequence's new tokens as events, the finish reason on the last and the prompt's
-  log-probabilities on the first."""
+            prompt_logprobs: tuple | None = None, prompt_top_logprobs: tuple | None = None,
+            stop_text: str | None = None) -> Iterator[TokenEvent]:
+  """A sequence's new tokens as events, the finish reason (and stop text) on the last and
+  the prompt's log-probabilities on the first."""
+  last = len(tokens) - 1
   for j, token in enumerate(tokens):
-    yield TokenEvent(rid, token, reason if j == len(tokens) - 1 else None, sample,
+    yield TokenEvent(rid, token, reason if j == last else None, sample,
                      None if logprobs is None else logprobs[j],
                      None if top_logprobs is None else top_logprobs[j],
-                     *((prompt_logprobs, prompt_top_logprobs) if j == 0 else ()))
+                     *((prompt_logprobs, prompt_top_logprobs) if j == 0 else (None, None)),
+                     stop_text if j == last else None)
+
+
+def _find_stop(tokens: list[int], new: list[int], stops: Sequence[str],
+               detokenize: Callable[[Sequence[int]], str]) -> tuple[int, str] | None:
+  """(how many of `new` run up to the first whose text completes one of `stops`, that
+  stop text), or None: `tokens` are the sample's earlier tokens (whose text holds none).
+  Each token's check decodes only the last tokens that can hold a stop text (a character
+  takes at most 4 byte-level tokens), so a long completion costs no more per token; the
+  replacement characters at the ends of that text are left out (a character cut at the
+  window's start, or not yet complete at its end: the next tokens may complete it)."""
+  window = 4 * max(map(len, stops)) + 2
+  context = tokens[-window:] + new
+  for j in range(len(new)):
+    end = len(context) - len(new) + j + 1
+    text = detokenize(context[max(0, end - window):end]).strip("\ufffd")
+    found = [(at, stop) for stop in stops if (at := text.find(stop)) >= 0]
+    if found:
+      return j + 1, min(found)[1]
+  return None

@@ -31,6 +31,10 @@ class Request:
       `fold_in(key(seed), i)`, so a request's tokens do not depend on what runs beside it.
     stop_token_ids: tokens that end the request (included in its output), in addition to
       the engine's `eos_token_id`.
+    stop: texts that end a sample once its generated text contains one (vLLM's stop
+      strings; the engine's `detokenize` gives the text): the token completing the first
+      is its last, with finish_reason 'stop' and `TokenEvent.stop_text` naming it (the
+      text before it is the completion).
     n: samples of the prompt (parallel sampling): its prompt is prefilled once and the
       samples share its pages (`pool.fork`), each drawing with its own seed
       (`sample_seed(seed, j)`: sample 0 draws as a request with n = 1 would).
@@ -80,6 +84,7 @@ class Request:
   min_p: float = 0.0
   seed: int = 0
   stop_token_ids: Sequence[int] = ()
+  stop: Sequence[str] = ()
   n: int = 1
   arrival_s: float = 0.0
   logprobs: bool = False
@@ -120,7 +125,8 @@ class TokenEvent:
   submitted list). `finish_reason` is None while the sample goes on, else 'stop' or
   'length'. `logprob`: the token's log-probability (`Request.logprobs`), else None;
   `top_logprobs`: ((token, log-probability), ...) of the step's most likely tokens, most
-  likely first (`Request.top_logprobs`), else None. `prompt_logprobs` (on a sample's first
+  likely first (`Request.top_logprobs`), else None. `stop_text`: on a sample's last event,
+  the `Request.stop` text its token completed (finish_reason 'stop'), else None. `prompt_logprobs` (on a sample's first
   event, with `Request.prompt_logprobs`; else None): each prompt token's log-probability
   given those before it, None for the first; `prompt_top_logprobs` (with top_logprobs
   too): each prompt position's most likely tokens as `top_logprobs`, None for the first."""
@@ -133,6 +139,7 @@ class TokenEvent:
   top_logprobs: tuple[tuple[int, float], ...] | None = None
   prompt_logprobs: tuple[float | None, ...] | None = None
   prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+  stop_text: str | None = None
 
 
 def is_int(x) -> bool:
@@ -166,7 +173,8 @@ def _token_ids(prompt) -> np.ndarray | None:
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
                       max_pages: int, max_batch: int, first_id: int = 0,
-                      scores_prompts: bool = True) -> list[np.ndarray]:
+                      scores_prompts: bool = True, detokenizes: bool = False
+                      ) -> list[np.ndarray]:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
   serve as asked; returns the prompts as int32 arrays [prompt tokens].
 
@@ -179,6 +187,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     max_batch: the engine's slots (a request's n samples run together).
     scores_prompts: whether the model gives prompt log-probabilities
       (`paged_model.offers_prompt_logprobs`).
+    detokenizes: whether the engine turns tokens into text (`Request.stop`).
   """
   if isinstance(requests, Request):
     raise ValueError("requests must be a non-empty list of Request, got one Request: pass "
@@ -223,6 +232,13 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
       if bad:  # never generated: likely another tokenizer's ids
         raise ValueError(f"request {i}: stop_token_ids {bad[:5]} outside [0, vocab_size="
                          f"{spec.vocab_size})")
+    if isinstance(r.stop, str) or not isinstance(r.stop, Sequence) or not all(
+        isinstance(t, str) and t for t in r.stop):
+      raise ValueError(f"request {i}: stop must be a list of non-empty texts, got "
+                       f"{r.stop!r}")
+    if len(r.stop) and not detokenizes:
+      raise ValueError(f"request {i}: stop texts need the engine's detokenize (token ids "
+                       f"-> text): Engine(model, detokenize=tokenizer.decode)")
     if not is_int(r.n) or not 1 <= r.n <= max_batch:
       raise ValueError(f"request {i}: n must be an int in [1, max_batch={max_batch}] (its "
                        f"samples run together), got {r.n!r}")
