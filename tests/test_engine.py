@@ -1071,6 +1071,10 @@ def test_engine_on_gpu_matches_static_generate(prompts):
     for _ in range(2):  # in one call, then on the pages the first run cached
       outputs, report = eng.generate([Request(p, 14) for p in shared])
       assert outputs == want and report.cached_prompt_tokens >= 3 * 24
+    # Three greedy samples forked mid-page: the decode reserve kernel's copy-on-write.
+    outputs, _ = eng.generate([Request(prompts[0], 14, n=3)])
+    assert outputs == [[want_0] * 3 for want_0 in generate(reference, prompts[:1], 14,
+                                                            page_size=8)]
 
 
 @pytest.mark.parametrize("admission_", ["optimistic", "peak"])
