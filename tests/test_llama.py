@@ -178,6 +178,22 @@ def test_greedy_generate_matches_hf(checkpoint):
   assert ours == [_hf_generate(hf, p, new) for p in prompts], name
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_beam_search_matches_hf(saved, name):
+  """Beam search over GQA with llama3 RoPE, and over a sliding window shorter than the
+  sequences: Hugging Face's hypotheses and scores (f32, 1e-5)."""
+  from test_beam_search import _hf_beams  # pylint: disable=import-outside-toplevel
+  _, hf, path = saved(name)
+  model = llama.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(4), [1, 6, 11])
+  settings = dict(beam_width=3, eos_token_id=[5, 6, 7], num_return_sequences=2)
+  beams, _ = jax_paged.beam_search(model, prompts, 12, page_size=PAGE, **settings)
+  for prompt, got in zip(prompts, beams):
+    want = _hf_beams(hf, prompt, 12, **settings)
+    assert [b.tokens for b in got] == [w[0] for w in want], name
+    np.testing.assert_allclose([b.score for b in got], [w[1] for w in want], rtol=1e-5)
+
+
 def test_engine_under_preemption_gives_generates_tokens(saved):
   _, _, path = saved("llama")
   model = llama.from_pretrained(path)
