@@ -1,8 +1,9 @@
 """Beam search: `jax_paged.beam_search` vs Hugging Face's `generate(num_beams=k)`.
 
-GPT-2 124M with random weights (Hugging Face's initialisation, loaded by ours), bf16: `--batch` prompts of `--prompt` random tokens, `--new`
-new tokens each (random weights never stop a beam early), `--beams` beams per prompt,
-length penalty 1, early_stopping False. Ours runs every prompt's beams in one wave
+GPT-2 124M with random weights (Hugging Face's initialisation, loaded by ours), bf16:
+`--batch` prompts of `--prompt` random tokens, `--new` new tokens each (random weights
+never stop a beam early), `--beams` beams per prompt, length penalty 1, early_stopping
+False. Ours runs every prompt's beams in one wave
 (batch x beams pool rows); Hugging Face's the same batch at once with its dynamic cache
 (eager attention kernels, SDPA), and with its static cache compiled where that works.
 Each time is the median of three timed runs after an identical untimed one. Reported:

@@ -30,7 +30,8 @@ from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Beam", "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted", "Report",
-    "Request", "TokenEvent", "beam_search", "generate", "merge_attention_states", "merge_attention_states_n",
-    "nn", "paged_decode_attention", "paged_prefill_attention", "pool", "reference",
+    "Beam", "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted",
+    "Report", "Request", "TokenEvent", "beam_search", "generate", "merge_attention_states",
+    "merge_attention_states_n", "nn", "paged_decode_attention", "paged_prefill_attention",
+    "pool", "reference",
 ]

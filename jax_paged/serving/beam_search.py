@@ -99,7 +99,8 @@ def initial_state(logits: jax.Array, valid: jax.Array, num_free: jax.Array,
       done_scores=jnp.full((g, k), NEG, jnp.float32),
       done_tokens=jnp.zeros((g, k, m), jnp.int32),
       done_lengths=jnp.zeros((g, k), jnp.int32),
-      is_done=jnp.zeros((g, k), bool), running=valid, min_free=num_free, decoded=jnp.zeros((), jnp.int32))
+      is_done=jnp.zeros((g, k), bool), running=valid, min_free=num_free,
+      decoded=jnp.zeros((), jnp.int32))
 
 
 def select_beams(state: BeamState, config: BeamConfig) -> tuple[BeamState, jax.Array]:
@@ -127,7 +128,7 @@ def select_beams(state: BeamState, config: BeamConfig) -> tuple[BeamState, jax.A
   run_tokens = jnp.take_along_axis(cand_tokens, chosen[:, :, None], axis=1)
   run_parents = jnp.take_along_axis(parents, chosen, axis=1)
 
-  # Those that stop among the best k join the finished ones if they rank among its best k.
+  # Those that stop among the best k join the finished ones if among the group's best k.
   # (Hugging Face also bars additions once a group cannot improve or, with early_stopping
   # True, is full; such a group has stopped running here, and its state stays.)
   length = (t + 1).astype(jnp.float32)

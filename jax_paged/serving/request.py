@@ -126,10 +126,11 @@ class TokenEvent:
   'length'. `logprob`: the token's log-probability (`Request.logprobs`), else None;
   `top_logprobs`: ((token, log-probability), ...) of the step's most likely tokens, most
   likely first (`Request.top_logprobs`), else None. `stop_text`: on a sample's last event,
-  the `Request.stop` text its token completed (finish_reason 'stop'), else None. `prompt_logprobs` (on a sample's first
-  event, with `Request.prompt_logprobs`; else None): each prompt token's log-probability
-  given those before it, None for the first; `prompt_top_logprobs` (with top_logprobs
-  too): each prompt position's most likely tokens as `top_logprobs`, None for the first."""
+  the `Request.stop` text its token completed (finish_reason 'stop'), else None.
+  `prompt_logprobs` (on a sample's first event, with `Request.prompt_logprobs`; else
+  None): each prompt token's log-probability given those before it, None for the first;
+  `prompt_top_logprobs` (with top_logprobs too): each prompt position's most likely
+  tokens as `top_logprobs`, None for the first."""
 
   request_id: int
   token: int
