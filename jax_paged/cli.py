@@ -223,7 +223,7 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                         "bans GPT-2's end of text")
   gen.add_argument("--min-tokens", type=_non_negative_int, default=0,
                    help="generate at least this many tokens before a stop token may end a "
-                        "completion (default 0)")
+                        "completion (default 0; with --beam-width, a hypothesis)")
   gen.add_argument("--stop", action="append", default=[], type=_non_empty, metavar="TEXT",
                    help="end a completion where its text first contains TEXT (cut before "
                         "it; repeatable; needs text: a tokenizer or the tiny models')")
@@ -583,7 +583,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
 
 # Sampling options and what they are set to when not given: beam search takes none.
 _SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=None, top_p=None, min_p=0.0, n=1,
-                          logit_bias=None, min_tokens=0, stop=[], logprobs=False,
+                          logit_bias=None, stop=[], logprobs=False,
                           top_logprobs=0, prompt_logprobs=False, repetition_penalty=1.0,
                           frequency_penalty=0.0, presence_penalty=0.0, seed=0,
                           admission="optimistic", no_prefix_caching=False,
@@ -614,6 +614,7 @@ def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | 
         model, [ids for _, ids in prompts], new, beam_width=args.beam_width,
         length_penalty=args.length_penalty, early_stopping=early,
         num_return_sequences=args.num_return_sequences, eos_token_id=list(stops) or None,
+        min_new_tokens=min(args.min_tokens, new),
         page_size=args.page_size, max_batch=args.max_batch,
         steps_per_call=args.steps_per_call, cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
         mesh=mesh)

@@ -20,7 +20,8 @@ NEW = 14  # every prompt crosses a page boundary while its beams decode
 
 
 def _hf_beams(hf, prompt: list[int], new: int, beam_width: int, length_penalty=1.0,
-              early_stopping=False, num_return_sequences=1, eos_token_id=None):
+              early_stopping=False, num_return_sequences=1, eos_token_id=None,
+              min_new_tokens=0):
   """HF's num_return_sequences best hypotheses: (new tokens up to the first stop token
   included, sequences_scores)."""
   with torch.no_grad():
@@ -28,8 +29,8 @@ def _hf_beams(hf, prompt: list[int], new: int, beam_width: int, length_penalty=1
                       do_sample=False, length_penalty=length_penalty,
                       early_stopping=early_stopping,
                       num_return_sequences=num_return_sequences,
-                      eos_token_id=eos_token_id, pad_token_id=0,
-                      return_dict_in_generate=True, output_scores=True)
+                      eos_token_id=eos_token_id, min_new_tokens=min_new_tokens,
+                      pad_token_id=0, return_dict_in_generate=True, output_scores=True)
   stops = [] if eos_token_id is None else (
       [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
   hyps = []
@@ -45,12 +46,12 @@ SETTINGS = [
     dict(beam_width=2, eos_token_id=list(range(1, 300, 10))),
     dict(beam_width=2, early_stopping=True, length_penalty=2.0,
          eos_token_id=list(range(1, 300, 10)), num_return_sequences=2),
-    dict(beam_width=3, length_penalty=0.5, early_stopping=True, eos_token_id=[2, 7, 9]),
-    dict(beam_width=4, length_penalty=2.0, early_stopping="never", eos_token_id=2,
-         num_return_sequences=3),
     dict(beam_width=2, length_penalty=2.0, early_stopping="never",
          eos_token_id=list(range(1, 300, 10))),
     dict(beam_width=5, length_penalty=-1.0, eos_token_id=[2, 14], num_return_sequences=5),
+    # Stop tokens barred for the first 6 new tokens (HF's MinNewTokensLengthLogitsProcessor).
+    dict(beam_width=2, eos_token_id=list(range(1, 300, 10)), min_new_tokens=6,
+         num_return_sequences=2),
 ]
 
 
@@ -70,8 +71,9 @@ def test_beams_match_hf(checkpoint, settings):
     assert [b.tokens for b in got] == [w[0] for w in want]
     np.testing.assert_allclose([b.score for b in got], [w[1] for w in want], rtol=1e-5)
     stopped += sum(len(b.tokens) < NEW for b in got)
-  if settings is SETTINGS[1]:
+  if settings in (SETTINGS[1], SETTINGS[-1]):
     assert stopped  # stop tokens did end returned hypotheses
+  assert all(len(b.tokens) >= settings.get("min_new_tokens", 1) for got in beams for b in got)
   k = settings["beam_width"]
   assert report.decode_calls >= -(-len(prompts) // (8 // k))
   assert report.generated_tokens == sum(len(b.tokens) for got in beams for b in got)
@@ -131,6 +133,7 @@ def test_one_beam_is_greedy(checkpoint):
     (dict(eos_token_id=300), r"eos_token_id must be None or token ids in \[0, vocab_size=300\)"),
     (dict(eos_token_id=[1, -1]), "eos_token_id must be"),
     (dict(max_batch=3), "max_batch must be >= beam_width = 4"),
+    (dict(min_new_tokens=5), r"min_new_tokens must be an int in \[0, max_new_tokens=4\]"),
     (dict(page_size=0), "page_size must be"),
 ])
 def test_bad_settings_are_named(checkpoint, kwargs, match):

@@ -46,11 +46,10 @@ def test_engine_tokens_match_one_device(model):
   for n in ("2", "4"):
     assert result["tokens"][n] == ref, f"tensor parallel {n}"
   assert result["int8_tokens"]["2"] == result["int8_tokens"]["1"]
-  ref = result["beams"]["1"]
-  for n in ("2", "4"):  # beam search: the same hypotheses, f32 scores within 1e-5
-    assert [b[0] for b in result["beams"][n]] == [b[0] for b in ref]
-    np.testing.assert_allclose([b[1] for b in result["beams"][n]], [b[1] for b in ref],
-                               rtol=1e-5)
+  if model == "gpt2":  # beam search at TP 2: the same hypotheses, scores within 1e-5
+    ref, got = result["beams"]["1"], result["beams"]["2"]
+    assert [b[0] for b in got] == [b[0] for b in ref]
+    np.testing.assert_allclose([b[1] for b in got], [b[1] for b in ref], rtol=1e-5)
   # Log-probabilities (a greedy request's, two samples' with their top 3): TP's f32 within
   # 1e-5 of one device's, the same most likely tokens.
   ref = sorted(result["logprobs"]["1"], key=lambda e: e[:2])
@@ -237,11 +236,11 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
       res["prompt_logprobs"][str(n)] = [[e.request_id, e.prompt_logprobs[1:],
                                          e.prompt_top_logprobs[1:]]
                                         for e in events if e.prompt_logprobs is not None]
-      # Beam search: its fork of the beams onto their rows and its selection per device.
-      beams, _ = beam_search(model, [r.prompt for r in _requests()[:3]], 10, beam_width=3,
-                             page_size=8, max_batch=6, mesh=mesh)
-      res.setdefault("beams", {})[str(n)] = [[b.tokens, b.score] for hyps in beams
-                                             for b in hyps]
+      if name == "gpt2" and n in (1, 2):  # beam search: the fork onto the beams' rows
+        beams, _ = beam_search(model, [r.prompt for r in _requests()[:3]], 10, beam_width=3,
+                               page_size=8, max_batch=6, mesh=mesh)
+        res.setdefault("beams", {})[str(n)] = [[b.tokens, b.score] for hyps in beams
+                                               for b in hyps]
       if n in (1, 2):  # an int8 pool: its scales are split by kv head like its pages
         res.setdefault("int8_tokens", {})[str(n)] = _engine(
             model, mesh, cache_dtype="int8").generate(_requests())[0]

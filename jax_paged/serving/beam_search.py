@@ -77,6 +77,7 @@ class BeamConfig:
   length_penalty: float
   early_stopping: bool | str
   stop_ids: tuple[int, ...]
+  min_new_tokens: int = 0
 
   @property
   def keep(self) -> int:
@@ -112,7 +113,18 @@ def select_beams(state: BeamState, config: BeamConfig) -> tuple[BeamState, jax.A
   step; int32 [G, k] each new beam's parent, an index into its group's old beams)."""
   g, k = state.scores.shape
   keep, t = config.keep, state.step
-  _, ids, logprobs = sampling.logprobs(state.logits, jnp.zeros(g * k, jnp.int32), keep)
+  logits, shift = state.logits, 0.0
+  if config.min_new_tokens and config.stop_ids:
+    # Hugging Face's MinNewTokensLengthLogitsProcessor: the stop tokens' log-probabilities
+    # -inf until then, after the log-softmax (the others keep theirs: not renormalized).
+    stop = jnp.asarray(config.stop_ids, jnp.int32)
+    banned = logits.at[:, stop].set(jnp.where(t < config.min_new_tokens, -jnp.inf,
+                                              logits[:, stop]))
+    shift = (jax.nn.logsumexp(banned, axis=-1, keepdims=True)
+             - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+    logits = banned
+  _, ids, logprobs = sampling.logprobs(logits, jnp.zeros(g * k, jnp.int32), keep)
+  logprobs = logprobs + shift
   summed = (logprobs.reshape(g, k, keep) + state.scores[:, :, None]).reshape(g, k * keep)
   cand_scores, where = jax.lax.top_k(summed, keep)  # best first
   parents = where // keep
@@ -199,14 +211,16 @@ _initial_state = jax.jit(initial_state, static_argnames="config")
 def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 *, beam_width: int = 4, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, num_return_sequences: int = 1,
-                eos_token_id: int | Sequence[int] | None = None, page_size: int = 16,
+                eos_token_id: int | Sequence[int] | None = None, min_new_tokens: int = 0,
+                page_size: int = 16,
                 max_batch: int = 256, steps_per_call: int = 32, cache_dtype=None,
                 mesh=None) -> tuple[list[list[Beam]], Report]:
   """Beam search for each prompt: its `num_return_sequences` best hypotheses.
 
   The same search as Hugging Face's `generate(num_beams=beam_width, do_sample=False,
-  length_penalty=, early_stopping=, num_return_sequences=, eos_token_id=)` (no logits
-  processors), prompt by prompt (no padding), on the paged pool.
+  length_penalty=, early_stopping=, num_return_sequences=, eos_token_id=,
+  min_new_tokens=)` (no other logits processors), prompt by prompt (no padding), on the
+  paged pool.
 
   Args:
     model: any model meeting `jax_paged.PagedModel`.
@@ -223,6 +237,8 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
     num_return_sequences: hypotheses returned per prompt, in [1, beam_width].
     eos_token_id: None, or a stop token id (or a list of them): a beam generating one is
       finished (the token included).
+    min_new_tokens: the stop tokens are barred (log-probability -inf) until a hypothesis
+      has this many new tokens, in [0, max_new_tokens].
     page_size: tokens per KV page.
     max_batch: pool rows (beams) decoded together: prompts run in waves of
       max_batch // beam_width.
@@ -241,7 +257,7 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
   runner = runner_lib.ModelRunner(model, mesh)
   spec = runner.spec
   config = _check_settings(spec, beam_width, max_new_tokens, length_penalty, early_stopping,
-                           num_return_sequences, eos_token_id)
+                           num_return_sequences, eos_token_id, min_new_tokens)
   page_size = check_positive_int("page_size", page_size)
   max_batch = check_positive_int("max_batch", max_batch)
   steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -308,7 +324,7 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
 
 
 def _check_settings(spec, beam_width, max_new_tokens, length_penalty, early_stopping,
-                    num_return_sequences, eos_token_id) -> BeamConfig:
+                    num_return_sequences, eos_token_id, min_new_tokens) -> BeamConfig:
   """The search's settings checked (ValueError naming the argument) as a `BeamConfig`."""
   if not is_int(beam_width) or not 1 <= beam_width <= 32:
     raise ValueError(f"beam_width must be an int in [1, 32], got {beam_width!r}")
@@ -330,8 +346,12 @@ def _check_settings(spec, beam_width, max_new_tokens, length_penalty, early_stop
   if stop_ids is None or not all(is_int(s) and 0 <= s < spec.vocab_size for s in stop_ids):
     raise ValueError(f"eos_token_id must be None or token ids in [0, vocab_size="
                      f"{spec.vocab_size}), got {eos_token_id!r}")
+  if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
+    raise ValueError(f"min_new_tokens must be an int in [0, max_new_tokens="
+                     f"{max_new_tokens}], got {min_new_tokens!r}")
   config = BeamConfig(int(beam_width), int(max_new_tokens), float(length_penalty),
-                      early_stopping, tuple(sorted({int(s) for s in stop_ids})))
+                      early_stopping, tuple(sorted({int(s) for s in stop_ids})),
+                      int(min_new_tokens))
   if config.keep > min(sampling.CHUNKED_TOP_K, spec.vocab_size):
     raise ValueError(f"beam_width x max(2, 1 + stop tokens) must be at most "
                      f"{min(sampling.CHUNKED_TOP_K, spec.vocab_size)}, got {config.keep} "
