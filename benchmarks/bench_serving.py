@@ -63,7 +63,7 @@ class Served:
             f"{(self.last - self.arrivals).mean() * 1e3:.0f} |")
 
 
-class _Clock:
+class Clock:
   """Seconds since the first arrival; records each request's tokens as they come."""
 
   def __init__(self, arrivals: np.ndarray):
@@ -87,7 +87,7 @@ class _Clock:
 
 def serve_continuous(engine: Engine, requests: list[Request], arrivals: np.ndarray) -> Served:
   """Each request submitted (`add_request`) as it arrives, between steps."""
-  clock = _Clock(arrivals)
+  clock = Clock(arrivals)
   index = {}  # engine request id -> workload index (ids go on across runs)
   i = 0
   while i < len(requests) or engine.has_unfinished_requests():
@@ -108,7 +108,7 @@ def serve_continuous(engine: Engine, requests: list[Request], arrivals: np.ndarr
 def serve_batched(engine: Engine, requests: list[Request], arrivals: np.ndarray) -> Served:
   """The requests that arrived while the previous batch ran (at most max_batch), as one
   `generate` (streamed)."""
-  clock = _Clock(arrivals)
+  clock = Clock(arrivals)
   i = 0
   while i < len(requests):
     clock.wait_until(arrivals[i])
@@ -120,6 +120,18 @@ def serve_batched(engine: Engine, requests: list[Request], arrivals: np.ndarray)
       clock.took(i + event.request_id, clock.now())
     i = j
   return clock.served
+
+
+def workload(rng: np.random.Generator, vocab_size: int, prompt_len: tuple[int, int],
+             new_len: tuple[int, int], n_req: int, rate: float
+             ) -> tuple[list[Request], np.ndarray]:
+  """n_req requests of uniform random tokens, prompt and new lengths uniform in the
+  ranges (inclusive), arriving as a Poisson process of `rate` per second (the first at 0)."""
+  requests = [Request(rng.integers(0, vocab_size, rng.integers(*prompt_len, endpoint=True)),
+                      int(rng.integers(*new_len, endpoint=True)))
+              for _ in range(n_req)]
+  arrivals = np.cumsum(rng.exponential(1.0 / rate, n_req))
+  return requests, arrivals - arrivals[0]
 
 
 WAYS = {"continuous-16": (serve_continuous, 16), "continuous-128": (serve_continuous, 128),
@@ -164,14 +176,8 @@ def main():
   emit = common.emitter(lines)
 
   rng = np.random.default_rng(0)
-  workloads = []
-  for rate in rates:
-    requests = [Request(rng.integers(0, config.vocab_size, rng.integers(*prompt_len,
-                                                                         endpoint=True)),
-                        int(rng.integers(*new_len, endpoint=True)))
-                for _ in range(n_req)]
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n_req))
-    workloads.append((requests, arrivals - arrivals[0]))
+  workloads = [workload(rng, config.vocab_size, prompt_len, new_len, n_req, rate)
+               for rate in rates]
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, seconds, **_: compiles.append(seconds)

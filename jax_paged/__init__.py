@@ -10,8 +10,10 @@ Layers, each using only those before it:
   nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
   PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
   serving   scheduler, runner, engine: Engine / Request / TokenEvent (continuous
-            batching), generate (one static batch) and beam_search
+            batching), EngineLoop (an engine on a thread of its own, for servers),
+            generate (one static batch) and beam_search
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
+  openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP
 Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 """
 
@@ -24,14 +26,15 @@ from jax_paged.kernels.paged_prefill import paged_prefill_attention
 from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
 from jax_paged.serving.engine import Engine
+from jax_paged.serving.engine_loop import EngineLoop
 from jax_paged.serving.report import Report
 from jax_paged.serving.request import Request, TokenEvent
 from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Beam", "Engine", "KVPool", "ModelFamily", "ModelSpec", "PagedModel", "PoolExhausted",
-    "Report", "Request", "TokenEvent", "beam_search", "generate", "merge_attention_states",
-    "merge_attention_states_n", "nn", "paged_decode_attention", "paged_prefill_attention",
-    "pool", "reference",
+    "Beam", "Engine", "EngineLoop", "KVPool", "ModelFamily", "ModelSpec", "PagedModel",
+    "PoolExhausted", "Report", "Request", "TokenEvent", "beam_search", "generate",
+    "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
+    "paged_prefill_attention", "pool", "reference",
 ]

@@ -172,12 +172,8 @@ def presets(families: Sequence[ModelFamily]) -> dict[str, Callable[..., PagedMod
   return {name: make for family in families for name, make in family.presets.items()}
 
 
-def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
-               ) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-      prog="jax-paged-generate",
-      description="Generate text with a language model over a paged KV cache (continuous "
-                  "batching).")
+def add_model_arguments(p: argparse.ArgumentParser, families: Sequence[ModelFamily]) -> None:
+  """The model options (--checkpoint, --model, --dtype, --kv-cache-dtype)."""
   src = p.add_argument_group("model")
   model_types = sorted(t for f in families for t in f.model_types)
   src.add_argument("--checkpoint", metavar="DIR",
@@ -194,6 +190,58 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                    help="KV cache dtype: auto (the compute dtype), int8 or fp8 (e4m3), "
                         "quantized per token and kv head: ~half the KV bytes, ~1.9x the "
                         "tokens in the same memory (fp8 needs compute capability >= 8.9)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> None:
+  """The engine options (slots, pages, admission, prefix caching, tensor parallel, the
+  compilation cache); `steps_per_call` is --steps-per-call's default."""
+  eng = p.add_argument_group("engine")
+  eng.add_argument("--max-batch", type=_positive_int, default=32,
+                   help="decode slots: sequences (samples, beams) decoded together "
+                        "(default 32)")
+  eng.add_argument("--page-size", type=_positive_int, default=16,
+                   help="tokens per KV page (default 16; the GPU kernels take powers of two "
+                        "in [8, 128])")
+  eng.add_argument("--steps-per-call", type=_positive_int, default=steps_per_call,
+                   help=f"the most decode steps per device call (default {steps_per_call})")
+  eng.add_argument("--admission", choices=ADMISSION_POLICIES, default="optimistic",
+                   help="optimistic: admit when the prompt fits, preempt and recompute when "
+                        "the pool runs out (vLLM); peak: admit only while the projected "
+                        "page use stays within the pool until every request reaches "
+                        "max_new_tokens, never preempting (default optimistic)")
+  size = eng.add_mutually_exclusive_group()
+  size.add_argument("--num-pages", type=_positive_int, default=None,
+                    help="KV pages in the pool")
+  size.add_argument("--memory-fraction", default=None,
+                    type=_float_in(0.0, 1.0, lo_open=True, what="a fraction in (0, 1]"),
+                    help="size the pool from this fraction of the accelerator's free memory "
+                         "(default 0.9 on GPU; on CPU the default is enough pages for every "
+                         "slot to reach n_positions)")
+  eng.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share the pages of prompts that start alike (prefix caching "
+                        "is on by default; tokens are the same either way)")
+  eng.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
+                   help="split the model over the first N devices (Megatron-style: "
+                        "attention heads, the KV pool by kv head, the MLP; default 1); "
+                        "the checkpoint is loaded on the host, so a model that fits "
+                        "only split runs")
+  cache = eng.add_mutually_exclusive_group()
+  cache.add_argument("--compilation-cache", metavar="DIR", default=None,
+                     help="keep compiled programs in DIR, so that a later run of the same "
+                          "shapes starts without compiling them (default: "
+                          "$JAX_COMPILATION_CACHE_DIR if set, else "
+                          "$XDG_CACHE_HOME/jax_paged/xla or ~/.cache/jax_paged/xla)")
+  cache.add_argument("--no-compilation-cache", action="store_true",
+                     help="compile every program anew, keeping none")
+
+
+def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
+               ) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="jax-paged-generate",
+      description="Generate text with a language model over a paged KV cache (continuous "
+                  "batching).")
+  add_model_arguments(p, families)
   prompts = p.add_argument_group("prompts")
   prompts.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   prompts.add_argument("--prompt-ids", action="append", default=[], type=_token_ids,
@@ -266,45 +314,14 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                          "length penalty is > 0 (default false; Hugging Face's)")
   beam.add_argument("--num-return-sequences", type=_positive_int, default=1, metavar="N",
                     help="hypotheses printed per prompt, best first (default 1; at most K)")
-  eng = p.add_argument_group("engine")
-  eng.add_argument("--max-batch", type=_positive_int, default=32,
-                   help="decode slots (default 32; with --beam-width, beams decoded "
-                        "together)")
-  eng.add_argument("--page-size", type=_positive_int, default=16,
-                   help="tokens per KV page (default 16; the GPU kernels take powers of two "
-                        "in [8, 128])")
-  eng.add_argument("--steps-per-call", type=_positive_int, default=128,
-                   help="the most decode steps per device call (default 128)")
-  eng.add_argument("--admission", choices=ADMISSION_POLICIES, default="optimistic",
-                   help="optimistic: admit when the prompt fits, preempt and recompute when "
-                        "the pool runs out (vLLM); peak: admit only while the projected "
-                        "page use stays within the pool until every request reaches "
-                        "max_new_tokens, never preempting (default optimistic)")
-  size = eng.add_mutually_exclusive_group()
-  size.add_argument("--num-pages", type=_positive_int, default=None,
-                    help="KV pages in the pool")
-  size.add_argument("--memory-fraction", default=None,
-                    type=_float_in(0.0, 1.0, lo_open=True, what="a fraction in (0, 1]"),
-                    help="size the pool from this fraction of the accelerator's free memory "
-                         "(default 0.9 on GPU; on CPU the default is enough pages for every "
-                         "slot to reach n_positions)")
-  eng.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not share the pages of prompts that start alike (prefix caching "
-                        "is on by default; tokens are the same either way)")
-  eng.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
-                   help="split the model over the first N devices (Megatron-style: "
-                        "attention heads, the KV pool by kv head, the MLP; default 1); "
-                        "the checkpoint is loaded on the host, so a model that fits "
-                        "only split runs")
-  cache = eng.add_mutually_exclusive_group()
-  cache.add_argument("--compilation-cache", metavar="DIR", default=None,
-                     help="keep compiled programs in DIR, so that a later run of the same "
-                          "shapes starts without compiling them (default: "
-                          "$JAX_COMPILATION_CACHE_DIR if set, else "
-                          "$XDG_CACHE_HOME/jax_paged/xla or ~/.cache/jax_paged/xla)")
-  cache.add_argument("--no-compilation-cache", action="store_true",
-                     help="compile every program anew, keeping none")
-  eng.add_argument("--no-progress", action="store_true", help="no progress bar")
+  add_engine_arguments(p, steps_per_call=128)
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return parse_model_args(p, argv)
+
+
+def parse_model_args(p: argparse.ArgumentParser, argv: Sequence[str] | None
+                     ) -> argparse.Namespace:
+  """`p.parse_args(argv)`, exiting with a usage error where no model is given."""
   args = p.parse_args(argv)
   if not args.checkpoint and args.model is None:
     p.error(f"no model: give --checkpoint or --model (no preset is installed: the "
@@ -428,8 +445,8 @@ class Progress:
       sys.stderr.write("\n")
 
 
-def _notice(message: str) -> None:
-  print(f"jax-paged-generate: note: {message}", file=sys.stderr)
+def _notice(message: str, prog: str = "jax-paged-generate") -> None:
+  print(f"{prog}: note: {message}", file=sys.stderr)
 
 
 def _host_if(tensor_parallel: bool):
@@ -445,7 +462,22 @@ def _host_if(tensor_parallel: bool):
   return contextlib.nullcontext()
 
 
-def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
+@dataclasses.dataclass
+class Loaded:
+  """A model built from the model options, with what the engine needs beside it."""
+
+  model: PagedModel
+  codec: Codec | None  # None: a checkpoint without a tokenizer
+  label: str  # what it is, for messages
+  dtype: jnp.dtype
+  mesh: object  # a tensor-parallel mesh, or None
+
+
+def load_model(args: argparse.Namespace, families: Sequence[ModelFamily],
+               prog: str = "jax-paged-generate") -> Loaded:
+  """Builds the model of the model and engine options (add_model_arguments,
+  add_engine_arguments): the compilation cache first, then on the devices of
+  --tensor-parallel. Raises CLIError."""
   if not args.no_compilation_cache:
     use_compilation_cache(args.compilation_cache or default_compilation_cache())
   on_gpu = jax.default_backend() == "gpu"
@@ -459,24 +491,72 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   with _host_if(mesh is not None):
     model, codec, label = build_model(args, families, dtype)
   spec = model.spec
-  prompts = read_prompts(args, codec)
   if on_gpu and not validation.kernel_supports(spec.head_dim, args.page_size):
     _notice(f"--page-size {args.page_size} with head dim {spec.head_dim}: the Triton decode "
             f"kernel takes head dims {validation.SUPPORTED_HEAD_DIMS} and power-of-two pages "
             f"in [{validation.MIN_PAGE_SIZE}, {validation.MAX_PAGE_SIZE}]; attention runs "
-            "on XLA's slower gather path")
+            "on XLA's slower gather path", prog)
     # Said once here, not again by the layers as they trace.
     warnings.simplefilter("ignore", validation.ReferencePathWarning)
   if args.memory_fraction is not None and not on_gpu:
     raise CLIError("--memory-fraction sizes the pool from an accelerator's free memory; "
                    f"on {jax.default_backend()} give --num-pages")
+  return Loaded(model, codec, label, jnp.dtype(dtype), mesh)
+
+
+def make_engine(args: argparse.Namespace, loaded: Loaded) -> Engine:
+  """The engine of the engine options, over `loaded`'s model (its codec detokenizes stop
+  texts); without --num-pages on a CPU, pages for every slot to reach the model's
+  context. Prints what it serves to stderr. Raises CLIError."""
+  spec = loaded.model.spec
+  num_pages = args.num_pages
+  if num_pages is None and jax.default_backend() != "gpu":
+    num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
+  try:
+    eng = Engine(loaded.model, max_batch=args.max_batch, num_pages=num_pages,
+                 memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
+                 page_size=args.page_size, steps_per_call=args.steps_per_call,
+                 admission=args.admission, prefix_caching=not args.no_prefix_caching,
+                 cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=loaded.mesh,
+                 detokenize=loaded.codec.decode if loaded.codec else None)
+  except ValueError as e:
+    raise CLIError(str(e)) from e
+  except jax.errors.JaxRuntimeError as e:
+    check_out_of_memory(e, None, args)
+    raise
+  codec = loaded.codec
+  print(f"model: {loaded.label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
+        f"{spec.head_dim}; {loaded.dtype.name} on {args.tensor_parallel} x "
+        f"{jax.devices()[0].platform}; text as {codec.name if codec else 'token ids'}",
+        file=sys.stderr)
+  print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens, "
+        f"{eng.cache_dtype.name} KV cache", file=sys.stderr)
+  return eng
+
+
+def check_out_of_memory(e: jax.errors.JaxRuntimeError, eng: Engine | None,
+                        args: argparse.Namespace) -> None:
+  """Raises a CLIError with advice if `e` is the device running out of memory."""
+  if "RESOURCE_EXHAUSTED" not in str(e):
+    return
+  pool = "" if eng is None else f" with a KV pool of {eng.num_pages} pages"
+  # A pool sized from free memory takes what jax reports free, which leaves out other
+  # processes on the device (and, jax not preallocating, what it cannot take after all).
+  advice = ("give a smaller --num-pages" if args.num_pages is not None else
+            "lower --memory-fraction (of the memory jax reports free, which other "
+            "processes on the device may hold) or give --num-pages")
+  raise CLIError(f"out of device memory{pool}: {advice} ({str(e).splitlines()[0]})") from e
+
+
+def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
+  loaded = load_model(args, families)
+  model, codec, mesh = loaded.model, loaded.codec, loaded.mesh
+  spec = model.spec
+  prompts = read_prompts(args, codec)
   # Every eos id stops a request (a config may list several: Llama 3's).
   stops = () if args.ignore_eos else spec.eos_token_ids
   if args.beam_width is not None:
-    return run_beam_search(args, model, codec, prompts, label, stops, mesh)
-  num_pages = args.num_pages
-  if num_pages is None and not on_gpu:
-    num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
+    return run_beam_search(args, model, codec, prompts, loaded.label, stops, mesh)
   show_logprobs = args.logprobs or args.top_logprobs > 0  # (--top-logprobs implies it)
   requests = []
   for i, (_, ids) in enumerate(prompts):
@@ -501,20 +581,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   if args.stop and codec is None:
     raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its tokens "
                    "are ids): drop --stop")
-  eng = None
+  eng = make_engine(args, loaded)
   try:
-    eng = Engine(model, max_batch=args.max_batch, num_pages=num_pages,
-                 memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
-                 page_size=args.page_size, steps_per_call=args.steps_per_call,
-                 admission=args.admission, prefix_caching=not args.no_prefix_caching,
-                 cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=mesh,
-                 detokenize=codec.decode if codec else None)
-    print(f"model: {label}; {spec.num_layers} layers, {spec.num_kv_heads} kv heads of "
-          f"{spec.head_dim}; {jnp.dtype(dtype).name} on "
-          f"{args.tensor_parallel} x {jax.devices()[0].platform}; text as "
-          f"{codec.name if codec else 'token ids'}", file=sys.stderr)
-    print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens, "
-          f"{eng.cache_dtype.name} KV cache", file=sys.stderr)
     progress = Progress(sum(r.max_new_tokens * r.n for r in requests),
                         enabled=not args.no_progress)
     logprobs = collections.defaultdict(list)  # (prompt, sample) -> its tokens' events
@@ -535,15 +603,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   except ValueError as e:
     raise CLIError(str(e)) from e
   except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
-    pool = "" if eng is None else f" with a KV pool of {eng.num_pages} pages"
-    # A pool sized from free memory takes what jax reports free, which leaves out other
-    # processes on the device (and, jax not preallocating, what it cannot take after all).
-    advice = ("give a smaller --num-pages" if num_pages is not None else
-              "lower --memory-fraction (of the memory jax reports free, which other "
-              "processes on the device may hold) or give --num-pages")
-    raise CLIError(f"out of device memory{pool}: {advice} ({str(e).splitlines()[0]})") from e
+    check_out_of_memory(e, eng, args)
+    raise
   text = lambda token: repr(codec.decode([token])) if codec else str(token)
 
   def print_logprobs(head: str, values: list[float], tokens: list[int], tops) -> None:

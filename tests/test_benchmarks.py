@@ -9,6 +9,7 @@ from flax import nnx
 from benchmarks import bench_decode_step
 from benchmarks import bench_beam
 from benchmarks import bench_generate
+from benchmarks import bench_openai_server
 from benchmarks import bench_prefix
 from benchmarks import bench_score
 from benchmarks import bench_serving
@@ -70,6 +71,18 @@ def test_serving_benchmark_tiny(monkeypatch, tmp_path):
     served = serve(Engine(model, max_batch=2, num_pages=64, page_size=8), requests, arrivals)
     np.testing.assert_array_equal(served.tokens, [3, 4, 5, 6, 7])
     assert (served.first >= arrivals).all() and (served.last >= served.first).all()
+
+
+def test_openai_server_benchmark_tiny(monkeypatch, tmp_path):
+  """The same arrivals in process and over HTTP from a server subprocess: every request
+  gets all its tokens (the benchmark asserts it) both ways."""
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (main sets it)
+  monkeypatch.setattr(sys, "argv", ["bench_openai_server.py", "--tiny"])
+  bench_openai_server.main()
+  table = (tmp_path / "bench_openai_server.md").read_text()
+  assert table.count("| in process (add_request / step) |") == 2
+  assert table.count("| over HTTP (jax-paged-serve, streamed) |") == 2
 
 
 def test_prefix_benchmark_tiny(monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli).
+# kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
@@ -22,6 +22,7 @@ ALLOWED = {
     "serving": {"kernels", "pool", "nn", "sampling", "paged_model", "tensor_parallel",
                 "serving"},
     "cli": {"kernels", "paged_model", "tensor_parallel", "serving", "cli"},
+    "openai_server": {"paged_model", "serving", "cli", "openai_server"},
 }
 
 
@@ -68,8 +69,8 @@ def test_layers_import_only_the_layers_below():
   assert not wrong
 
 
-def test_importing_the_package_and_cli_loads_no_model():
-  code = ("import sys, jax_paged, jax_paged.cli; "
+def test_importing_the_package_cli_and_server_loads_no_model():
+  code = ("import sys, jax_paged, jax_paged.cli, jax_paged.openai_server; "
           "print(sorted(m for m in sys.modules if m == 'models' or m.startswith('models.')))")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -1,0 +1,629 @@
+"""An OpenAI-compatible HTTP server: `jax-paged-serve` / `python -m jax_paged.openai_server`.
+
+Serves one model (a Hugging Face checkpoint, or a preset with random weights) with the
+continuous-batching engine, as `vllm serve` does, so that OpenAI clients and tools
+(the `openai` package, lm-evaluation-harness' `local-completions`, curl) use it as is:
+
+    GET  /v1/models        the served model
+    POST /v1/completions   OpenAI's completions: prompts (text or token ids) in,
+                           completions out; "stream": true sends server-sent events
+    GET  /health           200 while serving
+
+Every HTTP connection gets a thread (the standard library's `ThreadingHTTPServer`); each
+request's prompts go to the engine's thread (`jax_paged.serving.engine_loop`), which
+batches them with every other request's and hands back their tokens as each device call
+ends. A streamed completion whose client disconnects is aborted, freeing its pages.
+
+Request fields: OpenAI's (`prompt`, `max_tokens` (default 16; null: the rest of the
+model's context), `temperature` (default 1), `top_p`, `n`, `stream`, `stream_options`,
+`stop`, `seed`, `logprobs`, `echo`, `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `best_of` (= n only), `user`) and vLLM's sampling extras (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `return_token_ids`:
+the choices carry `token_ids` (streamed: each chunk's) and `prompt_token_ids`, for
+clients that work in token ids or models without a tokenizer). An unknown field,
+a wrong type or a value out of range is answered 400 with an OpenAI error object naming
+the field. `max_tokens: 0` with `echo` scores the prompt (lm-evaluation-harness'
+log-likelihoods). Without a `seed`, each request draws one at random.
+
+Text: a completion's text leaves out the stop text that ended it and a final stop token
+(eos), as OpenAI's and vLLM's do; its tokens count in `usage`. A streamed text holds
+back a character until its bytes are complete and, with stop texts, what could be the
+start of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.server
+import json
+import random
+import sys
+import time
+import uuid
+from typing import Any, Sequence
+
+from jax_paged.cli import (CLIError, Codec, _notice, add_engine_arguments,
+                           add_model_arguments, load_model, make_engine, model_families,
+                           parse_model_args)
+from jax_paged.paged_model import ModelSpec
+from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, Submission
+from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
+
+PROG = "jax-paged-serve"
+# The fields of a completion request: OpenAI's, then vLLM's sampling extras.
+COMPLETION_FIELDS = (
+    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
+    "stream_options", "stop", "seed", "logprobs", "echo", "presence_penalty",
+    "frequency_penalty", "logit_bias", "best_of", "user", "suffix",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "return_token_ids")
+
+
+class APIError(Exception):
+  """An error answered as OpenAI's error object, with its HTTP status."""
+
+  def __init__(self, status: int, message: str, param: str | None = None,
+               kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.status, self.message, self.param, self.kind = status, message, param, kind
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                      "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+  """What the server serves: the model's name in the API, its spec, its text codec (None:
+  token ids only) and the tokens that end a completion unless `ignore_eos`."""
+
+  name: str
+  spec: ModelSpec
+  codec: Codec | None
+  eos_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Completion:
+  """A parsed completion request: one engine request per prompt (its `n` samples are the
+  choices prompt-major), and how to answer."""
+
+  requests: list[Request]
+  prompts: list[list[int]]
+  echo: bool
+  logprobs: int | None  # top log-probabilities per token, None: none
+  stream: bool
+  include_usage: bool
+  scores_only: bool  # max_tokens 0 with echo: the generated token is dropped
+  return_token_ids: bool  # choices carry their token ids (vLLM's return_token_ids)
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, *, lo_open: bool = False,
+            what: str) -> float:
+  value = body.get(name)
+  if value is None:
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      (lo < value if lo_open else lo <= value) and value <= hi):
+    raise APIError(400, f"{name} must be {what}, got {value!r}", name)
+  return float(value)
+
+
+def _integer(body: dict, name: str, default, lo: int, hi: float = float("inf")) -> int:
+  value = body.get(name)
+  if value is None:
+    return default
+  if not is_int(value) or not lo <= value <= hi:
+    span = f">= {lo}" if hi == float("inf") else f"in [{lo}, {hi}]"
+    raise APIError(400, f"{name} must be an integer {span}, got {value!r}", name)
+  return int(value)
+
+
+def _boolean(body: dict, name: str) -> bool:
+  value = body.get(name, False)
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+  return value
+
+
+def _prompts(body: dict, served: Served) -> list[list[int]]:
+  """`prompt` as token ids: a text, a list of texts, a list of token ids, or a list of
+  lists of token ids."""
+  prompt = body.get("prompt")
+  if isinstance(prompt, str):
+    prompt = [prompt]
+  elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    prompt = [prompt]
+  if not (isinstance(prompt, list) and prompt and all(
+      isinstance(p, str) or (isinstance(p, list) and all(is_int(t) for t in p))
+      for p in prompt)):
+    raise APIError(400, "prompt must be a text, a list of texts, a list of token ids or a "
+                        f"list of lists of token ids (none empty), got {prompt!r:.200}",
+                   "prompt")
+  if any(isinstance(p, str) for p in prompt) and served.codec is None:
+    raise APIError(400, "this model has no tokenizer: give prompt as token ids", "prompt")
+  ids = [served.codec.encode(p) if isinstance(p, str) else p for p in prompt]
+  for i, p in enumerate(ids):
+    if not p:
+      raise APIError(400, f"prompt[{i}] is empty", "prompt")
+    bad = [t for t in p if not 0 <= t < served.spec.vocab_size]
+    if bad:
+      raise APIError(400, f"prompt[{i}]: token ids {bad[:5]} outside [0, vocab_size="
+                          f"{served.spec.vocab_size})", "prompt")
+  return ids
+
+
+def parse_completion(body: Any, served: Served, rng: random.Random) -> Completion:
+  """A completion request's JSON body as engine requests; raises APIError naming the
+  field at fault."""
+  if not isinstance(body, dict):
+    raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+  unknown = sorted(set(body) - set(COMPLETION_FIELDS))
+  if unknown:
+    raise APIError(400, f"unknown fields {unknown}; a completion takes "
+                        f"{', '.join(COMPLETION_FIELDS)}", unknown[0])
+  model = body.get("model")
+  if model is not None and model != served.name:
+    raise APIError(404, f"the model {model!r} does not exist: this server serves "
+                        f"{served.name!r}", "model", "model_not_found")
+  if body.get("suffix") is not None:
+    raise APIError(400, "suffix (insertion) is not supported", "suffix")
+  prompts = _prompts(body, served)
+  limit = served.spec.max_positions
+  echo = _boolean(body, "echo")
+  max_tokens = body.get("max_tokens", 16)
+  scores_only = False
+  if max_tokens is not None:
+    max_tokens = _integer(body, "max_tokens", 16, 0)
+    if max_tokens == 0:
+      if not echo:
+        raise APIError(400, "max_tokens 0 generates nothing: give it with echo (scoring "
+                            "the prompt) or ask for at least 1", "max_tokens")
+      max_tokens, scores_only = 1, True
+  n = _integer(body, "n", 1, 1)
+  if body.get("best_of") is not None and body["best_of"] != n:
+    raise APIError(400, f"best_of must equal n ({n}): completions are not ranked",
+                   "best_of")
+  stream = _boolean(body, "stream")
+  options = body.get("stream_options")
+  if options is not None and not (stream and isinstance(options, dict) and set(options)
+                                  <= {"include_usage"}):
+    raise APIError(400, "stream_options must be {\"include_usage\": true|false}, with "
+                        "stream true", "stream_options")
+  include_usage = _boolean(options or {}, "include_usage")
+  if scores_only and stream:
+    raise APIError(400, "max_tokens 0 (scoring) is not streamed: give stream false",
+                   "stream")
+  temperature = _number(body, "temperature", 1.0, 0.0, float("inf"), what="a number >= 0")
+  top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, what="in (0, 1]")
+  top_k = body.get("top_k")
+  if top_k is not None and not (is_int(top_k) and top_k >= -1):
+    raise APIError(400, f"top_k must be an integer >= 1, or 0 / -1 for all, got {top_k!r}",
+                   "top_k")
+  min_p = _number(body, "min_p", 0.0, 0.0, 1.0, what="in [0, 1]")
+  presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0, what="in [-2, 2]")
+  frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0, what="in [-2, 2]")
+  repetition = _number(body, "repetition_penalty", 1.0, 0.0, float("inf"), lo_open=True,
+                       what="a number > 0")
+  logprobs = body.get("logprobs")
+  if logprobs is not None:
+    logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+  stop = body.get("stop")
+  stop = [stop] if isinstance(stop, str) else stop or []
+  if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+    raise APIError(400, f"stop must be a text or a list of non-empty texts, got "
+                        f"{body.get('stop')!r}", "stop")
+  if stop and served.codec is None:
+    raise APIError(400, "stop texts need a tokenizer, and this model has none", "stop")
+  stop_ids = body.get("stop_token_ids") or []
+  if not (isinstance(stop_ids, list) and all(
+      is_int(t) and 0 <= t < served.spec.vocab_size for t in stop_ids)):
+    raise APIError(400, f"stop_token_ids must be a list of token ids in [0, "
+                        f"{served.spec.vocab_size}), got {stop_ids!r}", "stop_token_ids")
+  if not _boolean(body, "ignore_eos"):
+    stop_ids = list(served.eos_token_ids) + stop_ids
+  bias = body.get("logit_bias")
+  if bias is not None:
+    if not isinstance(bias, dict):
+      raise APIError(400, "logit_bias must map token ids to numbers in [-100, 100]",
+                     "logit_bias")
+    try:
+      bias = {int(k): v for k, v in bias.items()}
+    except ValueError:
+      raise APIError(400, f"logit_bias keys must be token ids, got {list(bias)!r:.200}",
+                     "logit_bias") from None
+    for token, value in bias.items():
+      if not 0 <= token < served.spec.vocab_size:
+        raise APIError(400, f"logit_bias token {token} is not in [0, vocab_size="
+                            f"{served.spec.vocab_size})", "logit_bias")
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+          -100 <= value <= 100):
+        raise APIError(400, f"logit_bias[{token}] must be a number in [-100, 100], got "
+                            f"{value!r}", "logit_bias")
+  seed = body.get("seed")
+  if seed is not None and not is_int(seed):
+    raise APIError(400, f"seed must be an integer, got {seed!r}", "seed")
+  # The engine's seeds are 32-bit: a wider one (OpenAI's are 64-bit) is folded.
+  seed = rng.getrandbits(32) if seed is None else seed % 2 ** 32
+  min_tokens = _integer(body, "min_tokens", 0, 0)
+  user = body.get("user")
+  if user is not None and not isinstance(user, str):
+    raise APIError(400, f"user must be a text, got {user!r}", "user")
+  requests = []
+  for i, ids in enumerate(prompts):
+    new = limit - len(ids) + 1 if max_tokens is None else max_tokens
+    if new < 1 or len(ids) + new - 1 > limit:
+      raise APIError(400, f"prompt[{i}] has {len(ids)} tokens and max_tokens is "
+                          f"{'null' if max_tokens is None else max_tokens}: this model's "
+                          f"context holds {limit} tokens (the prompt and max_tokens - 1)",
+                     "max_tokens")
+    if min_tokens > new:
+      raise APIError(400, f"min_tokens {min_tokens} exceeds max_tokens {new}", "min_tokens")
+    requests.append(Request(
+        ids, new, temperature=temperature, top_k=top_k if top_k and top_k > 0 else None,
+        top_p=None if top_p == 1.0 else top_p, min_p=min_p, seed=seed,
+        stop_token_ids=stop_ids, stop=stop, n=n, logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0, prompt_logprobs=echo and logprobs is not None,
+        repetition_penalty=repetition, frequency_penalty=frequency,
+        presence_penalty=presence, logit_bias=bias, min_tokens=min_tokens))
+  return Completion(requests, prompts, echo, logprobs, stream, include_usage, scores_only,
+                    _boolean(body, "return_token_ids"))
+
+
+@dataclasses.dataclass
+class _Choice:
+  """One choice (a sample of a prompt) as its events come."""
+
+  index: int
+  prompt: list[int]
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  events: list[TokenEvent] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+  stop_text: str | None = None
+  prompt_event: TokenEvent | None = None  # the first, with prompt log-probabilities
+  sent_first: bool = False  # its first chunk was streamed
+  sent_chars: int = 0  # completion text streamed so far
+  sent_tokens: int = 0  # tokens streamed so far (log-probabilities, ids)
+  sent_offset: int = 0  # text_offset of the next streamed token
+
+  def take(self, event: TokenEvent) -> None:
+    if self.prompt_event is None:
+      self.prompt_event = event
+    self.tokens.append(event.token)
+    self.events.append(event)
+    if event.finish_reason is not None:
+      self.finish_reason, self.stop_text = event.finish_reason, event.stop_text
+
+
+class _Answer:
+  """Turns a completion's events into OpenAI's completion objects."""
+
+  def __init__(self, completion: Completion, served: Served):
+    self.completion, self.served = completion, served
+    self.id = f"cmpl-{uuid.uuid4().hex}"
+    self.created = int(time.time())
+    n = completion.requests[0].n
+    self.choices = [_Choice(i * n + j, prompt) for i, prompt in enumerate(completion.prompts)
+                    for j in range(n)]
+    self.stop_ids = set(completion.requests[0].stop_token_ids)
+    stops = completion.requests[0].stop
+    self.hold = max(map(len, stops)) - 1 if len(stops) else 0
+
+  def take(self, events: list[TokenEvent], request_ids: list[int]) -> set[int]:
+    """Adds events (`request_ids`: the engine's ids of the prompts); returns the indices
+    of the choices they went to."""
+    n = self.completion.requests[0].n
+    prompt_of = {rid: i for i, rid in enumerate(request_ids)}
+    touched = set()
+    for e in events:
+      choice = self.choices[prompt_of[e.request_id] * n + e.sample]
+      if self.completion.scores_only:  # (its one token was not asked for)
+        choice.prompt_event, choice.finish_reason = e, "length"
+      else:
+        choice.take(e)
+      touched.add(choice.index)
+    return touched
+
+  def _decode(self, tokens: Sequence[int]) -> str:
+    codec = self.served.codec
+    return codec.decode(tokens) if codec else ""
+
+  def _token_text(self, token: int) -> str:
+    codec = self.served.codec
+    return codec.decode([token]) if codec else f"<{token}>"
+
+  def _text(self, c: _Choice) -> tuple[str, bool]:
+    """The choice's completion text as far as it is settled, and whether it is whole."""
+    tokens = c.tokens
+    done = c.finish_reason is not None
+    if done and c.finish_reason == "stop" and c.stop_text is None and tokens and (
+        tokens[-1] in self.stop_ids):
+      tokens = tokens[:-1]  # (a stop token's text is not the completion's)
+    text = self._decode(tokens)
+    if c.stop_text is not None and (at := text.find(c.stop_text)) >= 0:
+      text = text[:at]
+    elif not done:  # an unfinished character, or the start of a stop text, may follow
+      text = text.rstrip("\ufffd")
+      text = text[:max(0, len(text) - self.hold)]
+    return text, done
+
+  def _logprobs(self, c: _Choice, events: Sequence[TokenEvent], offset: int,
+                prompt: bool) -> tuple[dict, int]:
+    """OpenAI's logprobs object for `events` (after the prompt's tokens if `prompt`),
+    text offsets from `offset`; and the offset after them."""
+    k = self.completion.logprobs
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(token: int, value: float | None, top) -> None:
+      nonlocal offset
+      text = self._token_text(token)
+      out["tokens"].append(text)
+      out["token_logprobs"].append(value)
+      out["top_logprobs"].append(
+          None if top is None else {self._token_text(t): v for t, v in top[:k]})
+      out["text_offset"].append(offset)
+      offset += len(text)
+
+    if prompt:
+      e = c.prompt_event
+      tops = e.prompt_top_logprobs or [None if i == 0 else () for i in range(len(c.prompt))]
+      for token, value, top in zip(c.prompt, e.prompt_logprobs, tops):
+        add(token, value, top)
+    for e in events:
+      add(e.token, e.logprob, e.top_logprobs or ())
+    return out, offset
+
+  def usage(self) -> dict:
+    prompt_tokens = sum(map(len, self.completion.prompts))
+    generated = sum(len(c.tokens) for c in self.choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+            "total_tokens": prompt_tokens + generated}
+
+  def _object(self, choices: list[dict]) -> dict:
+    return {"id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.served.name, "choices": choices}
+
+  def whole(self) -> dict:
+    """The answer to a request that is not streamed, once every choice has finished."""
+    choices = []
+    for c in self.choices:
+      text, _ = self._text(c)
+      logprobs = None
+      if self.completion.logprobs is not None:
+        logprobs, _ = self._logprobs(c, c.events, 0, self.completion.echo)
+      if self.completion.echo:
+        text = self._decode(c.prompt) + text
+      choice = {"index": c.index, "text": text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
+      if self.completion.return_token_ids:
+        choice.update(prompt_token_ids=c.prompt, token_ids=c.tokens)
+      choices.append(choice)
+    return dict(self._object(choices), usage=self.usage())
+
+  def chunk(self, indices: set[int]) -> dict | None:
+    """A streamed chunk with what the choices `indices` gained, or None if nothing."""
+    choices = []
+    for i in sorted(indices):
+      c = self.choices[i]
+      text, done = self._text(c)
+      delta = text[c.sent_chars:]
+      first = not c.sent_first
+      prefix = self._decode(c.prompt) if self.completion.echo and first else ""
+      events = c.events[c.sent_tokens:]
+      if not (delta or prefix or done or (events and (
+          self.completion.logprobs is not None or self.completion.return_token_ids))):
+        continue
+      logprobs = None
+      if self.completion.logprobs is not None:
+        logprobs, c.sent_offset = self._logprobs(c, events, c.sent_offset,
+                                                 self.completion.echo and first)
+      choice = {"index": c.index, "text": prefix + delta, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
+      if self.completion.return_token_ids:
+        choice["token_ids"] = [e.token for e in events]
+        if first:
+          choice["prompt_token_ids"] = c.prompt
+      c.sent_chars, c.sent_tokens, c.sent_first = len(text), len(c.events), True
+      choices.append(choice)
+    if not choices:
+      return None
+    chunk = self._object(choices)
+    if self.completion.include_usage:
+      chunk["usage"] = None
+    return chunk
+
+  def usage_chunk(self) -> dict:
+    return dict(self._object([]), usage=self.usage())
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+  """The API's routes; `self.server` is the `OpenAIServer`."""
+
+  protocol_version = "HTTP/1.1"
+  server: "OpenAIServer"
+
+  def log_message(self, format: str, *args) -> None:
+    if self.server.verbose:
+      super().log_message(format, *args)
+
+  def _send_json(self, status: int, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    self.send_response(status)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def _send_error(self, error: APIError) -> None:
+    self._send_json(error.status, error.body())
+
+  def do_GET(self) -> None:
+    if self.path == "/health":
+      self._send_json(200, {"status": "ok"})
+    elif self.path in ("/v1/models", f"/v1/models/{self.server.served.name}"):
+      model = {"id": self.server.served.name, "object": "model",
+               "created": self.server.created, "owned_by": "jax_paged",
+               "max_model_len": self.server.served.spec.max_positions}
+      self._send_json(200, model if self.path != "/v1/models" else
+                      {"object": "list", "data": [model]})
+    else:
+      self._send_error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
+
+  def do_POST(self) -> None:
+    if self.path != "/v1/completions":
+      self._send_error(APIError(404, f"no route POST {self.path}", kind="not_found_error"))
+      return
+    try:
+      length = int(self.headers.get("Content-Length", ""))
+      if length < 0:
+        raise ValueError(length)
+    except ValueError:
+      self._send_error(APIError(411, "a request body needs a Content-Length >= 0"))
+      return
+    raw = self.rfile.read(length)
+    try:
+      try:
+        body = json.loads(raw)
+      except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the body is not JSON: {e}") from e
+      completion = parse_completion(body, self.server.served, self.server.rng)
+      sub = self.server.loop.submit(completion.requests)
+      try:
+        ids = sub.accepted()
+      except ValueError as e:  # the engine cannot serve it (e.g. its pool is too small)
+        raise APIError(400, str(e).replace("requests[", "prompt[")) from e
+    except APIError as e:
+      self._send_error(e)
+      return
+    except EngineClosed as e:
+      self._send_error(APIError(503, str(e), kind="server_error"))
+      return
+    answer = _Answer(completion, self.server.served)
+    if completion.stream:
+      self._stream(sub, ids, answer)
+      return
+    try:
+      for events in sub:
+        answer.take(events, ids)
+    except Exception as e:  # the engine failed (its run aborted) or closed
+      self._send_error(APIError(500, f"generation failed: {e}", kind="server_error"))
+      return
+    self._send_json(200, answer.whole())
+
+  def _stream(self, sub: Submission, ids: list[int], answer: _Answer) -> None:
+    """Server-sent events, one per device call that brought text, then `[DONE]`; the
+    requests are aborted if the client goes."""
+    self.send_response(200)
+    self.send_header("Content-Type", "text/event-stream")
+    self.send_header("Cache-Control", "no-cache")
+    self.send_header("Transfer-Encoding", "chunked")
+    self.end_headers()
+
+    def send(payload: str) -> None:
+      data = f"data: {payload}\n\n".encode()
+      self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+      self.wfile.flush()
+
+    try:
+      try:
+        for events in sub:
+          chunk = answer.chunk(answer.take(events, ids))
+          if chunk is not None:
+            send(json.dumps(chunk))
+        if answer.completion.include_usage:
+          send(json.dumps(answer.usage_chunk()))
+      except (ConnectionError, OSError):
+        raise
+      except Exception as e:  # the engine failed: said in the stream, as vLLM does
+        send(json.dumps(APIError(500, f"generation failed: {e}", kind="server_error").body()))
+      send("[DONE]")
+      self.wfile.write(b"0\r\n\r\n")
+      self.wfile.flush()
+    except (ConnectionError, OSError):  # the client went: free its pages
+      sub.cancel()
+      self.close_connection = True
+
+
+class OpenAIServer(http.server.ThreadingHTTPServer):
+  """Serves `served` from `loop`'s engine at `address` ((host, port); port 0: any free
+  one, `server_address` tells which). `serve_forever()` serves; `shutdown()` stops it
+  (from another thread), `server_close()` frees the socket. The loop is the caller's to
+  close."""
+
+  daemon_threads = True
+
+  def __init__(self, address: tuple[str, int], loop: EngineLoop, served: Served, *,
+               verbose: bool = False):
+    super().__init__(address, Handler)
+    self.loop, self.served, self.verbose = loop, served, verbose
+    self.created = int(time.time())
+    self.rng = random.Random()
+
+
+def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog=PROG, description="Serve a language model over OpenAI's completions API "
+                             "(continuous batching over a paged KV cache).")
+  add_model_arguments(p, families)
+  p.add_argument("--seed", type=int, default=0,
+                 help="the random weights' seed of a --model preset (default 0)")
+  srv = p.add_argument_group("server")
+  srv.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default 127.0.0.1; 0.0.0.0: every "
+                        "interface)")
+  srv.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any)")
+  srv.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the checkpoint directory's "
+                        "name, or the preset's)")
+  srv.add_argument("--warmup", action="store_true",
+                   help="compile the engine's programs before serving "
+                        "(Engine.warmup(): no request waits for a compilation)")
+  srv.add_argument("--verbose", action="store_true", help="log every HTTP request")
+  # A request waits up to one call to join the batch: fewer steps than generation's.
+  add_engine_arguments(p, steps_per_call=16)
+  return parse_model_args(p, argv)
+
+
+def serve(args: argparse.Namespace, families) -> int:
+  loaded = load_model(args, families, PROG)
+  engine = make_engine(args, loaded)
+  spec = loaded.model.spec
+  if args.warmup:
+    _notice("compiling (--warmup) ...", PROG)
+    engine.warmup(sampling=("greedy", "sampled", "top_p", "top_k"), prefix_hits=True)
+  name = args.served_model_name or (
+      args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
+  served = Served(name, spec, loaded.codec, spec.eos_token_ids)
+  loop = EngineLoop(engine)
+  try:
+    server = OpenAIServer((args.host, args.port), loop, served, verbose=args.verbose)
+  except OSError as e:
+    loop.close()
+    raise CLIError(f"cannot listen on {args.host}:{args.port} ({e})") from e
+  host, port = server.server_address[:2]
+  print(f"{PROG}: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)",
+        file=sys.stderr, flush=True)
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.server_close()
+    loop.close()
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  try:
+    families = model_families()
+    return serve(parse_args(argv, families), families)
+  except CLIError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

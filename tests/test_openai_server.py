@@ -1,0 +1,350 @@
+"""The engine on its own thread (`EngineLoop`) and the OpenAI-compatible server over it, on
+CPU with the tiny GPT-2 (random weights, text as UTF-8 bytes)."""
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_paged import Engine, Request
+from jax_paged.cli import BYTES
+from jax_paged.openai_server import OpenAIServer, Served
+from jax_paged.serving.engine_loop import EngineClosed, EngineLoop
+from models import gpt2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_engine(model) -> Engine:
+  return Engine(model, max_batch=8, num_pages=160, page_size=16, steps_per_call=4,
+                detokenize=BYTES.decode)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return gpt2.FAMILY.presets["tiny"](jnp.float32, 0)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+  """(base url, the server's engine loop, what it serves)."""
+  loop = EngineLoop(make_engine(model))
+  what = Served("tiny", model.spec, BYTES, ())
+  server = OpenAIServer(("127.0.0.1", 0), loop, what)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield f"http://127.0.0.1:{server.server_address[1]}", loop, what
+  server.shutdown()
+  server.server_close()
+  loop.close()
+
+
+def collect(sub) -> dict:
+  """(request id, sample) -> its events, from a submission."""
+  out = {}
+  for events in sub:
+    for e in events:
+      out.setdefault((e.request_id, e.sample), []).append(e)
+  return out
+
+
+def post(url: str, body, path: str = "/v1/completions") -> tuple[int, object]:
+  data = body if isinstance(body, bytes) else json.dumps(body).encode()
+  request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=120) as r:
+      raw = r.read().decode()
+      status = r.status
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+  if raw.startswith("data: "):
+    return status, [line[6:] for line in raw.split("\n\n") if line]
+  return status, json.loads(raw)
+
+
+def test_engine_loop_serves_threads_as_generate_does(model):
+  prompts = [list(np.random.default_rng(i).integers(0, 256, 5 + 9 * i)) for i in range(4)]
+  requests = [Request(prompts[0], 9), Request(prompts[1], 7, temperature=0.9, seed=5, n=2),
+              Request(prompts[2], 12, temperature=1.0, top_p=0.8, seed=1),
+              Request(prompts[3], 6, logprobs=True, top_logprobs=2)]
+  expected, _ = make_engine(model).generate(requests)
+  loop = EngineLoop(make_engine(model))
+  try:
+    subs = [None] * len(requests)
+
+    def submit(i):
+      subs[i] = loop.submit([requests[i]])
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    for request, sub, want in zip(requests, subs, expected):
+      rid, = sub.accepted()
+      got = collect(sub)
+      assert sorted(got) == [(rid, j) for j in range(request.n)]
+      tokens = [[e.token for e in got[rid, j]] for j in range(request.n)]
+      assert tokens == (want if request.n > 1 else [want])
+      assert all(events[-1].finish_reason == "length" for events in got.values())
+    # Two requests submitted together: the engine's ids in order, events of both.
+    sub = loop.submit([Request(prompts[0], 9), Request(prompts[3], 3)])
+    ids = sub.accepted()
+    got = collect(sub)
+    assert [e.token for e in got[ids[0], 0]] == expected[0]
+    assert len(got[ids[1], 0]) == 3
+  finally:
+    loop.close()
+
+
+def test_engine_loop_errors_cancel_and_close(model):
+  engine = make_engine(model)
+  loop = EngineLoop(engine)
+  # The engine's errors: named by the request's place in the submission; none runs.
+  with pytest.raises(ValueError, match=r"^prompt is empty"):
+    loop.submit([Request([], 4)]).accepted()
+  with pytest.raises(ValueError, match=r"^requests\[1\]: max_new_tokens must be an int"):
+    list(loop.submit([Request([1, 2], 4), Request([3], 0)]))
+  assert loop.num_unfinished == 0
+  with pytest.raises(ValueError, match="non-empty list"):
+    loop.submit(Request([1], 2))
+  # Cancelled after its first events: no more come, its pages go back.
+  sub = loop.submit([Request([7, 8, 9], 400, n=2)])
+  it = iter(sub)
+  first = next(it)
+  sub.cancel()
+  rest = sum(len(events) for events in it)
+  assert len(first) + rest < 2 * 400
+  assert loop.num_unfinished == 0 and not engine.has_unfinished_requests()
+  assert engine.kv.num_free_pages() + engine.num_cached_pages == engine.num_pages
+  # A device call that fails fails its requests; the loop serves the next ones.
+  step = engine.step
+
+  def fail():
+    engine.step = step
+    raise RuntimeError("device lost")
+  engine.step = fail
+  with pytest.raises(RuntimeError, match="device lost"):
+    list(loop.submit([Request([1, 2, 3], 5)]))
+  sub = loop.submit([Request([1, 2, 3], 5)])
+  assert len(collect(sub)[sub.accepted()[0], 0]) == 5
+  # Closing ends what is unfinished; nothing is taken after.
+  sub = loop.submit([Request([4, 5], 400)])
+  next(iter(sub))
+  loop.close()
+  with pytest.raises(EngineClosed):
+    list(sub)
+  with pytest.raises(EngineClosed):
+    loop.submit([Request([1], 2)])
+  assert not engine.has_unfinished_requests()
+
+
+def test_completions_are_the_engines_requests(served):
+  """Each field reaches the engine's request: the choices are what the same requests
+  give submitted to the loop directly (prompt-major, n per prompt)."""
+  url, loop, _ = served
+  body = {"model": "tiny", "prompt": ["The pages", [84, 104, 101, 32]], "max_tokens": 7,
+          "n": 2, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 2 ** 40 + 11,
+          "presence_penalty": 0.5, "logit_bias": {"101": 2.0}, "logprobs": 2,
+          "min_tokens": 2, "repetition_penalty": 1.2, "min_p": 0.01}
+  status, answer = post(url, body)
+  assert status == 200, answer
+  prompts = [list(b"The pages"), [84, 104, 101, 32]]
+  requests = [Request(p, 7, temperature=0.8, top_p=0.9, top_k=40, seed=11, n=2,
+                      presence_penalty=0.5, logit_bias={101: 2.0}, logprobs=True,
+                      top_logprobs=2, min_tokens=2, repetition_penalty=1.2, min_p=0.01)
+              for p in prompts]
+  sub = loop.submit(requests)
+  ids = sub.accepted()
+  events = collect(sub)
+  assert answer["object"] == "text_completion" and answer["model"] == "tiny"
+  assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+  for c in answer["choices"]:
+    want = events[ids[c["index"] // 2], c["index"] % 2]
+    assert c["text"] == BYTES.decode([e.token for e in want])
+    assert c["finish_reason"] == "length"
+    lp = c["logprobs"]
+    assert lp["tokens"] == [BYTES.decode([e.token]) for e in want]
+    np.testing.assert_allclose(lp["token_logprobs"], [e.logprob for e in want], rtol=1e-6)
+    for top, e in zip(lp["top_logprobs"], want):  # (texts as keys: last one wins)
+      assert top == pytest.approx({BYTES.decode([t]): v for t, v in e.top_logprobs}, rel=1e-6)
+    assert lp["text_offset"] == list(range(7))
+  assert answer["usage"] == {"prompt_tokens": 13, "completion_tokens": 28,
+                             "total_tokens": 41}
+  # Without a seed each request draws its own.
+  again = [post(url, dict(body, seed=None))[1]["choices"][0]["text"] for _ in range(2)]
+  assert again[0] != again[1]
+
+
+def test_streams_stop_texts_and_stop_tokens(served):
+  url, loop, _ = served
+  prompt = "Paged attention"
+
+  def engine_tokens(**fields) -> list[int]:
+    sub = loop.submit([Request(list(prompt.encode()), 24, **fields)])
+    return [e.token for events in sub for e in events]
+
+  greedy = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+  tokens = engine_tokens()
+  text = BYTES.decode(tokens)
+  status, whole = post(url, greedy)
+  assert status == 200 and whole["choices"][0]["text"] == text
+  # Streamed: the chunks add up to the same text; usage last, then [DONE].
+  status, chunks = post(url, dict(greedy, stream=True, stream_options={"include_usage": True}))
+  assert status == 200 and chunks[-1] == "[DONE]"
+  objects = [json.loads(c) for c in chunks[:-1]]
+  assert len(objects) > 2  # (4 steps per call)
+  assert "".join(c["choices"][0]["text"] for c in objects[:-1]) == text
+  assert [c["choices"][0]["finish_reason"] for c in objects[:-1]][-1] == "length"
+  assert objects[-1]["choices"] == [] and objects[-1]["usage"]["completion_tokens"] == 24
+  assert all(o["usage"] is None for o in objects[:-1])
+  # Token ids (vLLM's return_token_ids): each chunk's, the prompt's on the first.
+  status, chunks = post(url, dict(greedy, stream=True, return_token_ids=True))
+  objects = [json.loads(c)["choices"][0] for c in chunks[:-1]]
+  assert sum((o["token_ids"] for o in objects), []) == tokens
+  assert objects[0]["prompt_token_ids"] == list(prompt.encode())
+  assert all("prompt_token_ids" not in o for o in objects[1:])
+  status, whole = post(url, dict(greedy, return_token_ids=True))
+  assert whole["choices"][0]["token_ids"] == tokens
+  # A stop text: the text before it, streamed or not; finish_reason "stop".
+  at = next(k for k in range(9, 20) if "\ufffd" not in text[k:k + 3])
+  stop = text[at:at + 3]
+  cut = text[:text.find(stop)]
+  stopped = engine_tokens(stop=[stop, "never there"])
+  assert len(stopped) < 24
+  status, answer = post(url, dict(greedy, stop=[stop, "never there"]))
+  assert answer["choices"][0] == {"index": 0, "text": cut, "logprobs": None,
+                                  "finish_reason": "stop"}
+  assert answer["usage"]["completion_tokens"] == len(stopped)
+  status, chunks = post(url, dict(greedy, stop=stop, stream=True))
+  objects = [json.loads(c) for c in chunks[:-1]]
+  assert "".join(o["choices"][0]["text"] for o in objects) == cut
+  assert objects[-1]["choices"][0]["finish_reason"] == "stop"
+  # A stop token: its text left out, the token counted.
+  end = tokens.index(tokens[5])
+  status, answer = post(url, dict(greedy, stop_token_ids=[tokens[5]]))
+  assert answer["choices"][0]["text"] == BYTES.decode(tokens[:end])
+  assert answer["choices"][0]["finish_reason"] == "stop"
+  assert answer["usage"]["completion_tokens"] == end + 1
+
+
+def test_echo_and_scoring_the_prompt(served):
+  """max_tokens 0 with echo and logprobs: the prompt's log-probabilities (as
+  lm-evaluation-harness asks), equal to the engine's prompt_logprobs."""
+  url, loop, _ = served
+  prompt = "Scored text"
+  status, answer = post(url, {"prompt": prompt, "max_tokens": 0, "echo": True,
+                              "logprobs": 1})
+  assert status == 200, answer
+  choice, = answer["choices"]
+  assert choice["text"] == prompt and choice["finish_reason"] == "length"
+  sub = loop.submit([Request(list(prompt.encode()), 1, prompt_logprobs=True,
+                             top_logprobs=1)])
+  first = next(iter(sub))[0]
+  lp = choice["logprobs"]
+  assert lp["tokens"] == list(prompt) and lp["text_offset"] == list(range(len(prompt)))
+  assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+  np.testing.assert_allclose(lp["token_logprobs"][1:], first.prompt_logprobs[1:], rtol=1e-6)
+  assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0,
+                             "total_tokens": len(prompt)}
+  # echo with tokens: the prompt's text, then the completion.
+  status, answer = post(url, {"prompt": prompt, "max_tokens": 3, "echo": True,
+                              "temperature": 0})
+  status, plain = post(url, {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+  assert answer["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body,status,param,message", [
+    ({"prompt": "x", "bogus": 1}, 400, "bogus", "unknown fields ['bogus']"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": ""}, 400, "prompt", "prompt[0] is empty"),
+    ({"prompt": [1, "a"]}, 400, "prompt", "prompt must be"),
+    ({"prompt": [[300]]}, 400, "prompt", "outside [0, vocab_size=256)"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 0"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "with echo"),
+    ({"prompt": "x" * 500, "max_tokens": 20}, 400, "max_tokens", "context holds 512"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature", ">= 0"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", "in (0, 1]"),
+    ({"prompt": "x", "n": 0}, 400, "n", ">= 1"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of", "equal n"),
+    ({"prompt": "x", "logprobs": 99}, 400, "logprobs", "in [0, 20]"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop", "non-empty"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "with stream true"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+    ({"prompt": "x", "seed": 1.5}, 400, "seed", "integer"),
+    ({"prompt": "x", "min_tokens": 20}, 400, "min_tokens", "exceeds max_tokens 16"),
+    ({"prompt": "x", "n": 9}, 400, None, "max_batch=8"),  # the engine's own check
+    ([1, 2], 400, None, "JSON object"),
+])
+def test_bad_requests_are_named(served, body, status, param, message):
+  url, loop, _ = served
+  got, answer = post(url, body)
+  assert got == status and answer["error"]["param"] == param
+  assert message in answer["error"]["message"], answer
+  assert loop.num_unfinished == 0
+
+
+def test_routes_and_malformed_bodies(served):
+  url, _, _ = served
+  with urllib.request.urlopen(url + "/v1/models") as r:
+    models = json.load(r)
+  assert [m["id"] for m in models["data"]] == ["tiny"]
+  assert models["data"][0]["max_model_len"] == 512
+  with urllib.request.urlopen(url + "/health") as r:
+    assert r.status == 200
+  assert post(url, b"{not json")[0] == 400
+  assert post(url, {"prompt": "x"}, path="/v1/chat/completions")[0] == 404
+
+
+def test_a_client_that_goes_aborts_its_stream(served):
+  url, loop, _ = served
+  host, port = url[len("http://"):].split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  conn.request("POST", "/v1/completions", json.dumps(
+      {"prompt": "a long one", "max_tokens": 480, "stream": True, "ignore_eos": True}),
+      {"Content-Type": "application/json"})
+  response = conn.getresponse()
+  assert response.status == 200
+  assert response.fp.readline()  # (the first chunk's size line)
+  conn.sock.shutdown(2)
+  conn.close()
+  deadline = time.time() + 60
+  while loop.num_unfinished and time.time() < deadline:
+    time.sleep(0.05)
+  assert loop.num_unfinished == 0
+  assert loop.engine.report.generated_tokens < 480
+
+
+def test_serve_command(tmp_path):
+  """`python -m jax_paged.openai_server` serves until interrupted."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jax_paged.openai_server", "--model", "tiny", "--port", "0",
+       "--max-batch", "4", "--num-pages", "64", "--served-model-name", "tiny-test"],
+      env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+  try:
+    for line in proc.stderr:
+      found = re.search(r"serving 'tiny-test' at (http://\S+)/v1", line)
+      if found:
+        break
+    assert found, "the server did not start"
+    status, answer = post(found.group(1), {"model": "tiny-test", "prompt": "Hi",
+                                           "max_tokens": 3})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+  finally:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
