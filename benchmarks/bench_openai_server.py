@@ -16,7 +16,9 @@ Per rate and way: new tokens/s from the first arrival to the last token; time to
 token from each request's arrival (mean, p50, p99); time per output token after the first;
 latency to the last token. Every pass draws fresh prompt tokens (the same lengths and
 arrivals), so that no pass reads another's pages from the prefix cache; each way first
-serves every rate's workload untimed `--passes` times (compiling the batch shapes).
+compiles its batch shapes (`Engine.warmup()`; the server's `--warmup greedy`, from the
+programs the first left in a compilation cache) and serves every rate's workload untimed
+`--passes` times.
 
     PYTHONPATH=. python benchmarks/bench_openai_server.py          # on the GPU
     PYTHONPATH=. python benchmarks/bench_openai_server.py --tiny   # smoke test on CPU
@@ -32,7 +34,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,18 +44,24 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import bench_serving, common
-from jax_paged import Engine, Request
+from jax_paged import Engine, Request, cli
 from models import gpt2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# jax-paged-serve with this checkout's GPT-2 (the entry points need `pip install -e .`,
+# which the GPU machine has not had).
+LAUNCH = ("import sys; from jax_paged import openai_server; "
+          "sys.exit(openai_server.main(sys.argv[1:], family_refs=['models.gpt2:FAMILY']))")
+
+
 class Server:
-  """`python -m jax_paged.openai_server` in a subprocess, until `close()`."""
+  """jax-paged-serve in a subprocess, until `close()`."""
 
   def __init__(self, args: list[str], log_path: str):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    self.proc = subprocess.Popen([sys.executable, "-m", "jax_paged.openai_server", *args],
+    self.proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *args],
                                  env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     self.log = open(log_path, "w")
     for line in self.proc.stderr:
@@ -118,8 +128,8 @@ def main():
   p.add_argument("--rates", type=float, nargs="+", default=[100.0, 300.0, 1000.0],
                  help="request arrival rates (requests/s)")
   p.add_argument("--requests", type=int, default=512, help="requests per rate")
-  p.add_argument("--passes", type=int, default=3,
-                 help="untimed passes over every rate before the timed one")
+  p.add_argument("--passes", type=int, default=1,
+                 help="untimed passes over every rate before the timed one (after warmup)")
   args = p.parse_args()
   # Two processes share the GPU: neither may take most of its memory up front (jax's
   # default); the pools are sized by --num-pages.
@@ -127,11 +137,9 @@ def main():
   if args.tiny:
     preset, dtype, page, max_batch = "tiny", jnp.float32, 8, 16
     prompt_len, new_len, n_req, rates = (4, 32), (2, 16), 24, [50.0, 200.0]
-    passes = 1
   else:
     preset, dtype, page, max_batch = "gpt2", jnp.bfloat16, 16, 256
     prompt_len, new_len, n_req, rates = (32, 512), (16, 256), args.requests, args.rates
-    passes = args.passes
   config = gpt2.PRESETS[preset]
   num_pages = max_batch * -(-(prompt_len[1] + new_len[1]) // page)
   steps = 16
@@ -139,7 +147,7 @@ def main():
            f"GPT-2 {config.n_layer}L/{config.n_embd}, {jnp.dtype(dtype).name}, {max_batch} "
            f"slots, pages of {page}, {steps} steps per call; {n_req} requests, prompts of "
            f"{prompt_len[0]}-{prompt_len[1]} tokens, {new_len[0]}-{new_len[1]} new, Poisson "
-           f"arrivals, greedy; {passes} untimed passes per way."]
+           f"arrivals, greedy; per way Engine.warmup() and {args.passes} untimed passes."]
   emit = common.emitter(lines)
   rng = np.random.default_rng(0)
   workloads = [bench_serving.workload(rng, config.vocab_size, prompt_len, new_len, n_req, rate)
@@ -155,6 +163,15 @@ def main():
       runs.append(served)
     return runs
 
+  # Both ways compile their batch shapes first (Engine.warmup, greedy), the server from
+  # the programs this process leaves in a compilation cache of the run's own (not on the
+  # CPU smoke test: minutes there).
+  warm = not args.tiny
+  server_args = ["--no-compilation-cache"]
+  if warm:
+    cache = tempfile.mkdtemp(prefix="bench_openai_server_xla_")
+    cli.use_compilation_cache(cache)
+    server_args = ["--compilation-cache", cache, "--warmup", "greedy"]
   model = gpt2.GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(0))
   engine = Engine(model, max_batch=max_batch, num_pages=num_pages, page_size=page,
                   steps_per_call=steps)
@@ -162,24 +179,31 @@ def main():
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, seconds, **_: compiles.append(seconds)
       if event == "/jax/core/compile/backend_compile_duration" else None)
-  for i in range(passes):
+  if warm:
+    start = time.perf_counter()
+    engine.warmup()
+    emit(f"in process: warmup() {time.perf_counter() - start:.1f} s")
+  for i in range(args.passes):
     serve_all(bench_serving.serve_continuous, engine, i)
   compiles.clear()
-  for rate, served in zip(rates, serve_all(bench_serving.serve_continuous, engine, passes)):
+  timed = serve_all(bench_serving.serve_continuous, engine, args.passes)
+  for rate, served in zip(rates, timed):
     rows[rate].append(served.row("in process (add_request / step)"))
+    print(rate, rows[rate][-1], flush=True)
   emit(f"in process: {len(compiles)} compilations in the timed pass "
        f"({sum(compiles):.1f} s); the server's are not observable from here")
   del engine
   server = Server(["--model", preset, "--dtype", jnp.dtype(dtype).name, "--port", "0",
                    "--max-batch", str(max_batch), "--num-pages", str(num_pages),
                    "--page-size", str(page), "--steps-per-call", str(steps),
-                   "--no-compilation-cache"],
+                   *server_args],
                   os.path.join(common.out_dir(), "bench_openai_server_server.log"))
   try:
-    for i in range(passes):
+    for i in range(args.passes):
       serve_all(serve_http, server, i)
-    for rate, served in zip(rates, serve_all(serve_http, server, passes)):
+    for rate, served in zip(rates, serve_all(serve_http, server, args.passes)):
       rows[rate].append(served.row("over HTTP (jax-paged-serve, streamed)"))
+      print(rate, rows[rate][-1], flush=True)
   finally:
     server.close()
   for rate, (_, arrivals) in zip(rates, workloads):

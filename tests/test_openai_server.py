@@ -1,6 +1,7 @@
 """The engine on its own thread (`EngineLoop`) and the OpenAI-compatible server over it, on
 CPU with the tiny GPT-2 (random weights, text as UTF-8 bytes)."""
 
+import functools
 import http.client
 import json
 import os
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 
 from jax_paged import Engine, Request
-from jax_paged.cli import BYTES
+from jax_paged.cli import BYTES, model_families
+from jax_paged import openai_server
 from jax_paged.openai_server import OpenAIServer, Served
-from jax_paged.serving.engine_loop import EngineClosed, EngineLoop
+from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess
 from models import gpt2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,6 +149,43 @@ def test_engine_loop_errors_cancel_and_close(model):
   with pytest.raises(EngineClosed):
     loop.submit([Request([1], 2)])
   assert not engine.has_unfinished_requests()
+
+
+def test_engine_process_serves_as_the_thread_loop(served):
+  """The engine built in a process of its own (the server's way): the same tokens as the
+  thread loop's engine on the same weights; errors cross the pipe; a process that dies
+  fails what is unfinished."""
+  _, loop, _ = served
+  argv = ["--model", "tiny", "--max-batch", "8", "--num-pages", "160", "--page-size", "16",
+          "--steps-per-call", "4", "--no-compilation-cache"]
+  refs = ["models.gpt2:FAMILY"]
+  args = openai_server.parse_args(argv, openai_server.resolve_families(refs))
+  with pytest.raises(RuntimeError, match="could not be built: --checkpoint /no/dir: not a"):
+    EngineProcess(functools.partial(openai_server.build_engine, openai_server.parse_args(
+        argv + ["--checkpoint", "/no/dir"], openai_server.resolve_families(refs)), refs))
+  process = EngineProcess(functools.partial(openai_server.build_engine, args, refs))
+  try:
+    assert process.spec == loop.engine.spec and process.max_batch == 8
+    requests = [Request([5, 6, 7], 9), Request([8, 9], 6, temperature=1.0, seed=3, n=2,
+                                                  logprobs=True, top_logprobs=2)]
+
+    def tokens(sub) -> dict:  # (request's index, sample) -> its tokens
+      ids = sub.accepted()
+      return {(ids.index(rid), j): [e.token for e in events]
+              for (rid, j), events in collect(sub).items()}
+    got, want = (tokens(p.submit(requests)) for p in (process, loop))
+    assert got == want and [len(got[k]) for k in sorted(got)] == [9, 6, 6]
+    with pytest.raises(ValueError, match=r"^requests\[1\]: prompt is empty"):
+      process.submit([Request([1], 2), Request([], 2)]).accepted()
+    sub = process.submit([Request([4, 5], 400)])
+    next(iter(sub))
+    process._process.kill()
+    with pytest.raises(EngineClosed, match="process ended"):
+      list(sub)
+    with pytest.raises(EngineClosed):
+      process.submit([Request([1], 2)])
+  finally:
+    process.close()
 
 
 def test_completions_are_the_engines_requests(served):
@@ -329,7 +368,9 @@ def test_a_client_that_goes_aborts_its_stream(served):
   assert loop.engine.report.generated_tokens < 480
 
 
-def test_serve_command(tmp_path):
+@pytest.mark.skipif(not model_families(), reason="no model family is installed (the "
+                    "jax_paged.models entry points come with `pip install -e .`)")
+def test_serve_command():
   """`python -m jax_paged.openai_server` serves until interrupted."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(

@@ -49,6 +49,13 @@ from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.scheduler import Scheduler
 
 
+# Engine.warmup's sampling kinds: the settings of the throwaway requests that compile each.
+WARMUP_SAMPLING = {"greedy": {}, "sampled": dict(temperature=1.0),
+                   "top_p": dict(temperature=1.0, top_p=0.9),
+                   "min_p": dict(temperature=1.0, min_p=0.05),
+                   "top_k": dict(temperature=1.0, top_k=50)}
+
+
 class Engine:
   """Continuous batching for any model meeting `jax_paged.PagedModel`.
 
@@ -259,10 +266,7 @@ class Engine:
     limit = self.spec.max_positions - 1  # a prompt and one new token
     if max_prompt_tokens is not None:
       limit = min(check_positive_int("max_prompt_tokens", max_prompt_tokens), limit)
-    settings = {"greedy": {}, "sampled": dict(temperature=1.0),
-                "top_p": dict(temperature=1.0, top_p=0.9),
-                "min_p": dict(temperature=1.0, min_p=0.05),
-                "top_k": dict(temperature=1.0, top_k=50)}
+    settings = WARMUP_SAMPLING
     if isinstance(sampling, str) or not sampling or any(k not in settings for k in sampling):
       raise ValueError(f"sampling must be a non-empty list of {tuple(settings)}, got "
                        f"{sampling!r}")

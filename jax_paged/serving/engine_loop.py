@@ -1,17 +1,24 @@
-"""An engine on a thread of its own, serving callers on other threads (vLLM's AsyncLLM).
+"""An engine on a thread or a process of its own, serving callers on other threads
+(vLLM's AsyncLLM and its engine-core process).
 
 `Engine` is single-threaded: `add_request`, `step` and `abort_request` must come from one
-thread. A server's handlers run on many. `EngineLoop` owns the engine on its thread,
-which adds what was submitted, steps while a request is unfinished, and hands each
-request's events to its `Submission`; it sleeps, holding no device, while none is:
+thread. A server's handlers run on many. A loop owns the engine: it adds what was
+submitted, steps while a request is unfinished, and hands each request's events to its
+`Submission`; it sleeps, holding no device, while none is:
 
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine)                       # or EngineProcess(make_engine)
     sub = loop.submit([Request(prompt, 64), ...])   # any thread
     ids = sub.accepted()                            # the engine's ids of the requests
     for events in sub:                              # [TokenEvent] of each device call
       ...
     sub.cancel()                                    # a client gone: its requests abort
     loop.close()
+
+`EngineLoop` runs the engine on a thread of this process. The engine's host work (its
+scheduling, its Python between device calls) then shares the interpreter lock with the
+callers' threads: a server formatting hundreds of streams slows every device call
+(benchmarks/RESULTS.md, "OpenAI-compatible server"). `EngineProcess` builds the engine in
+a process of its own, which does nothing else; requests and events cross a pipe.
 
 A request joins the running batch at the next device call, so `Engine.steps_per_call`
 bounds how long an arrival waits (16 is a serving setting: benchmarks/RESULTS.md,
@@ -20,10 +27,13 @@ bounds how long an arrival waits (16 is a serving setting: benchmarks/RESULTS.md
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import re
+import signal
 import threading
-from typing import Iterator, Sequence
+import traceback
+from typing import Callable, Iterator, Sequence
 
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.request import Request, TokenEvent
@@ -32,7 +42,8 @@ _DONE = object()  # a submission's last item
 
 
 class EngineClosed(RuntimeError):
-  """The loop was closed: no more requests are taken, unfinished ones end."""
+  """The loop was closed (or its process ended): no more requests are taken, unfinished
+  ones end."""
 
 
 class Submission:
@@ -46,14 +57,13 @@ class Submission:
   (every sample); the iteration then ends without error.
   """
 
-  def __init__(self, loop: "EngineLoop", requests: Sequence[Request]):
+  def __init__(self, requests: Sequence[Request], cancel: Callable[["Submission"], None]):
     self.requests = list(requests)
     self.request_ids: list[int] = []  # the engine's, once accepted
-    self._loop = loop
+    self._cancel = cancel
     self._items: queue.SimpleQueue = queue.SimpleQueue()
     self._accepted = threading.Event()
     self._error: BaseException | None = None
-    self._unfinished = sum(r.n for r in self.requests)  # samples (loop thread only)
 
   def accepted(self, timeout: float | None = None) -> list[int]:
     """Waits until the engine took the requests; returns their ids, in order. Raises the
@@ -68,7 +78,7 @@ class Submission:
   def cancel(self) -> None:
     """Aborts the requests, wherever they are (the engine's `abort_request`): no events
     come after their next device call. A no-op once they have finished."""
-    self._loop._inbox.put((self._loop._cancel, self))
+    self._cancel(self)
 
   def __iter__(self) -> Iterator[list[TokenEvent]]:
     self.accepted()
@@ -77,30 +87,132 @@ class Submission:
         raise item
       yield item
 
-  # On the loop's thread:
+  # Called by the loop (the engine's thread, or the reader of its process's pipe):
   def _accept(self, request_ids: list[int], error: BaseException | None = None) -> None:
     self.request_ids, self._error = request_ids, error
     self._accepted.set()
     if error is not None:
       self._items.put(_DONE)
 
-  def _deliver(self, events: list[TokenEvent]) -> bool:
-    """Hands over events; returns whether every sample has finished."""
+  def _deliver(self, events: list[TokenEvent], finished: bool) -> None:
     self._items.put(events)
-    self._unfinished -= sum(e.finish_reason is not None for e in events)
-    if self._unfinished <= 0:
+    if finished:
       self._items.put(_DONE)
-      return True
-    return False
 
   def _end(self, error: BaseException | None = None) -> None:
+    if not self._accepted.is_set():
+      self._accept([], error or EngineClosed("the engine loop was closed"))
+      return
     if error is not None:
       self._items.put(error)
     self._items.put(_DONE)
 
 
+class _Core:
+  """The engine's side of a loop. Commands come from `receive(block)` (None: none
+  waiting): ("add", key, requests), ("cancel", key), ("stop",). What happens goes to
+  `out`: accepted(key, ids, error), events(key, events, finished) per device call and
+  key, then flush(), and failed(keys, error). A key names a submission."""
+
+  def __init__(self, engine: Engine, out):
+    self.engine, self.out = engine, out
+    self.live: dict[int, object] = {}  # engine id -> its key
+    self.samples: dict[object, int] = {}  # key -> its samples not yet finished
+    self.ids: dict[object, list[int]] = {}  # key -> its engine ids
+
+  def run(self, receive: Callable[[bool], tuple | None]) -> None:
+    engine = self.engine
+    while True:
+      # Idle: sleep until something is submitted. Busy: take what came during the call.
+      block = not engine.has_unfinished_requests()
+      while (command := receive(block)) is not None:
+        block = False
+        if command[0] == "stop":
+          engine.abort()
+          self.out.failed(list(self.samples), EngineClosed("the engine loop was closed"))
+          return
+        getattr(self, "_" + command[0])(*command[1:])
+      if not engine.has_unfinished_requests():
+        continue
+      try:
+        events = engine.step()
+      except Exception as e:  # the engine aborted the run: each of its requests fails
+        self.out.failed(list(self.samples), e)
+        self.live.clear()
+        self.samples.clear()
+        self.ids.clear()
+        continue
+      by_key: dict[object, list[TokenEvent]] = {}
+      for event in events:
+        key = self.live.get(event.request_id)
+        if key is not None:
+          by_key.setdefault(key, []).append(event)
+      for key, key_events in by_key.items():
+        self.samples[key] -= sum(e.finish_reason is not None for e in key_events)
+        finished = self.samples[key] <= 0
+        self.out.events(key, key_events, finished)
+        if finished:
+          self._forget(key)
+      self.out.flush()
+
+  def _forget(self, key) -> list[int]:
+    del self.samples[key]
+    ids = self.ids.pop(key)
+    for rid in ids:
+      del self.live[rid]
+    return ids
+
+  def _add(self, key, requests: Sequence[Request]) -> None:
+    ids = []
+    try:
+      for request in requests:
+        ids.append(self.engine.add_request(request))
+    except ValueError as e:  # all or none: those added are dropped again
+      for rid in ids:
+        self.engine.abort_request(rid)
+      # The engine names the request by the id it would have had: here, by its index.
+      message = re.sub(r"^request \d+: ", "", str(e))
+      if len(requests) > 1:
+        message = f"requests[{len(ids)}]: {message}"
+      self.out.accepted(key, [], ValueError(message))
+      return
+    for rid in ids:
+      self.live[rid] = key
+    self.samples[key] = sum(r.n for r in requests)
+    self.ids[key] = ids
+    self.out.accepted(key, ids, None)
+
+  def _cancel(self, key) -> None:
+    if key in self.samples:
+      for rid in self._forget(key):
+        self.engine.abort_request(rid)
+      self.out.failed([key], None)
+
+
+class _DirectOut:
+  """A thread loop's outputs: straight to the submissions (the keys)."""
+
+  @staticmethod
+  def accepted(sub: Submission, ids: list[int], error: BaseException | None) -> None:
+    sub._accept(ids, error)
+
+  @staticmethod
+  def events(sub: Submission, events: list[TokenEvent], finished: bool) -> None:
+    sub._deliver(events, finished)
+
+  @staticmethod
+  def flush() -> None:
+    pass
+
+  @staticmethod
+  def failed(subs: list, error: BaseException | None) -> None:
+    for sub in subs:
+      sub._end(error)
+
+
 class EngineLoop:
-  """Runs `engine` on a daemon thread until `close()`; `submit` from any thread.
+  """Runs `engine` on a daemon thread of this process until `close()`; `submit` from any
+  thread.
 
   A device call that raises aborts the run (`Engine.step`): every request in it fails
   with that exception, and the loop goes on serving new ones on the emptied pool.
@@ -110,13 +222,19 @@ class EngineLoop:
     if engine.has_unfinished_requests():
       raise ValueError("engine has a run in progress: an EngineLoop takes an idle engine")
     self.engine = engine
-    self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (function, argument); None: stop
-    self._live: dict[int, Submission] = {}  # engine id -> its unfinished submission
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()  # orders submit() before close()'s stop
     self._closing = False
-    self._thread = threading.Thread(target=self._run, name="jax_paged-engine-loop",
-                                    daemon=True)
+    self._core = _Core(engine, _DirectOut)
+    self._thread = threading.Thread(target=self._core.run, args=(self._receive,),
+                                    name="jax_paged-engine-loop", daemon=True)
     self._thread.start()
+
+  def _receive(self, block: bool) -> tuple | None:
+    try:
+      return self._inbox.get(block=block)
+    except queue.Empty:
+      return None
 
   def submit(self, requests: Sequence[Request]) -> Submission:
     """Queues `requests` for the engine, together (all or none run); their events come
@@ -124,17 +242,17 @@ class EngineLoop:
     one. Raises `EngineClosed` after `close()`."""
     if isinstance(requests, Request) or not requests:
       raise ValueError("requests must be a non-empty list of Request")
-    sub = Submission(self, requests)
+    sub = Submission(requests, lambda s: self._inbox.put(("cancel", s)))
     with self._lock:
       if self._closing:
         raise EngineClosed("the engine loop was closed")
-      self._inbox.put((self._add, sub))
+      self._inbox.put(("add", sub, sub.requests))
     return sub
 
   @property
   def num_unfinished(self) -> int:
-    """Requests taken and not yet finished (a snapshot)."""
-    return len(self._live)
+    """Submissions taken and not yet finished (a snapshot)."""
+    return len(self._core.samples)
 
   def close(self, timeout: float | None = None) -> None:
     """Stops the loop: unfinished requests fail with `EngineClosed` (their run aborted),
@@ -142,71 +260,171 @@ class EngineLoop:
     with self._lock:
       if not self._closing:
         self._closing = True
-        self._inbox.put((None, None))
+        self._inbox.put(("stop",))
     self._thread.join(timeout)
 
-  def _run(self) -> None:
-    engine = self.engine
-    stopped = False
-    while not stopped:
-      # Idle: sleep until something is submitted. Busy: take what came during the call.
-      block = not engine.has_unfinished_requests()
-      try:
-        while True:
-          function, argument = self._inbox.get(block=block)
-          if function is None:  # close()
-            stopped = True
-            break
-          function(argument)
-          block = False
-      except queue.Empty:
-        pass
-      if stopped or not engine.has_unfinished_requests():
-        continue
-      try:
-        events = engine.step()
-      except Exception as e:  # the engine aborted the run: each of its requests fails
-        for sub in set(self._live.values()):
-          sub._end(e)
-        self._live.clear()
-        continue
-      by_submission: dict[int, tuple[Submission, list[TokenEvent]]] = {}
-      for event in events:
-        sub = self._live.get(event.request_id)
-        if sub is not None:
-          by_submission.setdefault(id(sub), (sub, []))[1].append(event)
-      for sub, sub_events in by_submission.values():
-        if sub._deliver(sub_events):
-          for rid in sub.request_ids:
-            del self._live[rid]
-    # Closed: what is unfinished fails (submit() takes no more).
-    engine.abort()
-    for sub in set(self._live.values()):
-      sub._end(EngineClosed("the engine loop was closed"))
-    self._live.clear()
 
-  def _add(self, sub: Submission) -> None:
-    ids = []
+# An event crossing the pipe: TokenEvent's fields in order (a tuple pickles ~10x faster).
+def _pack(e: TokenEvent) -> tuple:
+  return (e.request_id, e.token, e.finish_reason, e.sample, e.logprob, e.top_logprobs,
+          e.prompt_logprobs, e.prompt_top_logprobs, e.stop_text)
+
+
+class _PipeOut:
+  """An engine process's outputs, over its pipe; a device call's events in one message."""
+
+  def __init__(self, conn):
+    self.conn, self.batch = conn, []
+
+  def accepted(self, key: int, ids: list[int], error: BaseException | None) -> None:
+    self.conn.send(("accepted", key, ids, None if error is None else str(error)))
+
+  def events(self, key: int, events: list[TokenEvent], finished: bool) -> None:
+    self.batch.append((key, [_pack(e) for e in events], finished))
+
+  def flush(self) -> None:
+    if self.batch:
+      self.conn.send(("events", self.batch))
+      self.batch = []
+
+  def failed(self, keys: list, error: BaseException | None) -> None:
+    if keys:
+      self.conn.send(("failed", keys, None if error is None else
+                      f"{type(error).__name__}: {error}"))
+
+
+def _serve_in_process(make_engine: Callable[[], Engine], conn) -> None:
+  """An engine process's body: build the engine, say what it serves, run the core. Ctrl-C
+  is the parent's to handle (it closes the loop)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    engine = make_engine()
+  except Exception as e:  # (said to the parent, which raises it)
+    if not isinstance(e, ValueError):  # not the user's error: the details, for a report
+      traceback.print_exc()
+    conn.send(("broken", str(e)))
+    return
+  conn.send(("ready", engine.spec, engine.max_batch))
+
+  def receive(block: bool) -> tuple | None:
+    if not block and not conn.poll():
+      return None
     try:
-      for request in sub.requests:
-        ids.append(self.engine.add_request(request))
-    except ValueError as e:  # all or none: those added are dropped again
-      for rid in ids:
-        self.engine.abort_request(rid)
-      # The engine names the request by the id it would have had: here, by its index.
-      message = re.sub(r"^request \d+: ", "", str(e))
-      if len(sub.requests) > 1:
-        message = f"requests[{len(ids)}]: {message}"
-      sub._accept([], ValueError(message))
-      return
-    for rid in ids:
-      self._live[rid] = sub
-    sub._accept(ids)
+      return conn.recv()
+    except EOFError:  # the parent is gone
+      return ("stop",)
+
+  _Core(engine, _PipeOut(conn)).run(receive)
+
+
+class EngineProcess:
+  """Runs the engine that `make_engine()` builds in a process of its own (spawned: a
+  fresh interpreter) until `close()`; `submit` from any thread of this one.
+
+  `make_engine` must be picklable (a module-level function, or a `functools.partial` of
+  one); it runs in the child, which owns the devices: this process must not touch them
+  (a GPU initialized here first would hold most of its memory). Its ModelSpec and slots
+  are `spec` and `max_batch` here once the constructor returns.
+
+  Raises RuntimeError if the engine cannot be built (naming why). A device call that
+  raises fails the requests of its run, as in `EngineLoop`; if the process dies, every
+  unfinished request fails with `EngineClosed` and later submissions raise it.
+  """
+
+  def __init__(self, make_engine: Callable[[], Engine]):
+    context = multiprocessing.get_context("spawn")
+    self._conn, child = context.Pipe()
+    self._process = context.Process(target=_serve_in_process, args=(make_engine, child),
+                                    name="jax_paged-engine", daemon=True)
+    self._process.start()
+    child.close()
+    try:
+      message = self._conn.recv()
+    except EOFError:
+      self._process.join()
+      message = ("broken", f"its process ended (exit code {self._process.exitcode})")
+    if message[0] == "broken":
+      self._process.join()
+      raise RuntimeError(f"the engine could not be built: {message[1]}")
+    _, self.spec, self.max_batch = message
+    self._subs: dict[int, Submission] = {}  # key -> unfinished submission
+    self._next_key = 0
+    self._lock = threading.Lock()  # the pipe's sending end, keys, closing
+    self._closed = False
+    self._reader = threading.Thread(target=self._read, name="jax_paged-engine-reader",
+                                    daemon=True)
+    self._reader.start()
+
+  def submit(self, requests: Sequence[Request]) -> Submission:
+    """As `EngineLoop.submit`."""
+    if isinstance(requests, Request) or not requests:
+      raise ValueError("requests must be a non-empty list of Request")
+    sub = Submission(requests, self._cancel)
+    with self._lock:
+      if self._closed:
+        raise EngineClosed("the engine process was closed")
+      key, self._next_key = self._next_key, self._next_key + 1
+      sub._key = key
+      self._subs[key] = sub
+      self._send(("add", key, sub.requests))
+    return sub
+
+  @property
+  def num_unfinished(self) -> int:
+    """Submissions sent and not yet finished (a snapshot)."""
+    return len(self._subs)
+
+  def close(self, timeout: float | None = None) -> None:
+    """Stops the engine's process: unfinished requests fail with `EngineClosed`.
+    Idempotent."""
+    with self._lock:
+      if not self._closed:
+        self._closed = True
+        self._send(("stop",))
+    self._reader.join(timeout)
+    self._process.join(timeout)
+
+  def _send(self, message: tuple) -> None:
+    try:
+      self._conn.send(message)
+    except (BrokenPipeError, OSError):  # the process has ended: the reader says so
+      pass
 
   def _cancel(self, sub: Submission) -> None:
-    live = [rid for rid in sub.request_ids if self._live.get(rid) is sub]
-    for rid in live:
-      del self._live[rid]
-      self.engine.abort_request(rid)
-    if live:
-      sub._end()
+    with self._lock:
+      self._send(("cancel", sub._key))
+
+  def _read(self) -> None:
+    subs = self._subs
+    while True:
+      try:
+        message = self._conn.recv()
+      except (EOFError, OSError):
+        break
+      kind = message[0]
+      if kind == "events":
+        for key, packed, finished in message[1]:
+          sub = subs.pop(key) if finished else subs[key]
+          sub._deliver([TokenEvent(*p) for p in packed], finished)
+      elif kind == "accepted":
+        _, key, ids, error = message
+        sub = subs[key] if error is None else subs.pop(key)
+        sub._accept(ids, None if error is None else ValueError(error))
+      elif kind == "failed":
+        _, keys, error = message
+        if error is not None:
+          error = (EngineClosed(error.split(": ", 1)[1]) if error.startswith("EngineClosed")
+                   else RuntimeError(f"the engine failed: {error}"))
+        for key in keys:
+          sub = subs.pop(key, None)  # (None: ended here already)
+          if sub is not None:
+            sub._end(error)
+    # The process has ended (closed, or died): nothing more comes.
+    with self._lock:
+      self._closed = True
+      ended = list(subs.values())
+      subs.clear()
+    self._process.join()
+    for sub in ended:
+      sub._end(EngineClosed(f"the engine process ended (exit code "
+                            f"{self._process.exitcode})"))
