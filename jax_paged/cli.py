@@ -237,6 +237,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> 
 
 def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                ) -> argparse.Namespace:
+  return parse_model_args(build_parser(families), argv)
+
+
+def build_parser(families: Sequence[ModelFamily]) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="jax-paged-generate",
       description="Generate text with a language model over a paged KV cache (continuous "
@@ -316,7 +320,7 @@ def parse_args(argv: Sequence[str] | None, families: Sequence[ModelFamily]
                     help="hypotheses printed per prompt, best first (default 1; at most K)")
   add_engine_arguments(p, steps_per_call=128)
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  return parse_model_args(p, argv)
+  return p
 
 
 def parse_model_args(p: argparse.ArgumentParser, argv: Sequence[str] | None
@@ -642,13 +646,11 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   return 0
 
 
-# Sampling options and what they are set to when not given: beam search takes none.
-_SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=None, top_p=None, min_p=0.0, n=1,
-                          logit_bias=None, stop=[], logprobs=False,
-                          top_logprobs=0, prompt_logprobs=False, repetition_penalty=1.0,
-                          frequency_penalty=0.0, presence_penalty=0.0, seed=0,
-                          admission="optimistic", no_prefix_caching=False,
-                          num_pages=None, memory_fraction=None)
+# The options beam search takes none of (their defaults are the parser's).
+_NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "n", "logit_bias", "stop",
+                  "logprobs", "top_logprobs", "prompt_logprobs", "repetition_penalty",
+                  "frequency_penalty", "presence_penalty", "seed", "admission",
+                  "no_prefix_caching", "num_pages", "memory_fraction")
 
 
 def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | None,
@@ -656,8 +658,8 @@ def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | 
                     stops: Sequence[int], mesh) -> int:
   """--beam-width: `jax_paged.beam_search` over the prompts; prints each prompt's
   --num-return-sequences best hypotheses with their scores, then a summary."""
-  given = [name for name, default in _SAMPLING_DEFAULTS.items()
-           if getattr(args, name) != default]
+  defaults = build_parser([])  # (the model families change no default)
+  given = [name for name in _NOT_FOR_BEAMS if getattr(args, name) != defaults.get_default(name)]
   if given:
     flags = ", ".join("--" + name.replace("_", "-") for name in given)
     raise CLIError(f"--beam-width searches deterministically over a pool of its own: "
