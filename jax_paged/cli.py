@@ -51,15 +51,16 @@ class CLIError(Exception):
 
 @dataclasses.dataclass
 class Codec:
-  """Text <-> token ids; ids are in [0, vocab_size)."""
+  """Text <-> token ids; ids are in [0, vocab_size). `encode(text, add_special_tokens=True)`:
+  with the tokenizer's own additions (a BOS), or without (a chat template writes its own)."""
 
-  encode: Callable[[str], list[int]]
+  encode: Callable[..., list[int]]
   decode: Callable[[Sequence[int]], str]
   name: str
   vocab_size: int
 
 
-BYTES = Codec(encode=lambda text: list(text.encode("utf-8")),
+BYTES = Codec(encode=lambda text, add_special_tokens=True: list(text.encode("utf-8")),
               decode=lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
               name="UTF-8 bytes (ids 0-255)", vocab_size=256)
 
@@ -147,7 +148,8 @@ def load_tokenizer(directory: str) -> Codec | None:
       return None
   except Exception as e:  # tokenizers raises bare Exceptions for unreadable files
     raise CLIError(f"{directory}: its tokenizer files cannot be read ({e})") from e
-  return Codec(encode=lambda text: tok.encode(text).ids,
+  return Codec(encode=lambda text, add_special_tokens=True: tok.encode(
+                   text, add_special_tokens=add_special_tokens).ids,
                decode=lambda ids: tok.decode(list(ids)), name=f"tokenizer of {directory}",
                vocab_size=tok.get_vocab_size())
 

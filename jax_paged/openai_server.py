@@ -4,10 +4,13 @@ Serves one model (a Hugging Face checkpoint, or a preset with random weights) wi
 continuous-batching engine, as `vllm serve` does, so that OpenAI clients and tools
 (the `openai` package, lm-evaluation-harness' `local-completions`, curl) use it as is:
 
-    GET  /v1/models        the served model
-    POST /v1/completions   OpenAI's completions: prompts (text or token ids) in,
-                           completions out; "stream": true sends server-sent events
-    GET  /health           200 while serving
+    GET  /v1/models             the served model
+    POST /v1/completions        OpenAI's completions: prompts (text or token ids) in,
+                                completions out; "stream": true sends server-sent events
+    POST /v1/chat/completions   OpenAI's chat completions: messages rendered by the
+                                model's chat template (its checkpoint's, or
+                                --chat-template), an assistant message out; streamed too
+    GET  /health                200 while serving
 
 Every HTTP connection gets a thread (the standard library's `ThreadingHTTPServer`); each
 request's prompts go to the engine, which runs in a process of its own
@@ -24,7 +27,10 @@ the choices carry `token_ids` (streamed: each chunk's) and `prompt_token_ids`, f
 clients that work in token ids or models without a tokenizer). An unknown field,
 a wrong type or a value out of range is answered 400 with an OpenAI error object naming
 the field. `max_tokens: 0` with `echo` scores the prompt (lm-evaluation-harness'
-log-likelihoods). Without a `seed`, each request draws one at random.
+log-likelihoods). Without a `seed`, each request draws one at random. Chat completions
+take `messages` (text content only), `max_completion_tokens` (or `max_tokens`; default:
+the rest of the context), `logprobs` (true / false), `top_logprobs`,
+`add_generation_prompt` (default true) instead of the prompt fields.
 
 Text: a completion's text leaves out the stop text that ended it and a final stop token
 (eos), as OpenAI's and vLLM's do; its tokens count in `usage`. A streamed text holds
@@ -36,10 +42,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import http.server
 import importlib
 import json
+import os
 import random
 import sys
 import time
@@ -55,46 +63,141 @@ from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProces
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
 
 PROG = "jax-paged-serve"
-# The fields of a completion request: OpenAI's, then vLLM's sampling extras.
-COMPLETION_FIELDS = (
-    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
-    "stream_options", "stop", "seed", "logprobs", "echo", "presence_penalty",
-    "frequency_penalty", "logit_bias", "best_of", "user", "suffix",
+# The fields both endpoints take: OpenAI's, then vLLM's sampling extras.
+SAMPLING_FIELDS = (
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "return_token_ids")
+COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", "suffix")
+CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
+                                 "top_logprobs", "add_generation_prompt")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(Exception):
   """An error answered as OpenAI's error object, with its HTTP status."""
 
   def __init__(self, status: int, message: str, param: str | None = None,
-               kind: str = "invalid_request_error"):
+               kind: str = "invalid_request_error", code: str | None = None):
     super().__init__(message)
-    self.status, self.message, self.param, self.kind = status, message, param, kind
+    self.status, self.message, self.param, self.kind, self.code = (
+        status, message, param, kind, code)
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                      "code": None}}
+                      "code": self.code}}
+
+
+class ChatTemplate:
+  """A Hugging Face chat template (Jinja), rendered as transformers' `apply_chat_template`
+  renders it: a sandboxed environment with `trim_blocks` and `lstrip_blocks`, loop
+  controls, the `tojson` filter and `raise_exception` / `strftime_now`; the tokenizer's
+  special tokens (`bos_token`, `eos_token`, ...) as variables.
+
+  Raises ValueError if the template does not parse, ImportError without jinja2.
+  """
+
+  def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    import jinja2  # pylint: disable=import-outside-toplevel
+    import jinja2.ext  # pylint: disable=import-outside-toplevel
+    import jinja2.sandbox  # pylint: disable=import-outside-toplevel
+    self._error = jinja2.TemplateError
+
+    def raise_exception(message):
+      raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+      return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                        sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+      self._template = env.from_string(source)
+    except jinja2.TemplateError as e:
+      raise ValueError(f"the chat template does not parse: {e}") from e
+    self.special_tokens = dict(special_tokens or {})
+
+  def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's text; raises APIError if the template refuses it."""
+    try:
+      return self._template.render(messages=messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens)
+    except self._error as e:
+      raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
+
+
+def read_chat_template(path: str | None, checkpoint: str | None) -> ChatTemplate | None:
+  """The chat template of `path` (a Jinja file), else of the checkpoint (its
+  tokenizer_config.json's "chat_template", or chat_template.jinja), with the
+  checkpoint's special tokens; None if neither has one. Raises CLIError."""
+  config = {}
+  if checkpoint:
+    try:
+      with open(os.path.join(checkpoint, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    except FileNotFoundError:
+      pass
+    except (OSError, ValueError) as e:
+      raise CLIError(f"{checkpoint}/tokenizer_config.json: not a readable JSON file "
+                     f"({e})") from e
+  source = config.get("chat_template")
+  if isinstance(source, list):  # named templates: the default one
+    source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+  where = "--chat-template"
+  if path is None and checkpoint and source is None:
+    path = os.path.join(checkpoint, "chat_template.jinja")
+    where = "the checkpoint's chat_template.jinja"
+    if not os.path.exists(path):
+      return None
+  if path is not None:
+    try:
+      with open(path, encoding="utf-8") as f:
+        source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise CLIError(f"{where} {path}: {e}") from e
+  if source is None:
+    return None
+  special = {}
+  for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+    token = config.get(name)
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str):
+      special[name] = token
+  try:
+    return ChatTemplate(source, special)
+  except ImportError as e:
+    raise CLIError("a chat template needs the `jinja2` package (pip install jinja2)") from e
+  except ValueError as e:
+    raise CLIError(str(e)) from e
 
 
 @dataclasses.dataclass(frozen=True)
 class Served:
   """What the server serves: the model's name in the API, its spec, its text codec (None:
-  token ids only) and the tokens that end a completion unless `ignore_eos`."""
+  token ids only), the tokens that end a completion unless `ignore_eos`, and its chat
+  template (None: no chat completions)."""
 
   name: str
   spec: ModelSpec
   codec: Codec | None
   eos_token_ids: tuple[int, ...]
+  chat_template: ChatTemplate | None = None
 
 
 @dataclasses.dataclass
 class Completion:
-  """A parsed completion request: one engine request per prompt (its `n` samples are the
-  choices prompt-major), and how to answer."""
+  """A parsed request: one engine request per prompt (its `n` samples are the choices
+  prompt-major), and how to answer."""
 
   requests: list[Request]
   prompts: list[list[int]]
+  chat: bool  # a chat completion (else a text completion)
   echo: bool
   logprobs: int | None  # top log-probabilities per token, None: none
   stream: bool
@@ -124,13 +227,27 @@ def _integer(body: dict, name: str, default, lo: int, hi: float = float("inf")) 
   return int(value)
 
 
-def _boolean(body: dict, name: str) -> bool:
-  value = body.get(name, False)
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
+  value = body.get(name, default)
   if value is None:
-    return False
+    return default
   if not isinstance(value, bool):
     raise APIError(400, f"{name} must be true or false, got {value!r}", name)
   return value
+
+
+def _check_body(body: Any, served: Served, fields: tuple[str, ...]) -> dict:
+  if not isinstance(body, dict):
+    raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+  unknown = sorted(set(body) - set(fields))
+  if unknown:
+    raise APIError(400, f"unknown fields {unknown}; this endpoint takes "
+                        f"{', '.join(fields)}", unknown[0])
+  model = body.get("model")
+  if model is not None and model != served.name:
+    raise APIError(404, f"the model {model!r} does not exist: this server serves "
+                        f"{served.name!r}", "model", code="model_not_found")
+  return body
 
 
 def _prompts(body: dict, served: Served) -> list[list[int]]:
@@ -161,22 +278,12 @@ def _prompts(body: dict, served: Served) -> list[list[int]]:
 
 
 def parse_completion(body: Any, served: Served, rng: random.Random) -> Completion:
-  """A completion request's JSON body as engine requests; raises APIError naming the
-  field at fault."""
-  if not isinstance(body, dict):
-    raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
-  unknown = sorted(set(body) - set(COMPLETION_FIELDS))
-  if unknown:
-    raise APIError(400, f"unknown fields {unknown}; a completion takes "
-                        f"{', '.join(COMPLETION_FIELDS)}", unknown[0])
-  model = body.get("model")
-  if model is not None and model != served.name:
-    raise APIError(404, f"the model {model!r} does not exist: this server serves "
-                        f"{served.name!r}", "model", "model_not_found")
+  """A completion request's JSON body (POST /v1/completions) as engine requests; raises
+  APIError naming the field at fault."""
+  _check_body(body, served, COMPLETION_FIELDS)
   if body.get("suffix") is not None:
     raise APIError(400, "suffix (insertion) is not supported", "suffix")
   prompts = _prompts(body, served)
-  limit = served.spec.max_positions
   echo = _boolean(body, "echo")
   max_tokens = body.get("max_tokens", 16)
   scores_only = False
@@ -186,11 +293,74 @@ def parse_completion(body: Any, served: Served, rng: random.Random) -> Completio
       if not echo:
         raise APIError(400, "max_tokens 0 generates nothing: give it with echo (scoring "
                             "the prompt) or ask for at least 1", "max_tokens")
+      if _boolean(body, "stream"):
+        raise APIError(400, "max_tokens 0 (scoring) is not streamed: give stream false",
+                       "stream")
       max_tokens, scores_only = 1, True
   n = _integer(body, "n", 1, 1)
   if body.get("best_of") is not None and body["best_of"] != n:
     raise APIError(400, f"best_of must equal n ({n}): completions are not ranked",
                    "best_of")
+  logprobs = body.get("logprobs")
+  if logprobs is not None:
+    logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+  return _completion(body, served, rng, prompts, max_tokens, chat=False, echo=echo,
+                     logprobs=logprobs, scores_only=scores_only)
+
+
+def _message_text(message: Any, i: int) -> dict:
+  """A chat message as the template takes it: its role and its content as one text."""
+  if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+    raise APIError(400, f"messages[{i}] must be an object with a role in {CHAT_ROLES}, got "
+                        f"{message!r:.200}", "messages")
+  content = message.get("content")
+  if isinstance(content, list):  # parts: only text ones
+    if not all(isinstance(part, dict) and part.get("type") == "text"
+               and isinstance(part.get("text"), str) for part in content):
+      raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", "
+                          f"\"text\": ...}}) are supported, got {content!r:.200}", "messages")
+    content = "".join(part["text"] for part in content)
+  if not isinstance(content, str):
+    raise APIError(400, f"messages[{i}].content must be a text or a list of text parts, "
+                        f"got {content!r:.200}", "messages")
+  return dict(message, content=content)
+
+
+def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
+  """A chat completion request's JSON body (POST /v1/chat/completions) as an engine
+  request: its messages rendered by the model's chat template, then tokenized without
+  the tokenizer's own special tokens (the template writes them), as transformers'
+  `apply_chat_template` does. Raises APIError naming the field at fault."""
+  _check_body(body, served, CHAT_FIELDS)
+  if served.chat_template is None or served.codec is None:
+    raise APIError(400, "this model has no chat template (its checkpoint's "
+                        "tokenizer_config.json has none): start the server with "
+                        "--chat-template FILE, or use /v1/completions", "messages")
+  messages = body.get("messages")
+  if not isinstance(messages, list) or not messages:
+    raise APIError(400, "messages must be a non-empty list of messages", "messages")
+  text = served.chat_template.render([_message_text(m, i) for i, m in enumerate(messages)],
+                                     _boolean(body, "add_generation_prompt", True))
+  ids = served.codec.encode(text, add_special_tokens=False)
+  if not ids:
+    raise APIError(400, "the chat template made the messages an empty text", "messages")
+  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
+      "max_tokens")
+  max_tokens = _integer(body, name, None, 1)
+  top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+  logprobs = _boolean(body, "logprobs")
+  if top is not None and not logprobs:
+    raise APIError(400, "top_logprobs needs logprobs true", "top_logprobs")
+  return _completion(body, served, rng, [ids], max_tokens, chat=True, echo=False,
+                     logprobs=(top or 0) if logprobs else None, scores_only=False)
+
+
+def _completion(body: dict, served: Served, rng: random.Random, prompts: list[list[int]],
+                max_tokens: int | None, *, chat: bool, echo: bool, logprobs: int | None,
+                scores_only: bool) -> Completion:
+  """The fields both endpoints share, and the engine requests (`max_tokens` None: the rest
+  of the model's context)."""
+  n = _integer(body, "n", 1, 1)
   stream = _boolean(body, "stream")
   options = body.get("stream_options")
   if options is not None and not (stream and isinstance(options, dict) and set(options)
@@ -198,9 +368,6 @@ def parse_completion(body: Any, served: Served, rng: random.Random) -> Completio
     raise APIError(400, "stream_options must be {\"include_usage\": true|false}, with "
                         "stream true", "stream_options")
   include_usage = _boolean(options or {}, "include_usage")
-  if scores_only and stream:
-    raise APIError(400, "max_tokens 0 (scoring) is not streamed: give stream false",
-                   "stream")
   temperature = _number(body, "temperature", 1.0, 0.0, float("inf"), what="a number >= 0")
   top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, what="in (0, 1]")
   top_k = body.get("top_k")
@@ -212,9 +379,6 @@ def parse_completion(body: Any, served: Served, rng: random.Random) -> Completio
   frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0, what="in [-2, 2]")
   repetition = _number(body, "repetition_penalty", 1.0, 0.0, float("inf"), lo_open=True,
                        what="a number > 0")
-  logprobs = body.get("logprobs")
-  if logprobs is not None:
-    logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
   stop = body.get("stop")
   stop = [stop] if isinstance(stop, str) else stop or []
   if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
@@ -256,14 +420,16 @@ def parse_completion(body: Any, served: Served, rng: random.Random) -> Completio
   user = body.get("user")
   if user is not None and not isinstance(user, str):
     raise APIError(400, f"user must be a text, got {user!r}", "user")
+  limit = served.spec.max_positions
   requests = []
   for i, ids in enumerate(prompts):
     new = limit - len(ids) + 1 if max_tokens is None else max_tokens
     if new < 1 or len(ids) + new - 1 > limit:
-      raise APIError(400, f"prompt[{i}] has {len(ids)} tokens and max_tokens is "
+      what = "the messages" if chat else f"prompt[{i}]"
+      raise APIError(400, f"{what} take {len(ids)} tokens and max_tokens is "
                           f"{'null' if max_tokens is None else max_tokens}: this model's "
                           f"context holds {limit} tokens (the prompt and max_tokens - 1)",
-                     "max_tokens")
+                     "max_tokens" if max_tokens is not None else "messages")
     if min_tokens > new:
       raise APIError(400, f"min_tokens {min_tokens} exceeds max_tokens {new}", "min_tokens")
     requests.append(Request(
@@ -273,8 +439,8 @@ def parse_completion(body: Any, served: Served, rng: random.Random) -> Completio
         top_logprobs=logprobs or 0, prompt_logprobs=echo and logprobs is not None,
         repetition_penalty=repetition, frequency_penalty=frequency,
         presence_penalty=presence, logit_bias=bias, min_tokens=min_tokens))
-  return Completion(requests, prompts, echo, logprobs, stream, include_usage, scores_only,
-                    _boolean(body, "return_token_ids"))
+  return Completion(requests, prompts, chat, echo, logprobs, stream, include_usage,
+                    scores_only, _boolean(body, "return_token_ids"))
 
 
 @dataclasses.dataclass
@@ -303,11 +469,16 @@ class _Choice:
 
 
 class _Answer:
-  """Turns a completion's events into OpenAI's completion objects."""
+  """Turns a completion's events into OpenAI's objects: a text completion's
+  ("text_completion", its chunks too) or a chat completion's ("chat.completion", chunks
+  "chat.completion.chunk" with deltas)."""
 
   def __init__(self, completion: Completion, served: Served):
     self.completion, self.served = completion, served
-    self.id = f"cmpl-{uuid.uuid4().hex}"
+    chat = completion.chat
+    self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    self.object = "chat.completion" if chat else "text_completion"
+    self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
     self.created = int(time.time())
     n = completion.requests[0].n
     self.choices = [_Choice(i * n + j, prompt) for i, prompt in enumerate(completion.prompts)
@@ -356,9 +527,17 @@ class _Answer:
 
   def _logprobs(self, c: _Choice, events: Sequence[TokenEvent], offset: int,
                 prompt: bool) -> tuple[dict, int]:
-    """OpenAI's logprobs object for `events` (after the prompt's tokens if `prompt`),
-    text offsets from `offset`; and the offset after them."""
+    """The logprobs object for `events` (after the prompt's tokens if `prompt`): a text
+    completion's (tokens, token_logprobs, top_logprobs, text offsets from `offset`) or a
+    chat completion's ({"content": [{token, logprob, bytes, top_logprobs}, ...]}); and
+    the offset after them."""
     k = self.completion.logprobs
+    if self.completion.chat:
+      def entry(token: int, value: float) -> dict:
+        text = self._token_text(token)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+      return {"content": [dict(entry(e.token, e.logprob), top_logprobs=[
+          entry(t, v) for t, v in (e.top_logprobs or ())[:k]]) for e in events]}, offset
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(token: int, value: float | None, top) -> None:
@@ -386,10 +565,6 @@ class _Answer:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
             "total_tokens": prompt_tokens + generated}
 
-  def _object(self, choices: list[dict]) -> dict:
-    return {"id": self.id, "object": "text_completion", "created": self.created,
-            "model": self.served.name, "choices": choices}
-
   def whole(self) -> dict:
     """The answer to a request that is not streamed, once every choice has finished."""
     choices = []
@@ -400,12 +575,17 @@ class _Answer:
         logprobs, _ = self._logprobs(c, c.events, 0, self.completion.echo)
       if self.completion.echo:
         text = self._decode(c.prompt) + text
-      choice = {"index": c.index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason}
+      choice = {"index": c.index}
+      if self.completion.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+      else:
+        choice["text"] = text
+      choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
       if self.completion.return_token_ids:
         choice.update(prompt_token_ids=c.prompt, token_ids=c.tokens)
       choices.append(choice)
-    return dict(self._object(choices), usage=self.usage())
+    return {"id": self.id, "object": self.object, "created": self.created,
+            "model": self.served.name, "choices": choices, "usage": self.usage()}
 
   def chunk(self, indices: set[int]) -> dict | None:
     """A streamed chunk with what the choices `indices` gained, or None if nothing."""
@@ -424,8 +604,12 @@ class _Answer:
       if self.completion.logprobs is not None:
         logprobs, c.sent_offset = self._logprobs(c, events, c.sent_offset,
                                                  self.completion.echo and first)
-      choice = {"index": c.index, "text": prefix + delta, "logprobs": logprobs,
-                "finish_reason": c.finish_reason}
+      choice = {"index": c.index}
+      if self.completion.chat:  # (the role with the first delta)
+        choice["delta"] = dict({"role": "assistant"} if first else {}, content=delta)
+      else:
+        choice["text"] = prefix + delta
+      choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
       if self.completion.return_token_ids:
         choice["token_ids"] = [e.token for e in events]
         if first:
@@ -434,13 +618,15 @@ class _Answer:
       choices.append(choice)
     if not choices:
       return None
-    chunk = self._object(choices)
+    chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
+             "model": self.served.name, "choices": choices}
     if self.completion.include_usage:
       chunk["usage"] = None
     return chunk
 
   def usage_chunk(self) -> dict:
-    return dict(self._object([]), usage=self.usage())
+    return {"id": self.id, "object": self.chunk_object, "created": self.created,
+            "model": self.served.name, "choices": [], "usage": self.usage()}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -477,7 +663,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
 
   def do_POST(self) -> None:
-    if self.path != "/v1/completions":
+    parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(
+        self.path)
+    if parse is None:
       self._send_error(APIError(404, f"no route POST {self.path}", kind="not_found_error"))
       return
     try:
@@ -493,7 +681,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(raw)
       except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"the body is not JSON: {e}") from e
-      completion = parse_completion(body, self.server.served, self.server.rng)
+      completion = parse(body, self.server.served, self.server.rng)
       sub = self.server.loop.submit(completion.requests)
       try:
         ids = sub.accepted()
@@ -590,6 +778,10 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                         f"({', '.join(WARMUP_SAMPLING)}: Engine.warmup), so that no request "
                         "waits ~1 s for a compilation; GPT-2 on an H200: ~75-100 s per kind, "
                         "~35 s from the compilation cache")
+  srv.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="the Jinja chat template for /v1/chat/completions (default: the "
+                        "checkpoint's, from its tokenizer_config.json or "
+                        "chat_template.jinja; none: chat completions are refused)")
   srv.add_argument("--verbose", action="store_true", help="log every HTTP request")
   # A request waits up to one call to join the batch: fewer steps than generation's.
   add_engine_arguments(p, steps_per_call=16)
@@ -626,6 +818,7 @@ def build_engine(args: argparse.Namespace, family_refs: Sequence[str] | None) ->
 def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
   """Builds the engine in a process of its own (`EngineProcess`: its host work never
   waits for this process's connection threads), then serves until Ctrl-C."""
+  chat_template = read_chat_template(args.chat_template, args.checkpoint)
   try:
     loop = EngineProcess(functools.partial(build_engine, args, family_refs))
   except RuntimeError as e:
@@ -635,7 +828,7 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
     codec = load_tokenizer(args.checkpoint) if args.checkpoint else BYTES
     name = args.served_model_name or (
         args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
-    served = Served(name, spec, codec, spec.eos_token_ids)
+    served = Served(name, spec, codec, spec.eos_token_ids, chat_template)
     try:
       server = OpenAIServer((args.host, args.port), loop, served, verbose=args.verbose)
     except OSError as e:

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from jax_paged import Engine, Request
-from jax_paged.cli import BYTES, model_families
+from jax_paged.cli import BYTES, load_tokenizer, model_families
 from jax_paged import openai_server
-from jax_paged.openai_server import OpenAIServer, Served
+from jax_paged.openai_server import ChatTemplate, OpenAIServer, Served
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess
 from models import gpt2
 
@@ -38,11 +38,18 @@ def model():
   return gpt2.FAMILY.presets["tiny"](jnp.float32, 0)
 
 
+# A chat template in Hugging Face's dialect (special tokens, filters, raise_exception).
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+            "{{ raise_exception('no tools here') }}{% endif %}"
+            "[{{ m['role'] }}] {{ m['content'] | trim }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
 @pytest.fixture(scope="module")
 def served(model):
   """(base url, the server's engine loop, what it serves)."""
   loop = EngineLoop(make_engine(model))
-  what = Served("tiny", model.spec, BYTES, ())
+  what = Served("tiny", model.spec, BYTES, (), ChatTemplate(TEMPLATE, {"bos_token": "<s>"}))
   server = OpenAIServer(("127.0.0.1", 0), loop, what)
   thread = threading.Thread(target=server.serve_forever, daemon=True)
   thread.start()
@@ -303,6 +310,105 @@ def test_echo_and_scoring_the_prompt(served):
   assert answer["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
 
 
+def test_chat_completions_render_the_template(served):
+  """A chat completion is the completion of the rendered conversation: the same tokens
+  and log-probabilities, as an assistant message (streamed: deltas)."""
+  url, _, _ = served
+  messages = [{"role": "system", "content": "Be brief. "},
+              {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                           {"type": "text", "text": "there"}]}]
+  rendered = "<s>[system] Be brief.\n[user] Hi there\n[assistant] "
+  body = {"messages": messages, "temperature": 0, "max_completion_tokens": 6,
+          "logprobs": True, "top_logprobs": 2}
+  status, chat = post(url, body, "/v1/chat/completions")
+  assert status == 200, chat
+  status, plain = post(url, {"prompt": rendered, "temperature": 0, "max_tokens": 6,
+                             "logprobs": 2})
+  assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+  choice, want = chat["choices"][0], plain["choices"][0]
+  assert choice["message"] == {"role": "assistant", "content": want["text"]}
+  assert choice["finish_reason"] == "length"
+  content = choice["logprobs"]["content"]
+  assert [c["token"] for c in content] == want["logprobs"]["tokens"]
+  np.testing.assert_allclose([c["logprob"] for c in content],
+                             want["logprobs"]["token_logprobs"], rtol=1e-6)
+  assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode())
+             for c in content)
+  assert chat["usage"] == dict(plain["usage"], prompt_tokens=len(rendered.encode()),
+                               total_tokens=len(rendered.encode()) + 6)
+  # Streamed: the role with the first delta, the content in pieces.
+  status, chunks = post(url, dict(body, stream=True, logprobs=False, top_logprobs=None),
+                        "/v1/chat/completions")
+  objects = [json.loads(c) for c in chunks[:-1]]
+  assert all(o["object"] == "chat.completion.chunk" for o in objects)
+  deltas = [o["choices"][0]["delta"] for o in objects]
+  assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+  assert "".join(d["content"] for d in deltas) == want["text"]
+  assert objects[-1]["choices"][0]["finish_reason"] == "length"
+  # No generation prompt: the conversation as it is.
+  status, chat = post(url, dict(body, add_generation_prompt=False, logprobs=False,
+                                top_logprobs=None), "/v1/chat/completions")
+  assert chat["usage"]["prompt_tokens"] == len(rendered.encode()) - len("[assistant] ")
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "a role in"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
+     "only text parts"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "no tools here"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "needs logprobs true"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt",
+     "unknown fields"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600},
+     "max_tokens", "context holds 512"),
+])
+def test_bad_chat_requests_are_named(served, body, param, message):
+  url, _, _ = served
+  status, answer = post(url, body, "/v1/chat/completions")
+  assert status == 400 and answer["error"]["param"] == param
+  assert message in answer["error"]["message"], answer
+
+
+def test_chat_template_of_a_checkpoint_renders_and_tokenizes_as_transformers(tmp_path):
+  """A checkpoint's template (tokenizer_config.json) and special tokens: the same text and
+  token ids as transformers' apply_chat_template; a model without one refuses chat."""
+  tokenizers = pytest.importorskip("tokenizers")
+  transformers = pytest.importorskip("transformers")
+  bpe = tokenizers.ByteLevelBPETokenizer()
+  bpe.train_from_iterator(["the paged cache holds the pages of every sequence"] * 20,
+                          vocab_size=300, min_frequency=1)
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+  hf.add_special_tokens({"bos_token": "<|begin|>", "eos_token": "<|eot|>",
+                         "additional_special_tokens": ["<|head|>", "<|end_head|>"]})
+  hf.chat_template = """{{ bos_token }}
+{% for m in messages %}
+  {% if loop.first and m['role'] != 'system' %}
+<|head|>system<|end_head|>{{ {'turns': messages | length} | tojson }}<|eot|>
+  {% endif %}
+<|head|>{{ m['role'] }}<|end_head|>
+
+{{ m['content'] | trim }}<|eot|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|head|>assistant<|end_head|>
+
+{% endif %}"""
+  hf.save_pretrained(tmp_path)
+  messages = [{"role": "user", "content": "the pages "}, {"role": "assistant",
+              "content": "every sequence"}, {"role": "user", "content": "the cache"}]
+  template = openai_server.read_chat_template(None, str(tmp_path))
+  text = template.render(messages)
+  assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  codec = load_tokenizer(str(tmp_path))
+  assert codec.encode(text, add_special_tokens=False) == hf.apply_chat_template(
+      messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+  spec = gpt2.FAMILY.presets["tiny"](jnp.float32, 0).spec
+  with pytest.raises(openai_server.APIError, match="no chat template"):
+    openai_server.parse_chat({"messages": messages}, Served("m", spec, codec, ()), None)
+
+
 @pytest.mark.parametrize("body,status,param,message", [
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "unknown fields ['bogus']"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
@@ -346,7 +452,7 @@ def test_routes_and_malformed_bodies(served):
   with urllib.request.urlopen(url + "/health") as r:
     assert r.status == 200
   assert post(url, b"{not json")[0] == 400
-  assert post(url, {"prompt": "x"}, path="/v1/chat/completions")[0] == 404
+  assert post(url, {"prompt": "x"}, path="/v1/embeddings")[0] == 404
 
 
 def test_a_client_that_goes_aborts_its_stream(served):
