@@ -76,7 +76,7 @@ class Server:
     threading.Thread(target=lambda: self.log.writelines(self.proc.stderr), daemon=True).start()
 
   def close(self) -> None:
-    self.proc.send_signal(signal.SIGINT)
+    self.proc.send_signal(signal.SIGTERM)
     self.proc.wait(timeout=120)
     self.log.close()
 

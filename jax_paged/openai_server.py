@@ -49,6 +49,7 @@ import importlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 import uuid
@@ -788,6 +789,10 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
   return parse_model_args(p, argv)
 
 
+def _interrupt(signum, frame) -> None:
+  raise KeyboardInterrupt
+
+
 def resolve_families(refs: Sequence[str] | None) -> list[ModelFamily]:
   """Model families by "module:attribute" references; None: those installed packages
   register (`cli.model_families()`)."""
@@ -834,7 +839,11 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
     except OSError as e:
       raise CLIError(f"cannot listen on {args.host}:{args.port} ({e})") from e
     host, port = server.server_address[:2]
-    print(f"{PROG}: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)",
+    # SIGTERM (a service manager's, a container's stop) ends it as Ctrl-C does; so does
+    # it where SIGINT is ignored (a background job of a script, a pytest-xdist worker's
+    # child).
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"{PROG}: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
           file=sys.stderr, flush=True)
     try:
       server.serve_forever()

@@ -477,7 +477,7 @@ def test_a_client_that_goes_aborts_its_stream(served):
 @pytest.mark.skipif(not model_families(), reason="no model family is installed (the "
                     "jax_paged.models entry points come with `pip install -e .`)")
 def test_serve_command():
-  """`python -m jax_paged.openai_server` serves until interrupted."""
+  """`python -m jax_paged.openai_server` serves until SIGTERM."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(
       [sys.executable, "-m", "jax_paged.openai_server", "--model", "tiny", "--port", "0",
@@ -493,5 +493,5 @@ def test_serve_command():
                                            "max_tokens": 3})
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
   finally:
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
