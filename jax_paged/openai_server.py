@@ -52,6 +52,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 import uuid
 from typing import Any, Sequence
 
@@ -694,6 +695,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     except EngineClosed as e:
       self._send_error(APIError(503, str(e), kind="server_error"))
       return
+    except Exception as e:  # a fault of the server's: said, and logged with its trace
+      traceback.print_exc()  # (on stderr, with --verbose or not)
+      self._send_error(APIError(500, f"the server failed: {type(e).__name__}: {e}",
+                                kind="server_error"))
+      return
     answer = _Answer(completion, self.server.served)
     if completion.stream:
       self._stream(sub, ids, answer)
@@ -760,8 +766,9 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
 
 def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      prog=PROG, description="Serve a language model over OpenAI's completions API "
-                             "(continuous batching over a paged KV cache).")
+      prog=PROG, description="Serve a language model over OpenAI's completions and chat "
+                             "completions APIs (continuous batching over a paged KV "
+                             "cache).")
   add_model_arguments(p, families)
   p.add_argument("--seed", type=int, default=0,
                  help="the random weights' seed of a --model preset (default 0)")

@@ -455,6 +455,17 @@ def test_routes_and_malformed_bodies(served):
   assert post(url, {"prompt": "x"}, path="/v1/embeddings")[0] == 404
 
 
+def test_a_fault_of_the_server_is_a_500(served, monkeypatch, capsys):
+  url, loop, _ = served
+
+  def broken(*_):
+    raise KeyError("a bug")
+  monkeypatch.setattr(openai_server, "parse_completion", broken)
+  status, answer = post(url, {"prompt": "x"})
+  assert status == 500 and answer["error"]["message"] == "the server failed: KeyError: 'a bug'"
+  assert "Traceback" in capsys.readouterr().err and loop.num_unfinished == 0
+
+
 def test_a_client_that_goes_aborts_its_stream(served):
   url, loop, _ = served
   host, port = url[len("http://"):].split(":")
