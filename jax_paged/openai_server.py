@@ -586,8 +586,7 @@ class _Answer:
       if self.completion.return_token_ids:
         choice.update(prompt_token_ids=c.prompt, token_ids=c.tokens)
       choices.append(choice)
-    return {"id": self.id, "object": self.object, "created": self.created,
-            "model": self.served.name, "choices": choices, "usage": self.usage()}
+    return dict(self._object(self.object, choices), usage=self.usage())
 
   def chunk(self, indices: set[int]) -> dict | None:
     """A streamed chunk with what the choices `indices` gained, or None if nothing."""
@@ -620,15 +619,17 @@ class _Answer:
       choices.append(choice)
     if not choices:
       return None
-    chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
-             "model": self.served.name, "choices": choices}
+    chunk = self._object(self.chunk_object, choices)
     if self.completion.include_usage:
       chunk["usage"] = None
     return chunk
 
   def usage_chunk(self) -> dict:
-    return {"id": self.id, "object": self.chunk_object, "created": self.created,
-            "model": self.served.name, "choices": [], "usage": self.usage()}
+    return dict(self._object(self.chunk_object, []), usage=self.usage())
+
+  def _object(self, kind: str, choices: list[dict]) -> dict:
+    return {"id": self.id, "object": kind, "created": self.created,
+            "model": self.served.name, "choices": choices}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

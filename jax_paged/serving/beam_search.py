@@ -117,9 +117,10 @@ def select_beams(state: BeamState, config: BeamConfig) -> tuple[BeamState, jax.A
   if config.min_new_tokens and config.stop_ids:
     # Hugging Face's MinNewTokensLengthLogitsProcessor: the stop tokens' log-probabilities
     # -inf until then, after the log-softmax (the others keep theirs: not renormalized).
-    stop = jnp.asarray(config.stop_ids, jnp.int32)
-    banned = logits.at[:, stop].set(jnp.where(t < config.min_new_tokens, -jnp.inf,
-                                              logits[:, stop]))
+    rows = logits.shape[0]
+    banned = sampling.ban(logits, jnp.broadcast_to(jnp.asarray(config.stop_ids, jnp.int32),
+                                                   (rows, len(config.stop_ids))),
+                          jnp.broadcast_to(t < config.min_new_tokens, (rows,)))
     shift = (jax.nn.logsumexp(banned, axis=-1, keepdims=True)
              - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
     logits = banned

@@ -58,6 +58,8 @@ class Submission:
   """
 
   def __init__(self, requests: Sequence[Request], cancel: Callable[["Submission"], None]):
+    if isinstance(requests, Request) or not requests:
+      raise ValueError("requests must be a non-empty list of Request")
     self.requests = list(requests)
     self.request_ids: list[int] = []  # the engine's, once accepted
     self._cancel = cancel
@@ -240,8 +242,6 @@ class EngineLoop:
     """Queues `requests` for the engine, together (all or none run); their events come
     through the returned submission, whose `accepted()` raises if the engine cannot serve
     one. Raises `EngineClosed` after `close()`."""
-    if isinstance(requests, Request) or not requests:
-      raise ValueError("requests must be a non-empty list of Request")
     sub = Submission(requests, lambda s: self._inbox.put(("cancel", s)))
     with self._lock:
       if self._closing:
@@ -352,8 +352,6 @@ class EngineProcess:
 
   def submit(self, requests: Sequence[Request]) -> Submission:
     """As `EngineLoop.submit`."""
-    if isinstance(requests, Request) or not requests:
-      raise ValueError("requests must be a non-empty list of Request")
     sub = Submission(requests, self._cancel)
     with self._lock:
       if self._closed:
