@@ -13,7 +13,8 @@ Layers, each using only those before it:
             batching), EngineLoop (an engine on a thread of its own, for servers),
             generate (one static batch) and beam_search
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
-  openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP
+  openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP (server_metrics:
+                  its Prometheus metrics)
 Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 """
 
@@ -27,14 +28,14 @@ from jax_paged.kernels.merge_attention import merge_attention_states, merge_atte
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.engine_loop import EngineLoop
-from jax_paged.serving.report import Report
+from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent
 from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Beam", "Engine", "EngineLoop", "KVPool", "ModelFamily", "ModelSpec", "PagedModel",
-    "PoolExhausted", "Report", "Request", "TokenEvent", "beam_search", "generate",
-    "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
+    "Beam", "Engine", "EngineLoop", "EngineStats", "KVPool", "ModelFamily", "ModelSpec",
+    "PagedModel", "PoolExhausted", "Report", "Request", "TokenEvent", "beam_search",
+    "generate", "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
     "paged_prefill_attention", "pool", "reference",
 ]

@@ -11,12 +11,15 @@ continuous-batching engine, as `vllm serve` does, so that OpenAI clients and too
                                 model's chat template (its checkpoint's, or
                                 --chat-template), an assistant message out; streamed too
     GET  /health                200 while serving
+    GET  /metrics               Prometheus metrics (`jax_paged.server_metrics`): requests
+                                running and waiting, KV cache use, tokens, prefix cache
+                                hits, times to first token and to the end, finish reasons
 
 Every HTTP connection gets a thread (the standard library's `ThreadingHTTPServer`); each
 request's prompts go to the engine, which runs in a process of its own
 (`jax_paged.serving.engine_loop.EngineProcess`), batching them with every other request's
-and sending back their tokens as each device call ends. A streamed completion whose
-client disconnects is aborted, freeing its pages.
+and sending back their tokens as each device call ends. A completion whose client
+disconnects is aborted (noticed at its next device call), freeing its pages.
 
 Request fields: OpenAI's (`prompt`, `max_tokens` (default 16; null: the rest of the
 model's context), `temperature` (default 1), `top_p`, `n`, `stream`, `stream_options`,
@@ -49,7 +52,9 @@ import importlib
 import json
 import os
 import random
+import select
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -60,6 +65,7 @@ from jax_paged.cli import (BYTES, CLIError, Codec, _notice, add_engine_arguments
                            add_model_arguments, load_model, load_tokenizer, make_engine,
                            model_families, parse_model_args)
 from jax_paged.paged_model import ModelFamily, ModelSpec
+from jax_paged.server_metrics import ServerMetrics
 from jax_paged.serving.engine import WARMUP_SAMPLING, Engine
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess, Submission
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
@@ -642,6 +648,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     if self.server.verbose:
       super().log_message(format, *args)
 
+  def send_response(self, code: int, message: str | None = None) -> None:
+    self.server.metrics.responded(code)  # (every response: the HTTP layer's errors too)
+    super().send_response(code, message)
+
   def _send_json(self, status: int, obj: dict) -> None:
     data = json.dumps(obj).encode()
     self.send_response(status)
@@ -656,6 +666,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def do_GET(self) -> None:
     if self.path == "/health":
       self._send_json(200, {"status": "ok"})
+    elif self.path == "/metrics":
+      data = self.server.metrics.render(self.server.loop.stats).encode()
+      self.send_response(200)
+      self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
     elif self.path in ("/v1/models", f"/v1/models/{self.server.served.name}"):
       model = {"id": self.server.served.name, "object": "model",
                "created": self.server.created, "owned_by": "jax_paged",
@@ -666,6 +683,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
 
   def do_POST(self) -> None:
+    received = time.perf_counter()
     parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(
         self.path)
     if parse is None:
@@ -690,6 +708,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         ids = sub.accepted()
       except ValueError as e:  # the engine cannot serve it (e.g. its pool is too small)
         raise APIError(400, str(e).replace("requests[", "prompt[")) from e
+      self.server.metrics.received(sum(map(len, completion.prompts)))
     except APIError as e:
       self._send_error(e)
       return
@@ -703,17 +722,44 @@ class Handler(http.server.BaseHTTPRequestHandler):
       return
     answer = _Answer(completion, self.server.served)
     if completion.stream:
-      self._stream(sub, ids, answer)
+      self._stream(sub, ids, answer, received)
       return
     try:
       for events in sub:
-        answer.take(events, ids)
+        self._take(answer, events, ids, received)
+        if self._client_gone():  # nobody to answer: free its pages
+          sub.cancel()
+          self.close_connection = True
+          self._finished(answer, received)
+          return
     except Exception as e:  # the engine failed (its run aborted) or closed
       self._send_error(APIError(500, f"generation failed: {e}", kind="server_error"))
-      return
-    self._send_json(200, answer.whole())
+    else:
+      self._send_json(200, answer.whole())
+    self._finished(answer, received)
 
-  def _stream(self, sub: Submission, ids: list[int], answer: _Answer) -> None:
+  def _take(self, answer: _Answer, events: list[TokenEvent], ids: list[int],
+            received: float) -> set[int]:
+    """`answer.take`; the request's first events time its first token."""
+    if not any(c.events or c.prompt_event for c in answer.choices):
+      self.server.metrics.first_token(time.perf_counter() - received)
+    return answer.take(events, ids)
+
+  def _finished(self, answer: _Answer, received: float) -> None:
+    self.server.metrics.finished(time.perf_counter() - received,
+                                 sum(len(c.tokens) for c in answer.choices),
+                                 [c.finish_reason for c in answer.choices])
+
+  def _client_gone(self) -> bool:
+    """Whether the client has closed the connection (its end read, nothing consumed)."""
+    try:
+      readable, _, _ = select.select([self.connection], [], [], 0)
+      return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+    except (OSError, ValueError):  # reset, or closed here
+      return True
+
+  def _stream(self, sub: Submission, ids: list[int], answer: _Answer,
+              received: float) -> None:
     """Server-sent events, one per device call that brought text, then `[DONE]`; the
     requests are aborted if the client goes."""
     self.send_response(200)
@@ -730,7 +776,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     try:
       try:
         for events in sub:
-          chunk = answer.chunk(answer.take(events, ids))
+          chunk = answer.chunk(self._take(answer, events, ids, received))
           if chunk is not None:
             send(json.dumps(chunk))
         if answer.completion.include_usage:
@@ -745,6 +791,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     except (ConnectionError, OSError):  # the client went: free its pages
       sub.cancel()
       self.close_connection = True
+    self._finished(answer, received)
 
 
 class OpenAIServer(http.server.ThreadingHTTPServer):
@@ -761,6 +808,7 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
                verbose: bool = False):
     super().__init__(address, Handler)
     self.loop, self.served, self.verbose = loop, served, verbose
+    self.metrics = ServerMetrics(served.name)
     self.created = int(time.time())
     self.rng = random.Random()
 

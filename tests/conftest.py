@@ -66,9 +66,11 @@ def _drop_compiled_programs():
   """Clears jax's caches after each module. Every XLA CPU executable maps its own code
   pages (~3 memory maps each) until it is freed, and the suite compiles tens of thousands
   (Pallas interpret mode): kept all at once they pass Linux's 65530 maps per process
-  (vm.max_map_count) and the next compile segfaults."""
+  (vm.max_map_count) and the next compile segfaults. (`Engine.warmup` freezes what is
+  alive out of the collector's reach: unfrozen here, so that its programs can go.)"""
   yield
   jax.clear_caches()
+  gc.unfreeze()
   gc.collect()
 
 
@@ -79,4 +81,5 @@ def _drop_compiled_programs_when_maps_run_high():
   yield
   if _map_count() > _MAPS_BEFORE_CLEARING:
     jax.clear_caches()
+    gc.unfreeze()
     gc.collect()

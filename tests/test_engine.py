@@ -5,6 +5,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import time
 
 import jax
@@ -633,6 +634,10 @@ def test_warmup_compiles_every_batch_shape():
                     prefix_hits=True) == 2 * (5 * 2 + 1 + 5 * 2)
   assert int(eng.kv.num_free) == 600 and eng.num_cached_pages == 0
   assert eng.report.generated_tokens == 0
+  # What it left alive is out of the collector's generations (gc.freeze), the model's
+  # objects among it.
+  assert gc.get_freeze_count() > 0 and gc.is_tracked(model)
+  assert not any(o is model for o in gc.get_objects())
   with compilations() as compiles:
     rng = np.random.default_rng(5)
     for n, top_p in [(1, None), (5, None), (12, None), (7, 0.8), (12, 0.5)]:
@@ -1114,3 +1119,35 @@ def test_a_short_chunk_runs_a_loop_of_its_own_length(model, prompts):
   np.testing.assert_array_equal(out[:3].T, [r[1:4] for r in reference])
   assert (out[3] == -1).all()
   np.testing.assert_array_equal(np.asarray(kv.lengths), lengths + 3)
+
+
+def test_stats_count_every_run_and_show_the_load(model, prompts):
+  """`Engine.stats()`: the queue and pages while a run goes on; prompt, cached, generated
+  tokens and preemptions summed over every run since the engine was built (an aborted
+  run's too)."""
+  eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6)
+  assert eng.stats() == (0, 0, 0, 0, 9, 0, 0, 0, 0)
+  _, first = eng.generate([Request(p, 14) for p in prompts])
+  assert first.preemptions > 0
+  stats = eng.stats()
+  assert stats == (0, 0, 0, eng.num_cached_pages, 9, first.prompt_tokens,
+                   first.cached_prompt_tokens, 14 * len(prompts), first.preemptions)
+  assert first.prompt_tokens > sum(map(len, prompts))  # (preempted contexts again)
+  # Added requests: two admitted, the third's 8 samples waiting for 8 free slots.
+  long_prompt = list(range(1, 21))
+  for p in (long_prompt, prompts[1]):
+    eng.add_request(Request(p, 14))
+  eng.add_request(Request(prompts[2], 14, n=8, temperature=1.0))
+  assert eng.stats()[:2] == (0, 10)  # (nothing is admitted before a step)
+  eng.step()
+  running, waiting, in_use, *_ = eng.stats()
+  assert (running, waiting) == (2, 8) and in_use > 0
+  eng.abort()  # the run ends unfinished
+  after = eng.stats()
+  assert after[:3] == (0, 0, 0)
+  assert after.prompt_tokens == stats.prompt_tokens + len(long_prompt) + len(prompts[1])
+  assert stats.generated_tokens < after.generated_tokens <= stats.generated_tokens + 2 * 7
+  # A prompt cached by an earlier run: its full pages are hits.
+  eng.generate([Request(long_prompt, 2)])
+  eng.generate([Request(long_prompt, 2)])
+  assert eng.stats().cached_prompt_tokens == after.cached_prompt_tokens + 16

@@ -182,6 +182,8 @@ def test_engine_process_serves_as_the_thread_loop(served):
               for (rid, j), events in collect(sub).items()}
     got, want = (tokens(p.submit(requests)) for p in (process, loop))
     assert got == want and [len(got[k]) for k in sorted(got)] == [9, 6, 6]
+    # The engine's stats cross with its events: the first run's, idle after it.
+    assert process.stats == (0, 0, 0, 0, 160, 5, 0, 21, 0)
     with pytest.raises(ValueError, match=r"^requests\[1\]: prompt is empty"):
       process.submit([Request([1], 2), Request([], 2)]).accepted()
     sub = process.submit([Request([4, 5], 400)])
@@ -483,6 +485,94 @@ def test_a_client_that_goes_aborts_its_stream(served):
     time.sleep(0.05)
   assert loop.num_unfinished == 0
   assert loop.engine.report.generated_tokens < 480
+
+
+def test_a_client_that_goes_aborts_its_completion(served):
+  """Not streamed: noticed at the request's next device call."""
+  url, loop, _ = served
+  host, port = url[len("http://"):].split(":")
+  before = loop.engine.stats().generated_tokens  # (the loop is idle: between tests)
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  conn.request("POST", "/v1/completions", json.dumps(
+      {"prompt": "a long one", "max_tokens": 480, "ignore_eos": True}),
+      {"Content-Type": "application/json"})
+  deadline = time.time() + 60
+  while loop.stats.generated_tokens == before and time.time() < deadline:
+    time.sleep(0.01)  # (until its first tokens)
+  conn.sock.shutdown(2)
+  conn.close()
+  while loop.num_unfinished and time.time() < deadline:
+    time.sleep(0.05)
+  assert loop.num_unfinished == 0
+  assert 0 < loop.stats.generated_tokens - before < 480
+
+
+def scrape(url: str) -> dict[str, float]:
+  """GET /metrics as {sample name with labels but model_name: value}; checks the format:
+  HELP and TYPE before each metric's samples, cumulative histogram buckets."""
+  with urllib.request.urlopen(url + "/metrics") as r:
+    assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = r.read().decode()
+  samples, typed = {}, {}
+  for line in text.splitlines():
+    if line.startswith("# TYPE "):
+      _, _, name, kind = line.split()
+      typed[name] = kind
+      continue
+    if line.startswith("# HELP "):
+      continue
+    found = re.fullmatch(r'(jax_paged:\w+)\{model_name="tiny"(,[^}]*)?\} (\S+)', line)
+    assert found, line
+    name, labels, value = found.groups()
+    assert re.sub(r"_(bucket|sum|count)$", "", name) in typed or name in typed, line
+    samples[name + "{" + (labels or ",")[1:] + "}"] = float(value)
+  for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+    buckets = [v for k, v in samples.items() if k.startswith(f"jax_paged:{name}_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == samples[f"jax_paged:{name}_count{{}}"]
+  return samples
+
+
+def test_metrics_count_requests_tokens_and_the_engine(model):
+  """GET /metrics: what clients got (requests, tokens, reasons, times, statuses) and the
+  engine's load and prefix cache, on a server of its own."""
+  loop = EngineLoop(make_engine(model))
+  server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, ()))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_address[1]}"
+  try:
+    zero = scrape(url)
+    assert zero["jax_paged:num_requests_running{}"] == 0
+    assert zero["jax_paged:generation_tokens_total{}"] == 0
+    assert not any(k.startswith("jax_paged:http_responses_total") for k in zero)
+    prompt = "the same prompt, long enough for three pages of 16 tokens"
+    assert post(url, {"prompt": prompt, "max_tokens": 5, "n": 2, "temperature": 1.0,
+                      "ignore_eos": True})[0] == 200
+    status, chunks = post(url, {"prompt": prompt, "max_tokens": 3, "stream": True,
+                                "ignore_eos": True})
+    assert status == 200 and chunks[-1] == "[DONE]"
+    assert post(url, {"prompt": "x", "max_tokens": -1})[0] == 400
+    got = scrape(url)
+    assert got["jax_paged:prompt_tokens_total{}"] == 2 * len(prompt.encode())
+    assert got["jax_paged:generation_tokens_total{}"] == 2 * 5 + 3
+    assert got['jax_paged:request_success_total{finished_reason="length"}'] == 3
+    assert got['jax_paged:request_success_total{finished_reason="abort"}'] == 0
+    assert got["jax_paged:time_to_first_token_seconds_count{}"] == 2
+    assert got["jax_paged:e2e_request_latency_seconds_count{}"] == 2
+    assert 0 < got["jax_paged:time_to_first_token_seconds_sum{}"] < got[
+        "jax_paged:e2e_request_latency_seconds_sum{}"]
+    assert got['jax_paged:http_responses_total{status="200"}'] == 3  # (with the first GET)
+    assert got['jax_paged:http_responses_total{status="400"}'] == 1
+    # The engine's: idle again, its pages back; the second request's prompt hit the pages
+    # the first cached.
+    assert got["jax_paged:num_requests_running{}"] == 0
+    assert got["jax_paged:num_requests_waiting{}"] == 0
+    assert got["jax_paged:kv_cache_usage_perc{}"] == 0
+    assert got["jax_paged:prefix_cache_queries_total{}"] == 2 * len(prompt.encode())
+    assert got["jax_paged:prefix_cache_hits_total{}"] == (len(prompt.encode()) - 1) // 16 * 16
+  finally:
+    server.shutdown()
+    server.server_close()
+    loop.close()
 
 
 @pytest.mark.skipif(not model_families(), reason="no model family is installed (the "

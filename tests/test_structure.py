@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli <- openai_server).
+# kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli, server_metrics
+# <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
@@ -22,7 +23,8 @@ ALLOWED = {
     "serving": {"kernels", "pool", "nn", "sampling", "paged_model", "tensor_parallel",
                 "serving"},
     "cli": {"kernels", "paged_model", "tensor_parallel", "serving", "cli"},
-    "openai_server": {"paged_model", "serving", "cli", "openai_server"},
+    "server_metrics": {"serving", "server_metrics"},
+    "openai_server": {"paged_model", "serving", "cli", "server_metrics", "openai_server"},
 }
 
 

@@ -5,7 +5,7 @@
                     policies in `admission`
   runner            executes a plan on device: the jitted prefill and multi-step decode
                     loop over the pool, row packing, sampling (the one jit wrapper)
-  engine            the loop: schedule -> execute -> update; streaming and the `Report`
+  engine            the loop: schedule -> execute -> update; streaming, the `Report`, `stats()`
   engine_loop       an engine on a thread (`EngineLoop`) or a process (`EngineProcess`) of
                     its own, for callers on many threads (the HTTP server)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import itertools
 import time
 from typing import Callable, Iterator, Sequence
@@ -43,7 +44,7 @@ from jax_paged.kernels.validation import check_positive_int
 from jax_paged.paged_model import PagedModel
 from jax_paged.serving import admission as admission_lib
 from jax_paged.serving.kv_cache_manager import KVCacheManager
-from jax_paged.serving.report import Report
+from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.scheduler import Scheduler
@@ -181,12 +182,44 @@ class Engine:
     # The host's page accounting, kept from run to run with the pool: pages cached by a
     # run (its prompts' full pages) serve the next run's requests too, until evicted.
     self._cache: KVCacheManager | None = None
+    # `stats()`'s counts of the runs that have ended (prompt tokens, cached ones,
+    # generated tokens, preemptions).
+    self._ended_counts = (0, 0, 0, 0)
 
   @property
   def num_cached_pages(self) -> int:
     """Pages the prefix cache holds between runs (evictable: a run takes them when it
     needs room)."""
     return 0 if self._cache is None else self._cache.num_cached_pages
+
+  def stats(self) -> EngineStats:
+    """The engine's load now and its counts since it was built (`EngineStats`): cheap
+    (no device access), for a server's monitoring between steps."""
+    counts = [a + b for a, b in zip(self._ended_counts, self._run_counts())]
+    running = waiting = 0
+    if self._run is not None:
+      scheduler = self._run.scheduler
+      running = sum(s is not None for s in scheduler.slots)
+      waiting = sum(scheduler.requests[rid].n if sample is None else 1
+                    for rid, sample, _ in scheduler.waiting)
+    cache = self._cache
+    if cache is None:
+      return EngineStats(running, waiting, 0, 0, self.num_pages, *counts)
+    return EngineStats(running, waiting, cache.num_used_pages, cache.num_cached_pages,
+                       self.num_pages, *counts)
+
+  def _run_counts(self) -> tuple[int, int, int, int]:
+    """`stats()`'s counts of the run in progress (zeros if none)."""
+    if self._run is None:
+      return (0, 0, 0, 0)
+    cache = self._cache
+    return (cache.prompt_tokens, cache.cached_prompt_tokens, self.report.generated_tokens,
+            self._run.scheduler.num_preemptions)
+
+  def _end_run(self) -> None:
+    """Forgets the run in progress, its counts kept for `stats()`."""
+    self._ended_counts = tuple(a + b for a, b in zip(self._ended_counts, self._run_counts()))
+    self._run = None
 
   def reset_prefix_cache(self) -> int:
     """Drops every cached page (vLLM's `reset_prefix_cache`): the next run starts cold, on
@@ -231,6 +264,12 @@ class Engine:
     124M, 256 slots, prompts up to 512 tokens, greedy, on an H200: 75-103 s, 79
     compilations (an engine of another steps_per_call on the same model then 13 s:
     prefill programs are shared); 34 s from jax's persistent compilation cache.
+
+    Then, as vLLM does after its start-up, it moves every object alive (the compiled
+    programs and their traces among them) out of Python's garbage collector's reach
+    (`gc.freeze()`): a full collection would otherwise walk them all, now and then
+    stalling serving for ~0.5 s (GPT-2 above on the H200's host; benchmarks/LOG.md). Later
+    objects are collected as usual.
 
     Args:
       max_prompt_tokens: the longest prompt to prepare for.
@@ -381,6 +420,9 @@ class Engine:
         break
       holds *= 2
     self.report = Report(num_pages=self.num_pages)
+    self._ended_counts = (0, 0, 0, 0)  # (`stats()` counts served requests, not these)
+    gc.collect()  # (what the warm-up left for collection is freed, not frozen)
+    gc.freeze()
     return runs
 
   def generate(self, requests: Sequence[Request],
@@ -529,7 +571,7 @@ class Engine:
       raise RuntimeError("abort() during a generate / stream: close() the stream instead")
     if self._run is None:
       return
-    self._run = None
+    self._end_run()
     self._cache = None
     # (A pool deleted by a failed donated call is beyond repair here.)
     if not self.kv.page_table.is_deleted():
@@ -663,7 +705,7 @@ class Engine:
     run, report, cache = self._run, self.report, self._cache
     retain, release = run.scheduler.pending_release()
     self.kv = self.runner.update_pages(self.kv, retain=retain, release=release)
-    self._run = None
+    self._end_run()
     report.preemptions = run.scheduler.num_preemptions
     report.elapsed_s = time.perf_counter() - run.start
     report.kv_efficiency = cache.efficiency

@@ -12,6 +12,7 @@ submitted, steps while a request is unfinished, and hands each request's events 
     for events in sub:                              # [TokenEvent] of each device call
       ...
     sub.cancel()                                    # a client gone: its requests abort
+    loop.stats                                      # the engine's `EngineStats`
     loop.close()
 
 `EngineLoop` runs the engine on a thread of this process. The engine's host work (its
@@ -27,6 +28,7 @@ bounds how long an arrival waits (16 is a serving setting: benchmarks/RESULTS.md
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue
 import re
@@ -36,6 +38,7 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 from jax_paged.serving.engine import Engine
+from jax_paged.serving.report import EngineStats
 from jax_paged.serving.request import Request, TokenEvent
 
 _DONE = object()  # a submission's last item
@@ -114,7 +117,8 @@ class _Core:
   """The engine's side of a loop. Commands come from `receive(block)` (None: none
   waiting): ("add", key, requests), ("cancel", key), ("stop",). What happens goes to
   `out`: accepted(key, ids, error), events(key, events, finished) per device call and
-  key, then flush(), and failed(keys, error). A key names a submission."""
+  key, then stats(the engine's `EngineStats`) and flush() (also once at the start), and
+  failed(keys, error). A key names a submission."""
 
   def __init__(self, engine: Engine, out):
     self.engine, self.out = engine, out
@@ -124,6 +128,8 @@ class _Core:
 
   def run(self, receive: Callable[[bool], tuple | None]) -> None:
     engine = self.engine
+    self.out.stats(engine.stats())
+    self.out.flush()
     while True:
       # Idle: sleep until something is submitted. Busy: take what came during the call.
       block = not engine.has_unfinished_requests()
@@ -143,6 +149,8 @@ class _Core:
         self.live.clear()
         self.samples.clear()
         self.ids.clear()
+        self.out.stats(engine.stats())
+        self.out.flush()
         continue
       by_key: dict[object, list[TokenEvent]] = {}
       for event in events:
@@ -155,6 +163,7 @@ class _Core:
         self.out.events(key, key_events, finished)
         if finished:
           self._forget(key)
+      self.out.stats(engine.stats())
       self.out.flush()
 
   def _forget(self, key) -> list[int]:
@@ -192,7 +201,13 @@ class _Core:
 
 
 class _DirectOut:
-  """A thread loop's outputs: straight to the submissions (the keys)."""
+  """A thread loop's outputs: straight to the submissions (the keys); the engine's
+  latest `EngineStats` in `stats_now`."""
+
+  stats_now: EngineStats | None = None
+
+  def stats(self, stats: EngineStats) -> None:
+    self.stats_now = stats
 
   @staticmethod
   def accepted(sub: Submission, ids: list[int], error: BaseException | None) -> None:
@@ -227,7 +242,8 @@ class EngineLoop:
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()  # orders submit() before close()'s stop
     self._closing = False
-    self._core = _Core(engine, _DirectOut)
+    self._out = _DirectOut()
+    self._core = _Core(engine, self._out)
     self._thread = threading.Thread(target=self._core.run, args=(self._receive,),
                                     name="jax_paged-engine-loop", daemon=True)
     self._thread.start()
@@ -254,6 +270,12 @@ class EngineLoop:
     """Submissions taken and not yet finished (a snapshot)."""
     return len(self._core.samples)
 
+  @property
+  def stats(self) -> EngineStats | None:
+    """The engine's `EngineStats` after its latest device call (None until the loop has
+    started)."""
+    return self._out.stats_now
+
   def close(self, timeout: float | None = None) -> None:
     """Stops the loop: unfinished requests fail with `EngineClosed` (their run aborted),
     and the thread ends. Idempotent."""
@@ -265,10 +287,14 @@ class EngineLoop:
 
 
 class _PipeOut:
-  """An engine process's outputs, over its pipe; a device call's events in one message."""
+  """An engine process's outputs, over its pipe; a device call's events and the
+  engine's stats after it in one message."""
 
   def __init__(self, conn):
-    self.conn, self.batch = conn, []
+    self.conn, self.batch, self.stats_now = conn, [], None
+
+  def stats(self, stats: EngineStats) -> None:
+    self.stats_now = tuple(stats)  # (plain: see `events`)
 
   def accepted(self, key: int, ids: list[int], error: BaseException | None) -> None:
     self.conn.send(("accepted", key, ids, None if error is None else str(error)))
@@ -278,9 +304,8 @@ class _PipeOut:
     self.batch.append((key, [tuple(e) for e in events], finished))
 
   def flush(self) -> None:
-    if self.batch:
-      self.conn.send(("events", self.batch))
-      self.batch = []
+    self.conn.send(("events", self.batch, self.stats_now))
+    self.batch = []
 
   def failed(self, keys: list, error: BaseException | None) -> None:
     if keys:
@@ -299,6 +324,11 @@ def _serve_in_process(make_engine: Callable[[], Engine], conn) -> None:
       traceback.print_exc()
     conn.send(("broken", str(e)))
     return
+  # What the process holds from now on (the model, the compiled programs) out of the
+  # garbage collector's full collections, as `Engine.warmup` does (without a warm-up
+  # too): each would walk it all, stalling a device call.
+  gc.collect()
+  gc.freeze()
   conn.send(("ready", engine.spec, engine.max_batch))
 
   def receive(block: bool) -> tuple | None:
@@ -342,6 +372,7 @@ class EngineProcess:
       self._process.join()
       raise RuntimeError(f"the engine could not be built: {message[1]}")
     _, self.spec, self.max_batch = message
+    self.stats: EngineStats | None = None  # the engine's, after its latest device call
     self._subs: dict[int, Submission] = {}  # key -> unfinished submission
     self._next_key = 0
     self._lock = threading.Lock()  # the pipe's sending end, keys, closing
@@ -396,6 +427,7 @@ class EngineProcess:
         break
       kind = message[0]
       if kind == "events":
+        self.stats = EngineStats._make(message[2])  # (current when the events arrive)
         for key, packed, finished in message[1]:
           sub = subs.pop(key) if finished else subs[key]
           sub._deliver([TokenEvent._make(p) for p in packed], finished)

@@ -1,8 +1,10 @@
-"""What an engine run did: tokens, timings, page use."""
+"""What an engine did: a run's tokens, timings and page use (`Report`); its load now and
+its counts since it was built (`EngineStats`, for monitoring a server)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,3 +73,32 @@ class Report:
         f"step)",
         f"throughput: {self.tokens_per_s:.1f} tokens/s",
     ])
+
+
+class EngineStats(NamedTuple):
+  """A snapshot of an engine (`Engine.stats()`): its load now, and counts since it was
+  built (every run's, aborted ones included).
+
+  Attributes:
+    running: sequences in slots, prefilling or decoding (a request's samples each).
+    waiting: sequences submitted and not yet admitted (preempted ones again).
+    pages_in_use: pages sequences hold (a shared page once; cached pages no sequence
+      uses are free to take, not counted).
+    cached_pages: pages the prefix cache holds (in use or not; those no sequence uses
+      are evictable).
+    num_pages: the pool's pages.
+    prompt_tokens: context tokens admitted (a preempted context counts again).
+    cached_prompt_tokens: those served from the prefix cache.
+    generated_tokens: tokens delivered.
+    preemptions: sequences preempted (their pages freed, to be recomputed).
+  """
+
+  running: int
+  waiting: int
+  pages_in_use: int
+  cached_pages: int
+  num_pages: int
+  prompt_tokens: int
+  cached_prompt_tokens: int
+  generated_tokens: int
+  preemptions: int
