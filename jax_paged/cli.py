@@ -52,16 +52,19 @@ class CLIError(Exception):
 @dataclasses.dataclass
 class Codec:
   """Text <-> token ids; ids are in [0, vocab_size). `encode(text, add_special_tokens=True)`:
-  with the tokenizer's own additions (a BOS), or without (a chat template writes its own)."""
+  with the tokenizer's own additions (a BOS), or without (a chat template writes its own);
+  `decode(ids, skip_special_tokens=True)`: a completion's text leaves special tokens out,
+  a prompt's shown whole keeps them."""
 
   encode: Callable[..., list[int]]
-  decode: Callable[[Sequence[int]], str]
+  decode: Callable[..., str]
   name: str
   vocab_size: int
 
 
 BYTES = Codec(encode=lambda text, add_special_tokens=True: list(text.encode("utf-8")),
-              decode=lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
+              decode=lambda ids, skip_special_tokens=True: bytes(
+                  i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
               name="UTF-8 bytes (ids 0-255)", vocab_size=256)
 
 
@@ -150,7 +153,9 @@ def load_tokenizer(directory: str) -> Codec | None:
     raise CLIError(f"{directory}: its tokenizer files cannot be read ({e})") from e
   return Codec(encode=lambda text, add_special_tokens=True: tok.encode(
                    text, add_special_tokens=add_special_tokens).ids,
-               decode=lambda ids: tok.decode(list(ids)), name=f"tokenizer of {directory}",
+               decode=lambda ids, skip_special_tokens=True: tok.decode(
+                   list(ids), skip_special_tokens=skip_special_tokens),
+               name=f"tokenizer of {directory}",
                vocab_size=tok.get_vocab_size())
 
 

@@ -10,10 +10,15 @@ continuous-batching engine, as `vllm serve` does, so that OpenAI clients and too
     POST /v1/chat/completions   OpenAI's chat completions: messages rendered by the
                                 model's chat template (its checkpoint's, or
                                 --chat-template), an assistant message out; streamed too
+    POST /tokenize              vLLM's: a prompt text or chat messages -> token ids
+    POST /detokenize            vLLM's: token ids -> text
     GET  /health                200 while serving
     GET  /metrics               Prometheus metrics (`jax_paged.server_metrics`): requests
                                 running and waiting, KV cache use, tokens, prefix cache
                                 hits, times to first token and to the end, finish reasons
+
+With `--api-key` (or the environment's JAX_PAGED_API_KEY), every route but /health and
+/metrics needs the header `Authorization: Bearer <key>` (else 401, as OpenAI answers).
 
 Every HTTP connection gets a thread (the standard library's `ThreadingHTTPServer`); each
 request's prompts go to the engine, which runs in a process of its own
@@ -47,6 +52,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import hmac
 import http.server
 import importlib
 import json
@@ -81,6 +87,12 @@ COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", 
 CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
                                  "top_logprobs", "add_generation_prompt")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens",
+                   "add_generation_prompt", "return_token_strs")
+DETOKENIZE_FIELDS = ("model", "tokens")
+# The routes anyone may read without the API key (a load balancer's, a scraper's).
+OPEN_ROUTES = ("/health", "/metrics")
+API_KEY_ENV = "JAX_PAGED_API_KEY"
 
 
 class APIError(Exception):
@@ -334,12 +346,11 @@ def _message_text(message: Any, i: int) -> dict:
   return dict(message, content=content)
 
 
-def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
-  """A chat completion request's JSON body (POST /v1/chat/completions) as an engine
-  request: its messages rendered by the model's chat template, then tokenized without
-  the tokenizer's own special tokens (the template writes them), as transformers'
-  `apply_chat_template` does. Raises APIError naming the field at fault."""
-  _check_body(body, served, CHAT_FIELDS)
+def _chat_prompt(body: dict, served: Served, add_special_tokens: bool = False
+                 ) -> list[int]:
+  """`messages` (and `add_generation_prompt`) rendered by the model's chat template and
+  tokenized, by default without the tokenizer's own special tokens (the template writes
+  them)."""
   if served.chat_template is None or served.codec is None:
     raise APIError(400, "this model has no chat template (its checkpoint's "
                         "tokenizer_config.json has none): start the server with "
@@ -349,9 +360,63 @@ def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
     raise APIError(400, "messages must be a non-empty list of messages", "messages")
   text = served.chat_template.render([_message_text(m, i) for i, m in enumerate(messages)],
                                      _boolean(body, "add_generation_prompt", True))
-  ids = served.codec.encode(text, add_special_tokens=False)
+  ids = served.codec.encode(text, add_special_tokens=add_special_tokens)
   if not ids:
     raise APIError(400, "the chat template made the messages an empty text", "messages")
+  return ids
+
+
+def tokenize(body: Any, served: Served) -> dict:
+  """POST /tokenize (vLLM's): `prompt`, a text (with the tokenizer's special tokens, a
+  BOS, unless `add_special_tokens` is false), or `messages`, rendered as a chat
+  completion renders them (`add_generation_prompt`; specials only with
+  `add_special_tokens` true), as token ids: {"count", "max_model_len", "tokens",
+  "token_strs" (with `return_token_strs`, each token's text, special tokens included;
+  else null)}."""
+  _check_body(body, served, TOKENIZE_FIELDS)
+  if served.codec is None:
+    raise APIError(400, "this model has no tokenizer", "prompt")
+  if ("prompt" in body) == ("messages" in body):
+    raise APIError(400, "give either prompt (a text) or messages", "prompt")
+  if "prompt" in body:
+    if body.get("add_generation_prompt") is not None:
+      raise APIError(400, "add_generation_prompt goes with messages", "add_generation_prompt")
+    if not isinstance(body["prompt"], str):
+      raise APIError(400, f"prompt must be a text, got {body['prompt']!r:.200}", "prompt")
+    ids = served.codec.encode(body["prompt"],
+                              add_special_tokens=_boolean(body, "add_special_tokens", True))
+  else:
+    ids = _chat_prompt(body, served, _boolean(body, "add_special_tokens", False))
+  strs = None
+  if _boolean(body, "return_token_strs"):
+    strs = [served.codec.decode([t], skip_special_tokens=False) for t in ids]
+  return {"count": len(ids), "max_model_len": served.spec.max_positions, "tokens": ids,
+          "token_strs": strs}
+
+
+def detokenize(body: Any, served: Served) -> dict:
+  """POST /detokenize (vLLM's): `tokens`, token ids, as {"prompt": their text, special
+  tokens included}."""
+  _check_body(body, served, DETOKENIZE_FIELDS)
+  if served.codec is None:
+    raise APIError(400, "this model has no tokenizer", "tokens")
+  tokens = body.get("tokens")
+  if not (isinstance(tokens, list) and all(is_int(t) for t in tokens)):
+    raise APIError(400, f"tokens must be a list of token ids, got {tokens!r:.200}", "tokens")
+  size = served.codec.vocab_size  # (the tokenizer's: a model's may be padded beyond it)
+  bad = [t for t in tokens if not 0 <= t < size]
+  if bad:
+    raise APIError(400, f"token ids {bad[:5]} outside the tokenizer's [0, {size})", "tokens")
+  return {"prompt": served.codec.decode(tokens, skip_special_tokens=False)}
+
+
+def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
+  """A chat completion request's JSON body (POST /v1/chat/completions) as an engine
+  request: its messages rendered by the model's chat template, then tokenized without
+  the tokenizer's own special tokens (the template writes them), as transformers'
+  `apply_chat_template` does. Raises APIError naming the field at fault."""
+  _check_body(body, served, CHAT_FIELDS)
+  ids = _chat_prompt(body, served)
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
       "max_tokens")
   max_tokens = _integer(body, name, None, 1)
@@ -663,7 +728,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def _send_error(self, error: APIError) -> None:
     self._send_json(error.status, error.body())
 
+  def _authorized(self) -> bool:
+    """Whether the request may have its route: an open route, or the server's API key
+    (if it has one) in its Authorization header; else answered 401."""
+    key = self.server.api_key
+    if key is None or self.path in OPEN_ROUTES:
+      return True
+    given = self.headers.get("Authorization", "")
+    if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+      return True
+    self.close_connection = True  # (a body it sent is not read)
+    self._send_error(APIError(401, "incorrect or missing API key: send the header "
+                                   "'Authorization: Bearer <key>'", code="invalid_api_key"))
+    return False
+
   def do_GET(self) -> None:
+    if not self._authorized():
+      return
     if self.path == "/health":
       self._send_json(200, {"status": "ok"})
     elif self.path == "/metrics":
@@ -684,9 +765,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
   def do_POST(self) -> None:
     received = time.perf_counter()
+    if not self._authorized():
+      return
     parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(
         self.path)
-    if parse is None:
+    local = {"/tokenize": tokenize, "/detokenize": detokenize}.get(self.path)
+    if parse is None and local is None:
+      self.close_connection = True  # (a body it sent is not read)
       self._send_error(APIError(404, f"no route POST {self.path}", kind="not_found_error"))
       return
     try:
@@ -702,6 +787,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(raw)
       except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"the body is not JSON: {e}") from e
+      if local is not None:  # (answered here: no engine call)
+        self._send_json(200, local(body, self.server.served))
+        return
       completion = parse(body, self.server.served, self.server.rng)
       sub = self.server.loop.submit(completion.requests)
       try:
@@ -798,16 +886,17 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
   """Serves `served` from `loop`'s engine at `address` ((host, port); port 0: any free
   one, `server_address` tells which). `serve_forever()` serves; `shutdown()` stops it
   (from another thread), `server_close()` frees the socket. The loop is the caller's to
-  close."""
+  close. With `api_key`, every route but `OPEN_ROUTES` needs it (`Authorization: Bearer
+  <key>`)."""
 
   daemon_threads = True
   request_queue_size = 1024  # connections waiting for accept(): a burst of arrivals
 
   def __init__(self, address: tuple[str, int], loop: EngineLoop | EngineProcess,
-               served: Served, *,
-               verbose: bool = False):
+               served: Served, *, api_key: str | None = None, verbose: bool = False):
     super().__init__(address, Handler)
     self.loop, self.served, self.verbose = loop, served, verbose
+    self.api_key = api_key or None  # (an empty key: none)
     self.metrics = ServerMetrics(served.name)
     self.created = int(time.time())
     self.rng = random.Random()
@@ -826,6 +915,10 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                    help="the address to listen on (default 127.0.0.1; 0.0.0.0: every "
                         "interface)")
   srv.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any)")
+  srv.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help="require the header 'Authorization: Bearer KEY' on every route "
+                        f"but /health and /metrics (default: ${API_KEY_ENV}, which keeps "
+                        "the key out of the process list; none: open)")
   srv.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: the checkpoint directory's "
                         "name, or the preset's)")
@@ -891,7 +984,8 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
         args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
     served = Served(name, spec, codec, spec.eos_token_ids, chat_template)
     try:
-      server = OpenAIServer((args.host, args.port), loop, served, verbose=args.verbose)
+      server = OpenAIServer((args.host, args.port), loop, served, api_key=args.api_key,
+                            verbose=args.verbose)
     except OSError as e:
       raise CLIError(f"cannot listen on {args.host}:{args.port} ({e})") from e
     host, port = server.server_address[:2]

@@ -409,6 +409,17 @@ def test_chat_template_of_a_checkpoint_renders_and_tokenizes_as_transformers(tmp
   spec = gpt2.FAMILY.presets["tiny"](jnp.float32, 0).spec
   with pytest.raises(openai_server.APIError, match="no chat template"):
     openai_server.parse_chat({"messages": messages}, Served("m", spec, codec, ()), None)
+  # /tokenize and /detokenize with this tokenizer: transformers' ids and texts.
+  served = Served("m", spec, codec, (), template)
+  ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
+                               return_dict=False)
+  got = openai_server.tokenize({"messages": messages, "add_generation_prompt": False,
+                                "return_token_strs": True}, served)
+  assert got == {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                 "token_strs": [hf.decode([t]) for t in ids]}
+  assert openai_server.tokenize({"prompt": "the paged cache"}, served)["tokens"] == hf(
+      "the paged cache").input_ids
+  assert openai_server.detokenize({"tokens": ids}, served) == {"prompt": hf.decode(ids)}
 
 
 @pytest.mark.parametrize("body,status,param,message", [
@@ -455,6 +466,83 @@ def test_routes_and_malformed_bodies(served):
     assert r.status == 200
   assert post(url, b"{not json")[0] == 400
   assert post(url, {"prompt": "x"}, path="/v1/embeddings")[0] == 404
+
+
+def test_tokenize_and_detokenize(served):
+  """vLLM's /tokenize (a text, or chat messages as a chat completion renders them) and
+  /detokenize; bad bodies named."""
+  url, _, _ = served
+  status, got = post(url, {"prompt": "h\u00e9llo", "return_token_strs": True}, "/tokenize")
+  assert status == 200 and got == {"count": 6, "max_model_len": 512,
+                                   "tokens": list("h\u00e9llo".encode()),
+                                   "token_strs": ["h", "\ufffd", "\ufffd", "l", "l", "o"]}
+  assert post(url, {"tokens": got["tokens"]}, "/detokenize") == (200, {"prompt": "h\u00e9llo"})
+  messages = [{"role": "user", "content": "hi"}]
+  status, got = post(url, {"messages": messages}, "/tokenize")
+  assert got["tokens"] == list(b"<s>[user] hi\n[assistant] ") and got["token_strs"] is None
+  status, chat = post(url, {"messages": messages, "max_tokens": 1},
+                      "/v1/chat/completions")
+  assert chat["usage"]["prompt_tokens"] == got["count"]
+  status, got = post(url, {"messages": messages, "add_generation_prompt": False}, "/tokenize")
+  assert got["tokens"] == list(b"<s>[user] hi\n")
+  for path, body, param in [
+      ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+      ("/tokenize", {}, "prompt"),
+      ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+      ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+      ("/tokenize", {"prompt": "x", "add_special_tokens": 1}, "add_special_tokens"),
+      ("/tokenize", {"prompt": "x", "tokens": [1]}, "tokens"),
+      ("/detokenize", {"tokens": [1, 256]}, "tokens"),
+      ("/detokenize", {"tokens": "abc"}, "tokens"),
+      ("/detokenize", {"tokens": [1], "model": "other"}, "model")]:
+    status, answer = post(url, body, path)
+    assert status in (400, 404) and answer["error"]["param"] == param, (path, body, answer)
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics(model, monkeypatch):
+  loop = EngineLoop(make_engine(model))
+  server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, ()),
+                        api_key="s3cret")
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_address[1]}"
+
+  def get(path: str, key: str | None) -> int:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    try:
+      with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers)) as r:
+        return r.status
+    except urllib.error.HTTPError as e:
+      assert json.loads(e.read())["error"]["code"] == "invalid_api_key"
+      return e.code
+  try:
+    assert get("/health", None) == 200 and get("/metrics", None) == 200
+    assert get("/v1/models", None) == 401 and get("/v1/models", "wrong") == 401
+    assert get("/v1/models", "s3cret") == 200
+    host, port = url[len("http://"):].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    for key, status in [(None, 401), ("s3cret", 200)]:
+      for path, body in [("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                         ("/tokenize", {"prompt": "x"})]:
+        headers = {"Content-Type": "application/json"}
+        if key:
+          headers["Authorization"] = f"Bearer {key}"
+        conn.request("POST", path, json.dumps(body), headers)
+        response = conn.getresponse()
+        assert response.status == status, (path, key)
+        response.read()
+        if status == 401:  # the unread body: the server closed the connection
+          conn.close()
+    conn.close()
+  finally:
+    server.shutdown()
+    server.server_close()
+    loop.close()
+  # The command takes the key from the environment unless given.
+  monkeypatch.setenv(openai_server.API_KEY_ENV, "from-env")
+  families = openai_server.resolve_families(["models.gpt2:FAMILY"])
+  assert openai_server.parse_args(["--model", "tiny"], families).api_key == "from-env"
+  assert openai_server.parse_args(["--model", "tiny", "--api-key", "k"],
+                                  families).api_key == "k"
 
 
 def test_a_fault_of_the_server_is_a_500(served, monkeypatch, capsys):
