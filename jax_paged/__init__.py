@@ -14,7 +14,7 @@ Layers, each using only those before it:
             generate (one static batch) and beam_search
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
   openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP (server_metrics:
-                  its Prometheus metrics)
+                  its Prometheus metrics; tool_calls: its tool call parsers)
 Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 """
 

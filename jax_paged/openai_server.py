@@ -36,9 +36,12 @@ clients that work in token ids or models without a tokenizer). An unknown field,
 a wrong type or a value out of range is answered 400 with an OpenAI error object naming
 the field. `max_tokens: 0` with `echo` scores the prompt (lm-evaluation-harness'
 log-likelihoods). Without a `seed`, each request draws one at random. Chat completions
-take `messages` (text content only), `max_completion_tokens` (or `max_tokens`; default:
-the rest of the context), `logprobs` (true / false), `top_logprobs`,
-`add_generation_prompt` (default true) instead of the prompt fields.
+take `messages` (text content only; assistants' `tool_calls` and `tool` messages too),
+`max_completion_tokens` (or `max_tokens`; default: the rest of the context), `logprobs`
+(true / false), `top_logprobs`, `add_generation_prompt` (default true), and `tools`,
+`tool_choice` ("auto", the default with tools, needs `--tool-call-parser`; "none" leaves
+the tools out of the prompt) and `parallel_tool_calls` instead of the prompt fields; the
+calls an answer writes in its model's format come back as OpenAI's `tool_calls`.
 
 Text: a completion's text leaves out the stop text that ended it and a final stop token
 (eos), as OpenAI's and vLLM's do; its tokens count in `usage`. A streamed text holds
@@ -58,6 +61,7 @@ import importlib
 import json
 import os
 import random
+import re
 import select
 import signal
 import socket
@@ -72,6 +76,7 @@ from jax_paged.cli import (BYTES, CLIError, Codec, _notice, add_engine_arguments
                            model_families, parse_model_args)
 from jax_paged.paged_model import ModelFamily, ModelSpec
 from jax_paged.server_metrics import ServerMetrics
+from jax_paged.tool_calls import PARSERS as TOOL_PARSERS, ToolCall, ToolParser
 from jax_paged.serving.engine import WARMUP_SAMPLING, Engine
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess, Submission
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
@@ -85,7 +90,8 @@ SAMPLING_FIELDS = (
     "return_token_ids")
 COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
-                                 "top_logprobs", "add_generation_prompt")
+                                 "top_logprobs", "add_generation_prompt", "tools",
+                                 "tool_choice", "parallel_tool_calls")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens",
                    "add_generation_prompt", "return_token_strs")
@@ -142,10 +148,13 @@ class ChatTemplate:
       raise ValueError(f"the chat template does not parse: {e}") from e
     self.special_tokens = dict(special_tokens or {})
 
-  def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The conversation as the model's text; raises APIError if the template refuses it."""
+  def render(self, messages: list[dict], add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> str:
+    """The conversation (and the tools it may call, OpenAI's function objects, as
+    transformers passes them) as the model's text; raises APIError if the template
+    refuses it."""
     try:
-      return self._template.render(messages=messages,
+      return self._template.render(messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens)
     except self._error as e:
@@ -200,14 +209,15 @@ def read_chat_template(path: str | None, checkpoint: str | None) -> ChatTemplate
 @dataclasses.dataclass(frozen=True)
 class Served:
   """What the server serves: the model's name in the API, its spec, its text codec (None:
-  token ids only), the tokens that end a completion unless `ignore_eos`, and its chat
-  template (None: no chat completions)."""
+  token ids only), the tokens that end a completion unless `ignore_eos`, its chat
+  template (None: no chat completions) and tool call parser (None: no tool calls)."""
 
   name: str
   spec: ModelSpec
   codec: Codec | None
   eos_token_ids: tuple[int, ...]
   chat_template: ChatTemplate | None = None
+  tool_parser: ToolParser | None = None  # how chat answers' tool calls are read
 
 
 @dataclasses.dataclass
@@ -224,6 +234,8 @@ class Completion:
   include_usage: bool
   scores_only: bool  # max_tokens 0 with echo: the generated token is dropped
   return_token_ids: bool  # choices carry their token ids (vLLM's return_token_ids)
+  tool_parser: ToolParser | None = None  # reads the choices' tool calls (chat, tools given)
+  parallel_tool_calls: bool = True  # else a choice keeps its first call only
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, *, lo_open: bool = False,
@@ -329,10 +341,32 @@ def parse_completion(body: Any, served: Served, rng: random.Random) -> Completio
 
 
 def _message_text(message: Any, i: int) -> dict:
-  """A chat message as the template takes it: its role and its content as one text."""
+  """A chat message as the template takes it: its role and its content as one text; an
+  assistant's tool calls with their arguments as objects (templates write them as JSON;
+  the API sends JSON text), and its content may then be absent."""
   if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
     raise APIError(400, f"messages[{i}] must be an object with a role in {CHAT_ROLES}, got "
                         f"{message!r:.200}", "messages")
+  calls = message.get("tool_calls")
+  if calls is not None:
+    if message["role"] != "assistant" or not isinstance(calls, list):
+      raise APIError(400, f"messages[{i}].tool_calls: a list, in an assistant's message",
+                     "messages")
+    parsed = []
+    for j, call in enumerate(calls):
+      function = call.get("function") if isinstance(call, dict) else None
+      try:
+        arguments = json.loads(function["arguments"])
+        assert isinstance(function["name"], str) and isinstance(arguments, dict)
+      except (TypeError, KeyError, ValueError, AssertionError):
+        raise APIError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": "
+                            f"\"function\", \"function\": {{\"name\": ..., \"arguments\": "
+                            f"JSON text of an object}}}}, got {call!r:.200}",
+                       "messages") from None
+      parsed.append(dict(call, function=dict(function, arguments=arguments)))
+    message = dict(message, tool_calls=parsed)
+    if message.get("content") is None:
+      return dict(message, content="")
   content = message.get("content")
   if isinstance(content, list):  # parts: only text ones
     if not all(isinstance(part, dict) and part.get("type") == "text"
@@ -346,11 +380,44 @@ def _message_text(message: Any, i: int) -> dict:
   return dict(message, content=content)
 
 
-def _chat_prompt(body: dict, served: Served, add_special_tokens: bool = False
-                 ) -> list[int]:
-  """`messages` (and `add_generation_prompt`) rendered by the model's chat template and
-  tokenized, by default without the tokenizer's own special tokens (the template writes
-  them)."""
+def _tools(body: dict, served: Served) -> tuple[list[dict] | None, ToolParser | None]:
+  """`tools` and `tool_choice`: (the tools the prompt shows, the parser of the answer's
+  calls), both None without tools or with tool_choice "none". "auto" (the default with
+  tools) needs the server's --tool-call-parser; "required" and a named function would need
+  constrained decoding, which the engine does not do."""
+  tools, choice = body.get("tools"), body.get("tool_choice")
+  if tools is None:
+    if choice not in (None, "none"):
+      raise APIError(400, "tool_choice needs tools", "tool_choice")
+    return None, None
+  name = re.compile(r"[A-Za-z0-9_-]{1,64}")
+  if not (isinstance(tools, list) and tools and all(
+      isinstance(t, dict) and t.get("type") == "function" and set(t) <= {"type", "function"}
+      and isinstance(f := t.get("function"), dict)
+      and set(f) <= {"name", "description", "parameters", "strict"}
+      and isinstance(f.get("name"), str) and name.fullmatch(f["name"])
+      and isinstance(f.get("description", ""), str)
+      and isinstance(f.get("parameters", {}), dict) for t in tools)):
+    raise APIError(400, "tools must be a non-empty list of {\"type\": \"function\", "
+                        "\"function\": {\"name\" (letters, digits, _ or -, up to 64), "
+                        "\"description\", \"parameters\" (a JSON schema)}}", "tools")
+  choice = "auto" if choice is None else choice
+  if choice == "none":
+    return None, None
+  if choice != "auto":
+    raise APIError(400, f"tool_choice {choice!r:.100} would need constrained decoding, which "
+                        "this server does not do: \"auto\" or \"none\"", "tool_choice")
+  if served.tool_parser is None:
+    raise APIError(400, "tool calls need the server started with --tool-call-parser "
+                        f"({', '.join(TOOL_PARSERS)}, the model's format)", "tool_choice")
+  return tools, served.tool_parser
+
+
+def _chat_prompt(body: dict, served: Served, add_special_tokens: bool = False,
+                 tools: list[dict] | None = None) -> list[int]:
+  """`messages` (and `add_generation_prompt`, `tools`) rendered by the model's chat
+  template and tokenized, by default without the tokenizer's own special tokens (the
+  template writes them)."""
   if served.chat_template is None or served.codec is None:
     raise APIError(400, "this model has no chat template (its checkpoint's "
                         "tokenizer_config.json has none): start the server with "
@@ -359,7 +426,7 @@ def _chat_prompt(body: dict, served: Served, add_special_tokens: bool = False
   if not isinstance(messages, list) or not messages:
     raise APIError(400, "messages must be a non-empty list of messages", "messages")
   text = served.chat_template.render([_message_text(m, i) for i, m in enumerate(messages)],
-                                     _boolean(body, "add_generation_prompt", True))
+                                     _boolean(body, "add_generation_prompt", True), tools)
   ids = served.codec.encode(text, add_special_tokens=add_special_tokens)
   if not ids:
     raise APIError(400, "the chat template made the messages an empty text", "messages")
@@ -416,7 +483,9 @@ def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
   the tokenizer's own special tokens (the template writes them), as transformers'
   `apply_chat_template` does. Raises APIError naming the field at fault."""
   _check_body(body, served, CHAT_FIELDS)
-  ids = _chat_prompt(body, served)
+  tools, parser = _tools(body, served)
+  parallel = _boolean(body, "parallel_tool_calls", True)
+  ids = _chat_prompt(body, served, tools=tools)
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
       "max_tokens")
   max_tokens = _integer(body, name, None, 1)
@@ -424,8 +493,10 @@ def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
   logprobs = _boolean(body, "logprobs")
   if top is not None and not logprobs:
     raise APIError(400, "top_logprobs needs logprobs true", "top_logprobs")
-  return _completion(body, served, rng, [ids], max_tokens, chat=True, echo=False,
-                     logprobs=(top or 0) if logprobs else None, scores_only=False)
+  return dataclasses.replace(
+      _completion(body, served, rng, [ids], max_tokens, chat=True, echo=False,
+                  logprobs=(top or 0) if logprobs else None, scores_only=False),
+      tool_parser=parser, parallel_tool_calls=parallel)
 
 
 def _completion(body: dict, served: Served, rng: random.Random, prompts: list[list[int]],
@@ -531,6 +602,7 @@ class _Choice:
   sent_chars: int = 0  # completion text streamed so far
   sent_tokens: int = 0  # tokens streamed so far (log-probabilities, ids)
   sent_offset: int = 0  # text_offset of the next streamed token
+  sent_calls: bool = False  # its tool calls were streamed
 
   def take(self, event: TokenEvent) -> None:
     if self.prompt_event is None:
@@ -583,8 +655,9 @@ class _Answer:
     codec = self.served.codec
     return codec.decode([token]) if codec else f"<{token}>"
 
-  def _text(self, c: _Choice) -> tuple[str, bool]:
-    """The choice's completion text as far as it is settled, and whether it is whole."""
+  def _text(self, c: _Choice) -> tuple[str, bool, list[ToolCall]]:
+    """The choice's completion text as far as it is settled, whether it is whole, and
+    its tool calls once it is (their text is not the answer's)."""
     tokens = c.tokens
     done = c.finish_reason is not None
     if done and c.finish_reason == "stop" and c.stop_text is None and tokens and (
@@ -596,7 +669,23 @@ class _Answer:
     elif not done:  # an unfinished character, or the start of a stop text, may follow
       text = text.rstrip("\ufffd")
       text = text[:max(0, len(text) - self.hold)]
-    return text, done
+    parser = self.completion.tool_parser
+    if parser is None:
+      return text, done, []
+    if not done:  # (what may be calls is held back)
+      return text[:parser.content_end(text)], done, []
+    content, calls = parser.parse(text)
+    return content, done, calls[:None if self.completion.parallel_tool_calls else 1]
+
+  def _tool_calls(self, c: _Choice, calls: list[ToolCall]) -> list[dict]:
+    """OpenAI's tool call objects (ids per choice and call, the same in every chunk)."""
+    return [{"id": f"call-{self.id}-{c.index}-{i}", "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for i, call in enumerate(calls)]
+
+  @staticmethod
+  def _finish_reason(c: _Choice, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
   def _logprobs(self, c: _Choice, events: Sequence[TokenEvent], offset: int,
                 prompt: bool) -> tuple[dict, int]:
@@ -642,7 +731,7 @@ class _Answer:
     """The answer to a request that is not streamed, once every choice has finished."""
     choices = []
     for c in self.choices:
-      text, _ = self._text(c)
+      text, _, calls = self._text(c)
       logprobs = None
       if self.completion.logprobs is not None:
         logprobs, _ = self._logprobs(c, c.events, 0, self.completion.echo)
@@ -650,10 +739,12 @@ class _Answer:
         text = self._decode(c.prompt) + text
       choice = {"index": c.index}
       if self.completion.chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = {"role": "assistant", "content": text or None if calls else text}
+        if calls:
+          choice["message"]["tool_calls"] = self._tool_calls(c, calls)
       else:
         choice["text"] = text
-      choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
+      choice.update(logprobs=logprobs, finish_reason=self._finish_reason(c, calls))
       if self.completion.return_token_ids:
         choice.update(prompt_token_ids=c.prompt, token_ids=c.tokens)
       choices.append(choice)
@@ -664,7 +755,7 @@ class _Answer:
     choices = []
     for i in sorted(indices):
       c = self.choices[i]
-      text, done = self._text(c)
+      text, done, calls = self._text(c)
       delta = text[c.sent_chars:]
       first = not c.sent_first
       prefix = self._decode(c.prompt) if self.completion.echo and first else ""
@@ -677,11 +768,15 @@ class _Answer:
         logprobs, c.sent_offset = self._logprobs(c, events, c.sent_offset,
                                                  self.completion.echo and first)
       choice = {"index": c.index}
-      if self.completion.chat:  # (the role with the first delta)
+      if self.completion.chat:  # (the role with the first delta; the calls, whole, last)
         choice["delta"] = dict({"role": "assistant"} if first else {}, content=delta)
+        if calls and not c.sent_calls:
+          choice["delta"]["tool_calls"] = [dict(call, index=i) for i, call in
+                                           enumerate(self._tool_calls(c, calls))]
+          c.sent_calls = True
       else:
         choice["text"] = prefix + delta
-      choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
+      choice.update(logprobs=logprobs, finish_reason=self._finish_reason(c, calls))
       if self.completion.return_token_ids:
         choice["token_ids"] = [e.token for e in events]
         if first:
@@ -932,6 +1027,11 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                    help="the Jinja chat template for /v1/chat/completions (default: the "
                         "checkpoint's, from its tokenizer_config.json or "
                         "chat_template.jinja; none: chat completions are refused)")
+  srv.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="read tool calls in chat answers in this format, for requests with "
+                        "tools (tool_choice auto): hermes (Qwen2 / Qwen2.5, Hermes), "
+                        "llama3_json (Llama 3.1+); the chat template must render the tools "
+                        "(default: none, tools refused)")
   srv.add_argument("--verbose", action="store_true", help="log every HTTP request")
   # A request waits up to one call to join the batch: fewer steps than generation's.
   add_engine_arguments(p, steps_per_call=16)
@@ -982,7 +1082,8 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
     codec = load_tokenizer(args.checkpoint) if args.checkpoint else BYTES
     name = args.served_model_name or (
         args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
-    served = Served(name, spec, codec, spec.eos_token_ids, chat_template)
+    parser = None if args.tool_call_parser is None else TOOL_PARSERS[args.tool_call_parser]
+    served = Served(name, spec, codec, spec.eos_token_ids, chat_template, parser)
     try:
       server = OpenAIServer((args.host, args.port), loop, served, api_key=args.api_key,
                             verbose=args.verbose)

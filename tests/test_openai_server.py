@@ -5,6 +5,7 @@ import functools
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_paged import Engine, Request
+from jax_paged import Engine, Request, TokenEvent
 from jax_paged.cli import BYTES, load_tokenizer, model_families
 from jax_paged import openai_server
 from jax_paged.openai_server import ChatTemplate, OpenAIServer, Served
@@ -466,6 +467,137 @@ def test_routes_and_malformed_bodies(served):
     assert r.status == 200
   assert post(url, b"{not json")[0] == 400
   assert post(url, {"prompt": "x"}, path="/v1/embeddings")[0] == 404
+
+
+# Tools in the system turn, an assistant's calls and the tools' answers (Qwen2.5's way).
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{{ m.content }}{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]
+
+
+def test_tools_render_as_transformers_renders_them(model):
+  """The tools and the conversation's calls (their arguments as objects, as vLLM passes
+  them) reach the template as transformers' apply_chat_template gives them."""
+  transformers = pytest.importorskip("transformers")
+  tokenizers = pytest.importorskip("tokenizers")
+  bpe = tokenizers.ByteLevelBPETokenizer()
+  bpe.train_from_iterator(["the weather in paris"] * 5, vocab_size=270, min_frequency=1)
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+  hf.chat_template = TOOLS_TEMPLATE
+  as_objects = [dict(m, tool_calls=[dict(c, function=dict(
+      c["function"], arguments=json.loads(c["function"]["arguments"])))
+      for c in m["tool_calls"]]) if "tool_calls" in m else m for m in CONVERSATION]
+  want = hf.apply_chat_template(as_objects, tools=[WEATHER], tokenize=False,
+                                add_generation_prompt=True)
+  served = Served("tiny", model.spec, BYTES, (), ChatTemplate(TOOLS_TEMPLATE),
+                  openai_server.TOOL_PARSERS["hermes"])
+  completion = openai_server.parse_chat({"messages": CONVERSATION, "tools": [WEATHER]},
+                                        served, random.Random(0))
+  assert bytes(completion.prompts[0]).decode() == want
+  assert '"arguments": {"city": "Paris"}' in want
+  # tool_choice "none": the tools stay out of the prompt, and no calls are read.
+  completion = openai_server.parse_chat({"messages": CONVERSATION[:1], "tools": [WEATHER],
+                                         "tool_choice": "none"}, served, random.Random(0))
+  assert completion.tool_parser is None
+  assert bytes(completion.prompts[0]).decode() == hf.apply_chat_template(
+      CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+
+
+def _events(text: str, reason: str = "stop") -> list[TokenEvent]:
+  """A choice's events for the UTF-8 bytes of `text`, then an eos token (0)."""
+  tokens = list(text.encode()) + [0]
+  return [TokenEvent(7, t, reason if i == len(tokens) - 1 else None)
+          for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("parser,answer,content,calls", [
+    ("hermes", 'I will look.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}'
+               '\n</tool_call>', "I will look.", [("weather", '{"city": "Paris"}')]),
+    ("hermes", "No calls: <tool_ is not one", "No calls: <tool_ is not one", []),
+    ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
+    ("llama3_json", '{"name": "weather", "parameters": {"city": "Paris"}}', None,
+     [("weather", '{"city": "Paris"}')]),
+    ("llama3_json", "Sunny.", "Sunny.", [])])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_calls_in_answers_whole_and_streamed(model, parser, answer, content, calls,
+                                                  parallel):
+  """An answer's calls become OpenAI's tool_calls (finish_reason "tool_calls"), its text
+  the content; streamed, no delta holds a call's text, and the calls come whole, once.
+  Without parallel calls only the first is kept."""
+  if calls and not parallel:
+    answer += '\n<tool_call>{"name": "time", "arguments": {}}</tool_call>' if (
+        parser == "hermes") else '; {"name": "time", "parameters": {}}'
+  served = Served("tiny", model.spec, BYTES, (0,), ChatTemplate(TOOLS_TEMPLATE),
+                  openai_server.TOOL_PARSERS[parser])
+  body = {"messages": CONVERSATION[:1], "tools": [WEATHER], "parallel_tool_calls": parallel}
+  events = _events(answer)
+  answer_of = lambda: openai_server._Answer(openai_server.parse_chat(
+      dict(body), served, random.Random(0)), served)
+  whole = answer_of()
+  whole.take(events, [7])
+  message = whole.whole()["choices"][0]["message"]
+  got = [(c["function"]["name"], c["function"]["arguments"])
+         for c in message.get("tool_calls", [])]
+  assert got == calls and message["content"] == content
+  assert whole.whole()["choices"][0]["finish_reason"] == ("tool_calls" if calls else "stop")
+  streamed = answer_of()
+  deltas = []
+  for i in range(0, len(events), 5):
+    chunk = streamed.chunk(streamed.take(events[i:i + 5], [7]))
+    deltas += [c["delta"] for c in chunk["choices"]] if chunk else []
+  text = "".join(d.get("content") or "" for d in deltas)
+  assert text == (content or "")
+  streamed_calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+  assert len(streamed_calls) == (1 if calls else 0)
+  if calls:
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"])
+            for c in streamed_calls[0]] == [(i, *c) for i, c in enumerate(calls)]
+    ids = [c["id"] for c in streamed_calls[0] + message["tool_calls"]]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call-chatcmpl-") for i in ids)
+  assert chunk["choices"][0]["finish_reason"] == ("tool_calls" if calls else "stop")
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters"),
+    ({"tools": [{"function": {"name": "f"}}]}, "tools", "non-empty list"),
+    ({"tools": []}, "tools", "non-empty list"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {
+        "name": "f", "arguments": "{bad"}}]}]}, "messages", "JSON text of an object"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages",
+     "an assistant's")])
+def test_bad_tool_requests_are_named(served, fields, param, message):
+  url, _, _ = served
+  status, answer = post(url, dict({"messages": [{"role": "user", "content": "x"}],
+                                   "max_tokens": 2}, **fields), "/v1/chat/completions")
+  assert status == 400 and answer["error"]["param"] == param
+  assert message in answer["error"]["message"], answer
 
 
 def test_tokenize_and_detokenize(served):

@@ -12,7 +12,7 @@ PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
 # kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli, server_metrics
-# <- openai_server).
+# <- openai_server; tool_calls <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
@@ -24,7 +24,9 @@ ALLOWED = {
                 "serving"},
     "cli": {"kernels", "paged_model", "tensor_parallel", "serving", "cli"},
     "server_metrics": {"serving", "server_metrics"},
-    "openai_server": {"paged_model", "serving", "cli", "server_metrics", "openai_server"},
+    "tool_calls": {"tool_calls"},
+    "openai_server": {"paged_model", "serving", "cli", "server_metrics", "tool_calls",
+                      "openai_server"},
 }
 
 
