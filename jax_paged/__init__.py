@@ -36,6 +36,6 @@ from jax_paged.serving.beam_search import Beam, beam_search
 __all__ = [
     "Beam", "Engine", "EngineLoop", "EngineStats", "KVPool", "ModelFamily", "ModelSpec",
     "PagedModel", "PoolExhausted", "Report", "Request", "TokenEvent", "beam_search",
-    "generate", "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
-    "paged_prefill_attention", "pool", "reference",
+    "generate", "merge_attention_states", "merge_attention_states_n", "nn",
+    "paged_decode_attention", "paged_prefill_attention", "pool", "reference",
 ]

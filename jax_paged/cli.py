@@ -515,7 +515,8 @@ def load_model(args: argparse.Namespace, families: Sequence[ModelFamily],
   return Loaded(model, codec, label, jnp.dtype(dtype), mesh)
 
 
-def make_engine(args: argparse.Namespace, loaded: Loaded) -> Engine:
+def make_engine(args: argparse.Namespace, loaded: Loaded, *,
+                scheduling_policy: str = "fcfs") -> Engine:
   """The engine of the engine options, over `loaded`'s model (its codec detokenizes stop
   texts); without --num-pages on a CPU, pages for every slot to reach the model's
   context. Prints what it serves to stderr. Raises CLIError."""
@@ -529,7 +530,8 @@ def make_engine(args: argparse.Namespace, loaded: Loaded) -> Engine:
                  page_size=args.page_size, steps_per_call=args.steps_per_call,
                  admission=args.admission, prefix_caching=not args.no_prefix_caching,
                  cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=loaded.mesh,
-                 detokenize=loaded.codec.decode if loaded.codec else None)
+                 detokenize=loaded.codec.decode if loaded.codec else None,
+                 scheduling_policy=scheduling_policy)
   except ValueError as e:
     raise CLIError(str(e)) from e
   except jax.errors.JaxRuntimeError as e:

@@ -32,7 +32,8 @@ model's context), `temperature` (default 1), `top_p`, `n`, `stream`, `stream_opt
 `logit_bias`, `best_of` (= n only), `user`) and vLLM's sampling extras (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `return_token_ids`:
 the choices carry `token_ids` (streamed: each chunk's) and `prompt_token_ids`, for
-clients that work in token ids or models without a tokenizer). An unknown field,
+clients that work in token ids or models without a tokenizer; `priority`, lower first,
+with `--scheduling-policy priority`). An unknown field,
 a wrong type or a value out of range is answered 400 with an OpenAI error object naming
 the field. `max_tokens: 0` with `echo` scores the prompt (lm-evaluation-harness'
 log-likelihoods). Without a `seed`, each request draws one at random. Chat completions
@@ -80,6 +81,7 @@ from jax_paged.tool_calls import PARSERS as TOOL_PARSERS, ToolCall, ToolParser
 from jax_paged.serving.engine import WARMUP_SAMPLING, Engine
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess, Submission
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
+from jax_paged.serving.scheduler import SCHEDULING_POLICIES
 
 PROG = "jax-paged-serve"
 # The fields both endpoints take: OpenAI's, then vLLM's sampling extras.
@@ -87,7 +89,7 @@ SAMPLING_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "return_token_ids")
+    "return_token_ids", "priority")
 COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
                                  "top_logprobs", "add_generation_prompt", "tools",
@@ -210,7 +212,8 @@ def read_chat_template(path: str | None, checkpoint: str | None) -> ChatTemplate
 class Served:
   """What the server serves: the model's name in the API, its spec, its text codec (None:
   token ids only), the tokens that end a completion unless `ignore_eos`, its chat
-  template (None: no chat completions) and tool call parser (None: no tool calls)."""
+  template (None: no chat completions), tool call parser (None: no tool calls) and
+  whether requests' `priority` orders them."""
 
   name: str
   spec: ModelSpec
@@ -218,6 +221,7 @@ class Served:
   eos_token_ids: tuple[int, ...]
   chat_template: ChatTemplate | None = None
   tool_parser: ToolParser | None = None  # how chat answers' tool calls are read
+  prioritizes: bool = False  # the engine schedules by priority (`Request.priority`)
 
 
 @dataclasses.dataclass
@@ -561,6 +565,10 @@ def _completion(body: dict, served: Served, rng: random.Random, prompts: list[li
   # The engine's seeds are 32-bit: a wider one (OpenAI's are 64-bit) is folded.
   seed = rng.getrandbits(32) if seed is None else seed % 2 ** 32
   min_tokens = _integer(body, "min_tokens", 0, 0)
+  priority = _integer(body, "priority", 0, -2 ** 31, 2 ** 31 - 1)
+  if priority and not served.prioritizes:
+    raise APIError(400, "priority needs the server started with --scheduling-policy "
+                        "priority", "priority")
   user = body.get("user")
   if user is not None and not isinstance(user, str):
     raise APIError(400, f"user must be a text, got {user!r}", "user")
@@ -582,7 +590,8 @@ def _completion(body: dict, served: Served, rng: random.Random, prompts: list[li
         stop_token_ids=stop_ids, stop=stop, n=n, logprobs=logprobs is not None,
         top_logprobs=logprobs or 0, prompt_logprobs=echo and logprobs is not None,
         repetition_penalty=repetition, frequency_penalty=frequency,
-        presence_penalty=presence, logit_bias=bias, min_tokens=min_tokens))
+        presence_penalty=presence, logit_bias=bias, min_tokens=min_tokens,
+        priority=priority))
   return Completion(requests, prompts, chat, echo, logprobs, stream, include_usage,
                     scores_only, _boolean(body, "return_token_ids"))
 
@@ -1032,6 +1041,10 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                         "tools (tool_choice auto): hermes (Qwen2 / Qwen2.5, Hermes), "
                         "llama3_json (Llama 3.1+); the chat template must render the tools "
                         "(default: none, tools refused)")
+  srv.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs: requests are admitted as they come; priority: by their "
+                        "`priority` field (lower first, then arrival; a full pool preempts "
+                        "the lowest priority first) (default fcfs)")
   srv.add_argument("--verbose", action="store_true", help="log every HTTP request")
   # A request waits up to one call to join the batch: fewer steps than generation's.
   add_engine_arguments(p, steps_per_call=16)
@@ -1058,7 +1071,8 @@ def build_engine(args: argparse.Namespace, family_refs: Sequence[str] | None) ->
   """The model and engine of the options, compiled as --warmup asks: the engine process's
   work. Raises ValueError with the message of a user error."""
   try:
-    engine = make_engine(args, load_model(args, resolve_families(family_refs), PROG))
+    engine = make_engine(args, load_model(args, resolve_families(family_refs), PROG),
+                         scheduling_policy=args.scheduling_policy)
   except CLIError as e:
     raise ValueError(str(e)) from e
   if args.warmup:
@@ -1083,7 +1097,8 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
     name = args.served_model_name or (
         args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
     parser = None if args.tool_call_parser is None else TOOL_PARSERS[args.tool_call_parser]
-    served = Served(name, spec, codec, spec.eos_token_ids, chat_template, parser)
+    served = Served(name, spec, codec, spec.eos_token_ids, chat_template, parser,
+                    args.scheduling_policy == "priority")
     try:
       server = OpenAIServer((args.host, args.port), loop, served, api_key=args.api_key,
                             verbose=args.verbose)

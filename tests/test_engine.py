@@ -320,6 +320,53 @@ def test_scheduler_preempts_the_newest_and_releases_at_the_next_plan():
     device.run(scheduler, plan, num_free=3)
 
 
+def test_priority_scheduling_preempts_the_lowest_priority():
+  """The "priority" policy: when the pool runs out, the less urgent request (the larger
+  value) is preempted, though it came first (under "fcfs" the newest goes)."""
+  for policy, victim in [("fcfs", 1), ("priority", 0)]:
+    cache = KVCacheManager(num_pages=4, page_size=4, max_seqs=2, max_pages_per_seq=16)
+    urgent = Request([4, 5, 6], 10, arrival_s=1.0, priority=0)
+    scheduler = Scheduler([Request([1, 2, 3], 10, priority=1), urgent], max_batch=2,
+                          cache=cache, admission=admission.OptimisticAdmission(cache),
+                          steps_per_call=4, max_prefill_tokens=64, scheduling_policy=policy)
+    device = FakeDevice(cache)
+    plan = scheduler.schedule(now=0.0)
+    assert [c.slot for c in plan.prefill] == [0]  # (the urgent one has not arrived)
+    device.run(scheduler, plan)
+    while not scheduler.num_preemptions:
+      device.run(scheduler, scheduler.schedule(now=2.0))
+    assert [w[0] for w in scheduler.waiting] == [victim], policy
+  with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+    Scheduler([Request([1], 2)], max_batch=1, cache=cache,
+              admission=admission.OptimisticAdmission(cache), steps_per_call=4,
+              max_prefill_tokens=64, scheduling_policy="lifo")
+
+
+def test_priority_scheduling_admits_by_priority_then_arrival(model, prompts,
+                                                             greedy_reference):
+  """One slot, four requests waiting: they run lower priority first, then in the order
+  they came; the tokens are each request's own. Under "fcfs" a priority is refused."""
+  eng = Engine(model, max_batch=1, num_pages=40, page_size=8, steps_per_call=5,
+               scheduling_policy="priority")
+  order = [(2, 0), (2, 1), (0, 2), (1, 3)]  # (priority, prompt)
+  ids = {eng.add_request(Request(prompts[i], 14, priority=p)): i for p, i in order}
+  started, tokens = [], collections.defaultdict(list)
+  while eng.has_unfinished_requests():
+    for event in eng.step():
+      if not tokens[event.request_id]:
+        started.append(ids[event.request_id])
+      tokens[event.request_id].append(event.token)
+  assert started == [2, 3, 0, 1]
+  assert all(tokens[rid] == greedy_reference[i] for rid, i in ids.items())
+  fcfs = Engine(model, max_batch=1, num_pages=40, page_size=8)
+  with pytest.raises(ValueError, match=r"request 0: priority 1 needs the engine's priority"):
+    fcfs.generate([Request(prompts[0], 2, priority=1)])
+  with pytest.raises(ValueError, match="request 0: priority must be an int, got 0.5"):
+    eng.generate([Request(prompts[0], 2, priority=0.5)])
+  with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+    Engine(model, max_batch=1, num_pages=40, scheduling_policy="lifo")
+
+
 # 40 slots: preempted and readmitted sequences move between slots, and the decode calls
 # between widths (16 and 32 of 40).
 @pytest.mark.parametrize("max_batch,num_pages,copies", [(8, 9, 1), (40, 60, 4)])

@@ -426,6 +426,8 @@ def test_chat_template_of_a_checkpoint_renders_and_tokenizes_as_transformers(tmp
 @pytest.mark.parametrize("body,status,param,message", [
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "unknown fields ['bogus']"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": "x", "priority": 1}, 400, "priority", "--scheduling-policy priority"),
+    ({"prompt": "x", "priority": 0.5}, 400, "priority", "an integer"),
     ({"prompt": ""}, 400, "prompt", "prompt[0] is empty"),
     ({"prompt": [1, "a"]}, 400, "prompt", "prompt must be"),
     ({"prompt": [[300]]}, 400, "prompt", "outside [0, vocab_size=256)"),
@@ -598,6 +600,17 @@ def test_bad_tool_requests_are_named(served, fields, param, message):
                                    "max_tokens": 2}, **fields), "/v1/chat/completions")
   assert status == 400 and answer["error"]["param"] == param
   assert message in answer["error"]["message"], answer
+
+
+def test_priority_reaches_the_engine_under_the_priority_policy(model):
+  served = Served("tiny", model.spec, BYTES, (), prioritizes=True)
+  completion = openai_server.parse_completion({"prompt": ["x", "y"], "priority": -3}, served,
+                                              random.Random(0))
+  assert [r.priority for r in completion.requests] == [-3, -3]
+  args = openai_server.parse_args(["--model", "tiny", "--scheduling-policy", "priority"],
+                                  openai_server.resolve_families(["models.gpt2:FAMILY"]))
+  assert openai_server.build_engine(args, ["models.gpt2:FAMILY"]).scheduling_policy == (
+      "priority")
 
 
 def test_tokenize_and_detokenize(served):

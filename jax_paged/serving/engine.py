@@ -47,7 +47,7 @@ from jax_paged.serving.kv_cache_manager import KVCacheManager
 from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
 from jax_paged.serving import runner as runner_lib
-from jax_paged.serving.scheduler import Scheduler
+from jax_paged.serving.scheduler import SCHEDULING_POLICIES, Scheduler
 
 
 # Engine.warmup's sampling kinds: the settings of the throwaway requests that compile each.
@@ -111,6 +111,10 @@ class Engine:
       parameters may live anywhere, e.g. on the host CPU for a model no single device
       holds (built or loaded under `jax.default_device(jax.devices("cpu")[0])`): each
       device receives only its blocks.
+    scheduling_policy: "fcfs" (first come, first served) or "priority" (vLLM's: arrived
+      requests are admitted by `Request.priority`, lower first, then by arrival; a full
+      pool preempts the lowest priority's newest sequence). A request that arrives does
+      not preempt running ones: it goes first when slots and pages free up.
   """
 
   def __init__(self, model: PagedModel, *, max_batch: int = 32,
@@ -119,7 +123,8 @@ class Engine:
                max_prefill_tokens: int = 16384, admission: str = "optimistic",
                eos_token_id: int | None = None, cache_dtype=None,
                prefix_caching: bool = True, mesh=None,
-               detokenize: Callable[[Sequence[int]], str] | None = None):
+               detokenize: Callable[[Sequence[int]], str] | None = None,
+               scheduling_policy: str = "fcfs"):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)
     self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -128,6 +133,10 @@ class Engine:
       raise ValueError(f"admission must be one of {admission_lib.ADMISSION_POLICIES}, got "
                        f"{admission!r}")
     self.admission = admission
+    if scheduling_policy not in SCHEDULING_POLICIES:
+      raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                       f"{scheduling_policy!r}")
+    self.scheduling_policy = scheduling_policy
     self.eos_token_id = eos_token_id
     if detokenize is not None and not callable(detokenize):
       raise ValueError(f"detokenize must be a function of token ids returning text, got "
@@ -582,7 +591,8 @@ class Engine:
                              max_pages=min(self.num_pages, self.max_pages_per_seq),
                              max_batch=self.max_batch, first_id=first_id,
                              scores_prompts=self.runner.scores_prompts,
-                             detokenizes=self.detokenize is not None)
+                             detokenizes=self.detokenize is not None,
+                             prioritizes=self.scheduling_policy == "priority")
 
   def _begin(self, requests: Sequence[Request], first_id: int = 0) -> None:
     """Starts a run of `requests` (validated here), whose ids are first_id, first_id + 1,
@@ -605,7 +615,8 @@ class Engine:
     scheduler = Scheduler(requests, max_batch=self.max_batch, cache=cache, admission=policy,
                           steps_per_call=self.steps_per_call,
                           max_prefill_tokens=self.max_prefill_tokens,
-                          eos_token_id=self.eos_token_id, prompts=prompts)
+                          eos_token_id=self.eos_token_id, prompts=prompts,
+                          scheduling_policy=self.scheduling_policy)
     self.report = Report(num_requests=len(requests), num_pages=self.num_pages)
     self._run = _Run(start, scheduler, first_id)
 

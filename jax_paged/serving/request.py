@@ -74,6 +74,9 @@ class Request:
       runs them all (its own compilations; `Engine.warmup(logits_processors=True)`), and
       each of its calls sends the penalized requests' contexts to the device (shapes
       bucketed by the longest: a few more compilations).
+    priority: with `Engine(scheduling_policy="priority")`, arrived requests are admitted
+      lower value first (vLLM's convention), and a full pool preempts the lowest
+      priority's newest sequence first; an int (0 under the default "fcfs" policy).
   """
 
   prompt: Sequence[int]
@@ -95,6 +98,7 @@ class Request:
   presence_penalty: float = 0.0
   logit_bias: Mapping[int, float] | None = None
   min_tokens: int = 0
+  priority: int = 0
 
   @property
   def penalized(self) -> bool:
@@ -178,8 +182,8 @@ def _token_ids(prompt) -> np.ndarray | None:
 
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
                       max_pages: int, max_batch: int, first_id: int = 0,
-                      scores_prompts: bool = True, detokenizes: bool = False
-                      ) -> list[np.ndarray]:
+                      scores_prompts: bool = True, detokenizes: bool = False,
+                      prioritizes: bool = False) -> list[np.ndarray]:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
   serve as asked; returns the prompts as int32 arrays [prompt tokens].
 
@@ -193,6 +197,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     scores_prompts: whether the model gives prompt log-probabilities
       (`paged_model.offers_prompt_logprobs`).
     detokenizes: whether the engine turns tokens into text (`Request.stop`).
+    prioritizes: whether the engine schedules by `Request.priority` (else it must be 0).
   """
   if isinstance(requests, Request):
     raise ValueError("requests must be a non-empty list of Request, got one Request: pass "
@@ -285,6 +290,11 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if not is_int(r.min_tokens) or not 0 <= r.min_tokens <= r.max_new_tokens:
       raise ValueError(f"request {i}: min_tokens must be an int in [0, max_new_tokens="
                        f"{r.max_new_tokens}], got {r.min_tokens!r}")
+    if not is_int(r.priority):
+      raise ValueError(f"request {i}: priority must be an int, got {r.priority!r}")
+    if r.priority and not prioritizes:
+      raise ValueError(f"request {i}: priority {r.priority} needs the engine's priority "
+                       "scheduling: Engine(..., scheduling_policy=\"priority\")")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

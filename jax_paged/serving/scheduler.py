@@ -41,6 +41,8 @@ from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys
 from jax_paged.serving.request import Request, sample_seed
 from jax_paged.serving.runner import STEPS_PER_CHECK, bucket
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 def _top_pairs(top_tokens: np.ndarray, top: np.ndarray, k: int) -> list[tuple]:
   """Per step, its k most likely tokens as ((token, log-probability), ...), from
@@ -57,7 +59,8 @@ class RunningRequest:
   request: Request
   prompt: np.ndarray      # int32 [prompt tokens]: the request's
   tokens: list[int]       # generated so far (all of them, across preemptions)
-  admitted_at: int        # admission counter: the newest is preempted first
+  admitted_at: int        # admission counter: the newest is preempted first (of the
+                          # lowest priority, with the "priority" policy)
   stop_token_ids: tuple[int, ...]
   sample: int = 0         # which of the request's n samples
   prefill_stop: int = 0   # context tokens to prefill (0: forked from `parent`, not prefilled)
@@ -181,12 +184,16 @@ class Scheduler:
     max_prefill_tokens: the most padded tokens per prefill call; a longer context is
       prefilled in chunks of (about) that many tokens over several calls.
     eos_token_id: ends every request when generated (optional).
+    scheduling_policy: "fcfs" admits arrived requests in order and preempts the newest;
+      "priority" (vLLM's) admits them by `Request.priority` (lower first), then arrival,
+      and preempts the newest of the lowest priority (the largest value).
   """
 
   def __init__(self, requests: Sequence[Request], *, max_batch: int, cache: KVCacheManager,
                admission: AdmissionPolicy, steps_per_call: int, max_prefill_tokens: int,
                eos_token_id: int | None = None,
-               prompts: Sequence[np.ndarray] | None = None):
+               prompts: Sequence[np.ndarray] | None = None,
+               scheduling_policy: str = "fcfs"):
     self.requests = list(requests)
     # Arrays, so that page keys and prefill rows take whole prompts at numpy speed.
     self.prompts = (list(prompts) if prompts is not None
@@ -201,6 +208,10 @@ class Scheduler:
     self.max_chunk = max(cache.page_size,
                          max_prefill_tokens // cache.page_size * cache.page_size)
     self.eos_token_id = eos_token_id
+    if scheduling_policy not in SCHEDULING_POLICIES:
+      raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                       f"{scheduling_policy!r}")
+    self.by_priority = scheduling_policy == "priority"
     self.slots: list[RunningRequest | None] = [None] * max_batch
     # (request id, sample, tokens so far): fresh requests take every sample at once.
     self.waiting = collections.deque((rid, None, []) for rid in range(len(requests)))
@@ -334,6 +345,12 @@ class Scheduler:
                 or s.context_length % page_size)
         running.append((held, s.budget))
     self.admission.open(running, promised=self._promised_pages())
+    if self.by_priority:  # the arrived ones first, by (priority, arrival, submission)
+      arrived = [w for w in self.waiting if self.arrivals[w[0]] <= now]
+      if arrived:
+        arrived.sort(key=lambda w: (self.requests[w[0]].priority, self.arrivals[w[0]], w[0]))
+        later = [w for w in self.waiting if self.arrivals[w[0]] > now]
+        self.waiting = collections.deque(arrived + later)
     admitted = []
     free = collections.deque(i for i, s in enumerate(self.slots) if s is None)
     eos = () if self.eos_token_id is None else (self.eos_token_id,)
@@ -488,7 +505,9 @@ class Scheduler:
                                         max_steps, reserved)
       if steps:
         return steps
-      victim = max(decoding, key=lambda i: self.slots[i].admitted_at)
+      victim = max(decoding, key=lambda i: (
+          self.slots[i].request.priority if self.by_priority else 0,
+          self.slots[i].admitted_at))
       s = self.slots[victim]
       self.waiting.appendleft((s.request_id, s.sample, s.tokens))
       self._retire([victim])
