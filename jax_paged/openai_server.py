@@ -612,6 +612,11 @@ class _Choice:
   sent_tokens: int = 0  # tokens streamed so far (log-probabilities, ids)
   sent_offset: int = 0  # text_offset of the next streamed token
   sent_calls: bool = False  # its tool calls were streamed
+  # Its text decoded so far (`_Answer._decoded`): that of tokens[:read]; tokens[prefix:read]
+  # are decoded again with the next ones.
+  text: str = ""
+  prefix: int = 0
+  read: int = 0
 
   def take(self, event: TokenEvent) -> None:
     if self.prompt_event is None:
@@ -660,6 +665,24 @@ class _Answer:
     codec = self.served.codec
     return codec.decode(tokens) if codec else ""
 
+  def _decoded(self, c: _Choice, tokens: Sequence[int]) -> str:
+    """The text of `tokens` (the choice's, less a final stop token), decoding only the
+    tokens since its last whole character and those of the step before (vLLM's
+    incremental detokenization): each chunk of a long stream costs the same, where
+    decoding every token each time cost O(length) per chunk (4,096 tokens: 125 µs per
+    chunk, 32 ms per answer, dev CPU). The text of the step before is decoded again
+    with them because a token's text may depend on the one before it (SentencePiece's
+    leading space); the new tokens' text is settled once it ends on a whole character."""
+    if self.served.codec is None:
+      return ""
+    before = self._decode(tokens[c.prefix:c.read])
+    new = self._decode(tokens[c.prefix:])[len(before):]
+    if new and not new.endswith("\ufffd"):
+      c.text += new
+      c.prefix, c.read = c.read, len(tokens)
+      return c.text
+    return c.text + new
+
   def _token_text(self, token: int) -> str:
     codec = self.served.codec
     return codec.decode([token]) if codec else f"<{token}>"
@@ -672,7 +695,7 @@ class _Answer:
     if done and c.finish_reason == "stop" and c.stop_text is None and tokens and (
         tokens[-1] in self.stop_ids):
       tokens = tokens[:-1]  # (a stop token's text is not the completion's)
-    text = self._decode(tokens)
+    text = self._decoded(c, tokens)
     if c.stop_text is not None and (at := text.find(c.stop_text)) >= 0:
       text = text[:at]
     elif not done:  # an unfinished character, or the start of a stop text, may follow

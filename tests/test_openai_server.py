@@ -1,6 +1,7 @@
 """The engine on its own thread (`EngineLoop`) and the OpenAI-compatible server over it, on
 CPU with the tiny GPT-2 (random weights, text as UTF-8 bytes)."""
 
+import dataclasses
 import functools
 import http.client
 import json
@@ -611,6 +612,44 @@ def test_priority_reaches_the_engine_under_the_priority_policy(model):
                                   openai_server.resolve_families(["models.gpt2:FAMILY"]))
   assert openai_server.build_engine(args, ["models.gpt2:FAMILY"]).scheduling_policy == (
       "priority")
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece_bpe", "bytes"])
+def test_streamed_text_is_the_whole_decode_whatever_the_chunks(model, tmp_path, kind):
+  """Streamed text, decoded a few tokens at a time, is the whole answer's decode: with a
+  byte-level BPE (characters split over tokens), a SentencePiece-style one (a token's
+  leading space depends on what precedes it) and bytes; no chunk holds half a character."""
+  tokenizers = pytest.importorskip("tokenizers")
+  text = ("The paged cache h\u00e9berge les pages: \u6f22\u5b57 \U0001f600 ok. " * 3 +
+          "Caf\u00e9 \u00fcber na\u00efve r\u00e9sum\u00e9 \U0001f680\U0001f680.")
+  if kind == "bytes":
+    codec = BYTES
+  else:
+    bpe = (tokenizers.ByteLevelBPETokenizer() if kind == "byte_level_bpe"
+           else tokenizers.SentencePieceBPETokenizer())
+    bpe.train_from_iterator([text] * 10, vocab_size=200, min_frequency=1)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    codec = load_tokenizer(str(tmp_path))
+  ids = codec.encode(text, add_special_tokens=False)
+  spec = dataclasses.replace(model.spec, vocab_size=max(256, codec.vocab_size),
+                             max_positions=4096)
+  served = Served("tiny", spec, codec, ())
+  rng = np.random.default_rng(len(ids))
+  for _ in range(3):
+    answer = openai_server._Answer(openai_server.parse_completion(
+        {"prompt": [1], "max_tokens": len(ids), "stream": True}, served, random.Random(0)),
+        served)
+    events = [TokenEvent(0, t, "length" if i == len(ids) - 1 else None)
+              for i, t in enumerate(ids)]
+    streamed, i = [], 0
+    while i < len(events):
+      k = int(rng.integers(1, 8))
+      chunk = answer.chunk(answer.take(events[i:i + k], [0]))
+      streamed += [chunk["choices"][0]["text"]] if chunk else []
+      i += k
+    assert "".join(streamed) == codec.decode(ids) == answer.whole()["choices"][0]["text"]
+    assert not any("\ufffd" in t for t in streamed)
+  assert codec.decode(ids) == text  # (the tokenizers round-trip it)
 
 
 def test_tokenize_and_detokenize(served):
