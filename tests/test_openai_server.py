@@ -1,6 +1,7 @@
 """The engine on its own thread (`EngineLoop`) and the OpenAI-compatible server over it, on
 CPU with the tiny GPT-2 (random weights, text as UTF-8 bytes)."""
 
+import asyncio
 import dataclasses
 import functools
 import http.client
@@ -160,6 +161,48 @@ def test_engine_loop_errors_cancel_and_close(model):
   assert not engine.has_unfinished_requests()
 
 
+def test_submissions_made_in_an_event_loop_are_awaited(model):
+  """Submitted from coroutines: awaited (`wait_accepted`, `async for`), the same tokens as
+  generate; errors raised, cancel ends the iteration; each kind refuses the other's
+  waiting."""
+  prompts = [list(np.random.default_rng(i).integers(0, 256, 4 + 7 * i)) for i in range(3)]
+  requests = [Request(prompts[0], 9), Request(prompts[1], 7, temperature=1.0, seed=2),
+              Request(prompts[2], 5)]
+  expected, _ = make_engine(model).generate(requests)
+  loop = EngineLoop(make_engine(model))
+
+  async def tokens_of(request):
+    sub = loop.submit([request])
+    rid, = await sub.wait_accepted()
+    tokens = []
+    async for events in sub:
+      tokens += [e.token for e in events if e.request_id == rid]
+    return tokens
+
+  async def main():
+    got = await asyncio.gather(*(tokens_of(r) for r in requests))
+    with pytest.raises(ValueError, match="prompt is empty"):
+      await loop.submit([Request([], 2)]).wait_accepted()
+    sub = loop.submit([Request([4, 5], 400)])
+    events = sub.__aiter__()
+    first = await events.__anext__()
+    sub.cancel()
+    later = [e async for batch in events for e in batch]
+    assert len(first) + len(later) < 400
+    with pytest.raises(RuntimeError, match="made in an event loop's thread"):
+      sub.accepted()
+    return got
+
+  try:
+    assert asyncio.run(main()) == expected
+    sub = loop.submit([Request([1], 2)])
+    with pytest.raises(RuntimeError, match="made outside an event loop"):
+      asyncio.run(sub.wait_accepted())
+    assert len(collect(sub)[sub.accepted()[0], 0]) == 2
+  finally:
+    loop.close()
+
+
 def test_engine_process_serves_as_the_thread_loop(served):
   """The engine built in a process of its own (the server's way): the same tokens as the
   thread loop's engine on the same weights; errors cross the pipe; a process that dies
@@ -197,6 +240,13 @@ def test_engine_process_serves_as_the_thread_loop(served):
       process.submit([Request([1], 2)])
   finally:
     process.close()
+  # Closed with a request running: it fails with the engine's EngineClosed.
+  process = EngineProcess(functools.partial(openai_server.build_engine, args, refs))
+  sub = process.submit([Request([4, 5], 400)])
+  next(iter(sub))
+  process.close()
+  with pytest.raises(EngineClosed, match="^the engine loop was closed$"):
+    list(sub)
 
 
 def test_completions_are_the_engines_requests(served):

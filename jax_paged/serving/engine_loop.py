@@ -15,6 +15,13 @@ submitted, steps while a request is unfinished, and hands each request's events 
     loop.stats                                      # the engine's `EngineStats`
     loop.close()
 
+From a coroutine (an asyncio server's handler), the same submission is awaited instead:
+
+    sub = loop.submit([Request(prompt, 64)])       # in the event loop's thread
+    ids = await sub.wait_accepted()
+    async for events in sub:
+      ...
+
 `EngineLoop` runs the engine on a thread of this process. The engine's host work (its
 scheduling, its Python between device calls) then shares the interpreter lock with the
 callers' threads: a server formatting hundreds of streams slows every device call
@@ -29,13 +36,14 @@ bounds how long an arrival waits (16 is a serving setting: benchmarks/RESULTS.md
 from __future__ import annotations
 
 import gc
+import asyncio
 import multiprocessing
 import queue
 import re
 import signal
 import threading
 import traceback
-from typing import Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.report import EngineStats
@@ -58,6 +66,10 @@ class Submission:
   ValueError for a request it cannot serve (before any event; none of them runs), an
   exception of the engine's device call, or `EngineClosed`. `cancel()` aborts them
   (every sample); the iteration then ends without error.
+
+  Made in a thread that runs an asyncio event loop (submitted from a coroutine), it is
+  awaited instead (`await wait_accepted()`, `async for`): its events reach that loop
+  through `call_soon_threadsafe`, and no thread blocks on it.
   """
 
   def __init__(self, requests: Sequence[Request], cancel: Callable[["Submission"], None]):
@@ -65,17 +77,39 @@ class Submission:
       raise ValueError("requests must be a non-empty list of Request")
     self.requests = list(requests)
     self.request_ids: list[int] = []  # the engine's, once accepted
+    self.key: int | None = None  # its name in an `EngineProcess`' messages
     self._cancel = cancel
-    self._items: queue.SimpleQueue = queue.SimpleQueue()
-    self._accepted = threading.Event()
+    try:
+      self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # (no event loop runs in this thread)
+      self._loop = None
+    self._items = queue.SimpleQueue() if self._loop is None else asyncio.Queue()
+    self._accepted = threading.Event() if self._loop is None else asyncio.Event()
     self._error: BaseException | None = None
+    self._taken = False  # (`_accept` ran: the loop's side knows, whatever thread waits)
+
+  def _check_mode(self, awaited: bool) -> None:
+    if awaited != (self._loop is not None):
+      raise RuntimeError(
+          "this submission was made in an event loop's thread: await wait_accepted() and "
+          "use `async for`" if self._loop else "this submission was made outside an event "
+          "loop: accepted() and `for` (submit from a coroutine to await it)")
 
   def accepted(self, timeout: float | None = None) -> list[int]:
     """Waits until the engine took the requests; returns their ids, in order. Raises the
     engine's ValueError if it cannot serve one (naming it by its index here),
     `EngineClosed` if the loop closed first, or TimeoutError."""
+    self._check_mode(awaited=False)
     if not self._accepted.wait(timeout):
       raise TimeoutError("the engine loop did not take the requests in time")
+    if self._error is not None:
+      raise self._error
+    return self.request_ids
+
+  async def wait_accepted(self) -> list[int]:
+    """`accepted()` for a submission made in an event loop (awaited, not blocking)."""
+    self._check_mode(awaited=True)
+    await self._accepted.wait()
     if self._error is not None:
       raise self._error
     return self.request_ids
@@ -92,25 +126,43 @@ class Submission:
         raise item
       yield item
 
+  async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
+    await self.wait_accepted()
+    while (item := await self._items.get()) is not _DONE:
+      if isinstance(item, BaseException):
+        raise item
+      yield item
+
   # Called by the loop (the engine's thread, or the reader of its process's pipe):
+  def _in_owner(self, fn: Callable, *args) -> None:
+    """fn(*args) here, or in the submission's event loop (dropped if it has closed: no
+    one awaits it any more)."""
+    if self._loop is None:
+      fn(*args)
+      return
+    try:
+      self._loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed
+      pass
+
+  def _put(self, *items) -> None:
+    for item in items:
+      self._in_owner(self._items.put_nowait, item)
+
   def _accept(self, request_ids: list[int], error: BaseException | None = None) -> None:
-    self.request_ids, self._error = request_ids, error
-    self._accepted.set()
+    self.request_ids, self._error, self._taken = request_ids, error, True
+    self._in_owner(self._accepted.set)
     if error is not None:
-      self._items.put(_DONE)
+      self._put(_DONE)
 
   def _deliver(self, events: list[TokenEvent], finished: bool) -> None:
-    self._items.put(events)
-    if finished:
-      self._items.put(_DONE)
+    self._put(events, *((_DONE,) if finished else ()))
 
   def _end(self, error: BaseException | None = None) -> None:
-    if not self._accepted.is_set():
+    if not self._taken:
       self._accept([], error or EngineClosed("the engine loop was closed"))
       return
-    if error is not None:
-      self._items.put(error)
-    self._items.put(_DONE)
+    self._put(*((error,) if error is not None else ()), _DONE)
 
 
 class _Core:
@@ -308,9 +360,9 @@ class _PipeOut:
     self.batch = []
 
   def failed(self, keys: list, error: BaseException | None) -> None:
-    if keys:
+    if keys:  # (the error by its type's name and message: it may not pickle)
       self.conn.send(("failed", keys, None if error is None else
-                      f"{type(error).__name__}: {error}"))
+                      (type(error).__name__, str(error))))
 
 
 def _serve_in_process(make_engine: Callable[[], Engine], conn) -> None:
@@ -388,7 +440,7 @@ class EngineProcess:
       if self._closed:
         raise EngineClosed("the engine process was closed")
       key, self._next_key = self._next_key, self._next_key + 1
-      sub._key = key
+      sub.key = key
       self._subs[key] = sub
       self._send(("add", key, sub.requests))
     return sub
@@ -416,7 +468,7 @@ class EngineProcess:
 
   def _cancel(self, sub: Submission) -> None:
     with self._lock:
-      self._send(("cancel", sub._key))
+      self._send(("cancel", sub.key))
 
   def _read(self) -> None:
     subs = self._subs
@@ -438,8 +490,9 @@ class EngineProcess:
       elif kind == "failed":
         _, keys, error = message
         if error is not None:
-          error = (EngineClosed(error.split(": ", 1)[1]) if error.startswith("EngineClosed")
-                   else RuntimeError(f"the engine failed: {error}"))
+          name, text = error
+          error = (EngineClosed(text) if name == EngineClosed.__name__
+                   else RuntimeError(f"the engine failed: {name}: {text}"))
         for key in keys:
           sub = subs.pop(key, None)  # (None: ended here already)
           if sub is not None:
