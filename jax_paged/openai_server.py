@@ -76,12 +76,12 @@ from jax_paged.cli import (BYTES, CLIError, Codec, _notice, add_engine_arguments
                            add_model_arguments, load_model, load_tokenizer, make_engine,
                            model_families, parse_model_args)
 from jax_paged.paged_model import ModelFamily, ModelSpec
-from jax_paged.server_metrics import ServerMetrics
-from jax_paged.tool_calls import PARSERS as TOOL_PARSERS, ToolCall, ToolParser
 from jax_paged.serving.engine import WARMUP_SAMPLING, Engine
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess, Submission
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
 from jax_paged.serving.scheduler import SCHEDULING_POLICIES
+from jax_paged.server_metrics import ServerMetrics
+from jax_paged.tool_calls import PARSERS as TOOL_PARSERS, ToolCall, ToolParser
 
 PROG = "jax-paged-serve"
 # The fields both endpoints take: OpenAI's, then vLLM's sampling extras.
@@ -361,12 +361,12 @@ def _message_text(message: Any, i: int) -> dict:
       function = call.get("function") if isinstance(call, dict) else None
       try:
         arguments = json.loads(function["arguments"])
-        assert isinstance(function["name"], str) and isinstance(arguments, dict)
-      except (TypeError, KeyError, ValueError, AssertionError):
+      except (TypeError, KeyError, ValueError):
+        arguments = None
+      if not (isinstance(arguments, dict) and isinstance(function.get("name"), str)):
         raise APIError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": "
                             f"\"function\", \"function\": {{\"name\": ..., \"arguments\": "
-                            f"JSON text of an object}}}}, got {call!r:.200}",
-                       "messages") from None
+                            f"JSON text of an object}}}}, got {call!r:.200}", "messages")
       parsed.append(dict(call, function=dict(function, arguments=arguments)))
     message = dict(message, tool_calls=parsed)
     if message.get("content") is None:

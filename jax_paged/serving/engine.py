@@ -47,7 +47,7 @@ from jax_paged.serving.kv_cache_manager import KVCacheManager
 from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
 from jax_paged.serving import runner as runner_lib
-from jax_paged.serving.scheduler import SCHEDULING_POLICIES, Scheduler
+from jax_paged.serving.scheduler import Scheduler, check_scheduling_policy
 
 
 # Engine.warmup's sampling kinds: the settings of the throwaway requests that compile each.
@@ -133,10 +133,7 @@ class Engine:
       raise ValueError(f"admission must be one of {admission_lib.ADMISSION_POLICIES}, got "
                        f"{admission!r}")
     self.admission = admission
-    if scheduling_policy not in SCHEDULING_POLICIES:
-      raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
-                       f"{scheduling_policy!r}")
-    self.scheduling_policy = scheduling_policy
+    self.scheduling_policy = check_scheduling_policy(scheduling_policy)
     self.eos_token_id = eos_token_id
     if detokenize is not None and not callable(detokenize):
       raise ValueError(f"detokenize must be a function of token ids returning text, got "

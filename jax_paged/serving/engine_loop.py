@@ -35,8 +35,8 @@ bounds how long an arrival waits (16 is a serving setting: benchmarks/RESULTS.md
 
 from __future__ import annotations
 
-import gc
 import asyncio
+import gc
 import multiprocessing
 import queue
 import re

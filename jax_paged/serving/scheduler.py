@@ -44,6 +44,13 @@ from jax_paged.serving.runner import STEPS_PER_CHECK, bucket
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def check_scheduling_policy(name) -> str:
+  """`name` if it is one of SCHEDULING_POLICIES; else ValueError."""
+  if name not in SCHEDULING_POLICIES:
+    raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {name!r}")
+  return name
+
+
 def _top_pairs(top_tokens: np.ndarray, top: np.ndarray, k: int) -> list[tuple]:
   """Per step, its k most likely tokens as ((token, log-probability), ...), from
   `runner.Logprobs`' top_tokens / top [steps, n >= k] (numpy)."""
@@ -208,10 +215,7 @@ class Scheduler:
     self.max_chunk = max(cache.page_size,
                          max_prefill_tokens // cache.page_size * cache.page_size)
     self.eos_token_id = eos_token_id
-    if scheduling_policy not in SCHEDULING_POLICIES:
-      raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
-                       f"{scheduling_policy!r}")
-    self.by_priority = scheduling_policy == "priority"
+    self.by_priority = check_scheduling_policy(scheduling_policy) == "priority"
     self.slots: list[RunningRequest | None] = [None] * max_batch
     # (request id, sample, tokens so far): fresh requests take every sample at once.
     self.waiting = collections.deque((rid, None, []) for rid in range(len(requests)))
