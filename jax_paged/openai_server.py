@@ -53,6 +53,7 @@ start of one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -67,12 +68,13 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from jax_paged.cli import (BYTES, CLIError, Codec, _notice, add_engine_arguments,
+from jax_paged.cli import (BYTES, CLIError, Codec, _float_in, _notice, add_engine_arguments,
                            add_model_arguments, load_model, load_tokenizer, make_engine,
                            model_families, parse_model_args)
 from jax_paged.paged_model import ModelFamily, ModelSpec
@@ -101,6 +103,8 @@ DETOKENIZE_FIELDS = ("model", "tokens")
 # The routes anyone may read without the API key (a load balancer's, a scraper's).
 OPEN_ROUTES = ("/health", "/metrics")
 API_KEY_ENV = "JAX_PAGED_API_KEY"
+# The largest request body read (a batch of long prompts as token ids is a few MB).
+MAX_BODY_BYTES = 64 << 20
 
 
 class APIError(Exception):
@@ -872,8 +876,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def do_GET(self) -> None:
     if not self._authorized():
       return
-    if self.path == "/health":
-      self._send_json(200, {"status": "ok"})
+    if self.path == "/health":  # (503 once it no longer serves: a load balancer moves on)
+      if self.server.draining or not self.server.loop.alive:
+        self._send_json(503, {"status": "draining" if self.server.loop.alive else
+                              "the engine has stopped"})
+      else:
+        self._send_json(200, {"status": "ok"})
     elif self.path == "/metrics":
       data = self.server.metrics.render(self.server.loop.stats).encode()
       self.send_response(200)
@@ -891,6 +899,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
 
   def do_POST(self) -> None:
+    with self.server.in_flight():
+      self._post()
+
+  def _post(self) -> None:
     received = time.perf_counter()
     if not self._authorized():
       return
@@ -906,7 +918,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
       if length < 0:
         raise ValueError(length)
     except ValueError:
+      self.close_connection = True
       self._send_error(APIError(411, "a request body needs a Content-Length >= 0"))
+      return
+    if length > MAX_BODY_BYTES:
+      self.close_connection = True  # (its body is not read)
+      self._send_error(APIError(413, f"the request body of {length} bytes exceeds the "
+                                     f"server's {MAX_BODY_BYTES >> 20} MiB"))
+      return
+    if self.server.draining:
+      self.close_connection = True
+      self._send_error(APIError(503, "the server is shutting down", kind="server_error"))
       return
     raw = self.rfile.read(length)
     try:
@@ -1014,7 +1036,7 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
   one, `server_address` tells which). `serve_forever()` serves; `shutdown()` stops it
   (from another thread), `server_close()` frees the socket. The loop is the caller's to
   close. With `api_key`, every route but `OPEN_ROUTES` needs it (`Authorization: Bearer
-  <key>`)."""
+  <key>`). `drain(timeout)`, after `server_close()`: the requests in flight finish."""
 
   daemon_threads = True
   request_queue_size = 1024  # connections waiting for accept(): a burst of arrivals
@@ -1024,9 +1046,38 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
     super().__init__(address, Handler)
     self.loop, self.served, self.verbose = loop, served, verbose
     self.api_key = api_key or None  # (an empty key: none)
+    self.draining = False  # shutting down: new requests are refused, running ones finish
+    self.requests_in_flight = 0  # POSTs being answered
+    self._lock = threading.Lock()
     self.metrics = ServerMetrics(served.name)
     self.created = int(time.time())
     self.rng = random.Random()
+
+  @contextlib.contextmanager
+  def in_flight(self) -> Iterator[None]:
+    """Counts a request being answered (`requests_in_flight`) while it is."""
+    with self._lock:
+      self.requests_in_flight += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self.requests_in_flight -= 1
+
+  def drain(self, timeout: float) -> None:
+    """Shutting down (the listening socket closed): refuses new requests and waits up to
+    `timeout` seconds for those in flight to be answered. Ctrl-C (or SIGTERM) stops the
+    wait."""
+    self.draining = True
+    deadline = time.monotonic() + timeout
+    if self.requests_in_flight and timeout > 0:
+      _notice(f"finishing {self.requests_in_flight} requests in flight (up to {timeout:g} "
+              "s; Ctrl-C again stops now)", PROG)
+    try:
+      while self.requests_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    except KeyboardInterrupt:
+      pass
 
 
 def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
@@ -1068,6 +1119,12 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                    help="fcfs: requests are admitted as they come; priority: by their "
                         "`priority` field (lower first, then arrival; a full pool preempts "
                         "the lowest priority first) (default fcfs)")
+  srv.add_argument("--shutdown-timeout", default=30.0, metavar="SECONDS",
+                   type=_float_in(0.0, float("inf"), lo_open=False,
+                                  what="a number of seconds >= 0"),
+                   help="on Ctrl-C or SIGTERM, stop taking requests (/health answers 503) "
+                        "and let those in flight finish for up to this long (default 30; "
+                        "a second Ctrl-C stops at once)")
   srv.add_argument("--verbose", action="store_true", help="log every HTTP request")
   # A request waits up to one call to join the batch: fewer steps than generation's.
   add_engine_arguments(p, steps_per_call=16)
@@ -1132,7 +1189,8 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
     # it where SIGINT is ignored (a background job of a script, a pytest-xdist worker's
     # child).
     signal.signal(signal.SIGTERM, _interrupt)
-    print(f"{PROG}: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
+    print(f"{PROG}: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops, "
+          f"letting requests in flight finish for up to {args.shutdown_timeout:g} s)",
           file=sys.stderr, flush=True)
     try:
       server.serve_forever()
@@ -1140,6 +1198,7 @@ def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
       pass
     finally:
       server.server_close()
+      server.drain(args.shutdown_timeout)
   finally:
     loop.close()
   return 0

@@ -733,6 +733,61 @@ def test_tokenize_and_detokenize(served):
     assert status in (400, 404) and answer["error"]["param"] == param, (path, body, answer)
 
 
+def test_shutting_down_drains_the_requests_in_flight(model):
+  """Shutting down (`server_close()` then `drain`): /health answers 503, new requests are
+  refused, the one in flight is answered whole; a dead engine fails /health too. A body
+  over the limit is refused unread."""
+  loop = EngineLoop(make_engine(model))
+  server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, ()))
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  url = f"http://127.0.0.1:{server.server_address[1]}"
+  host, port = server.server_address[:2]
+  conn = http.client.HTTPConnection(host, port, timeout=60)
+  conn.request("POST", "/v1/completions", "{}", {"Content-Length": str(65 << 20)})
+  response = conn.getresponse()
+  assert response.status == 413 and b"exceeds the server's 64 MiB" in response.read()
+  conn.close()
+  # A keep-alive connection kept open, to try a request while draining.
+  idle = http.client.HTTPConnection(host, port, timeout=60)
+  idle.request("GET", "/health")
+  assert idle.getresponse().read() == b'{"status": "ok"}'
+  answers = []
+  running = threading.Thread(target=lambda: answers.append(post(url, {
+      "prompt": "x", "max_tokens": 300, "ignore_eos": True})))
+  running.start()
+  while not server.requests_in_flight:
+    time.sleep(0.01)
+  server.shutdown()
+  thread.join()
+  server.server_close()
+  drained = threading.Thread(target=server.drain, args=(60,))
+  drained.start()
+  idle.request("GET", "/health")
+  health = idle.getresponse()
+  assert health.status == 503 and json.loads(health.read()) == {"status": "draining"}
+  idle.request("POST", "/v1/completions", json.dumps({"prompt": "x"}),
+               {"Content-Type": "application/json"})
+  refused = idle.getresponse()
+  assert refused.status == 503 and b"shutting down" in refused.read()
+  drained.join()
+  running.join()
+  status, answer = answers[0]
+  assert status == 200 and answer["usage"]["completion_tokens"] == 300
+  assert server.requests_in_flight == 0
+  loop.close()
+  assert not loop.alive
+  # A server whose engine has stopped fails its health check.
+  server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, ()))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/health")
+  assert e.value.code == 503 and json.loads(e.value.read()) == {
+      "status": "the engine has stopped"}
+  server.shutdown()
+  server.server_close()
+
+
 def test_an_api_key_guards_every_route_but_health_and_metrics(model, monkeypatch):
   loop = EngineLoop(make_engine(model))
   server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, ()),

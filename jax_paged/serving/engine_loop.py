@@ -323,6 +323,11 @@ class EngineLoop:
     return len(self._core.samples)
 
   @property
+  def alive(self) -> bool:
+    """Whether the loop takes submissions (not closed; its thread running)."""
+    return not self._closing and self._thread.is_alive()
+
+  @property
   def stats(self) -> EngineStats | None:
     """The engine's `EngineStats` after its latest device call (None until the loop has
     started)."""
@@ -449,6 +454,11 @@ class EngineProcess:
   def num_unfinished(self) -> int:
     """Submissions sent and not yet finished (a snapshot)."""
     return len(self._subs)
+
+  @property
+  def alive(self) -> bool:
+    """Whether the engine's process takes submissions (not closed, not ended)."""
+    return not self._closed and self._process.is_alive()
 
   def close(self, timeout: float | None = None) -> None:
     """Stops the engine's process: unfinished requests fail with `EngineClosed`.
