@@ -15,6 +15,7 @@ Layers, each using only those before it:
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
   openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP (server_metrics:
                   its Prometheus metrics; tool_calls: its tool call parsers)
+  openai_batch    `jax-paged-batch`: a file of OpenAI requests answered offline
 Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 """
 

@@ -616,7 +616,7 @@ class _Choice:
   sent_tokens: int = 0  # tokens streamed so far (log-probabilities, ids)
   sent_offset: int = 0  # text_offset of the next streamed token
   sent_calls: bool = False  # its tool calls were streamed
-  # Its text decoded so far (`_Answer._decoded`): that of tokens[:read]; tokens[prefix:read]
+  # Its text decoded so far (`Answer._decoded`): that of tokens[:read]; tokens[prefix:read]
   # are decoded again with the next ones.
   text: str = ""
   prefix: int = 0
@@ -631,7 +631,7 @@ class _Choice:
       self.finish_reason, self.stop_text = event.finish_reason, event.stop_text
 
 
-class _Answer:
+class Answer:
   """Turns a completion's events into OpenAI's objects: a text completion's
   ("text_completion", its chunks too) or a chat completion's ("chat.completion", chunks
   "chat.completion.chunk" with deltas)."""
@@ -957,7 +957,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_error(APIError(500, f"the server failed: {type(e).__name__}: {e}",
                                 kind="server_error"))
       return
-    answer = _Answer(completion, self.server.served)
+    answer = Answer(completion, self.server.served)
     if completion.stream:
       self._stream(sub, ids, answer, received)
       return
@@ -975,14 +975,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_json(200, answer.whole())
     self._finished(answer, received)
 
-  def _take(self, answer: _Answer, events: list[TokenEvent], ids: list[int],
+  def _take(self, answer: Answer, events: list[TokenEvent], ids: list[int],
             received: float) -> set[int]:
     """`answer.take`; the request's first events time its first token."""
     if not any(c.events or c.prompt_event for c in answer.choices):
       self.server.metrics.first_token(time.perf_counter() - received)
     return answer.take(events, ids)
 
-  def _finished(self, answer: _Answer, received: float) -> None:
+  def _finished(self, answer: Answer, received: float) -> None:
     self.server.metrics.finished(time.perf_counter() - received,
                                  sum(len(c.tokens) for c in answer.choices),
                                  [c.finish_reason for c in answer.choices])
@@ -995,7 +995,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     except (OSError, ValueError):  # reset, or closed here
       return True
 
-  def _stream(self, sub: Submission, ids: list[int], answer: _Answer,
+  def _stream(self, sub: Submission, ids: list[int], answer: Answer,
               received: float) -> None:
     """Server-sent events, one per device call that brought text, then `[DONE]`; the
     requests are aborted if the client goes."""
@@ -1080,14 +1080,45 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
       pass
 
 
+def add_served_arguments(p: argparse.ArgumentParser, families) -> None:
+  """The model options and how its API answers (`served_of`): the served name, the chat
+  template, the tool call parser (the server's and `jax-paged-batch`'s)."""
+  add_model_arguments(p, families)
+  p.add_argument("--seed", type=int, default=0,
+                 help="the random weights' seed of a --model preset (default 0)")
+  api = p.add_argument_group("API")
+  api.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the checkpoint directory's "
+                        "name, or the preset's)")
+  api.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="the Jinja chat template for /v1/chat/completions (default: the "
+                        "checkpoint's, from its tokenizer_config.json or "
+                        "chat_template.jinja; none: chat completions are refused)")
+  api.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="read tool calls in chat answers in this format, for requests with "
+                        "tools (tool_choice auto): hermes (Qwen2 / Qwen2.5, Hermes), "
+                        "llama3_json (Llama 3.1+); the chat template must render the tools "
+                        "(default: none, tools refused)")
+
+
+def served_of(args: argparse.Namespace, spec: ModelSpec, *, prioritizes: bool = False
+              ) -> Served:
+  """What `add_served_arguments`' options serve, for a model of `spec`. Raises CLIError
+  (a chat template or tokenizer that cannot be read)."""
+  chat_template = read_chat_template(args.chat_template, args.checkpoint)
+  codec = load_tokenizer(args.checkpoint) if args.checkpoint else BYTES
+  name = args.served_model_name or (
+      args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
+  parser = None if args.tool_call_parser is None else TOOL_PARSERS[args.tool_call_parser]
+  return Served(name, spec, codec, spec.eos_token_ids, chat_template, parser, prioritizes)
+
+
 def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       prog=PROG, description="Serve a language model over OpenAI's completions and chat "
                              "completions APIs (continuous batching over a paged KV "
                              "cache).")
-  add_model_arguments(p, families)
-  p.add_argument("--seed", type=int, default=0,
-                 help="the random weights' seed of a --model preset (default 0)")
+  add_served_arguments(p, families)
   srv = p.add_argument_group("server")
   srv.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default 127.0.0.1; 0.0.0.0: every "
@@ -1097,24 +1128,12 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                    help="require the header 'Authorization: Bearer KEY' on every route "
                         f"but /health and /metrics (default: ${API_KEY_ENV}, which keeps "
                         "the key out of the process list; none: open)")
-  srv.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model's name in the API (default: the checkpoint directory's "
-                        "name, or the preset's)")
   srv.add_argument("--warmup", nargs="+", choices=list(WARMUP_SAMPLING), default=(),
                    metavar="KIND",
                    help="compile the batch shapes of these sampling kinds before serving "
                         f"({', '.join(WARMUP_SAMPLING)}: Engine.warmup), so that no request "
                         "waits ~1 s for a compilation; GPT-2 on an H200: ~75-100 s per kind, "
                         "~35 s from the compilation cache")
-  srv.add_argument("--chat-template", metavar="FILE", default=None,
-                   help="the Jinja chat template for /v1/chat/completions (default: the "
-                        "checkpoint's, from its tokenizer_config.json or "
-                        "chat_template.jinja; none: chat completions are refused)")
-  srv.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
-                   help="read tool calls in chat answers in this format, for requests with "
-                        "tools (tool_choice auto): hermes (Qwen2 / Qwen2.5, Hermes), "
-                        "llama3_json (Llama 3.1+); the chat template must render the tools "
-                        "(default: none, tools refused)")
   srv.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: requests are admitted as they come; priority: by their "
                         "`priority` field (lower first, then arrival; a full pool preempts "
@@ -1166,19 +1185,14 @@ def build_engine(args: argparse.Namespace, family_refs: Sequence[str] | None) ->
 def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
   """Builds the engine in a process of its own (`EngineProcess`: its host work never
   waits for this process's connection threads), then serves until Ctrl-C."""
-  chat_template = read_chat_template(args.chat_template, args.checkpoint)
+  read_chat_template(args.chat_template, args.checkpoint)  # (its errors before the build)
   try:
     loop = EngineProcess(functools.partial(build_engine, args, family_refs))
   except RuntimeError as e:
     raise CLIError(str(e)) from e
   try:
-    spec = loop.spec
-    codec = load_tokenizer(args.checkpoint) if args.checkpoint else BYTES
-    name = args.served_model_name or (
-        args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
-    parser = None if args.tool_call_parser is None else TOOL_PARSERS[args.tool_call_parser]
-    served = Served(name, spec, codec, spec.eos_token_ids, chat_template, parser,
-                    args.scheduling_policy == "priority")
+    served = served_of(args, loop.spec, prioritizes=args.scheduling_policy == "priority")
+    name = served.name
     try:
       server = OpenAIServer((args.host, args.port), loop, served, api_key=args.api_key,
                             verbose=args.verbose)

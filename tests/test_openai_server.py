@@ -608,7 +608,7 @@ def test_tool_calls_in_answers_whole_and_streamed(model, parser, answer, content
                   openai_server.TOOL_PARSERS[parser])
   body = {"messages": CONVERSATION[:1], "tools": [WEATHER], "parallel_tool_calls": parallel}
   events = _events(answer)
-  answer_of = lambda: openai_server._Answer(openai_server.parse_chat(
+  answer_of = lambda: openai_server.Answer(openai_server.parse_chat(
       dict(body), served, random.Random(0)), served)
   whole = answer_of()
   whole.take(events, [7])
@@ -686,7 +686,7 @@ def test_streamed_text_is_the_whole_decode_whatever_the_chunks(model, tmp_path, 
   served = Served("tiny", spec, codec, ())
   rng = np.random.default_rng(len(ids))
   for _ in range(3):
-    answer = openai_server._Answer(openai_server.parse_completion(
+    answer = openai_server.Answer(openai_server.parse_completion(
         {"prompt": [1], "max_tokens": len(ids), "stream": True}, served, random.Random(0)),
         served)
     events = [TokenEvent(0, t, "length" if i == len(ids) - 1 else None)

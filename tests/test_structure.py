@@ -12,7 +12,7 @@ PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
 # kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli, server_metrics
-# <- openai_server; tool_calls <- openai_server).
+# <- openai_server <- openai_batch; tool_calls <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
@@ -27,6 +27,7 @@ ALLOWED = {
     "tool_calls": {"tool_calls"},
     "openai_server": {"paged_model", "serving", "cli", "server_metrics", "tool_calls",
                       "openai_server"},
+    "openai_batch": {"serving", "cli", "openai_server", "openai_batch"},
 }
 
 
@@ -74,7 +75,8 @@ def test_layers_import_only_the_layers_below():
 
 
 def test_importing_the_package_cli_and_server_loads_no_model():
-  code = ("import sys, jax_paged, jax_paged.cli, jax_paged.openai_server; "
+  code = ("import sys, jax_paged, jax_paged.cli, jax_paged.openai_server, "
+          "jax_paged.openai_batch; "
           "print(sorted(m for m in sys.modules if m == 'models' or m.startswith('models.')))")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
