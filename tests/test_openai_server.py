@@ -208,8 +208,8 @@ def test_engine_process_serves_as_the_thread_loop(served):
   thread loop's engine on the same weights; errors cross the pipe; a process that dies
   fails what is unfinished."""
   _, loop, _ = served
-  argv = ["--model", "tiny", "--max-batch", "8", "--num-pages", "160", "--page-size", "16",
-          "--steps-per-call", "4", "--no-compilation-cache"]
+  argv = ["--model", "tiny", "--dtype", "float32", "--max-batch", "8", "--num-pages", "160",
+          "--page-size", "16", "--steps-per-call", "4", "--no-compilation-cache"]
   refs = ["models.gpt2:FAMILY"]
   args = openai_server.parse_args(argv, openai_server.resolve_families(refs))
   with pytest.raises(RuntimeError, match="could not be built: --checkpoint /no/dir: not a"):
@@ -658,7 +658,8 @@ def test_priority_reaches_the_engine_under_the_priority_policy(model):
   completion = openai_server.parse_completion({"prompt": ["x", "y"], "priority": -3}, served,
                                               random.Random(0))
   assert [r.priority for r in completion.requests] == [-3, -3]
-  args = openai_server.parse_args(["--model", "tiny", "--scheduling-policy", "priority"],
+  args = openai_server.parse_args(["--model", "tiny", "--num-pages", "64",
+                                   "--no-compilation-cache", "--scheduling-policy", "priority"],
                                   openai_server.resolve_families(["models.gpt2:FAMILY"]))
   assert openai_server.build_engine(args, ["models.gpt2:FAMILY"]).scheduling_policy == (
       "priority")
