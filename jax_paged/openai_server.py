@@ -15,7 +15,8 @@ continuous-batching engine, as `vllm serve` does, so that OpenAI clients and too
     GET  /health                200 while serving
     GET  /metrics               Prometheus metrics (`jax_paged.server_metrics`): requests
                                 running and waiting, KV cache use, tokens, prefix cache
-                                hits, times to first token and to the end, finish reasons
+                                hits, times to the first token, per token and to the
+                                end, finish reasons
 
 With `--api-key` (or the environment's JAX_PAGED_API_KEY), every route but /health and
 /metrics needs the header `Authorization: Bearer <key>` (else 401, as OpenAI answers).
@@ -904,6 +905,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
   def _post(self) -> None:
     received = time.perf_counter()
+    self._first_token_at = 0.0  # (set by `_take`, with the request's first tokens)
     if not self._authorized():
       return
     parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(
@@ -979,13 +981,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             received: float) -> set[int]:
     """`answer.take`; the request's first events time its first token."""
     if not any(c.events or c.prompt_event for c in answer.choices):
-      self.server.metrics.first_token(time.perf_counter() - received)
+      self._first_token_at = time.perf_counter()
+      self.server.metrics.first_token(self._first_token_at - received)
     return answer.take(events, ids)
 
   def _finished(self, answer: Answer, received: float) -> None:
-    self.server.metrics.finished(time.perf_counter() - received,
-                                 sum(len(c.tokens) for c in answer.choices),
-                                 [c.finish_reason for c in answer.choices])
+    now = time.perf_counter()
+    steps = max(len(c.tokens) for c in answer.choices) - 1
+    self.server.metrics.finished(
+        now - received, sum(len(c.tokens) for c in answer.choices),
+        [c.finish_reason for c in answer.choices],
+        (now - self._first_token_at) / steps if steps > 0 else None)
 
   def _client_gone(self) -> bool:
     """Whether the client has closed the connection (its end read, nothing consumed)."""
