@@ -26,6 +26,7 @@ from jax_paged.cli import BYTES, load_tokenizer, model_families
 from jax_paged import openai_server
 from jax_paged.openai_server import ChatTemplate, OpenAIServer, Served
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess
+from jax_paged.serving.request import validate_requests
 from models import gpt2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -508,6 +509,58 @@ def test_bad_requests_are_named(served, body, status, param, message):
   assert got == status and answer["error"]["param"] == param
   assert message in answer["error"]["message"], answer
   assert loop.num_unfinished == 0
+
+
+# Values of every JSON type, in and out of each field's range, for random bodies.
+FUZZ_VALUES = [None, True, False, 0, 1, -1, 2, 3.5, -0.5, 1e30, float("nan"), "", "x", "auto",
+               "none", "required", [], [1], [1, 2], ["a"], [[1]], [[]], [None], [300], {},
+               {"a": 1}, {"1": 5}, {"1": 1000}, {"type": "function"}, {"include_usage": True},
+               [{"role": "user", "content": "hi"}], 2 ** 40, -2 ** 40]
+
+
+def test_random_bodies_are_parsed_or_refused_by_name(model):
+  """The bad-input sweep of the parsers: random bodies (fields from each endpoint's list,
+  values of every type, nested at random) either parse or raise the server's APIError
+  (answered 4xx); nothing else escapes (a 500)."""
+  served = Served("tiny", model.spec, BYTES, (0,), ChatTemplate(TEMPLATE),
+                  openai_server.TOOL_PARSERS["hermes"], prioritizes=True)
+  rng = random.Random(0)
+
+  def value(depth=0):
+    if depth < 2 and rng.random() < 0.2:
+      return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+    if depth < 2 and rng.random() < 0.1:
+      return {rng.choice(["role", "content", "type", "function", "name", "arguments",
+                          "tool_calls"]): value(depth + 1)}
+    return rng.choice(FUZZ_VALUES)
+
+  endpoints = [
+      (openai_server.parse_completion, openai_server.COMPLETION_FIELDS, "prompt", "hello"),
+      (openai_server.parse_chat, openai_server.CHAT_FIELDS, "messages",
+       [{"role": "user", "content": "hi"}]),
+      (lambda b, s, r: openai_server.tokenize(b, s), openai_server.TOKENIZE_FIELDS, "prompt",
+       "hello"),
+      (lambda b, s, r: openai_server.detokenize(b, s), openai_server.DETOKENIZE_FIELDS,
+       "tokens", [1, 2])]
+  parsed = 0
+  for parse, fields, key, good in endpoints:
+    for _ in range(600):
+      body = {f: value() for f in rng.sample(fields, rng.randint(0, min(6, len(fields))))}
+      if rng.random() < 0.7:
+        body[key] = good
+      try:
+        out = parse(body, served, random.Random(0))
+      except openai_server.APIError as e:
+        assert 400 <= e.status < 500 and e.message
+        continue
+      parsed += 1
+      if isinstance(out, openai_server.Completion):  # the engine's checks: pass or name it
+        try:
+          validate_requests(out.requests, served.spec, page_size=16, max_pages=32,
+                            max_batch=8, detokenizes=True, prioritizes=True)
+        except ValueError as e:
+          assert re.match(r"request \d+: ", str(e))
+  assert parsed > 100  # (the sweep also reaches bodies that parse)
 
 
 def test_routes_and_malformed_bodies(served):
