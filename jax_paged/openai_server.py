@@ -34,7 +34,9 @@ model's context), `temperature` (default 1), `top_p`, `n`, `stream`, `stream_opt
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `return_token_ids`:
 the choices carry `token_ids` (streamed: each chunk's) and `prompt_token_ids`, for
 clients that work in token ids or models without a tokenizer; `priority`, lower first,
-with `--scheduling-policy priority`). An unknown field,
+with `--scheduling-policy priority`; `guided_choice`, texts the answer is one of: the most
+likely, each scored whole after the prompt, or drawn by their likelihoods with a
+temperature). An unknown field,
 a wrong type or a value out of range is answered 400 with an OpenAI error object naming
 the field. `max_tokens: 0` with `echo` scores the prompt (lm-evaluation-harness'
 log-likelihoods). Without a `seed`, each request draws one at random. Chat completions
@@ -62,6 +64,7 @@ import hmac
 import http.server
 import importlib
 import json
+import math
 import os
 import random
 import re
@@ -92,7 +95,7 @@ SAMPLING_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "return_token_ids", "priority")
+    "return_token_ids", "priority", "guided_choice")
 COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
                                  "top_logprobs", "add_generation_prompt", "tools",
@@ -245,6 +248,17 @@ class Completion:
   return_token_ids: bool  # choices carry their token ids (vLLM's return_token_ids)
   tool_parser: ToolParser | None = None  # reads the choices' tool calls (chat, tools given)
   parallel_tool_calls: bool = True  # else a choice keeps its first call only
+  # (guided_choice) the choices' texts and token ids: `requests` score each after each
+  # prompt, prompt-major, and each answer's choice is drawn from their likelihoods.
+  guided: tuple[list[str], list[list[int]]] | None = None
+  samples: int = 1  # (guided_choice) choices drawn per prompt
+  temperature: float = 0.0  # (guided_choice) of the draw; 0: the most likely
+  seed: int = 0  # (guided_choice) of the draw
+
+  @property
+  def n(self) -> int:
+    """Choices per prompt."""
+    return self.requests[0].n if self.guided is None else self.samples
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, *, lo_open: bool = False,
@@ -486,6 +500,41 @@ def detokenize(body: Any, served: Served) -> dict:
   return {"prompt": served.codec.decode(tokens, skip_special_tokens=False)}
 
 
+def _guided_choice(body: dict, served: Served, prompts: list[list[int]], *, chat: bool,
+                   n: int, stream: bool, include_usage: bool, temperature: float, seed: int,
+                   priority: int) -> Completion:
+  """vLLM's `guided_choice`: each answer is one of the given texts. Here each text is
+  scored after each prompt (its tokens' log-probabilities, as lm-evaluation-harness
+  scores choices: one engine request per prompt and text) and the answer is the most
+  likely text (temperature 0) or drawn in proportion to its likelihood ** (1 /
+  temperature) (`seed`), n per prompt; not vLLM's token-by-token constrained decoding,
+  which may end on a less likely text."""
+  texts = body["guided_choice"]
+  if not (isinstance(texts, list) and texts and all(isinstance(t, str) and t for t in texts)):
+    raise APIError(400, f"guided_choice must be a non-empty list of non-empty texts, got "
+                        f"{texts!r:.200}", "guided_choice")
+  if served.codec is None:
+    raise APIError(400, "guided_choice needs a tokenizer, and this model has none",
+                   "guided_choice")
+  for name in ("logprobs", "top_logprobs", "echo", "stop", "tools", "logit_bias",
+               "min_tokens"):
+    if body.get(name) not in (None, False, [], {}, 0):
+      raise APIError(400, f"{name} does not go with guided_choice", name)
+  ids = [served.codec.encode(t, add_special_tokens=False) for t in texts]
+  limit = served.spec.max_positions
+  requests = []
+  for i, prompt in enumerate(prompts):
+    for text, choice in zip(texts, ids):
+      if len(prompt) + len(choice) > limit:
+        raise APIError(400, f"prompt[{i}] and the choice {text!r:.50} take "
+                            f"{len(prompt) + len(choice)} tokens: this model's context holds "
+                            f"{limit}", "guided_choice")
+      requests.append(Request(prompt + choice, 1, prompt_logprobs=True, priority=priority))
+  return Completion(requests, prompts, chat, False, None, stream, include_usage, True,
+                    _boolean(body, "return_token_ids"), guided=(texts, ids), samples=n,
+                    temperature=temperature, seed=seed)
+
+
 def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
   """A chat completion request's JSON body (POST /v1/chat/completions) as an engine
   request: its messages rendered by the model's chat template, then tokenized without
@@ -578,6 +627,10 @@ def _completion(body: dict, served: Served, rng: random.Random, prompts: list[li
   if user is not None and not isinstance(user, str):
     raise APIError(400, f"user must be a text, got {user!r}", "user")
   limit = served.spec.max_positions
+  if body.get("guided_choice") is not None:
+    return _guided_choice(body, served, prompts, chat=chat, n=n, stream=stream,
+                          include_usage=include_usage, temperature=temperature, seed=seed,
+                          priority=priority)
   requests = []
   for i, ids in enumerate(prompts):
     new = limit - len(ids) + 1 if max_tokens is None else max_tokens
@@ -644,7 +697,7 @@ class Answer:
     self.object = "chat.completion" if chat else "text_completion"
     self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
     self.created = int(time.time())
-    n = completion.requests[0].n
+    n = completion.n
     self.choices = [_Choice(i * n + j, prompt) for i, prompt in enumerate(completion.prompts)
                     for j in range(n)]
     self.stop_ids = set(completion.requests[0].stop_token_ids)
@@ -654,7 +707,7 @@ class Answer:
   def take(self, events: list[TokenEvent], request_ids: list[int]) -> set[int]:
     """Adds events (`request_ids`: the engine's ids of the prompts); returns the indices
     of the choices they went to."""
-    n = self.completion.requests[0].n
+    n = self.completion.n
     prompt_of = {rid: i for i, rid in enumerate(request_ids)}
     touched = set()
     for e in events:
@@ -665,6 +718,27 @@ class Answer:
         choice.take(e)
       touched.add(choice.index)
     return touched
+
+  def choose(self, prompt_logprobs: Sequence[Sequence[float | None]]) -> None:
+    """(guided_choice) Each choice's answer, from the scoring requests' prompt
+    log-probabilities (prompt-major, a text after each prompt): each text's total over its
+    own tokens; the most likely (temperature 0), else n drawn in proportion to
+    exp(total / temperature) by a generator seeded with the request's seed and the
+    prompt's index."""
+    texts, ids = self.completion.guided
+    k, n = len(texts), self.completion.n
+    for i in range(len(self.completion.prompts)):
+      totals = [sum(prompt_logprobs[i * k + j][-len(ids[j]):]) for j in range(k)]
+      if self.completion.temperature == 0:
+        picks = [max(range(k), key=totals.__getitem__)] * n
+      else:
+        top = max(totals)
+        weights = [math.exp((t - top) / self.completion.temperature) for t in totals]
+        picks = random.Random(self.completion.seed * 1_000_003 + i).choices(
+            range(k), weights, k=n)
+      for s, j in enumerate(picks):
+        c = self.choices[i * n + s]
+        c.tokens, c.finish_reason = list(ids[j]), "stop"
 
   def _decode(self, tokens: Sequence[int]) -> str:
     codec = self.served.codec
@@ -960,6 +1034,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                 kind="server_error"))
       return
     answer = Answer(completion, self.server.served)
+    if completion.guided is not None:
+      self._guided_choice(sub, ids, answer, received)
+      return
     if completion.stream:
       self._stream(sub, ids, answer, received)
       return
@@ -975,6 +1052,36 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_error(APIError(500, f"generation failed: {e}", kind="server_error"))
     else:
       self._send_json(200, answer.whole())
+    self._finished(answer, received)
+
+  def _guided_choice(self, sub: Submission, ids: list[int], answer: Answer,
+                     received: float) -> None:
+    """Answers a guided_choice completion once every choice is scored (streamed: in one
+    chunk)."""
+    scored = {}
+    try:
+      for events in sub:
+        scored.update((e.request_id, e.prompt_logprobs) for e in events
+                      if e.prompt_logprobs is not None)
+    except Exception as e:  # the engine failed (its run aborted) or closed
+      self._send_error(APIError(500, f"generation failed: {e}", kind="server_error"))
+      return
+    self._first_token_at = time.perf_counter()
+    self.server.metrics.first_token(self._first_token_at - received)
+    answer.choose([scored[rid] for rid in ids])
+    if not answer.completion.stream:
+      self._send_json(200, answer.whole())
+    else:
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
+      self.end_headers()
+      self.close_connection = True  # (the stream ends with the connection)
+      chunks = [answer.chunk(set(range(len(answer.choices))))]
+      if answer.completion.include_usage:
+        chunks.append(answer.usage_chunk())
+      self.wfile.write("".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode()
+                       + b"data: [DONE]\n\n")
     self._finished(answer, received)
 
   def _take(self, answer: Answer, events: list[TokenEvent], ids: list[int],

@@ -758,6 +758,47 @@ def test_streamed_text_is_the_whole_decode_whatever_the_chunks(model, tmp_path, 
   assert codec.decode(ids) == text  # (the tokenizers round-trip it)
 
 
+def test_guided_choice_answers_the_most_likely_text(served):
+  """guided_choice: greedy, the text the model scores highest (checked against the same
+  texts scored through echo); sampled, texts drawn by the seed; chat and streamed too;
+  bad combinations refused."""
+  url, _, _ = served
+  texts = ["yes", "no", "maybe so", "n"]
+  prompt = "Is the cache paged? Answer:"
+  totals = []
+  for text in texts:
+    _, scored = post(url, {"prompt": prompt + text, "max_tokens": 0, "echo": True,
+                           "logprobs": 0})
+    totals.append(sum(scored["choices"][0]["logprobs"]["token_logprobs"][-len(text):]))
+  best = texts[int(np.argmax(totals))]
+  status, answer = post(url, {"prompt": [prompt, prompt], "guided_choice": texts,
+                              "temperature": 0, "n": 2})
+  assert status == 200 and [c["text"] for c in answer["choices"]] == [best] * 4
+  assert [c["finish_reason"] for c in answer["choices"]] == ["stop"] * 4
+  assert answer["usage"]["completion_tokens"] == 4 * len(best)
+  sampled = [post(url, {"prompt": prompt, "guided_choice": texts, "temperature": 5.0,
+                        "n": 16, "seed": seed})[1] for seed in (1, 1, 2)]
+  drawn = [[c["text"] for c in s["choices"]] for s in sampled]
+  assert drawn[0] == drawn[1] != drawn[2] and set(drawn[0]) <= set(texts)
+  assert len(set(drawn[0] + drawn[2])) > 1  # (flattened by the temperature)
+  status, chat = post(url, {"messages": [{"role": "user", "content": "paged?"}],
+                            "guided_choice": ["yes", "no"], "temperature": 0},
+                      "/v1/chat/completions")
+  assert status == 200 and chat["choices"][0]["message"]["content"] in ("yes", "no")
+  status, chunks = post(url, {"prompt": prompt, "guided_choice": texts, "temperature": 0,
+                              "stream": True, "stream_options": {"include_usage": True}})
+  assert status == 200 and chunks[-1] == "[DONE]"
+  assert json.loads(chunks[0])["choices"][0]["text"] == best
+  assert json.loads(chunks[1])["usage"]["completion_tokens"] == len(best)
+  for body, param in [({"guided_choice": []}, "guided_choice"),
+                      ({"guided_choice": ["a", ""]}, "guided_choice"),
+                      ({"guided_choice": ["a"], "logprobs": 2}, "logprobs"),
+                      ({"guided_choice": ["a"], "echo": True}, "echo"),
+                      ({"guided_choice": ["a"], "stop": ["x"]}, "stop")]:
+    status, answer = post(url, dict({"prompt": prompt}, **body))
+    assert status == 400 and answer["error"]["param"] == param, body
+
+
 def test_tokenize_and_detokenize(served):
   """vLLM's /tokenize (a text, or chat messages as a chat completion renders them) and
   /detokenize; bad bodies named."""
