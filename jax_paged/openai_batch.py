@@ -67,6 +67,7 @@ def run_batch(engine: Engine, served: Served, lines: Sequence[str], *,
   custom_ids: dict[int, str] = {}  # line -> its custom_id (requests that run)
   answers: dict[int, tuple[Answer, list[int]]] = {}  # line -> its answer, engine ids
   owner: dict[int, int] = {}  # engine id -> line
+  scored: dict[int, tuple] = {}  # (guided_choice) engine id -> its prompt log-probabilities
   for i, text in enumerate(lines):
     try:
       line = json.loads(text)
@@ -108,8 +109,14 @@ def run_batch(engine: Engine, served: Served, lines: Sequence[str], *,
       by_line.setdefault(owner[event.request_id], []).append(event)
     for i, events in by_line.items():
       answer, ids = answers[i]
-      answer.take(events, ids)
       tokens += len(events)
+      if answer.completion.guided is not None:  # (answered once every text is scored)
+        scored.update((e.request_id, e.prompt_logprobs) for e in events)
+        if all(rid in scored for rid in ids):
+          answer.choose([scored[rid] for rid in ids])
+          left -= 1
+        continue
+      answer.take(events, ids)
       if all(c.finish_reason is not None for c in answer.choices):
         left -= 1
     if progress is not None and time.perf_counter() - last > PROGRESS_EVERY:

@@ -38,6 +38,8 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
       "two prompts": {"prompt": ["ab", [5, 6, 7]], "max_tokens": 4, "temperature": 0},
       "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                "temperature": 0},
+      "choice": {"prompt": "Is it paged?", "guided_choice": ["yes", "no", "a little"],
+                 "temperature": 0},
   }
   lines = [request("sampled", bodies["sampled"]),
            request("bad value", {"prompt": "x", "max_tokens": -1}),
@@ -47,21 +49,22 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
                        "body": {}}),
            request("streamed", {"prompt": "x", "stream": True}),
            request("too many samples", {"prompt": "x", "n": 9, "temperature": 1.0}),
-           request("chat", bodies["chat"], "/v1/chat/completions")]
+           request("chat", bodies["chat"], "/v1/chat/completions"),
+           request("choice", bodies["choice"])]
   outputs = openai_batch.run_batch(make_engine(model), served, lines, seed=0)
   assert [o["custom_id"] for o in outputs] == [
       "sampled", "bad value", None, "two prompts", "wrong url", "streamed",
-      "too many samples", "chat"]
+      "too many samples", "chat", "choice"]
   assert len({o["id"] for o in outputs}) == len(outputs)
   status = [o["response"] and o["response"]["status_code"] for o in outputs]
-  assert status == [200, 400, None, 200, None, 400, 400, 200]
+  assert status == [200, 400, None, 200, None, 400, 400, 200, 200]
   assert outputs[1]["response"]["body"]["error"]["param"] == "max_tokens"
   assert outputs[2]["error"]["code"] == "invalid_json"
   assert outputs[4]["error"]["code"] == "invalid_request"
   assert outputs[5]["response"]["body"]["error"]["param"] == "stream"
   assert "max_batch=8" in outputs[6]["response"]["body"]["error"]["message"]
   # Each answer is the server's for that body alone (its own engine, its own run).
-  for line, key in [(0, "sampled"), (3, "two prompts"), (7, "chat")]:
+  for line, key in [(0, "sampled"), (3, "two prompts"), (7, "chat"), (8, "choice")]:
     url = "/v1/chat/completions" if key == "chat" else "/v1/completions"
     alone = openai_batch.run_batch(make_engine(model), served, [request(key, bodies[key],
                                                                         url)], seed=0)
@@ -70,6 +73,8 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
         c.get("text", c.get("message")) for c in want["choices"]]
     assert got["usage"] == want["usage"]
   assert [c["index"] for c in outputs[3]["response"]["body"]["choices"]] == [0, 1]
+  assert outputs[8]["response"]["body"]["choices"][0]["text"] in bodies["choice"][
+      "guided_choice"]
   assert outputs[0]["response"]["body"]["usage"]["completion_tokens"] == 12
 
 
