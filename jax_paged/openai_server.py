@@ -76,7 +76,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from jax_paged.cli import (BYTES, CLIError, Codec, _float_in, _notice, add_engine_arguments,
                            add_model_arguments, load_model, load_tokenizer, make_engine,
@@ -1072,16 +1072,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     if not answer.completion.stream:
       self._send_json(200, answer.whole())
     else:
-      self.send_response(200)
-      self.send_header("Content-Type", "text/event-stream")
-      self.send_header("Cache-Control", "no-cache")
-      self.end_headers()
-      self.close_connection = True  # (the stream ends with the connection)
       chunks = [answer.chunk(set(range(len(answer.choices))))]
       if answer.completion.include_usage:
         chunks.append(answer.usage_chunk())
-      self.wfile.write("".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode()
-                       + b"data: [DONE]\n\n")
+      self._send_events(iter(chunks), gone=lambda: None)
     self._finished(answer, received)
 
   def _take(self, answer: Answer, events: list[TokenEvent], ids: list[int],
@@ -1112,6 +1106,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
               received: float) -> None:
     """Server-sent events, one per device call that brought text, then `[DONE]`; the
     requests are aborted if the client goes."""
+
+    def chunks() -> Iterator[dict | None]:
+      try:
+        for events in sub:
+          yield answer.chunk(self._take(answer, events, ids, received))
+        if answer.completion.include_usage:
+          yield answer.usage_chunk()
+      except Exception as e:  # the engine failed: said in the stream, as vLLM does
+        yield APIError(500, f"generation failed: {e}", kind="server_error").body()
+
+    self._send_events(chunks(), gone=sub.cancel)
+    self._finished(answer, received)
+
+  def _send_events(self, chunks: Iterator[dict | None], gone: Callable[[], None]) -> None:
+    """A 200 of server-sent events (chunked transfer): each chunk (None: skipped), then
+    `[DONE]`; if the client goes, `gone()` and the connection closes."""
     self.send_response(200)
     self.send_header("Content-Type", "text/event-stream")
     self.send_header("Cache-Control", "no-cache")
@@ -1124,24 +1134,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self.wfile.flush()
 
     try:
-      try:
-        for events in sub:
-          chunk = answer.chunk(self._take(answer, events, ids, received))
-          if chunk is not None:
-            send(json.dumps(chunk))
-        if answer.completion.include_usage:
-          send(json.dumps(answer.usage_chunk()))
-      except (ConnectionError, OSError):
-        raise
-      except Exception as e:  # the engine failed: said in the stream, as vLLM does
-        send(json.dumps(APIError(500, f"generation failed: {e}", kind="server_error").body()))
+      for chunk in chunks:
+        if chunk is not None:
+          send(json.dumps(chunk))
       send("[DONE]")
       self.wfile.write(b"0\r\n\r\n")
       self.wfile.flush()
-    except (ConnectionError, OSError):  # the client went: free its pages
-      sub.cancel()
+    except (ConnectionError, OSError):  # the client went
+      gone()
       self.close_connection = True
-    self._finished(answer, received)
 
 
 class OpenAIServer(http.server.ThreadingHTTPServer):

@@ -790,6 +790,17 @@ def test_guided_choice_answers_the_most_likely_text(served):
   assert status == 200 and chunks[-1] == "[DONE]"
   assert json.loads(chunks[0])["choices"][0]["text"] == best
   assert json.loads(chunks[1])["usage"]["completion_tokens"] == len(best)
+  # (a stream in chunked transfer, like the others: the connection serves the next one)
+  host, port = url[len("http://"):].split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  for _ in range(2):
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"prompt": prompt, "guided_choice": texts, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.getheader("Transfer-Encoding") == "chunked"
+    assert response.read().endswith(b"data: [DONE]\n\n")
+  conn.close()
   for body, param in [({"guided_choice": []}, "guided_choice"),
                       ({"guided_choice": ["a", ""]}, "guided_choice"),
                       ({"guided_choice": ["a"], "logprobs": 2}, "logprobs"),
