@@ -33,8 +33,8 @@ from typing import Any, Sequence, TextIO
 from jax_paged.cli import (CLIError, _notice, add_engine_arguments, load_model, make_engine,
                            parse_model_args)
 from jax_paged.openai_server import (APIError, Answer, Served, add_served_arguments,
-                                     parse_chat, parse_completion, resolve_families,
-                                     served_of)
+                                     engine_refusal, parse_chat, parse_completion,
+                                     read_chat_template, resolve_families, served_of)
 from jax_paged.serving.engine import Engine
 
 PROG = "jax-paged-batch"
@@ -67,7 +67,6 @@ def run_batch(engine: Engine, served: Served, lines: Sequence[str], *,
   custom_ids: dict[int, str] = {}  # line -> its custom_id (requests that run)
   answers: dict[int, tuple[Answer, list[int]]] = {}  # line -> its answer, engine ids
   owner: dict[int, int] = {}  # engine id -> line
-  scored: dict[int, tuple] = {}  # (guided_choice) engine id -> its prompt log-probabilities
   for i, text in enumerate(lines):
     try:
       line = json.loads(text)
@@ -86,14 +85,10 @@ def run_batch(engine: Engine, served: Served, lines: Sequence[str], *,
       if line["body"].get("stream"):
         raise APIError(400, "stream is not supported in a batch", "stream")
       completion = ROUTES[line["url"]](line["body"], served, rng)
-      ids: list[int] = []
       try:
-        for request in completion.requests:
-          ids.append(engine.add_request(request))
+        ids = engine.add_requests(completion.requests)
       except ValueError as e:  # (the engine's limits: all of the line's prompts or none)
-        for rid in ids:
-          engine.abort_request(rid)
-        raise APIError(400, str(e).split(": ", 1)[-1]) from e
+        raise engine_refusal(e) from e
     except APIError as e:
       outputs[i] = _line_response(custom_id, e.status, e.body())
       continue
@@ -110,14 +105,8 @@ def run_batch(engine: Engine, served: Served, lines: Sequence[str], *,
     for i, events in by_line.items():
       answer, ids = answers[i]
       tokens += len(events)
-      if answer.completion.guided is not None:  # (answered once every text is scored)
-        scored.update((e.request_id, e.prompt_logprobs) for e in events)
-        if all(rid in scored for rid in ids):
-          answer.choose([scored[rid] for rid in ids])
-          left -= 1
-        continue
-      answer.take(events, ids)
-      if all(c.finish_reason is not None for c in answer.choices):
+      if answer.take(events, ids) and all(c.finish_reason is not None
+                                          for c in answer.choices):
         left -= 1
     if progress is not None and time.perf_counter() - last > PROGRESS_EVERY:
       last = time.perf_counter()
@@ -156,8 +145,10 @@ def main(argv: Sequence[str] | None = None, family_refs: Sequence[str] | None = 
       raise CLIError(f"cannot read --input-file: {e}") from e
     with source:
       lines = [line for line in source.read().splitlines() if line.strip()]
-    engine = make_engine(args, load_model(args, families, PROG))
-    served = served_of(args, engine.spec)
+    chat_template = read_chat_template(args.chat_template, args.checkpoint)
+    loaded = load_model(args, families, PROG)
+    engine = make_engine(args, loaded)
+    served = served_of(args, engine.spec, loaded.codec, chat_template)
     start = time.perf_counter()
     outputs = run_batch(engine, served, lines, progress=sys.stderr)
     try:

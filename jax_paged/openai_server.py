@@ -500,6 +500,12 @@ def detokenize(body: Any, served: Served) -> dict:
   return {"prompt": served.codec.decode(tokens, skip_special_tokens=False)}
 
 
+def engine_refusal(error: ValueError) -> APIError:
+  """The 400 of a completion the engine cannot serve (`Engine.add_requests`' error,
+  naming its prompt)."""
+  return APIError(400, str(error).replace("requests[", "prompt["))
+
+
 def _guided_choice(body: dict, served: Served, prompts: list[list[int]], *, chat: bool,
                    n: int, stream: bool, include_usage: bool, temperature: float, seed: int,
                    priority: int) -> Completion:
@@ -703,10 +709,19 @@ class Answer:
     self.stop_ids = set(completion.requests[0].stop_token_ids)
     stops = completion.requests[0].stop
     self.hold = max(map(len, stops)) - 1 if len(stops) else 0
+    self._scored: dict[int, tuple] = {}  # (guided_choice) engine id -> prompt logprobs
 
   def take(self, events: list[TokenEvent], request_ids: list[int]) -> set[int]:
-    """Adds events (`request_ids`: the engine's ids of the prompts); returns the indices
-    of the choices they went to."""
+    """Adds events (`request_ids`: the engine's ids of the prompts; with guided_choice,
+    of the scoring requests); returns the indices of the choices they went to (with
+    guided_choice, every choice once the last text is scored: `_choose`)."""
+    if self.completion.guided is not None:
+      self._scored.update((e.request_id, e.prompt_logprobs) for e in events
+                          if e.prompt_logprobs is not None)
+      if len(self._scored) < len(request_ids):
+        return set()
+      self._choose([self._scored[rid] for rid in request_ids])
+      return set(range(len(self.choices)))
     n = self.completion.n
     prompt_of = {rid: i for i, rid in enumerate(request_ids)}
     touched = set()
@@ -719,7 +734,7 @@ class Answer:
       touched.add(choice.index)
     return touched
 
-  def choose(self, prompt_logprobs: Sequence[Sequence[float | None]]) -> None:
+  def _choose(self, prompt_logprobs: Sequence[Sequence[float | None]]) -> None:
     """(guided_choice) Each choice's answer, from the scoring requests' prompt
     log-probabilities (prompt-major, a text after each prompt): each text's total over its
     own tokens; the most likely (temperature 0), else n drawn in proportion to
@@ -1020,7 +1035,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       try:
         ids = sub.accepted()
       except ValueError as e:  # the engine cannot serve it (e.g. its pool is too small)
-        raise APIError(400, str(e).replace("requests[", "prompt[")) from e
+        raise engine_refusal(e) from e
       self.server.metrics.received(sum(map(len, completion.prompts)))
     except APIError as e:
       self._send_error(e)
@@ -1034,9 +1049,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                 kind="server_error"))
       return
     answer = Answer(completion, self.server.served)
-    if completion.guided is not None:
-      self._guided_choice(sub, ids, answer, received)
-      return
     if completion.stream:
       self._stream(sub, ids, answer, received)
       return
@@ -1054,37 +1066,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send_json(200, answer.whole())
     self._finished(answer, received)
 
-  def _guided_choice(self, sub: Submission, ids: list[int], answer: Answer,
-                     received: float) -> None:
-    """Answers a guided_choice completion once every choice is scored (streamed: in one
-    chunk)."""
-    scored = {}
-    try:
-      for events in sub:
-        scored.update((e.request_id, e.prompt_logprobs) for e in events
-                      if e.prompt_logprobs is not None)
-    except Exception as e:  # the engine failed (its run aborted) or closed
-      self._send_error(APIError(500, f"generation failed: {e}", kind="server_error"))
-      return
-    self._first_token_at = time.perf_counter()
-    self.server.metrics.first_token(self._first_token_at - received)
-    answer.choose([scored[rid] for rid in ids])
-    if not answer.completion.stream:
-      self._send_json(200, answer.whole())
-    else:
-      chunks = [answer.chunk(set(range(len(answer.choices))))]
-      if answer.completion.include_usage:
-        chunks.append(answer.usage_chunk())
-      self._send_events(iter(chunks), gone=lambda: None)
-    self._finished(answer, received)
-
   def _take(self, answer: Answer, events: list[TokenEvent], ids: list[int],
             received: float) -> set[int]:
-    """`answer.take`; the request's first events time its first token."""
-    if not any(c.events or c.prompt_event for c in answer.choices):
+    """`answer.take`; the first events that reach a choice time the first token."""
+    touched = answer.take(events, ids)
+    if touched and not self._first_token_at:
       self._first_token_at = time.perf_counter()
       self.server.metrics.first_token(self._first_token_at - received)
-    return answer.take(events, ids)
+    return touched
 
   def _finished(self, answer: Answer, received: float) -> None:
     now = time.perf_counter()
@@ -1215,12 +1204,11 @@ def add_served_arguments(p: argparse.ArgumentParser, families) -> None:
                         "(default: none, tools refused)")
 
 
-def served_of(args: argparse.Namespace, spec: ModelSpec, *, prioritizes: bool = False
-              ) -> Served:
-  """What `add_served_arguments`' options serve, for a model of `spec`. Raises CLIError
-  (a chat template or tokenizer that cannot be read)."""
-  chat_template = read_chat_template(args.chat_template, args.checkpoint)
-  codec = load_tokenizer(args.checkpoint) if args.checkpoint else BYTES
+def served_of(args: argparse.Namespace, spec: ModelSpec, codec: Codec | None,
+              chat_template: ChatTemplate | None, *, prioritizes: bool = False) -> Served:
+  """What `add_served_arguments`' options serve, for a model of `spec` whose text
+  `codec` (None: token ids only) and `chat_template` (`read_chat_template`) the caller
+  has."""
   name = args.served_model_name or (
       args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
   parser = None if args.tool_call_parser is None else TOOL_PARSERS[args.tool_call_parser]
@@ -1299,13 +1287,17 @@ def build_engine(args: argparse.Namespace, family_refs: Sequence[str] | None) ->
 def serve(args: argparse.Namespace, family_refs: Sequence[str] | None) -> int:
   """Builds the engine in a process of its own (`EngineProcess`: its host work never
   waits for this process's connection threads), then serves until Ctrl-C."""
-  read_chat_template(args.chat_template, args.checkpoint)  # (its errors before the build)
+  chat_template = read_chat_template(args.chat_template, args.checkpoint)
   try:
     loop = EngineProcess(functools.partial(build_engine, args, family_refs))
   except RuntimeError as e:
     raise CLIError(str(e)) from e
   try:
-    served = served_of(args, loop.spec, prioritizes=args.scheduling_policy == "priority")
+    # (The engine's process loaded the model and its tokenizer; this one reads the
+    # tokenizer alone.)
+    codec = load_tokenizer(args.checkpoint) if args.checkpoint else BYTES
+    served = served_of(args, loop.spec, codec, chat_template,
+                       prioritizes=args.scheduling_policy == "priority")
     name = served.name
     try:
       server = OpenAIServer((args.host, args.port), loop, served, api_key=args.api_key,

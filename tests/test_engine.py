@@ -812,6 +812,14 @@ def test_add_request_validates_and_abort_frees_the_pool(model, prompts, greedy_r
   with pytest.raises(ValueError, match="request 0: prompt is empty"):
     eng.add_request(Request([], 3))
   assert not eng.has_unfinished_requests()  # nothing submitted, no run
+  # add_requests: all or none, the one it cannot serve named by its index.
+  other = Engine(model, max_batch=4, num_pages=64, page_size=8, steps_per_call=5)
+  with pytest.raises(ValueError, match=r"^requests\[1\]: prompt is empty$"):
+    other.add_requests([Request(prompts[1], 3), Request([], 3)])
+  with pytest.raises(ValueError, match=r"^prompt is empty$"):
+    other.add_requests([Request([], 3)])
+  assert not other.has_unfinished_requests()  # (the first was aborted: its run ended)
+  assert other.add_requests([Request(prompts[1], 3), Request(prompts[2], 3)]) == [1, 2]
   assert eng.add_request(Request(prompts[1], 14)) == 0
   with pytest.raises(ValueError, match="request 1: max_new_tokens must be an int >= 1"):
     eng.add_request(Request(prompts[2], 0))

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import gc
 import itertools
+import re
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -483,6 +484,29 @@ class Engine:
       self.report.num_requests += 1
     self._next_id += 1
     return rid
+
+  def add_requests(self, requests: Sequence[Request]) -> list[int]:
+    """`add_request` of each, all or none (a server's request of several prompts):
+    returns their ids. If the engine cannot serve one, those already added are aborted
+    and ValueError names it by its index (`requests[i]: ...`; a single request's message
+    without a name).
+
+    Raises:
+      ValueError: as above.
+      RuntimeError: a `generate` / `stream` owns the run.
+    """
+    ids = []
+    try:
+      for request in requests:
+        ids.append(self.add_request(request))
+    except ValueError as e:
+      for rid in ids:
+        self.abort_request(rid)
+      # `add_request` names the request by the id it would have had: here, by its index.
+      message = re.sub(r"^request \d+: ", "", str(e))
+      raise ValueError(f"requests[{len(ids)}]: {message}" if len(requests) > 1
+                       else message) from e
+    return ids
 
   def has_unfinished_requests(self) -> bool:
     """Whether a run is in progress: a request added by `add_request` has yet to finish."""

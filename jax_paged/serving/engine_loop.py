@@ -39,7 +39,6 @@ import asyncio
 import gc
 import multiprocessing
 import queue
-import re
 import signal
 import threading
 import traceback
@@ -226,18 +225,10 @@ class _Core:
     return ids
 
   def _add(self, key, requests: Sequence[Request]) -> None:
-    ids = []
     try:
-      for request in requests:
-        ids.append(self.engine.add_request(request))
-    except ValueError as e:  # all or none: those added are dropped again
-      for rid in ids:
-        self.engine.abort_request(rid)
-      # The engine names the request by the id it would have had: here, by its index.
-      message = re.sub(r"^request \d+: ", "", str(e))
-      if len(requests) > 1:
-        message = f"requests[{len(ids)}]: {message}"
-      self.out.accepted(key, [], ValueError(message))
+      ids = self.engine.add_requests(requests)
+    except ValueError as e:  # (all or none)
+      self.out.accepted(key, [], e)
       return
     for rid in ids:
       self.live[rid] = key
