@@ -9,6 +9,8 @@ Layers, each using only those before it:
             release, ...)
   nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
   PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
+  guided    structured output: Guide (a regular expression, JSON schema or choice of
+            texts over a Vocabulary's tokens), Request(guide=...)
   serving   scheduler, runner, engine: Engine / Request / TokenEvent (continuous
             batching), EngineLoop (an engine on a thread of its own, for servers),
             generate (one static batch) and beam_search
@@ -27,6 +29,8 @@ from jax_paged.kernels.paged_attention import paged_decode_attention
 from jax_paged.kernels.paged_prefill import paged_prefill_attention
 from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
+from jax_paged import guided
+from jax_paged.guided import Guide, Vocabulary
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.engine_loop import EngineLoop
 from jax_paged.serving.report import EngineStats, Report
@@ -35,8 +39,9 @@ from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Beam", "Engine", "EngineLoop", "EngineStats", "KVPool", "ModelFamily", "ModelSpec",
-    "PagedModel", "PoolExhausted", "Report", "Request", "TokenEvent", "beam_search",
-    "generate", "merge_attention_states", "merge_attention_states_n", "nn",
-    "paged_decode_attention", "paged_prefill_attention", "pool", "reference",
+    "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "ModelFamily",
+    "ModelSpec", "PagedModel", "PoolExhausted", "Report", "Request", "TokenEvent",
+    "Vocabulary", "beam_search", "generate", "guided", "merge_attention_states",
+    "merge_attention_states_n", "nn", "paged_decode_attention", "paged_prefill_attention",
+    "pool", "reference",
 ]

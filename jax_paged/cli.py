@@ -18,6 +18,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import math
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import tensor_parallel
+from jax_paged.guided import Guide, Vocabulary
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
 from jax_paged.serving.admission import ADMISSION_POLICIES
@@ -60,12 +62,48 @@ class Codec:
   decode: Callable[..., str]
   name: str
   vocab_size: int
+  # Per token id, the bytes it adds to a text, None for a special token (computed once,
+  # when a guide first needs them: `guided.Vocabulary`).
+  token_bytes: Callable[[], tuple[bytes | None, ...]]
 
 
 BYTES = Codec(encode=lambda text, add_special_tokens=True: list(text.encode("utf-8")),
               decode=lambda ids, skip_special_tokens=True: bytes(
                   i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
-              name="UTF-8 bytes (ids 0-255)", vocab_size=256)
+              name="UTF-8 bytes (ids 0-255)", vocab_size=256,
+              token_bytes=lambda: tuple(bytes([i]) for i in range(256)))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+  """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  extra = iter(range(256, 512))
+  return {chr(b if b in printable else next(extra)): b for b in range(256)}
+
+
+def tokenizer_token_bytes(tok) -> tuple[bytes | None, ...]:
+  """Each token's bytes of a `tokenizers.Tokenizer`: byte-level BPE tokens through GPT-2's
+  alphabet; SentencePiece-style tokens with "\u2581" as a space and <0xXX> as byte XX;
+  special added tokens None."""
+  decoder = json.dumps(json.loads(tok.to_str()).get("decoder"))
+  byte_level = '"ByteLevel"' in decoder
+  alphabet = _byte_level_alphabet()
+  added = tok.get_added_tokens_decoder()
+  out: list[bytes | None] = []
+  for i in range(tok.get_vocab_size()):
+    text = tok.id_to_token(i)
+    if text is None or (i in added and added[i].special):
+      out.append(None)
+    elif i in added:
+      out.append(text.encode("utf-8"))
+    elif byte_level:
+      out.append(bytes(alphabet[c] for c in text) if all(c in alphabet for c in text)
+                 else None)
+    elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+      out.append(bytes([int(text[3:5], 16)]))
+    else:
+      out.append(text.replace("\u2581", " ").encode("utf-8"))
+  return tuple(out)
 
 
 # argparse types: a bad value exits with status 2 and "argument --flag: <message>".
@@ -156,7 +194,8 @@ def load_tokenizer(directory: str) -> Codec | None:
                decode=lambda ids, skip_special_tokens=True: tok.decode(
                    list(ids), skip_special_tokens=skip_special_tokens),
                name=f"tokenizer of {directory}",
-               vocab_size=tok.get_vocab_size())
+               vocab_size=tok.get_vocab_size(),
+               token_bytes=functools.cache(lambda: tokenizer_token_bytes(tok)))
 
 
 def model_families() -> list[ModelFamily]:
@@ -283,6 +322,16 @@ def build_parser(families: Sequence[ModelFamily]) -> argparse.ArgumentParser:
   gen.add_argument("--min-tokens", type=_non_negative_int, default=0,
                    help="generate at least this many tokens before a stop token may end a "
                         "completion (default 0; with --beam-width, a hypothesis)")
+  guided = gen.add_mutually_exclusive_group()
+  guided.add_argument("--guided-regex", metavar="PATTERN",
+                      help="structured output: each completion is a whole match of the "
+                           "regular expression (jax_paged.guided; needs text)")
+  guided.add_argument("--guided-json", metavar="SCHEMA",
+                      help="structured output: each completion is JSON valid under the "
+                           "schema, a JSON text or @FILE ('{\"type\": \"object\"}': any "
+                           "object)")
+  guided.add_argument("--guided-choice", nargs="+", type=_non_empty, metavar="TEXT",
+                      help="structured output: each completion is one of the texts")
   gen.add_argument("--stop", action="append", default=[], type=_non_empty, metavar="TEXT",
                    help="end a completion where its text first contains TEXT (cut before "
                         "it; repeatable; needs text: a tokenizer or the tiny models')")
@@ -561,6 +610,37 @@ def check_out_of_memory(e: jax.errors.JaxRuntimeError, eng: Engine | None,
   raise CLIError(f"out of device memory{pool}: {advice} ({str(e).splitlines()[0]})") from e
 
 
+def make_guide(args: argparse.Namespace, codec: Codec | None,
+               eos_token_ids: Sequence[int]) -> Guide | None:
+  """The guide of --guided-regex / --guided-json / --guided-choice over the codec's
+  vocabulary, or None."""
+  flag, value = next(((f, v) for f, v in (("--guided-regex", args.guided_regex),
+                                           ("--guided-json", args.guided_json),
+                                           ("--guided-choice", args.guided_choice))
+                      if v is not None), (None, None))
+  if flag is None:
+    return None
+  if codec is None:
+    raise CLIError(f"{flag} needs text, and this checkpoint has no tokenizer")
+  token_bytes = codec.token_bytes()
+  vocabulary = Vocabulary(token_bytes, tuple(t for t in eos_token_ids
+                                             if 0 <= t < len(token_bytes)))
+  try:
+    if flag == "--guided-regex":
+      return Guide.from_regex(value, vocabulary)
+    if flag == "--guided-choice":
+      return Guide.from_choices(value, vocabulary)
+    if value.startswith("@"):
+      try:
+        with open(value[1:], encoding="utf-8") as f:
+          value = f.read()
+      except OSError as e:
+        raise CLIError(f"--guided-json {value}: cannot read it ({e.strerror})") from e
+    return Guide.from_json_schema(value, vocabulary)
+  except ValueError as e:  # (RegexError, SchemaError: what is not supported, and why)
+    raise CLIError(f"{flag}: {e}") from e
+
+
 def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   loaded = load_model(args, families)
   model, codec, mesh = loaded.model, loaded.codec, loaded.mesh
@@ -571,6 +651,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   if args.beam_width is not None:
     return run_beam_search(args, model, codec, prompts, loaded.label, stops, mesh)
   show_logprobs = args.logprobs or args.top_logprobs > 0  # (--top-logprobs implies it)
+  guide = make_guide(args, codec, stops)
   requests = []
   for i, (_, ids) in enumerate(prompts):
     # New tokens lowered to what fits the model's context (at least one, so that a prompt
@@ -590,7 +671,7 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty,
                             logit_bias=args.logit_bias,
-                            min_tokens=min(args.min_tokens, new)))
+                            min_tokens=min(args.min_tokens, new), guide=guide))
   if args.stop and codec is None:
     raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its tokens "
                    "are ids): drop --stop")
@@ -659,7 +740,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
 _NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "n", "logit_bias", "stop",
                   "logprobs", "top_logprobs", "prompt_logprobs", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed", "admission",
-                  "no_prefix_caching", "num_pages", "memory_fraction")
+                  "no_prefix_caching", "num_pages", "memory_fraction", "guided_regex",
+                  "guided_json", "guided_choice")
 
 
 def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | None,

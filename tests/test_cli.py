@@ -1,8 +1,10 @@
 """The generation CLI end to end, in a subprocess, on CPU."""
 
 import collections
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -164,10 +166,33 @@ def _main(capsys, *args) -> tuple[int, str, str]:
      "argument --frequency-penalty: must be a number in [-2, 2], got 2.5"),
     (["--presence-penalty", "x"],
      "argument --presence-penalty: expected a number in [-2, 2], got 'x'"),
+    (["--guided-regex", "(a)\\1"], "--guided-regex: '(a)\\\\1': backreferences"),
+    (["--guided-json", "{\"type\": 3}"], "--guided-json: #/type: 3 is not a JSON schema"),
+    (["--guided-json", "@/no/such.json"], "--guided-json @/no/such.json: cannot read it"),
+    (["--guided-regex", "a", "--guided-choice", "b"], "not allowed with argument"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
   assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_guided_completions_match(capsys, tmp_path):
+  """--guided-regex / --guided-json / --guided-choice: each sampled completion matches."""
+  schema = tmp_path / "schema.json"
+  schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
+                    '"required": ["ok"]}')
+  for flags, check in [
+      (["--guided-regex", r"[A-Z]{2}-\d{3}"], lambda t: re.fullmatch(r"[A-Z]{2}-\d{3}", t)),
+      (["--guided-json", f"@{schema}"], lambda t: json.loads(t).keys() == {"ok"}),
+      (["--guided-choice", "yes", "no way"], lambda t: t in ("yes", "no way"))]:
+    status, out, err = _main(capsys, "--model", "tiny", "--prompt", "a", "--prompt", "bc",
+                             "--n", "3", "--temperature", "1", "--no-progress", *flags)
+    assert status == 0, err
+    texts = [line for line in out.splitlines() if not line.startswith(("---", "requests",
+                                                                       "time", "KV", "prefix",
+                                                                       "preemptions",
+                                                                       "throughput"))]
+    assert len(texts) == 6 and all(check(t) for t in texts), out
 
 
 def test_out_of_device_memory_is_a_one_line_error(capsys, monkeypatch):

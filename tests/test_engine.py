@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_paged import Engine, KVPool, Request, generate, pool
+from jax_paged import Engine, Guide, KVPool, Request, Vocabulary, generate, pool
 from jax_paged.serving import admission
 from jax_paged.serving import engine as engine_lib
 from jax_paged.serving import runner as runner_lib
@@ -743,9 +743,9 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples():
 
 def test_warmup_covers_logits_processors_and_their_context_widths():
   """After warmup(logits_processors=True), requests with and without penalties,
-  logit_bias and min_tokens, greedy and sampled, submitted between steps, compile nothing, also where decoding takes their
-  contexts past `runner.MIN_CONTEXT_WIDTH` (a wider context array). A model of its own
-  structure."""
+  logit_bias and min_tokens, greedy and sampled, submitted between steps, compile
+  nothing, also where decoding takes their contexts past `runner.MIN_CONTEXT_WIDTH` (a
+  wider context array). A model of its own structure."""
   config = gpt2.GPT2Config(vocab_size=89, n_positions=160, n_embd=16, n_layer=1, n_head=2,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(8))
@@ -768,6 +768,39 @@ def test_warmup_covers_logits_processors_and_their_context_widths():
         eng.add_request(queue.pop(0))
       done.update(e.request_id for e in eng.step() if e.finish_reason)
   assert len(done) == 12 and not compiles
+  assert_pages_back(eng)
+
+
+def test_warmup_covers_guided_requests():
+  """After warmup(guided=True), guided requests (two guides at once) beside unguided ones,
+  greedy and sampled, submitted between steps, compile nothing; each guided answer is a
+  prefix of a match, whole where it ended before its budget."""
+  config = gpt2.GPT2Config(vocab_size=90, n_positions=96, n_embd=16, n_layer=1, n_head=2,
+                           bos_token_id=None, eos_token_id=None)
+  model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(8))
+  vocab = Vocabulary(tuple(chr(33 + i).encode() for i in range(89)) + (None,), (89,))
+  guides = [Guide.from_regex(r"[a-f]{2,9}=\d{1,3}", vocab),
+            Guide.from_json_schema({"enum": ["ab", "cd", [1, 2]]}, vocab)]
+  eng = Engine(model, max_batch=4, num_pages=100, page_size=8, steps_per_call=8,
+               eos_token_id=89)
+  eng.warmup(max_prompt_tokens=16, sampling=("greedy", "sampled"), guided=True)
+  rng = np.random.default_rng(9)
+  queue = [Request(rng.integers(0, 89, rng.integers(1, 17)).tolist(), 20,
+                   temperature=0.8 * (i % 2), seed=i, guide=guides[i % 3] if i % 3 < 2 else None)
+           for i in range(12)]
+  out = {}
+  with compilations() as compiles:
+    while queue or eng.has_unfinished_requests():
+      for _ in range(min(len(queue), rng.integers(0, 3))):
+        eng.add_request(queue.pop(0))
+      for e in eng.step():
+        out.setdefault(e.request_id, []).append(e)
+  assert len(out) == 12 and not compiles
+  for rid, events in out.items():
+    if rid % 3 < 2:
+      guide, tokens = guides[rid % 3], [e.token for e in events]
+      state = guide.walk(0, tokens)
+      assert state >= 0 and (len(tokens) == 20 or guide.accepting[state])
   assert_pages_back(eng)
 
 

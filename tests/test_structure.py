@@ -11,22 +11,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool <- nn <- paged_model, tensor_parallel <- serving <- cli, server_metrics
+# kernels <- pool <- nn <- paged_model, tensor_parallel, guided <- serving <- cli, server_metrics
 # <- openai_server <- openai_batch; tool_calls <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
     "nn": {"kernels", "pool", "nn"},
     "sampling": {"sampling"},
+    "guided": {"guided"},
     "paged_model": {"pool", "paged_model"},
     "tensor_parallel": {"kernels", "pool", "nn", "tensor_parallel"},
-    "serving": {"kernels", "pool", "nn", "sampling", "paged_model", "tensor_parallel",
-                "serving"},
-    "cli": {"kernels", "paged_model", "tensor_parallel", "serving", "cli"},
+    "serving": {"kernels", "pool", "nn", "sampling", "guided", "paged_model",
+                "tensor_parallel", "serving"},
+    "cli": {"kernels", "paged_model", "tensor_parallel", "guided", "serving", "cli"},
     "server_metrics": {"serving", "server_metrics"},
     "tool_calls": {"tool_calls"},
-    "openai_server": {"paged_model", "serving", "cli", "server_metrics", "tool_calls",
-                      "openai_server"},
+    "openai_server": {"paged_model", "guided", "serving", "cli", "server_metrics",
+                      "tool_calls", "openai_server"},
     "openai_batch": {"serving", "cli", "openai_server", "openai_batch"},
 }
 

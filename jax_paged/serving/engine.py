@@ -35,10 +35,12 @@ import time
 from typing import Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 
 from jax_paged import pool as pool_lib
 from jax_paged import sampling as sampling_lib
 from jax_paged import tensor_parallel
+from jax_paged.guided import Guide
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import validation
 from jax_paged.kernels.validation import check_positive_int
@@ -52,6 +54,12 @@ from jax_paged.serving.scheduler import Scheduler, check_scheduling_policy
 
 
 # Engine.warmup's sampling kinds: the settings of the throwaway requests that compile each.
+def _any_tokens(vocab_size: int) -> Guide:
+  """A guide that allows every token (`Engine.warmup`'s guided runs: their shapes)."""
+  return Guide(np.zeros((1, vocab_size), np.int16), np.zeros(1, bool), np.ones(1, bool),
+               "any tokens")
+
+
 WARMUP_SAMPLING = {"greedy": {}, "sampled": dict(temperature=1.0),
                    "top_p": dict(temperature=1.0, top_p=0.9),
                    "min_p": dict(temperature=1.0, min_p=0.05),
@@ -245,7 +253,7 @@ class Engine:
              sampling: Sequence[str] = ("greedy",), prefix_hits: bool = False,
              max_samples: int = 1, short_chunks: bool = False,
              logprobs: bool = False, top_logprobs: bool = False,
-             logits_processors: bool = False) -> int:
+             logits_processors: bool = False, guided: bool = False) -> int:
     """Compiles, before anything is served, the device calls that batches take (as vLLM
     captures its CUDA graphs at start-up): a run otherwise compiles each new batch shape
     when it first turns up, stalling every request ~1 s (GPT-2 on an H200;
@@ -303,6 +311,9 @@ class Engine:
         own compilations, twice the runs), and such decode calls over every decode width
         with each width of the contexts they send (`runner.MIN_CONTEXT_WIDTH` times a
         power of two, up to the model's context), checked or not.
+      guided: also every call above with a guided request (`Request.guide`; their own
+        compilations, twice the runs), for guides that fit `runner.MIN_GUIDE_STATES`
+        states together.
 
     Returns:
       the throwaway runs served.
@@ -362,16 +373,18 @@ class Engine:
     # (`runner._Sampling`'s logprobs and top_logprobs): (logprobs, top_logprobs) each;
     # without logits processors and with (`runner.processor_arrays`).
     variants = [(False, 0)] + [(True, 0)] * logprobs + [(True, 1)] * top_logprobs
-    for kind, (with_logprobs, top), processed in itertools.product(
+    for kind, (with_logprobs, top), processed, with_guide in itertools.product(
         dict.fromkeys(sampling), variants,
-        (False, True) if logits_processors else (False,)):
+        (False, True) if logits_processors else (False,),
+        (False, True) if guided else (False,)):
       # The decode calls of empty rows below take the filter method of this kind's rows.
       filter_by = sampling_lib.filter_method(settings[kind].get("temperature", 0.0),
                                              settings[kind].get("top_k", 0),
                                              settings[kind].get("top_p", 1.0),
                                              settings[kind].get("min_p", 0.0))
       setting = dict(settings[kind], logprobs=with_logprobs, top_logprobs=top,
-                     repetition_penalty=1.1 if processed else 1.0)
+                     repetition_penalty=1.1 if processed else 1.0,
+                     guide=_any_tokens(self.spec.vocab_size) if with_guide else None)
       idle = dict(greedy=kind == "greedy", filter_by=filter_by, logprobs=with_logprobs,
                   top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
       for lengths, new in runs_of:

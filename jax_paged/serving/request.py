@@ -9,6 +9,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from jax_paged.guided.guide import Guide
 from jax_paged.paged_model import ModelSpec
 from jax_paged.sampling import MAX_TOP_LOGPROBS
 
@@ -77,6 +78,14 @@ class Request:
     priority: with `Engine(scheduling_policy="priority")`, arrived requests are admitted
       lower value first (vLLM's convention), and a full pool preempts the lowest
       priority's newest sequence first; an int (0 under the default "fcfs" policy).
+    guide: structured output (`jax_paged.guided.Guide`: a regular expression, a JSON
+      schema or a choice of texts over the model's vocabulary): each token is drawn from
+      those that keep the text a prefix of a match (the logits of the others -inf, after
+      the logits processors; log-probabilities stay the model's); the end tokens only
+      where the text is a whole match; the sample ends with finish_reason 'stop' once
+      nothing may follow. The engine holds each guide's table on the device while a
+      request uses it; a batch with a guided request samples through the logits (its own
+      compilations).
   """
 
   prompt: Sequence[int]
@@ -99,6 +108,7 @@ class Request:
   logit_bias: Mapping[int, float] | None = None
   min_tokens: int = 0
   priority: int = 0
+  guide: Guide | None = None
 
   @property
   def penalized(self) -> bool:
@@ -295,6 +305,14 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if r.priority and not prioritizes:
       raise ValueError(f"request {i}: priority {r.priority} needs the engine's priority "
                        "scheduling: Engine(..., scheduling_policy=\"priority\")")
+    if r.guide is not None:
+      if not isinstance(r.guide, Guide):
+        raise ValueError(f"request {i}: guide must be a jax_paged.guided.Guide or None, got "
+                         f"{type(r.guide).__name__}")
+      if r.guide.vocab_size > spec.vocab_size:
+        raise ValueError(f"request {i}: guide's vocabulary has {r.guide.vocab_size} tokens, "
+                         f"more than the model's vocab_size={spec.vocab_size}: it was built "
+                         "for another tokenizer")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

@@ -234,16 +234,17 @@ def steps_per_check(max_steps: int) -> int:
 
 
 def needs_checks(num_steps: int, max_steps: int, active: np.ndarray, budget: np.ndarray,
-                 stop_ids: np.ndarray) -> bool:
+                 stop_ids: np.ndarray, guided: bool = False) -> bool:
   """Whether a decode call of `num_steps` steps (of at most `max_steps`) can end early, and
   so needs the loop that checks between groups of steps.
 
   It cannot when it runs every step a call can (num_steps == max_steps), no active row has
-  a stop token, and some active row's budget lasts all of them: the checked loop would
-  then run every group. Arguments as `decode_loop`'s ([B] rows, stop_ids [B, S]).
+  a stop token or a guide (`guided`: some row has), and some active row's budget lasts all
+  of them: the checked loop would then run every group. Arguments as `decode_loop`'s ([B]
+  rows, stop_ids [B, S]).
   """
   active = np.asarray(active, bool)
-  return not (num_steps == max_steps and active.any()
+  return guided or not (num_steps == max_steps and active.any()
               and (np.asarray(stop_ids)[active] < 0).all()
               and np.asarray(budget)[active].max() >= max_steps)
 
@@ -252,7 +253,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
                 budget, stop_ids, seeds, temperature, top_k, top_p, min_p, *, max_steps: int,
                 greedy: bool, checked: bool, filter_by: str | None = "chunked",
                 logprobs: bool = False, top_logprobs: int = 0,
-                processors: dict[str, jax.Array] | None = None):
+                processors: dict[str, jax.Array] | None = None,
+                guides: Guides | None = None, guide_offset=None, guide_state=None):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -269,7 +271,9 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   where every row is greedy) and the `top_logprobs` (static) most likely tokens'
   (`Logprobs`); processors: None, or the rows' `processor_arrays` (each step then draws
   from `processed_logits`, counting its new tokens; log-probabilities stay the
-  model's).
+  model's); guides: None, or the guided rows' tables (`GuideTables`) with each row's
+  guide_offset (-1: unguided) and guide_state (int32 [B]): each step masks the logits
+  (`guided_logits`), advances the states and stops a row whose guide is done.
 
   Returns:
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool), with
@@ -286,17 +290,23 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   def body(_, carry):
     # `active` rows are active at `step`, which is below num_steps for any active row.
     # (out_logprobs, counts: None where not asked for)
-    step, kv, tokens, active, index, budget, out, out_logprobs, counts = carry
-    if greedy and not logprobs and processors is None:  # the argmax without the logits
-      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
+    step, kv, tokens, active, index, budget, out, out_logprobs, counts, state = carry
+    if greedy and not logprobs and processors is None and guides is None:
+      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)  # (the argmax
+      # without the logits)
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
-      new = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
-                                                  index),
-                                 seeds, index, temperature, top_k, top_p, min_p,
-                                 all_greedy=greedy, filter_by=filter_by)
+      new = sampling.sample_rows(
+          guided_logits(processed_logits(logits, processors, counts, in_prompt, index),
+                        guides, guide_offset, state),
+          seeds, index, temperature, top_k, top_p, min_p, all_greedy=greedy,
+          filter_by=filter_by)
       if processors is not None:
         counts = counts.at[jnp.arange(b), new].add(active.astype(jnp.int32))
+    guide_done = False
+    if guides is not None:
+      moved, guide_done = guided_step(guides, guide_offset, state, new)
+      state = jnp.where(active, moved, state)
     # `out` has a row for every step a group can run: no bounds check (an XLA reduction
     # kernel per step for `.at[step].set(..., mode="drop")`).
     out = jax.lax.dynamic_update_slice(out, jnp.where(active, new, -1)[None], (step, 0))
@@ -306,12 +316,12 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
           out_logprobs, Logprobs.of(logits, new, top_logprobs))
     index += active
     budget -= active
-    stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0)
+    stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (budget <= 0) | guide_done
     tokens = jnp.where(active, new, tokens)
     # Masked for the next step here, in this fusion, rather than by a kernel of its own at
     # the start of the next.
     active &= ~stopped & (step + 1 < num_steps)
-    return step + 1, kv, tokens, active, index, budget, out, out_logprobs, counts
+    return step + 1, kv, tokens, active, index, budget, out, out_logprobs, counts, state
 
   per_check = steps_per_check(max_steps) if checked else max_steps
   rows = -(-max_steps // per_check) * per_check
@@ -322,10 +332,11 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
                             jnp.zeros((rows, b, top_logprobs), jnp.int32),
                             jnp.zeros((rows, b, top_logprobs)))
   counts, in_prompt = processor_counts(processors, model.spec.vocab_size)
-  carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs, counts)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs, counts,
+           guide_state)
   group = lambda carry: jax.lax.fori_loop(0, per_check, body, carry)
-  _, kv, *_, out, out_logprobs, _ = (jax.lax.while_loop(cond, group, carry) if checked
-                                     else group(carry))
+  _, kv, *_, out, out_logprobs, _, _ = (jax.lax.while_loop(cond, group, carry) if checked
+                                        else group(carry))
   if logprobs:
     return (out[:max_steps], Logprobs(*(x[:max_steps] for x in out_logprobs))), kv
   return out[:max_steps], kv
@@ -421,6 +432,81 @@ def processed_logits(logits: jax.Array, processors: dict[str, jax.Array] | None,
                            p["presence"])
 
 
+class Guides(NamedTuple):
+  """The guides' token tables on the device (`GuideTables`): table int16 [states, V],
+  each guide's `Guide.table` from its offset; done bool [states], `Guide.done`."""
+
+  table: jax.Array
+  done: jax.Array
+
+
+def guided_logits(logits: jax.Array, guides: Guides | None, offset: jax.Array,
+                  state: jax.Array) -> jax.Array:
+  """logits [B, V] with the tokens that each guided row's state does not allow at -inf;
+  offset int32 [B]: its guide's first row in `guides` (-1: an unguided row), state int32
+  [B]: its state in its guide. As they are without guides."""
+  if guides is None:
+    return logits
+  allowed = guides.table[jnp.maximum(offset + state, 0)] >= 0
+  return jnp.where(allowed | (offset < 0)[:, None], logits, -jnp.inf)
+
+
+def guided_step(guides: Guides, offset: jax.Array, state: jax.Array, tokens: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+  """(int32 [B] each guided row's state after its token tokens [B] (others' as they
+  were), bool [B] whether it is done: nothing may follow)."""
+  at = jnp.maximum(offset + state, 0)
+  new = jnp.where(offset >= 0, guides.table[at, tokens].astype(jnp.int32), state)
+  return new, (offset >= 0) & guides.done[jnp.maximum(offset + new, 0)]
+
+
+class GuideTables:
+  """The token tables (`Guide.table`, `Guide.done`) of the guides that requests use, held
+  on the device as one array (`Guides`), each guide from an offset.
+
+  `place(guides)` returns each guide's offset, uploading the ones not there: the array is
+  then rebuilt from the guides asked for and those it holds still asked for before
+  (`place` is given every running sequence's guide), its rows bucketed to a power of two
+  times MIN_GUIDE_STATES (one compilation of the calls per size). A guide's table is one
+  row of the vocabulary per state (int16): ~33 MB for a JSON object's 329 states with
+  GPT-2's vocabulary.
+  """
+
+  def __init__(self, vocab_size: int, mesh: Mesh | None = None):
+    self.vocab_size, self.mesh = vocab_size, mesh
+    self.guides: Guides | None = None
+    self.offsets: dict = {}  # guide -> its first row
+
+  def place(self, guides: set) -> dict:
+    """{guide: offset} for `guides` (`jax_paged.guided.Guide`s), all on the device."""
+    if not guides or guides.issubset(self.offsets):
+      return self.offsets
+    keep = [g for g in self.offsets if g in guides] + [g for g in guides
+                                                      if g not in self.offsets]
+    sizes = [g.num_states for g in keep]
+    rows = bucket(sum(sizes), MIN_GUIDE_STATES)
+    table = np.full((rows, self.vocab_size), -1, np.int16)
+    done = np.zeros((rows,), bool)
+    self.offsets, at = {}, 0
+    for g, n in zip(keep, sizes):
+      table[at:at + n, :g.vocab_size] = g.table
+      done[at:at + n] = g.done
+      self.offsets[g] = at
+      at += n
+    self.guides = None  # (the old array freed before the new one is uploaded)
+    put = (jax.device_put if self.mesh is None else functools.partial(
+        jax.device_put, device=jax.sharding.NamedSharding(self.mesh,
+                                                          jax.sharding.PartitionSpec())))
+    self.guides = Guides(put(table), put(done))
+    return self.offsets
+
+
+# The fewest rows of `GuideTables`' array (a power of two times this): each size is a
+# compilation of every guided call's shape, so one size holds most uses (a JSON schema's
+# guide has ~100-700 states; 1024 rows of GPT-2's vocabulary take 103 MB).
+MIN_GUIDE_STATES = 1024
+
+
 # A jitted call copies each numpy argument to the device on its own: nine of them cost
 # ~215 µs of a decode call's ~840 µs of fixed host time (H200, benchmarks/LOG.md, "Engine /
 # decode loop"), while the GPU waited. So each call's host arrays travel as one.
@@ -481,7 +567,7 @@ class JittedSteps:
     def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
 
-    def prefill_sample(leaves, kv, packed, *, layout: Layout, greedy: bool,
+    def prefill_sample(leaves, kv, packed, guides=None, *, layout: Layout, greedy: bool,
                        filter_by: str | None, logprobs: bool = False,
                        top_logprobs: int = 0, prompt_top_logprobs: int = 0):
       """Packed: tokens, lengths, seq_ids, start and attach_ids / attach_pages (absent:
@@ -490,7 +576,9 @@ class JittedSteps:
       second phase's follow_tokens, follow_lengths, follow_ids, follow_start and
       follow_src (absent: no second phase), fork_src, fork_dst, sample_rows (into both
       phases' rows) and the sample rows' seeds, index, temperature, top_k, top_p, min_p
-      and `processor_arrays` (absent: none). Returns ((int32 [samples] tokens, their
+      and `processor_arrays` (absent: none), and with `guides` (`GuideTables`) the
+      sample rows' guide_offset and guide_state (`guided_logits`). Returns ((int32
+      [samples] tokens, their
       `Logprobs` with `logprobs` else None, the scored rows' `prompt_logprobs` (with
       `prompt_top_logprobs` most likely tokens) or None); the pool)."""
       a = unpack_arrays(packed, layout)
@@ -517,24 +605,26 @@ class JittedSteps:
       logits = logits[a["sample_rows"]]
       processors = take_processors(a)
       counts, in_prompt = processor_counts(processors, logits.shape[-1])
-      tokens = sampling.sample_rows(processed_logits(logits, processors, counts, in_prompt,
-                                                     a["index"]),
+      tokens = sampling.sample_rows(guided_logits(
+          processed_logits(logits, processors, counts, in_prompt, a["index"]), guides,
+          a.get("guide_offset"), a.get("guide_state")),
                                     a["seeds"], a["index"], a["temperature"],
                                     a["top_k"], a["top_p"], a["min_p"], all_greedy=greedy,
                                     filter_by=filter_by)
       lp = Logprobs.of(logits, tokens, top_logprobs) if logprobs else None
       return (tokens, lp, scored), kv
 
-    def loop(leaves, kv, packed, *, layout: Layout, max_steps: int, greedy: bool,
-             checked: bool, filter_by: str | None, logprobs: bool = False,
+    def loop(leaves, kv, packed, guides=None, *, layout: Layout, max_steps: int,
+             greedy: bool, checked: bool, filter_by: str | None, logprobs: bool = False,
              top_logprobs: int = 0):
-      """Packed: `decode_loop`'s num_steps and per-row arguments, by name, and the
-      `processor_arrays` if any."""
+      """Packed: `decode_loop`'s num_steps and per-row arguments, by name (guide_offset and
+      guide_state with `guides`), and the `processor_arrays` if any."""
       a = unpack_arrays(packed, layout)
       processors = take_processors(a)
       return decode_loop(model(leaves), kv, max_steps=max_steps, greedy=greedy,
                          checked=checked, filter_by=filter_by, logprobs=logprobs,
-                         top_logprobs=top_logprobs, processors=processors, **a)
+                         top_logprobs=top_logprobs, processors=processors, guides=guides,
+                         **a)
 
     self._model, self._sharding, self._jitted = model, sharding, {}
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
@@ -725,6 +815,7 @@ class ModelRunner:
     # Whether prefills can give prompt log-probabilities (`Request.prompt_logprobs`).
     self.scores_prompts = offers_prompt_logprobs(model)
     self.mesh = mesh
+    self.guide_tables = GuideTables(self.spec.vocab_size, mesh)
     if mesh is None:
       graphdef, params = nnx.split(model)
       self.leaves = jax.tree.leaves(params)
@@ -752,12 +843,12 @@ class ModelRunner:
 
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
                   filter_by: str | None = "chunked", logprobs: bool = False,
-                  top_logprobs: int = 0, **rows: np.ndarray):
+                  top_logprobs: int = 0, guides: Guides | None = None, **rows: np.ndarray):
     """`decode_loop`: num_steps and the per-row arguments (numpy, by name; and the
-    `processor_arrays` where a row has logits processors) travel as the call's one
-    host-to-device copy (`pack_arrays`)."""
+    `processor_arrays` where a row has logits processors, guide_offset and guide_state
+    with `guides`) travel as the call's one host-to-device copy (`pack_arrays`)."""
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
-    return self.jitted.decode_loop(self.leaves, kv, packed, layout=layout,
+    return self.jitted.decode_loop(self.leaves, kv, packed, guides, layout=layout,
                                    max_steps=max_steps, greedy=greedy, checked=checked,
                                    filter_by=filter_by, logprobs=logprobs,
                                    top_logprobs=top_logprobs)
@@ -818,10 +909,13 @@ class ModelRunner:
     (`_read_back`; two with both a prefill and a decode chunk) as `Executed`."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
     first = decoded = first_lp = decoded_lp = scored = None
+    sequences = [*plan.rows, *(s for c in plan.prefill for _, s in c.samples)]
+    offsets = self.guide_tables.place({s.request.guide for s in sequences
+                                       if s is not None and s.request.guide is not None})
     if plan.prefill:
-      (first, first_lp, scored), kv = self._prefill_plan(kv, plan)
+      (first, first_lp, scored), kv = self._prefill_plan(kv, plan, offsets)
     if plan.decode_steps:
-      decoded, decoded_lp, kv = self._decode_plan(kv, plan)
+      decoded, decoded_lp, kv = self._decode_plan(kv, plan, offsets)
     # A call with both reads its first tokens apart: one `_packed` program per
     # combination of their shapes would compile anew mid-run.
     apart = None
@@ -845,7 +939,19 @@ class ModelRunner:
     return kv, Executed(first, decoded, page_table, int(num_free), first_lp, decoded_lp,
                         scored)
 
-  def _prefill_plan(self, kv, plan):
+  def _guided_rows(self, rows: Sequence, offsets: dict) -> tuple[Guides | None, dict]:
+    """(The guides' device tables, each row's guide_offset and guide_state (int32 [len(rows)];
+    -1 / 0 for unguided and empty rows)) if a row has a guide, else (None, {})."""
+    guided = [i for i, s in enumerate(rows) if s is not None and s.request.guide is not None]
+    if not guided:
+      return None, {}
+    offset = np.full((len(rows),), -1, np.int32)
+    state = np.zeros((len(rows),), np.int32)
+    offset[guided] = [offsets[rows[i].request.guide] for i in guided]
+    state[guided] = [rows[i].guide_state for i in guided]
+    return self.guide_tables.guides, dict(guide_offset=offset, guide_state=state)
+
+  def _prefill_plan(self, kv, plan, offsets: dict):
     first = [c for c in plan.prefill if c.follows is None]
     second = [c for c in plan.prefill if c.follows is not None]
     tokens, lengths, seq_ids, start = _chunk_rows(first, kv.page_size)
@@ -888,6 +994,7 @@ class ModelRunner:
     sample_rows[:len(samples)] = [j for j, _ in samples]
     seqs = [s for _, s in samples] + [None] * (m - len(samples))
     sampling_ = _Sampling.of(seqs)
+    guides, guided = self._guided_rows(seqs, offsets)
     fork_src, fork_dst = np.full((2, m), -1, np.int32)
     if forks:
       fork_src[:len(forks)], fork_dst[:len(forks)] = zip(*forks)
@@ -897,16 +1004,17 @@ class ModelRunner:
         fork_src=fork_src, fork_dst=fork_dst,
         sample_rows=sample_rows,
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
-        **sampling_.arrays(), **processor_arrays(seqs))
-    return self.jitted.prefill_sample(self.leaves, kv, packed, layout=layout,
+        **sampling_.arrays(), **processor_arrays(seqs), **guided)
+    return self.jitted.prefill_sample(self.leaves, kv, packed, guides, layout=layout,
                                       greedy=sampling_.greedy, filter_by=sampling_.filter_by,
                                       logprobs=sampling_.logprobs,
                                       top_logprobs=sampling_.top_logprobs,
                                       prompt_top_logprobs=prompt_top)
 
-  def _decode_plan(self, kv, plan):
+  def _decode_plan(self, kv, plan, offsets: dict):
     """The plan's decode chunk over its first `decode_width(plan.rows)` slots."""
     rows, max_steps = plan.rows[:decode_width(plan.rows)], plan.max_steps
+    guides, guided = self._guided_rows(rows, offsets)
     stops = [list(s.stop_token_ids) if s is not None else [] for s in rows]
     stop_ids = np.full((len(rows), bucket(max(map(len, stops)), MIN_STOP_IDS)), -1,
                        np.int32)
@@ -915,13 +1023,13 @@ class ModelRunner:
     active = np.array([s is not None for s in rows])
     budget = np.array([s.budget if s else 0 for s in rows], np.int32)
     steps = plan.decode_steps
-    checked = needs_checks(steps, max_steps, active, budget, stop_ids)
+    checked = needs_checks(steps, max_steps, active, budget, stop_ids, bool(guided))
     per_check = steps_per_check(max_steps)
     if checked and steps < per_check:
       # A chunk cut short (by the free pages) in a loop of its own length, rounded up to a
       # power of two (a few more compilations): in a whole group the rest would run idle.
       max_steps = bucket(steps, 1)
-      checked = needs_checks(steps, max_steps, active, budget, stop_ids)
+      checked = needs_checks(steps, max_steps, active, budget, stop_ids, bool(guided))
     elif checked and steps > per_check:
       # Whole groups of checked steps: a partial group would run idle steps to its end.
       steps -= steps % per_check
@@ -929,8 +1037,9 @@ class ModelRunner:
     out, kv = self.decode_loop(
         kv, steps, max_steps=max_steps, greedy=sampling_.greedy, checked=checked,
         filter_by=sampling_.filter_by, logprobs=sampling_.logprobs,
-        top_logprobs=sampling_.top_logprobs,
+        top_logprobs=sampling_.top_logprobs, guides=guides,
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
-        budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **processor_arrays(rows))
+        budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **processor_arrays(rows),
+        **guided)
     return (*(out if sampling_.logprobs else (out, None)), kv)

@@ -84,6 +84,7 @@ class RunningRequest:
   # Aborted (`Scheduler.abort` of this sample) while its prefill is still needed by the
   # samples forked from it: it retires after that prefill, its token undelivered.
   aborted: bool = False
+  guide_state: int = 0    # with `Request.guide`: its state after the tokens so far
 
   @property
   def seed(self) -> int:
@@ -387,6 +388,8 @@ class Scheduler:
         self.slots[slot] = RunningRequest(
             rid, request, self.prompts[rid], list(done), self._admissions, stops, j,
             context_length if slot == first else 0, 0, None if slot == first else first)
+      if request.guide is not None and done:  # (one preempted sample: its state so far)
+        self.slots[first].guide_state = request.guide.walk(0, done)
       if request.prompt_logprobs and not done:  # (a preempted one has delivered them)
         s = self.slots[first]
         s.prompt_logprobs = [None]
@@ -529,6 +532,8 @@ class Scheduler:
       return "abort"
     if s.tokens[-1] in s.stop_token_ids:
       return "stop"
+    if s.request.guide is not None and s.request.guide.done[s.guide_state]:
+      return "stop"
     if not s.budget:
       return "length"
     return None
@@ -609,6 +614,11 @@ class Scheduler:
     for slot, t in new.items():
       s = self.slots[slot]
       s.tokens += t
+      if s.request.guide is not None:
+        s.guide_state = s.request.guide.walk(s.guide_state, t)
+        if s.guide_state < 0:  # the device masks such tokens: the two disagree
+          raise RuntimeError(f"request {s.request_id}: a token its guide does not allow was "
+                             f"generated ({t}): a bug")
       reason = self._stop_reason(s)
       if reason is not None:
         self._finished.append(slot)
