@@ -36,7 +36,10 @@ the choices carry `token_ids` (streamed: each chunk's) and `prompt_token_ids`, f
 clients that work in token ids or models without a tokenizer; `priority`, lower first,
 with `--scheduling-policy priority`; `guided_choice`, texts the answer is one of: the most
 likely, each scored whole after the prompt, or drawn by their likelihoods with a
-temperature). An unknown field,
+temperature); structured output (`jax_paged.guided`): OpenAI's `response_format`
+(json_object, json_schema) and vLLM's `guided_json`, `guided_regex` and
+`structured_outputs` (json, regex, choice, json_object), each answer guided token by token
+to a match. An unknown field,
 a wrong type or a value out of range is answered 400 with an OpenAI error object naming
 the field. `max_tokens: 0` with `echo` scores the prompt (lm-evaluation-harness'
 log-likelihoods). Without a `seed`, each request draws one at random. Chat completions
@@ -44,8 +47,9 @@ take `messages` (text content only; assistants' `tool_calls` and `tool` messages
 `max_completion_tokens` (or `max_tokens`; default: the rest of the context), `logprobs`
 (true / false), `top_logprobs`, `add_generation_prompt` (default true), and `tools`,
 `tool_choice` ("auto", the default with tools, needs `--tool-call-parser`; "none" leaves
-the tools out of the prompt) and `parallel_tool_calls` instead of the prompt fields; the
-calls an answer writes in its model's format come back as OpenAI's `tool_calls`.
+the tools out of the prompt; "required" or a named function guides the answer to calls of
+the tools) and `parallel_tool_calls` instead of the prompt fields; the calls an answer
+writes come back as OpenAI's `tool_calls`.
 
 Text: a completion's text leaves out the stop text that ended it and a final stop token
 (eos), as OpenAI's and vLLM's do; its tokens count in `usage`. A streamed text holds
@@ -81,13 +85,16 @@ from typing import Any, Callable, Iterator, Sequence
 from jax_paged.cli import (BYTES, CLIError, Codec, _float_in, _notice, add_engine_arguments,
                            add_model_arguments, load_model, load_tokenizer, make_engine,
                            model_families, parse_model_args)
+from jax_paged.guided import Guide, GuideCache
 from jax_paged.paged_model import ModelFamily, ModelSpec
 from jax_paged.serving.engine import WARMUP_SAMPLING, Engine
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess, Submission
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
 from jax_paged.serving.scheduler import SCHEDULING_POLICIES
 from jax_paged.server_metrics import ServerMetrics
-from jax_paged.tool_calls import PARSERS as TOOL_PARSERS, ToolCall, ToolParser
+from jax_paged.tool_calls import (PARSERS as TOOL_PARSERS, NamedCallParser,
+                                  RequiredCallsParser, ToolCall, ToolParser,
+                                  required_calls_schema)
 
 PROG = "jax-paged-serve"
 # The fields both endpoints take: OpenAI's, then vLLM's sampling extras.
@@ -95,7 +102,8 @@ SAMPLING_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "return_token_ids", "priority", "guided_choice")
+    "return_token_ids", "priority", "guided_choice", "response_format", "guided_json",
+    "guided_regex", "structured_outputs")
 COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
                                  "top_logprobs", "add_generation_prompt", "tools",
@@ -230,6 +238,13 @@ class Served:
   chat_template: ChatTemplate | None = None
   tool_parser: ToolParser | None = None  # how chat answers' tool calls are read
   prioritizes: bool = False  # the engine schedules by priority (`Request.priority`)
+  # Structured output's guides over the codec's vocabulary (None without a codec).
+  guides: GuideCache | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __post_init__(self):
+    if self.guides is None and self.codec is not None:
+      object.__setattr__(self, "guides", GuideCache(self.codec.token_bytes,
+                                                    self.eos_token_ids))
 
 
 @dataclasses.dataclass
@@ -403,16 +418,18 @@ def _message_text(message: Any, i: int) -> dict:
   return dict(message, content=content)
 
 
-def _tools(body: dict, served: Served) -> tuple[list[dict] | None, ToolParser | None]:
+def _tools(body: dict, served: Served
+           ) -> tuple[list[dict] | None, ToolParser | None, dict | None]:
   """`tools` and `tool_choice`: (the tools the prompt shows, the parser of the answer's
-  calls), both None without tools or with tool_choice "none". "auto" (the default with
-  tools) needs the server's --tool-call-parser; "required" and a named function would need
-  constrained decoding, which the engine does not do."""
+  calls, the JSON schema a guide holds the answer to), all None without tools or with
+  tool_choice "none". "auto" (the default with tools) needs the server's
+  --tool-call-parser (the model's format, unguided); "required" (a list of calls,
+  `required_calls_schema`) and a named function (its arguments) are guided (vLLM's)."""
   tools, choice = body.get("tools"), body.get("tool_choice")
   if tools is None:
     if choice not in (None, "none"):
       raise APIError(400, "tool_choice needs tools", "tool_choice")
-    return None, None
+    return None, None, None
   name = re.compile(r"[A-Za-z0-9_-]{1,64}")
   if not (isinstance(tools, list) and tools and all(
       isinstance(t, dict) and t.get("type") == "function" and set(t) <= {"type", "function"}
@@ -426,14 +443,27 @@ def _tools(body: dict, served: Served) -> tuple[list[dict] | None, ToolParser | 
                         "\"description\", \"parameters\" (a JSON schema)}}", "tools")
   choice = "auto" if choice is None else choice
   if choice == "none":
-    return None, None
+    return None, None, None
+  if choice == "required":
+    return (tools, RequiredCallsParser(),
+            required_calls_schema(tools, _boolean(body, "parallel_tool_calls", True)))
+  if isinstance(choice, dict):
+    named = choice.get("function", {}).get("name") if isinstance(
+        choice.get("function"), dict) else None
+    chosen = [t for t in tools if t["function"]["name"] == named]
+    if choice.get("type") != "function" or not chosen:
+      raise APIError(400, f"tool_choice {choice!r:.100} must be {{\"type\": \"function\", "
+                          "\"function\": {\"name\": NAME}} naming one of the tools",
+                     "tool_choice")
+    schema = chosen[0]["function"].get("parameters") or {"type": "object"}
+    return tools, NamedCallParser(named), schema
   if choice != "auto":
-    raise APIError(400, f"tool_choice {choice!r:.100} would need constrained decoding, which "
-                        "this server does not do: \"auto\" or \"none\"", "tool_choice")
+    raise APIError(400, f"tool_choice must be \"auto\", \"none\", \"required\" or a "
+                        f"named function, got {choice!r:.100}", "tool_choice")
   if served.tool_parser is None:
     raise APIError(400, "tool calls need the server started with --tool-call-parser "
                         f"({', '.join(TOOL_PARSERS)}, the model's format)", "tool_choice")
-  return tools, served.tool_parser
+  return tools, served.tool_parser, None
 
 
 def _chat_prompt(body: dict, served: Served, add_special_tokens: bool = False,
@@ -506,6 +536,73 @@ def engine_refusal(error: ValueError) -> APIError:
   return APIError(400, str(error).replace("requests[", "prompt["))
 
 
+# Structured output's fields, each a way to give the one guide of a request.
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "structured_outputs")
+
+
+def _guide(body: dict, served: Served, tool_schema: dict | None) -> Guide | None:
+  """The guide of `response_format` (OpenAI's json_object / json_schema), vLLM's
+  `guided_json` / `guided_regex` and `structured_outputs` (json, regex, choice,
+  json_object), or tool_choice's `tool_schema`: at most one; None without."""
+  given = [name for name in GUIDE_FIELDS if body.get(name) is not None]
+  fmt = body.get("response_format")
+  if fmt is not None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text" and set(fmt) == {"type"}:
+      given.remove("response_format")
+    elif not (kind == "json_object" and set(fmt) == {"type"}) and not (
+        kind == "json_schema" and set(fmt) == {"type", "json_schema"}
+        and isinstance(fmt["json_schema"], dict) and isinstance(
+            fmt["json_schema"].get("schema", {}), (dict, bool))):
+      raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": "
+                          "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                          "{\"name\", \"schema\", \"strict\"}}", "response_format")
+  if tool_schema is not None:
+    given.append("tool_choice")
+  if len(given) + (body.get("guided_choice") is not None and bool(given)) > 1:
+    fields = given + ["guided_choice"] * (body.get("guided_choice") is not None)
+    raise APIError(400, f"{' and '.join(fields)} each set what the answer must be: give "
+                        "one", fields[-1])
+  if not given:
+    return None
+  field = given[0]
+  if served.guides is None:
+    raise APIError(400, f"{field} needs a tokenizer, and this model has none", field)
+  value = body.get(field)
+  try:
+    if field == "tool_choice":
+      return served.guides.json_schema(tool_schema)
+    if field == "response_format":
+      return served.guides.json_schema(value["json_schema"].get("schema", True)
+                                       if value["type"] == "json_schema" else None)
+    if field == "guided_json":
+      if not isinstance(value, (dict, str)):
+        raise APIError(400, "guided_json must be a JSON schema (an object, or its text)",
+                       field)
+      return served.guides.json_schema(value)
+    if field == "guided_regex":
+      if not isinstance(value, str):
+        raise APIError(400, "guided_regex must be a regular expression (a text)", field)
+      return served.guides.regex(value)
+    kinds = {"json", "regex", "choice", "json_object"}
+    if not (isinstance(value, dict) and len(value) == 1 and set(value) <= kinds):
+      raise APIError(400, "structured_outputs must hold one of json (a schema), regex, "
+                          "choice (a list of texts) or json_object (true)", field)
+    (kind, spec), = value.items()
+    if kind == "json" and isinstance(spec, (dict, str, bool)):
+      return served.guides.json_schema(spec)
+    if kind == "regex" and isinstance(spec, str):
+      return served.guides.regex(spec)
+    if kind == "choice" and isinstance(spec, list):
+      return served.guides.choices(spec)
+    if kind == "json_object" and spec is True:
+      return served.guides.json_schema(None)
+    raise APIError(400, f"structured_outputs.{kind} has the wrong type: {spec!r:.100}",
+                   field)
+  except ValueError as e:  # (RegexError, SchemaError: what is not supported, and why)
+    raise APIError(400, f"{field}: {e}", field) from None
+
+
 def _guided_choice(body: dict, served: Served, prompts: list[list[int]], *, chat: bool,
                    n: int, stream: bool, include_usage: bool, temperature: float, seed: int,
                    priority: int) -> Completion:
@@ -547,7 +644,7 @@ def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
   the tokenizer's own special tokens (the template writes them), as transformers'
   `apply_chat_template` does. Raises APIError naming the field at fault."""
   _check_body(body, served, CHAT_FIELDS)
-  tools, parser = _tools(body, served)
+  tools, parser, forced = _tools(body, served)
   parallel = _boolean(body, "parallel_tool_calls", True)
   ids = _chat_prompt(body, served, tools=tools)
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
@@ -559,15 +656,17 @@ def parse_chat(body: Any, served: Served, rng: random.Random) -> Completion:
     raise APIError(400, "top_logprobs needs logprobs true", "top_logprobs")
   return dataclasses.replace(
       _completion(body, served, rng, [ids], max_tokens, chat=True, echo=False,
-                  logprobs=(top or 0) if logprobs else None, scores_only=False),
+                  logprobs=(top or 0) if logprobs else None, scores_only=False,
+                  tool_schema=forced),
       tool_parser=parser, parallel_tool_calls=parallel)
 
 
 def _completion(body: dict, served: Served, rng: random.Random, prompts: list[list[int]],
                 max_tokens: int | None, *, chat: bool, echo: bool, logprobs: int | None,
-                scores_only: bool) -> Completion:
+                scores_only: bool, tool_schema: dict | None = None) -> Completion:
   """The fields both endpoints share, and the engine requests (`max_tokens` None: the rest
-  of the model's context)."""
+  of the model's context; `tool_schema`: the JSON schema tool_choice holds the answer
+  to)."""
   n = _integer(body, "n", 1, 1)
   stream = _boolean(body, "stream")
   options = body.get("stream_options")
@@ -633,6 +732,7 @@ def _completion(body: dict, served: Served, rng: random.Random, prompts: list[li
   if user is not None and not isinstance(user, str):
     raise APIError(400, f"user must be a text, got {user!r}", "user")
   limit = served.spec.max_positions
+  guide = _guide(body, served, tool_schema)
   if body.get("guided_choice") is not None:
     return _guided_choice(body, served, prompts, chat=chat, n=n, stream=stream,
                           include_usage=include_usage, temperature=temperature, seed=seed,
@@ -655,7 +755,7 @@ def _completion(body: dict, served: Served, rng: random.Random, prompts: list[li
         top_logprobs=logprobs or 0, prompt_logprobs=echo and logprobs is not None,
         repetition_penalty=repetition, frequency_penalty=frequency,
         presence_penalty=presence, logit_bias=bias, min_tokens=min_tokens,
-        priority=priority))
+        priority=priority, guide=guide))
   return Completion(requests, prompts, chat, echo, logprobs, stream, include_usage,
                     scores_only, _boolean(body, "return_token_ids"))
 

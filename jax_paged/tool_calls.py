@@ -4,12 +4,17 @@ A model trained for function calling writes its calls in a format of its own aft
 tools were rendered into its prompt (by its chat template). A parser knows one format:
 `content_end(text)`, how much of a text still growing is settled answer text (a streamed
 answer holds back what may be calls), and `parse(text)`, the whole text's answer text and
-calls. A text whose calls do not parse stays text, as in vLLM. Two formats:
+calls. A text whose calls do not parse stays text, as in vLLM. Two formats of models':
 
   hermes        `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per
                 call, after optional text (Qwen2 / Qwen2.5, Hermes 2 / 3)
   llama3_json   the answer is the calls: `{"name": ..., "parameters": {...}}` objects,
                 separated by ";" (Llama 3.1 / 3.2 / 3.3 with JSON tool calling)
+
+and two of answers a guide forced (`tool_choice` required / a named function, vLLM's):
+`NamedCallParser(name)`, the answer is that function's arguments object, and
+`RequiredCallsParser`, the answer is a list of `{"name": ..., "parameters": {...}}`
+(`required_calls_schema`).
 """
 
 from __future__ import annotations
@@ -90,6 +95,50 @@ class Llama3JsonParser:
     return "", calls
 
 
-ToolParser = HermesParser | Llama3JsonParser
+class NamedCallParser(NamedTuple):
+  """An answer that is the arguments object of the function `name` (tool_choice naming
+  it: a guide held it to the function's parameters schema)."""
+
+  name: str
+
+  def content_end(self, text: str) -> int:
+    return 0
+
+  def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    try:
+      return "", [_call({"name": self.name, "arguments": json.loads(text)}, "arguments")]
+    except ValueError:  # (cut short by max_tokens)
+      return text, []
+
+
+class RequiredCallsParser:
+  """An answer that is a list of calls `{"name": ..., "parameters": {...}}`
+  (tool_choice required: a guide held it to `required_calls_schema`)."""
+
+  def content_end(self, text: str) -> int:
+    return 0
+
+  def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    try:
+      calls = json.loads(text)
+      if not isinstance(calls, list):
+        raise ValueError(text)
+      return "", [_call(call, "parameters") for call in calls]
+    except ValueError:  # (cut short by max_tokens)
+      return text, []
+
+
+def required_calls_schema(tools: list[dict], parallel: bool) -> dict:
+  """The JSON schema of one or more calls of `tools` (OpenAI's tool objects), at most one
+  unless `parallel` (vLLM's for tool_choice required)."""
+  calls = [{"type": "object", "properties": {
+      "name": {"const": t["function"]["name"]},
+      "parameters": t["function"].get("parameters") or {"type": "object"}},
+            "required": ["name", "parameters"]} for t in tools]
+  return {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+          **({} if parallel else {"maxItems": 1})}
+
+
+ToolParser = HermesParser | Llama3JsonParser | NamedCallParser | RequiredCallsParser
 
 PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}

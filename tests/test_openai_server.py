@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.error
+import unittest.mock
 import urllib.request
 
 import jax.numpy as jnp
@@ -25,6 +26,8 @@ from jax_paged import Engine, Request, TokenEvent
 from jax_paged.cli import BYTES, load_tokenizer, model_families
 from jax_paged import openai_server
 from jax_paged.openai_server import ChatTemplate, OpenAIServer, Served
+from jax_paged.guided import Guide, Vocabulary
+from jax_paged.serving import engine_loop
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess
 from jax_paged.serving.request import validate_requests
 from models import gpt2
@@ -230,6 +233,16 @@ def test_engine_process_serves_as_the_thread_loop(served):
     assert got == want and [len(got[k]) for k in sorted(got)] == [9, 6, 6]
     # The engine's stats cross with its events: the first run's, idle after it.
     assert process.stats == (0, 0, 0, 0, 160, 5, 0, 21, 0)
+    # Guides cross by reference: sent once, forgotten beyond the process's limit.
+    guides = [Guide.from_regex(r"[a-c]{3}\d", Vocabulary.of_bytes()),
+              Guide.from_choices(["yes", "no"], Vocabulary.of_bytes())]
+    guided = [Request([5, 6], 8, temperature=1.0, seed=i, guide=guides[i % 2])
+              for i in range(4)]
+    with unittest.mock.patch.object(engine_loop, "MAX_PROCESS_GUIDES", 1):
+      for batch, held in ((guided, 2), (guided[:1], 1), (guided, 2)):
+        got, want = (tokens(p.submit(batch)) for p in (process, loop))
+        assert got == want and len(process._guides) == held
+    assert {bytes(got[i, 0]).decode() for i in (1, 3)} <= {"yes", "no"}
     with pytest.raises(ValueError, match=r"^requests\[1\]: prompt is empty"):
       process.submit([Request([1], 2), Request([], 2)]).accepted()
     sub = process.submit([Request([4, 5], 400)])
@@ -692,7 +705,9 @@ def test_tool_calls_in_answers_whole_and_streamed(model, parser, answer, content
 @pytest.mark.parametrize("fields,param,message", [
     ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": "anything"}, "tool_choice", "named function"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice", "naming one of the tools"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters"),
     ({"tools": [{"function": {"name": "f"}}]}, "tools", "non-empty list"),
     ({"tools": []}, "tools", "non-empty list"),
@@ -1085,3 +1100,122 @@ def test_serve_command():
   finally:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "admin": {"type": "boolean"},
+    "role": {"enum": ["dev", "ops", None]}}, "required": ["name", "admin"]}
+
+
+def _stream_text(chunks: list[str], chat: bool = False) -> str:
+  parts = [json.loads(c) for c in chunks if c != "[DONE]"]
+  if chat:
+    return "".join(p["choices"][0]["delta"].get("content") or "" for p in parts
+                   if p["choices"])
+  return "".join(p["choices"][0]["text"] for p in parts if p["choices"])
+
+
+def test_structured_outputs_hold_every_answer(served):
+  """response_format, guided_json / guided_regex and structured_outputs: each answer
+  (greedy and sampled, streamed or not, completions and chat) is a match."""
+  url, _, what = served
+  jsonschema = pytest.importorskip("jsonschema")
+  base = {"prompt": ["a person:", "who?"], "max_tokens": 80, "n": 2, "temperature": 1.0,
+          "seed": 3}
+  status, answer = post(url, dict(base, response_format={
+      "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}))
+  assert status == 200 and len(answer["choices"]) == 4
+  for choice in answer["choices"]:
+    assert choice["finish_reason"] == "stop"  # (done at the closing brace: no eos here)
+    jsonschema.validate(json.loads(choice["text"]), PERSON)
+  status, answer = post(url, dict(base, guided_regex=r"\d{3}-[a-z]{2,4}", temperature=0))
+  for choice in answer["choices"]:
+    assert re.fullmatch(r"\d{3}-[a-z]{2,4}", choice["text"]), choice
+  status, answer = post(url, dict(base, structured_outputs={"choice": ["red", "green"]}))
+  assert {c["text"] for c in answer["choices"]} <= {"red", "green"}
+  # json_object: any object; a sample cut short by max_tokens is a prefix of one.
+  guide = what.guides.json_schema(None)
+  status, answer = post(url, dict(base, max_tokens=40, response_format={
+      "type": "json_object"}))
+  for choice in answer["choices"]:
+    if choice["finish_reason"] == "stop":
+      assert isinstance(json.loads(choice["text"]), dict)
+    else:
+      assert guide.walk(0, list(choice["text"].encode())) >= 0
+  status, chunks = post(url, dict(base, guided_json=PERSON, stream=True, n=1, prompt="x"))
+  jsonschema.validate(json.loads(_stream_text(chunks)), PERSON)
+  status, answer = post(url, {"messages": [{"role": "user", "content": "json"}],
+                              "max_tokens": 80, "response_format": {
+                                  "type": "json_schema", "json_schema": {"schema": PERSON}}},
+                        "/v1/chat/completions")
+  jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), PERSON)
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"response_format": {"type": "xml"}}, "response_format", "json_object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"guided_regex": "(a)\\1"}, "guided_regex", "backreferences"),
+    ({"guided_regex": 3}, "guided_regex", "a text"),
+    ({"guided_json": {"type": "integer", "maximum": 3}}, "guided_json", "maximum"),
+    ({"guided_json": PERSON, "guided_regex": "a"}, "guided_regex", "give one"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "one of"),
+    ({"structured_outputs": {"choice": "a"}}, "structured_outputs", "wrong type"),
+])
+def test_bad_structured_outputs_are_named(served, fields, param, message):
+  url, _, _ = served
+  status, answer = post(url, dict({"prompt": "x", "max_tokens": 2}, **fields))
+  assert status == 400 and answer["error"]["param"] == param
+  assert message in answer["error"]["message"], answer
+
+
+def test_a_guide_needs_a_tokenizer(model):
+  served = Served("tiny", model.spec, None, ())
+  with pytest.raises(openai_server.APIError, match="guided_regex needs a tokenizer"):
+    openai_server.parse_completion({"prompt": [1, 2], "guided_regex": "a"}, served,
+                                   random.Random(0))
+
+
+FORECAST = {"type": "function", "function": {
+    "name": "forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 4}, "metric": {"type": "boolean"}},
+        "required": ["city", "metric"]}}}
+TIME = {"type": "function", "function": {"name": "t", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "forecast"}}])
+def test_tool_choice_required_and_named_are_guided_calls(model, choice):
+  """tool_choice required / a named function: the answer is guided to calls of the
+  tools (no --tool-call-parser needed), their arguments valid under the schemas. (A
+  template that shows no tools: the tiny model's context is short.)"""
+  jsonschema = pytest.importorskip("jsonschema")
+  loop = EngineLoop(make_engine(model))
+  server = OpenAIServer(("127.0.0.1", 0), loop,
+                        Served("tiny", model.spec, BYTES, (), ChatTemplate(TEMPLATE)))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_address[1]}"
+  body = {"messages": [{"role": "user", "content": "rain?"}], "tools": [TIME, FORECAST],
+          "tool_choice": choice, "max_tokens": 100, "temperature": 1.0, "seed": 1, "n": 3,
+          "parallel_tool_calls": False}
+  try:
+    status, answer = post(url, body, "/v1/chat/completions")
+    assert status == 200, answer
+    for c in answer["choices"]:
+      calls = c["message"]["tool_calls"]
+      assert c["finish_reason"] == "tool_calls" and len(calls) == 1, c
+      assert not c["message"]["content"]
+      name = calls[0]["function"]["name"]
+      assert name in ("t", "forecast") if choice == "required" else name == "forecast"
+      schema = (FORECAST if name == "forecast" else TIME)["function"]["parameters"]
+      jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+    status, chunks = post(url, dict(body, stream=True, n=1), "/v1/chat/completions")
+    deltas = [json.loads(c)["choices"][0]["delta"] for c in chunks
+              if c != "[DONE]" and json.loads(c)["choices"]]
+    calls = [call for d in deltas for call in d.get("tool_calls") or ()]
+    assert len(calls) == 1 and not "".join(d.get("content") or "" for d in deltas)
+  finally:
+    server.shutdown()
+    server.server_close()
+    loop.close()

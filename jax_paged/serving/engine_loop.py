@@ -36,6 +36,8 @@ bounds how long an arrival waits (16 is a serving setting: benchmarks/RESULTS.md
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import gc
 import multiprocessing
 import queue
@@ -49,6 +51,9 @@ from jax_paged.serving.report import EngineStats
 from jax_paged.serving.request import Request, TokenEvent
 
 _DONE = object()  # a submission's last item
+# The guides an engine process keeps by reference (`EngineProcess`): a guide's table is
+# ~33 MB for a JSON object over GPT-2's vocabulary, too much to pickle per request.
+MAX_PROCESS_GUIDES = 64
 
 
 class EngineClosed(RuntimeError):
@@ -379,15 +384,37 @@ def _serve_in_process(make_engine: Callable[[], Engine], conn) -> None:
   gc.freeze()
   conn.send(("ready", engine.spec, engine.max_batch))
 
+  guides = {}  # the parent's guide keys -> guides (`EngineProcess._by_reference`)
+
   def receive(block: bool) -> tuple | None:
-    if not block and not conn.poll():
-      return None
-    try:
-      return conn.recv()
-    except EOFError:  # the parent is gone
-      return ("stop",)
+    while True:
+      if not block and not conn.poll():
+        return None
+      try:
+        message = conn.recv()
+      except EOFError:  # the parent is gone
+        return ("stop",)
+      if message[0] != "guides":
+        break
+      _, sent, forget = message
+      guides.update(sent)
+      for key in forget:
+        del guides[key]
+    if message[0] == "add":
+      kind, key, requests = message
+      message = kind, key, [r if r.guide is None else
+                            dataclasses.replace(r, guide=guides[r.guide.key])
+                            for r in requests]
+    return message
 
   _Core(engine, _PipeOut(conn)).run(receive)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GuideKey:
+  """A guide sent to the engine process before, by its key there."""
+
+  key: int
 
 
 class EngineProcess:
@@ -423,6 +450,8 @@ class EngineProcess:
     self.stats: EngineStats | None = None  # the engine's, after its latest device call
     self._subs: dict[int, Submission] = {}  # key -> unfinished submission
     self._next_key = 0
+    self._guides: collections.OrderedDict = collections.OrderedDict()  # guide -> its key
+    # in the process, least recently sent first
     self._lock = threading.Lock()  # the pipe's sending end, keys, closing
     self._closed = False
     self._reader = threading.Thread(target=self._read, name="jax_paged-engine-reader",
@@ -438,8 +467,33 @@ class EngineProcess:
       key, self._next_key = self._next_key, self._next_key + 1
       sub.key = key
       self._subs[key] = sub
-      self._send(("add", key, sub.requests))
+      self._send(("add", key, self._by_reference(sub.requests)))
     return sub
+
+  def _by_reference(self, requests: Sequence[Request]) -> list[Request]:
+    """The requests with each guide the process holds as its key (`_GuideKey`); guides it
+    does not hold are sent first, and the least recently used beyond MAX_PROCESS_GUIDES
+    (or these requests' guides) forgotten there. (Under the lock.)"""
+    if all(r.guide is None for r in requests):
+      return list(requests)
+    sent = {}
+    for r in requests:
+      if r.guide is None:
+        continue
+      if r.guide in self._guides:
+        self._guides.move_to_end(r.guide)
+      else:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._guides[r.guide], sent[key] = key, r.guide
+    # (Never one of these requests': they were moved last.)
+    keep = max(MAX_PROCESS_GUIDES, len({r.guide for r in requests if r.guide is not None}))
+    forget = []
+    while len(self._guides) > keep:
+      forget.append(self._guides.popitem(last=False)[1])
+    if sent or forget:
+      self._send(("guides", sent, forget))
+    return [r if r.guide is None else dataclasses.replace(r, guide=_GuideKey(self._guides[
+        r.guide])) for r in requests]
 
   @property
   def num_unfinished(self) -> int:
