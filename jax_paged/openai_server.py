@@ -1330,12 +1330,13 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                    help="require the header 'Authorization: Bearer KEY' on every route "
                         f"but /health and /metrics (default: ${API_KEY_ENV}, which keeps "
                         "the key out of the process list; none: open)")
-  srv.add_argument("--warmup", nargs="+", choices=list(WARMUP_SAMPLING), default=(),
+  srv.add_argument("--warmup", nargs="+", choices=[*WARMUP_SAMPLING, "guided"], default=(),
                    metavar="KIND",
                    help="compile the batch shapes of these sampling kinds before serving "
                         f"({', '.join(WARMUP_SAMPLING)}: Engine.warmup), so that no request "
                         "waits ~1 s for a compilation; GPT-2 on an H200: ~75-100 s per kind, "
-                        "~35 s from the compilation cache")
+                        "~35 s from the compilation cache; guided: also each kind's with a "
+                        "guided request (structured output; twice the time)")
   srv.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: requests are admitted as they come; priority: by their "
                         "`priority` field (lower first, then arrival; a full pool preempts "
@@ -1379,7 +1380,8 @@ def build_engine(args: argparse.Namespace, family_refs: Sequence[str] | None) ->
   if args.warmup:
     start = time.perf_counter()
     _notice(f"compiling the batch shapes of {', '.join(args.warmup)} (--warmup) ...", PROG)
-    engine.warmup(sampling=args.warmup)
+    kinds = [k for k in args.warmup if k != "guided"] or ["greedy"]
+    engine.warmup(sampling=kinds, guided="guided" in args.warmup)
     _notice(f"compiled in {time.perf_counter() - start:.0f} s", PROG)
   return engine
 

@@ -735,6 +735,20 @@ def test_priority_reaches_the_engine_under_the_priority_policy(model):
       "priority")
 
 
+def test_warmup_kinds_reach_the_engine(monkeypatch):
+  """--warmup: the sampling kinds, and guided (alone: with greedy batches)."""
+  calls = []
+  monkeypatch.setattr(Engine, "warmup", lambda self, **kw: calls.append(kw))
+  refs = ["models.gpt2:FAMILY"]
+  for kinds in (["guided", "top_p"], ["guided"], ["greedy"]):
+    args = openai_server.parse_args(["--model", "tiny", "--num-pages", "64",
+                                     "--no-compilation-cache", "--warmup", *kinds],
+                                    openai_server.resolve_families(refs))
+    openai_server.build_engine(args, refs)
+  assert calls == [dict(sampling=["top_p"], guided=True), dict(sampling=["greedy"], guided=True),
+                   dict(sampling=["greedy"], guided=False)]
+
+
 @pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece_bpe", "bytes"])
 def test_streamed_text_is_the_whole_decode_whatever_the_chunks(model, tmp_path, kind):
   """Streamed text, decoded a few tokens at a time, is the whole answer's decode: with a
@@ -1156,7 +1170,7 @@ def test_structured_outputs_hold_every_answer(served):
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"guided_regex": "(a)\\1"}, "guided_regex", "backreferences"),
     ({"guided_regex": 3}, "guided_regex", "a text"),
-    ({"guided_json": {"type": "integer", "maximum": 3}}, "guided_json", "maximum"),
+    ({"guided_json": {"type": "number", "maximum": 3}}, "guided_json", "maximum"),
     ({"guided_json": PERSON, "guided_regex": "a"}, "guided_regex", "give one"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one"),
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "one of"),

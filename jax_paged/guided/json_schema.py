@@ -1,13 +1,15 @@
 """A JSON schema as a regular expression over its valid JSON texts (outlines' approach).
 
 Supported (anything else is refused with a message naming the keyword and its path):
-  type: string (minLength, maxLength, pattern, format date-time / date / time / uuid),
-    integer and number (a minimum / exclusiveMinimum of 0 or more drops the sign; other
-    bounds are refused), boolean, null, array (items, minItems, maxItems), object
-    (properties in the schema's order, required; additionalProperties false, or absent
-    with properties; without properties, any object of depth-limited values), and a list
-    of types; enum, const; anyOf, oneOf (as anyOf), allOf of one schema; $ref into
-    $defs / definitions (not recursive); true / {} (any JSON value).
+  type: string (minLength, maxLength, pattern, format date-time / date / time / uuid /
+    email / ipv4), integer (minimum, maximum, exclusive or not: a pattern of the decimal
+    range), number (a minimum of 0 drops the sign; other bounds are refused), boolean,
+    null, array (items, minItems, maxItems), object (properties in the schema's order,
+    required; additionalProperties false, or absent with properties; without properties,
+    any object of depth-limited values), and a list of types; enum, const (written
+    compact); anyOf, oneOf (as anyOf), allOf of one schema; $ref into $defs / definitions
+    (not recursive); true / {} (any JSON value). A string's pattern is matched against
+    its JSON text between the quotes (the same unless the pattern admits `"` or `\\`).
 Values of unconstrained JSON (an object without properties, `{}`, json_object mode) nest
 at most `MAX_FREE_DEPTH` levels: a regular expression cannot count brackets.
 
@@ -18,6 +20,8 @@ model that may emit any whitespace can emit it forever.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from jax_paged.guided.regex_dfa import regex_escape
@@ -25,8 +29,8 @@ from jax_paged.guided.regex_dfa import regex_escape
 WHITESPACE = r"[ ]?"
 STRING_CHAR = r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]|u[0-9a-fA-F]{4}))'
 STRING = f'"{STRING_CHAR}*"'
-INTEGER = r"-?(0|[1-9][0-9]*)"
-NUMBER = INTEGER + r"(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+INTEGER = r"(0|-?[1-9][0-9]*)"
+NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 BOOLEAN = "(true|false)"
 NULL = "null"
 FORMATS = {
@@ -36,6 +40,10 @@ FORMATS = {
     "time": r'"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3])'
             r':[0-5][0-9])?"',
     "uuid": r'"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"',
+    # (the common shape, not RFC 5321's every address)
+    "email": r'"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"',
+    "ipv4": r'"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}'
+            r'(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"',
 }
 MAX_FREE_DEPTH = 3
 
@@ -45,7 +53,8 @@ _ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id",
                 "name"}
 _KEYWORDS = {
     "string": {"type", "minLength", "maxLength", "pattern", "format", "enum", "const"},
-    "integer": {"type", "minimum", "exclusiveMinimum", "enum", "const"},
+    "integer": {"type", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "enum",
+                "const"},
     "number": {"type", "minimum", "exclusiveMinimum", "enum", "const"},
     "boolean": {"type", "enum", "const"},
     "null": {"type", "enum", "const"},
@@ -217,7 +226,25 @@ class _Converter:
     return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
 
   def _integer(self, schema: dict, path: str, refs) -> str:
-    return INTEGER.removeprefix("-?") if _non_negative(schema, path) else INTEGER
+    lo, hi = None, None
+    for key, bound, closed in (("minimum", max, True), ("exclusiveMinimum", max, False),
+                               ("maximum", min, True), ("exclusiveMaximum", min, False)):
+      value = schema.get(key)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+          or abs(value) == float("inf"):
+        raise SchemaError(f"{path}/{key}: must be a finite number, got {value!r}")
+      # The nearest integer inside the bound.
+      if bound is max:
+        edge = math.ceil(value) if closed else math.floor(value) + 1
+        lo = edge if lo is None else max(lo, edge)
+      else:
+        edge = math.floor(value) if closed else math.ceil(value) - 1
+        hi = edge if hi is None else min(hi, edge)
+    if lo is not None and hi is not None and lo > hi:
+      raise SchemaError(f"{path}: no integer lies within its bounds")
+    return integer_range(lo, hi)
 
   def _number(self, schema: dict, path: str, refs) -> str:
     return NUMBER.removeprefix("-?") if _non_negative(schema, path) else NUMBER
@@ -267,6 +294,73 @@ class _Converter:
     if not any(r for _, r in members):
       body = f"({body})?" if body else ""
     return rf"\{{{WHITESPACE}{body}{WHITESPACE}\}}"
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+  """The decimal integers in [lo, hi] (None: unbounded that side), as JSON writes them (no
+  leading zeros, no "-0")."""
+  if lo is None and hi is None:
+    return INTEGER
+  parts = []
+  if hi is None or hi >= 0:
+    parts.append(_natural_range(0 if lo is None else max(lo, 0), hi))
+  if lo is None or lo < 0:  # -m for m in [max(1, -hi), -lo]
+    parts.append("-" + _group(_natural_range(1 if hi is None or hi >= 0 else -hi,
+                                             None if lo is None else -lo)))
+  return "(" + "|".join(parts) + ")" if len(parts) > 1 else parts[0]
+
+
+def _natural_range(lo: int, hi: int | None) -> str:
+  """The numbers in [lo, hi] (0 <= lo <= hi; None: unbounded) without leading zeros: one
+  same-length digit range per number of digits."""
+  parts = []
+  digits = len(str(lo))
+  for n in range(digits, (digits if hi is None else len(str(hi))) + 1):
+    a = max(lo, 10 ** (n - 1) if n > 1 else 0)
+    b = 10 ** n - 1 if hi is None else min(hi, 10 ** n - 1)
+    if a <= b:
+      parts.append(_digits_range(str(a), str(b)))
+  if hi is None:
+    parts.append(f"[1-9][0-9]{{{digits},}}")
+  return "(" + "|".join(parts) + ")" if len(parts) > 1 else parts[0]
+
+
+def _digits_range(lo: str, hi: str) -> str:
+  """The digit strings from lo to hi, both of one length (lo <= hi)."""
+  if lo == hi:
+    return lo
+  if len(lo) == 1:
+    return f"[{lo}-{hi}]"
+  if lo[0] == hi[0]:
+    return lo[0] + _group(_digits_range(lo[1:], hi[1:]))
+  n = len(lo) - 1
+  parts = []
+  first = lo[0]
+  if lo[1:] != "0" * n:  # lo's leading digit with the rest from lo[1:] up
+    parts.append(lo[0] + _group(_digits_range(lo[1:], "9" * n)))
+    first = str(int(lo[0]) + 1)
+  last = hi[0] if hi[1:] == "9" * n else str(int(hi[0]) - 1)
+  if first <= last:  # whole blocks of leading digits
+    parts.append((first if first == last else f"[{first}-{last}]") + f"[0-9]{{{n}}}")
+  if hi[1:] != "9" * n:  # hi's leading digit with the rest up to hi[1:]
+    parts.append(hi[0] + _group(_digits_range("0" * n, hi[1:])))
+  return "(" + "|".join(parts) + ")" if len(parts) > 1 else parts[0]
+
+
+def _group(pattern: str) -> str:
+  """`pattern` as one unit to follow a prefix."""
+  return pattern if re.fullmatch(r"\d|\[[0-9-]*\](\{\d+\})?|\(.*\)", pattern) and (
+      not pattern.startswith("(") or _balanced(pattern[1:-1])) else f"({pattern})"
+
+
+def _balanced(inner: str) -> bool:
+  """Whether `inner` closes no group it did not open (so "(" + inner + ")" is one)."""
+  depth = 0
+  for c in inner:
+    depth += (c == "(") - (c == ")")
+    if depth < 0:
+      return False
+  return depth == 0
 
 
 def _bounds(schema: dict, lo_key: str, hi_key: str, path: str) -> tuple[int, int | None]:
