@@ -74,6 +74,26 @@ def test_compilation_cache_directory(monkeypatch, tmp_path):
     cli.use_compilation_cache(str(tmp_path / "file" / "x"))
 
 
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece_bpe"])
+def test_token_bytes_spell_what_the_tokenizer_encodes(tmp_path, kind):
+  """`Codec.token_bytes` (the guides' vocabulary): the bytes of a text's tokens are its
+  UTF-8 bytes (SentencePiece's added leading space aside); special tokens have none."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+  corpus = ["the paged cache holds ünïcode 中文 and emoji 😀 {\"json\": [1, 2]}"] * 20
+  bpe = (tokenizers.ByteLevelBPETokenizer() if kind == "byte_level_bpe"
+         else tokenizers.SentencePieceBPETokenizer())
+  bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=1,
+                          special_tokens=["<unk>", "<|endoftext|>"])
+  bpe.save(str(tmp_path / "tokenizer.json"))
+  codec = cli.load_tokenizer(str(tmp_path))
+  token_bytes = codec.token_bytes()
+  assert len(token_bytes) == codec.vocab_size and token_bytes[:2] == (None, None)
+  for text in ["the cache", "ünïcode 中文 😀", '{"json": [1, 2]}', "emoji and code"]:
+    spelled = b"".join(token_bytes[i] for i in codec.encode(text))
+    assert spelled in (text.encode(), b" " + text.encode()), (text, spelled)
+
+
 def test_checkpoint_with_tokenizer(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   transformers = pytest.importorskip("transformers")

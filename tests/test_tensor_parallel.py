@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,7 @@ def test_engine_tokens_match_one_device(model):
   assert result["preemptions"] > 0 and result["cached_prompt_tokens"] > 0  # exercised
   ref = result["tokens"]["1"]
   assert any(len(t) for t in ref)
+  assert re.fullmatch("[a-d]{3,10}", bytes(ref[-1]).decode())  # the guided request
   for n in ("2", "4"):
     assert result["tokens"][n] == ref, f"tensor parallel {n}"
   assert result["int8_tokens"]["2"] == result["int8_tokens"]["1"]
@@ -191,7 +193,7 @@ def _models(head_dim: int | None = None):
 
 
 def _requests():
-  from jax_paged import Request
+  from jax_paged import Guide, Request, Vocabulary
   rng = np.random.default_rng(0)
   shared = rng.integers(0, 256, 16).tolist()  # two full pages of 8: prefix cache hits
   prompts = [shared + rng.integers(0, 256, k).tolist() for k in (3, 9, 5)]
@@ -203,6 +205,10 @@ def _requests():
                   top_logprobs=2 * (i == 3)) for i, p in enumerate(prompts)]
   reqs.append(Request(shared + [7, 7, 7], 8, n=2, temperature=0.8, seed=5,  # forks
                       logprobs=True, top_logprobs=3))
+  # A guided one: the guides' table replicated through the shard_map.
+  guide = Guide.from_regex(r"[a-d]{3,12}", Vocabulary.of_bytes())
+  reqs.append(Request(rng.integers(0, 256, 4).tolist(), 10, temperature=0.8, seed=2,
+                      guide=guide))
   return reqs
 
 

@@ -292,8 +292,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     # (out_logprobs, counts: None where not asked for)
     step, kv, tokens, active, index, budget, out, out_logprobs, counts, state = carry
     if greedy and not logprobs and processors is None and guides is None:
-      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)  # (the argmax
-      # without the logits)
+      # The argmax without the logits.
+      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
     else:
       logits, kv = decode_step(model, kv, tokens, seq_ids, active)
       new = sampling.sample_rows(
@@ -578,9 +578,9 @@ class JittedSteps:
       phases' rows) and the sample rows' seeds, index, temperature, top_k, top_p, min_p
       and `processor_arrays` (absent: none), and with `guides` (`GuideTables`) the
       sample rows' guide_offset and guide_state (`guided_logits`). Returns ((int32
-      [samples] tokens, their
-      `Logprobs` with `logprobs` else None, the scored rows' `prompt_logprobs` (with
-      `prompt_top_logprobs` most likely tokens) or None); the pool)."""
+      [samples] tokens, their `Logprobs` with `logprobs` else None, the scored rows'
+      `prompt_logprobs` (with `prompt_top_logprobs` most likely tokens) or None); the
+      pool)."""
       a = unpack_arrays(packed, layout)
       m = model(leaves)
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
@@ -940,8 +940,9 @@ class ModelRunner:
                         scored)
 
   def _guided_rows(self, rows: Sequence, offsets: dict) -> tuple[Guides | None, dict]:
-    """(The guides' device tables, each row's guide_offset and guide_state (int32 [len(rows)];
-    -1 / 0 for unguided and empty rows)) if a row has a guide, else (None, {})."""
+    """(The guides' device tables, each row's guide_offset and guide_state (int32
+    [len(rows)]; -1 / 0 for unguided and empty rows)) if a row has a guide, else (None,
+    {})."""
     guided = [i for i, s in enumerate(rows) if s is not None and s.request.guide is not None]
     if not guided:
       return None, {}
