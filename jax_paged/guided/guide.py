@@ -11,13 +11,17 @@ text so far is a whole match.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Sequence
 
 import numpy as np
 
 from jax_paged.guided import json_schema, regex_dfa
 
+# Threads that lift a guide's states to tokens (`_lift`), at most.
+MAX_LIFT_THREADS = 16
 # A guide whose token table would exceed this many entries (states x vocabulary) is
 # refused: it is held on the device while requests use it (int16, 2 bytes an entry).
 MAX_TABLE_ENTRIES = 1 << 27
@@ -137,19 +141,16 @@ def _lift(dfa: regex_dfa.ByteDFA, vocabulary: Vocabulary, description: str) -> G
   data = np.zeros((longest, len(texts)), np.int32)  # [byte position, token]
   for row, (_, t) in enumerate(texts):
     data[:len(t), row] = np.frombuffer(t, np.uint8)
-  # A dead state at index `states` absorbs every byte. The walk holds each token's
-  # states times 256 (the flat index of their row of `step`, which holds next states
-  # times 256) in a row: the tokens longer than i are the first rows, a contiguous
-  # block, and a step is one flat `take` (~7x faster than a 2-D gather over states by
-  # rows and tokens strided: 641 states x 50k tokens, dev CPU).
+  # A dead state at index `states` absorbs every byte.
   step = 256 * np.concatenate([np.where(dfa.table >= 0, dfa.table, states),
                                np.full((1, 256), states, np.int32)]).astype(np.int32).ravel()
-  at = np.repeat(np.arange(states, dtype=np.int32)[None, :] * 256, len(texts), axis=0)
   walking = np.searchsorted(-lengths, -np.arange(1, longest + 1), side="right")
-  for i in range(longest):  # tokens longer than i are the first walking[i]
-    n = walking[i]
-    at[:n] = step.take(at[:n] + data[i, :n, None])
-  at //= 256
+  # The states split among threads (numpy's `take` releases the interpreter's lock).
+  threads = max(1, min(os.cpu_count() or 1, MAX_LIFT_THREADS, states // 32))
+  chunks = np.array_split(np.arange(states, dtype=np.int32), threads)
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    at = np.concatenate(list(pool.map(lambda c: _walk(step, data, walking, c), chunks)),
+                        axis=1)
   table = np.full((states, vocab), -1, np.int16)
   table[:, ids] = np.where(at < states, at, -1).T
   live_bytes = (dfa.table >= 0).any(axis=1)
@@ -161,6 +162,21 @@ def _lift(dfa: regex_dfa.ByteDFA, vocabulary: Vocabulary, description: str) -> G
     _prune_dead_ends(table, dfa.accepting & (done | bool(vocabulary.eos_token_ids)),
                      description)
   return Guide(table, done, dfa.accepting.copy(), description)
+
+
+def _walk(step: np.ndarray, data: np.ndarray, walking: np.ndarray, first: np.ndarray
+          ) -> np.ndarray:
+  """int32 [tokens, len(first)]: each token's state after its bytes from each state of
+  `first` (`_lift`'s arrays; the dead state where none).
+
+  The walk holds each token's states times 256 (the flat index of their row of `step`,
+  which holds next states times 256) in a row: the tokens longer than i are the first
+  rows, a contiguous block, and a step is one flat `take` (~7x faster than a 2-D gather
+  over states by rows and tokens strided: 641 states x 50k tokens, dev CPU)."""
+  at = np.repeat(first[None, :] * 256, data.shape[1], axis=0)
+  for i, n in enumerate(walking):  # tokens longer than i are the first walking[i]
+    at[:n] = step.take(at[:n] + data[i, :n, None])
+  return at // 256
 
 
 def _prune_dead_ends(table: np.ndarray, ends: np.ndarray, description: str) -> None:
