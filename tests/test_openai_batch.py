@@ -40,6 +40,12 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
                "temperature": 0},
       "choice": {"prompt": "Is it paged?", "guided_choice": ["yes", "no", "a little"],
                  "temperature": 0},
+      "json": {"prompt": "a pet:", "max_tokens": 60, "temperature": 1.0, "seed": 2,
+               "response_format": {"type": "json_schema", "json_schema": {"schema": {
+                   "type": "object", "properties": {"name": {"enum": ["rex", "tom"]},
+                                                    "age": {"type": "integer", "minimum": 0,
+                                                            "maximum": 30}},
+                   "required": ["name", "age"]}}}},
   }
   lines = [request("sampled", bodies["sampled"]),
            request("bad value", {"prompt": "x", "max_tokens": -1}),
@@ -50,21 +56,22 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
            request("streamed", {"prompt": "x", "stream": True}),
            request("too many samples", {"prompt": "x", "n": 9, "temperature": 1.0}),
            request("chat", bodies["chat"], "/v1/chat/completions"),
-           request("choice", bodies["choice"])]
+           request("choice", bodies["choice"]), request("json", bodies["json"])]
   outputs = openai_batch.run_batch(make_engine(model), served, lines, seed=0)
   assert [o["custom_id"] for o in outputs] == [
       "sampled", "bad value", None, "two prompts", "wrong url", "streamed",
-      "too many samples", "chat", "choice"]
+      "too many samples", "chat", "choice", "json"]
   assert len({o["id"] for o in outputs}) == len(outputs)
   status = [o["response"] and o["response"]["status_code"] for o in outputs]
-  assert status == [200, 400, None, 200, None, 400, 400, 200, 200]
+  assert status == [200, 400, None, 200, None, 400, 400, 200, 200, 200]
   assert outputs[1]["response"]["body"]["error"]["param"] == "max_tokens"
   assert outputs[2]["error"]["code"] == "invalid_json"
   assert outputs[4]["error"]["code"] == "invalid_request"
   assert outputs[5]["response"]["body"]["error"]["param"] == "stream"
   assert "max_batch=8" in outputs[6]["response"]["body"]["error"]["message"]
   # Each answer is the server's for that body alone (its own engine, its own run).
-  for line, key in [(0, "sampled"), (3, "two prompts"), (7, "chat"), (8, "choice")]:
+  for line, key in [(0, "sampled"), (3, "two prompts"), (7, "chat"), (8, "choice"),
+                    (9, "json")]:
     url = "/v1/chat/completions" if key == "chat" else "/v1/completions"
     alone = openai_batch.run_batch(make_engine(model), served, [request(key, bodies[key],
                                                                         url)], seed=0)
@@ -76,6 +83,8 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
   assert outputs[8]["response"]["body"]["choices"][0]["text"] in bodies["choice"][
       "guided_choice"]
   assert outputs[0]["response"]["body"]["usage"]["completion_tokens"] == 12
+  pet = json.loads(outputs[9]["response"]["body"]["choices"][0]["text"])  # (guided)
+  assert pet["name"] in ("rex", "tom") and 0 <= pet["age"] <= 30
 
 
 def test_the_command_writes_a_line_per_request(tmp_path, capsys):
