@@ -632,7 +632,10 @@ def _guided_choice(body: dict, served: Served, prompts: list[list[int]], *, chat
         raise APIError(400, f"prompt[{i}] and the choice {text!r:.50} take "
                             f"{len(prompt) + len(choice)} tokens: this model's context holds "
                             f"{limit}", "guided_choice")
-      requests.append(Request(prompt + choice, 1, prompt_logprobs=True, priority=priority))
+      # Scored from the text on: the prompt's pages are computed once and read from the
+      # prefix cache by the other texts' requests.
+      requests.append(Request(prompt + choice, 1, prompt_logprobs=True,
+                              prompt_logprobs_start=len(prompt), priority=priority))
   return Completion(requests, prompts, chat, False, None, stream, include_usage, True,
                     _boolean(body, "return_token_ids"), guided=(texts, ids), samples=n,
                     temperature=temperature, seed=seed)

@@ -440,6 +440,47 @@ def test_prompt_logprobs_hold_through_chunks_and_preemption(model, prompts):
   assert plain == expected
 
 
+def test_scoring_continuations_reads_the_context_from_the_prefix_cache(model):
+  """Continuations of one context scored from their first token on
+  (`prompt_logprobs_start`): the context's pages computed once and read from the cache by
+  the others (admitted together: they wait a call for it), the scores at and after the
+  start those of scoring each whole, None before it; with top_logprobs too, and under a
+  prefill of 16 tokens per call (chunks)."""
+  rng = np.random.default_rng(21)
+  context = rng.integers(0, CONFIG.vocab_size, 37).tolist()
+  endings = [rng.integers(0, CONFIG.vocab_size, k).tolist() for k in (1, 3, 6, 2)]
+  whole = [Request(context + e, 1, prompt_logprobs=True, top_logprobs=2 * (i == 1))
+           for i, e in enumerate(endings)]
+  tail = [dataclasses.replace(r, prompt_logprobs_start=len(context)) for r in whole]
+
+  def run(requests, **kwargs):
+    eng = Engine(model, max_batch=8, num_pages=64, page_size=8, **kwargs)
+    first = {}
+    _, report = eng.generate(requests, on_token=lambda e: first.setdefault(
+        e.request_id, (e.prompt_logprobs, e.prompt_top_logprobs)))
+    assert_pages_back(eng)
+    return [first[i] for i in range(len(requests))], report
+
+  want, plain = run(whole)
+  assert plain.cached_prompt_tokens == 0
+  for kwargs in ({}, dict(max_prefill_tokens=16)):
+    got, report = run(tail, **kwargs)
+    # The three after the first read the context's 4 full pages (32 tokens) from the cache.
+    assert report.cached_prompt_tokens == 3 * 32
+    for (lps, top), (want_lps, want_top), e in zip(got, want, endings):
+      n = len(context)
+      assert len(lps) == n + len(e) and lps[:n] == (None,) * n
+      np.testing.assert_allclose(lps[n:], want_lps[n:], rtol=1e-5, atol=1e-5)
+      if want_top is not None:
+        assert top[:n] == (None,) * n and [[t for t, _ in s] for s in top[n:]] == [
+            [t for t, _ in s] for s in want_top[n:]]
+  with pytest.raises(ValueError, match=r"request 0: prompt_logprobs_start must be an int "
+                                       r"in \[0, len\(prompt\) - 1 = 37\], got 38"):
+    run([Request(context + [1], 1, prompt_logprobs=True, prompt_logprobs_start=38)])
+  with pytest.raises(ValueError, match="prompt_logprobs_start=3 needs prompt_logprobs=True"):
+    run([Request(context, 1, prompt_logprobs_start=3)])
+
+
 def test_peak_admission_never_preempts(model, prompts, greedy_reference):
   eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6,
                admission="peak")

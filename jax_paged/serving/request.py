@@ -57,6 +57,11 @@ class Request:
       prompt is computed whole, not read from the prefix cache (vLLM's rule: cached tokens
       have no logits), though its pages are cached for others; each prefill with such a
       request runs the LM head over its every token (its own compilations).
+    prompt_logprobs_start: with `prompt_logprobs`, the first prompt position scored (those
+      before it None): the full pages before position start - 1 may then come from
+      the prefix cache (a request whose pages another admitted with it computes waits a
+      call for them to be cached), as when scoring several continuations of one context
+      (`guided_choice`); 0 (every position) to len(prompt) - 1.
     repetition_penalty: > 0; a token of the prompt or generated so far has its logit
       divided by it where positive, multiplied where not (Hugging Face's and vLLM's;
       1 = none, > 1 discourages repeating).
@@ -102,6 +107,7 @@ class Request:
   logprobs: bool = False
   top_logprobs: int = 0
   prompt_logprobs: bool = False
+  prompt_logprobs_start: int = 0
   repetition_penalty: float = 1.0
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
@@ -270,6 +276,13 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
     if not isinstance(r.prompt_logprobs, (bool, np.bool_)):
       raise ValueError(f"request {i}: prompt_logprobs must be True or False, got "
                        f"{r.prompt_logprobs!r}")
+    if not is_int(r.prompt_logprobs_start) or not (
+        0 <= r.prompt_logprobs_start < prompt.size):
+      raise ValueError(f"request {i}: prompt_logprobs_start must be an int in [0, "
+                       f"len(prompt) - 1 = {prompt.size - 1}], got {r.prompt_logprobs_start!r}")
+    if r.prompt_logprobs_start and not r.prompt_logprobs:
+      raise ValueError(f"request {i}: prompt_logprobs_start={r.prompt_logprobs_start} needs "
+                       "prompt_logprobs=True")
     if r.top_logprobs and not (r.logprobs or r.prompt_logprobs):
       raise ValueError(f"request {i}: top_logprobs={r.top_logprobs} needs logprobs=True or "
                        "prompt_logprobs=True")

@@ -439,21 +439,25 @@ class Scheduler:
       s = self.slots[slot]
       context = s.context
       fresh = s.prefilled == 0 and not s.looked_up
-      scored = s.prompt_logprobs is not None  # computed whole: no hit, never follows
-      hit = hits.get(slot, ()) if fresh and not scored else ()
+      # The full pages a hit or a leader may give it: all but its last token's; a scored
+      # one's (first phase only) only those before its first scored position's logits.
+      shareable = (len(context) - 1) // page_size
+      scored = s.prompt_logprobs is not None
+      if scored:
+        shareable = min(shareable, max(s.request.prompt_logprobs_start - 1, 0) // page_size)
+      hit = hits.get(slot, ())[:shareable] if fresh else ()
       prefilled = len(hit) * page_size or s.prefilled
       follows = None
-      if (fresh and not scored and self.cache.prefix_caching
-          and len(hit) < (len(context) - 1) // page_size):
+      if fresh and self.cache.prefix_caching and len(hit) < shareable:
         leader = computing.get(int(s.keys[len(hit)]))
         if leader is not None:
           lead, lead_stop, second = leader
-          if second:
+          if second or scored:  # (the runner scores first-phase rows only)
             continue
           # Its full pages up to the first that differs, of those the leader holds after
           # this call, leaving its last token to compute. Equal keys mean equal prefixes,
           # so the pages that match are a prefix of the range: a binary search.
-          m = min(len(s.keys), lead_stop // page_size, (len(context) - 1) // page_size)
+          m = min(len(s.keys), lead_stop // page_size, shareable)
           mine, theirs = s.keys, self.slots[lead].keys
           lo = len(hit) + 1  # page len(hit) matched: it found the leader
           while lo < m:
@@ -480,6 +484,10 @@ class Scheduler:
           looked_up.append((slot, (), len(context)))
           followers.append((slot, prefilled // page_size))
         s.prefilled = prefilled
+        if scored and prefilled:  # (positions 1 .. prefilled are read from the cache)
+          s.prompt_logprobs += [None] * prefilled
+          if s.prompt_top_logprobs is not None:
+            s.prompt_top_logprobs += [None] * prefilled
       first_page = s.prefilled // page_size
       if self.cache.prefix_caching and (first_page + 1) * page_size <= stop:
         # keys: set at the sequence's lookup
@@ -601,8 +609,10 @@ class Scheduler:
                                               chunk.top_logprobs)
         scored += 1
         if chunk.samples:  # the prompt's last chunk: every sample's first event has them
-          whole = (tuple(s.prompt_logprobs), s.prompt_top_logprobs
-                   and tuple(s.prompt_top_logprobs))
+          start = s.request.prompt_logprobs_start  # (before it: None, computed or not)
+          whole = ((None,) * start + tuple(s.prompt_logprobs[start:]),
+                   s.prompt_top_logprobs and (None,) * start
+                   + tuple(s.prompt_top_logprobs[start:]))
           prompts.update((slot, whole) for slot, _ in chunk.samples)
           s.prompt_logprobs = s.prompt_top_logprobs = None
       for slot, s in chunk.samples:
