@@ -3,10 +3,11 @@
 Supported (anything else is refused with a message naming the keyword and its path):
   type: string (minLength, maxLength, pattern, format date-time / date / time / uuid /
     email / ipv4), integer (minimum, maximum, exclusive or not: a pattern of the decimal
-    range), number (a minimum of 0 drops the sign; other bounds are refused), boolean,
-    null, array (items, minItems, maxItems), object (properties in the schema's order,
-    required; additionalProperties false, or absent with properties; without properties,
-    any object of depth-limited values), and a list of types; enum, const (written
+    range), number (bounds that are integers >= 0, exclusive or not: numbers bounded
+    other than by a minimum of 0 are written without an exponent), boolean, null, array
+    (items, minItems, maxItems), object (properties in the schema's order, required;
+    additionalProperties false, or absent with properties; without properties, any
+    object of depth-limited values), and a list of types; enum, const (written
     compact); anyOf, oneOf (as anyOf), allOf of one schema; $ref into $defs / definitions
     (not recursive); true / {} (any JSON value). A string's pattern is matched against
     its JSON text between the quotes (the same unless the pattern admits `"` or `\\`).
@@ -55,7 +56,8 @@ _KEYWORDS = {
     "string": {"type", "minLength", "maxLength", "pattern", "format", "enum", "const"},
     "integer": {"type", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "enum",
                 "const"},
-    "number": {"type", "minimum", "exclusiveMinimum", "enum", "const"},
+    "number": {"type", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "enum",
+               "const"},
     "boolean": {"type", "enum", "const"},
     "null": {"type", "enum", "const"},
     "array": {"type", "items", "minItems", "maxItems", "enum", "const"},
@@ -247,7 +249,7 @@ class _Converter:
     return integer_range(lo, hi)
 
   def _number(self, schema: dict, path: str, refs) -> str:
-    return NUMBER.removeprefix("-?") if _non_negative(schema, path) else NUMBER
+    return _number_range(schema, path)
 
   def _boolean(self, schema: dict, path: str, refs) -> str:
     return BOOLEAN
@@ -374,15 +376,44 @@ def _bounds(schema: dict, lo_key: str, hi_key: str, path: str) -> tuple[int, int
   return lo, hi
 
 
-def _non_negative(schema: dict, path: str) -> bool:
-  """Whether a number's bounds say it is >= 0 (a minimum of 0, which drops the sign);
-  other bounds are refused."""
-  if "exclusiveMinimum" in schema:
-    raise SchemaError(f"{path}/exclusiveMinimum: not supported (only minimum 0)")
-  bound = schema.get("minimum")
-  if bound is None:
-    return False
-  if isinstance(bound, bool) or bound != 0:
-    raise SchemaError(f"{path}/minimum: {bound!r} is not supported (only 0, which drops "
-                      "the sign)")
-  return True
+def _number_range(schema: dict, path: str) -> str:
+  """A number's pattern under its bounds: integers >= 0 (minimum, maximum, exclusive or
+  not), written without an exponent; other bounds are refused."""
+  lo = hi = None  # (bound, closed)
+  for key, is_lo, closed in (("minimum", True, True), ("exclusiveMinimum", True, False),
+                             ("maximum", False, True), ("exclusiveMaximum", False, False)):
+    value = schema.get(key)
+    if value is None:
+      continue
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+        or abs(value) == float("inf") or value < 0 or value != int(value)):
+      raise SchemaError(f"{path}/{key}: {value!r} is not supported (a number's bounds must "
+                        "be integers >= 0)")
+    value = int(value)
+    if is_lo:  # the tighter of two lower bounds
+      lo = (value, closed) if lo is None or (value, not closed) > (lo[0], not lo[1]) else lo
+    else:
+      hi = (value, closed) if hi is None or (value, closed) < (hi[0], hi[1]) else hi
+  if lo is None and hi is None:
+    return NUMBER
+  if lo == (0, True) and hi is None:  # (every number >= 0, with an exponent too)
+    return NUMBER.removeprefix("-?")
+  fraction, nonzero, zeros = r"(\.[0-9]+)?", r"\.[0-9]*[1-9][0-9]*", r"(\.0+)?"
+  a, a_closed = lo if lo is not None else (0, True)
+  first = a if a_closed else a + 1  # the least whole part with any fraction
+  parts = [] if a_closed else [f"{a}{nonzero}"]  # a itself, with a nonzero fraction
+  if lo is None:  # every negative number too (not "-0")
+    parts.append(r"-(0\.[0-9]*[1-9][0-9]*|[1-9][0-9]*(\.[0-9]+)?)")
+  if hi is None:
+    parts.append(f"{integer_range(first, None)}{fraction}")
+  else:
+    b, b_closed = hi
+    if not a_closed and a >= b:  # (lo given: no negatives here)
+      parts = []
+    if first <= b - 1:
+      parts.append(f"{integer_range(first, b - 1)}{fraction}")
+    if b_closed and (b > a or (b == a and a_closed)):
+      parts.append(f"{b}{zeros}")
+  if not parts:
+    raise SchemaError(f"{path}: no number lies within its bounds")
+  return "(" + "|".join(parts) + ")"
