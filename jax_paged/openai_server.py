@@ -569,34 +569,36 @@ def _guide(body: dict, served: Served, tool_schema: dict | None) -> Guide | None
   if served.guides is None:
     raise APIError(400, f"{field} needs a tokenizer, and this model has none", field)
   value = body.get(field)
+  # With ignore_eos a guide neither writes nor ends on the eos tokens.
+  guides, ends = served.guides, not _boolean(body, "ignore_eos")
   try:
     if field == "tool_choice":
-      return served.guides.json_schema(tool_schema)
+      return guides.json_schema(tool_schema, ends=ends)
     if field == "response_format":
-      return served.guides.json_schema(value["json_schema"].get("schema", True)
-                                       if value["type"] == "json_schema" else None)
+      return guides.json_schema(value["json_schema"].get("schema", True)
+                                if value["type"] == "json_schema" else None, ends=ends)
     if field == "guided_json":
       if not isinstance(value, (dict, str)):
         raise APIError(400, "guided_json must be a JSON schema (an object, or its text)",
                        field)
-      return served.guides.json_schema(value)
+      return guides.json_schema(value, ends=ends)
     if field == "guided_regex":
       if not isinstance(value, str):
         raise APIError(400, "guided_regex must be a regular expression (a text)", field)
-      return served.guides.regex(value)
+      return guides.regex(value, ends=ends)
     kinds = {"json", "regex", "choice", "json_object"}
     if not (isinstance(value, dict) and len(value) == 1 and set(value) <= kinds):
       raise APIError(400, "structured_outputs must hold one of json (a schema), regex, "
                           "choice (a list of texts) or json_object (true)", field)
     (kind, spec), = value.items()
     if kind == "json" and isinstance(spec, (dict, str, bool)):
-      return served.guides.json_schema(spec)
+      return guides.json_schema(spec, ends=ends)
     if kind == "regex" and isinstance(spec, str):
-      return served.guides.regex(spec)
+      return guides.regex(spec, ends=ends)
     if kind == "choice" and isinstance(spec, list):
-      return served.guides.choices(spec)
+      return guides.choices(spec, ends=ends)
     if kind == "json_object" and spec is True:
-      return served.guides.json_schema(None)
+      return guides.json_schema(None, ends=ends)
     raise APIError(400, f"structured_outputs.{kind} has the wrong type: {spec!r:.100}",
                    field)
   except ValueError as e:  # (RegexError, SchemaError: what is not supported, and why)

@@ -1183,6 +1183,20 @@ def test_bad_structured_outputs_are_named(served, fields, param, message):
   assert message in answer["error"]["message"], answer
 
 
+def test_a_guide_ends_on_the_eos_unless_it_is_ignored(model):
+  """The eos ends a guided answer where its text is a whole match; with ignore_eos the
+  guide never lets it be written (it would not end the answer)."""
+  served = Served("tiny", model.spec, BYTES, (255,))
+  for ignore, allowed in ((False, True), (True, False)):
+    completion = openai_server.parse_completion(
+        {"prompt": "x", "guided_regex": "[a-c]+", "ignore_eos": ignore}, served,
+        random.Random(0))
+    guide = completion.requests[0].guide
+    state = guide.walk(0, list(b"ab"))
+    assert guide.accepting[state] and (guide.table[state, 255] >= 0) == allowed
+    assert guide.table[0, 255] < 0  # (no match yet)
+
+
 def test_a_guide_needs_a_tokenizer(model):
   served = Served("tiny", model.spec, None, ())
   with pytest.raises(openai_server.APIError, match="guided_regex needs a tokenizer"):

@@ -28,31 +28,36 @@ class GuideCache:
   def __init__(self, token_bytes: Callable[[], Sequence[bytes | None]],
                eos_token_ids: Sequence[int] = ()):
     self._token_bytes, self._eos = token_bytes, tuple(eos_token_ids)
-    self._vocabulary: Vocabulary | None = None
+    self._vocabularies: dict[bool, Vocabulary] = {}
     self._guides: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
 
-  @property
-  def vocabulary(self) -> Vocabulary:
-    if self._vocabulary is None:
-      token_bytes = tuple(self._token_bytes())
-      self._vocabulary = Vocabulary(token_bytes, tuple(
-          t for t in self._eos if 0 <= t < len(token_bytes)))
-    return self._vocabulary
+  def vocabulary(self, ends: bool = True) -> Vocabulary:
+    """The vocabulary, with the eos tokens (`ends`) or without (a request that ignores
+    them: a guide must not let it end, nor write them)."""
+    if ends not in self._vocabularies:
+      if not self._vocabularies:
+        token_bytes = tuple(self._token_bytes())
+      else:
+        token_bytes = next(iter(self._vocabularies.values())).token_bytes
+      eos = tuple(t for t in self._eos if 0 <= t < len(token_bytes)) if ends else ()
+      self._vocabularies[ends] = Vocabulary(token_bytes, eos)
+    return self._vocabularies[ends]
 
-  def regex(self, pattern: str) -> Guide:
-    """`Guide.from_regex` (raises its ValueError)."""
-    return self._get(("regex", pattern), lambda: Guide.from_regex(pattern, self.vocabulary))
+  def regex(self, pattern: str, *, ends: bool = True) -> Guide:
+    """`Guide.from_regex` (raises its ValueError); `ends`: the eos tokens end a match."""
+    return self._get(("regex", pattern, ends),
+                     lambda: Guide.from_regex(pattern, self.vocabulary(ends)))
 
-  def json_schema(self, schema: Any) -> Guide:
+  def json_schema(self, schema: Any, *, ends: bool = True) -> Guide:
     """`Guide.from_json_schema` (raises its ValueError); None: any JSON object."""
-    key = ("json", json.dumps(schema))  # (not sorted: properties come in their order)
-    return self._get(key, lambda: Guide.from_json_schema(schema, self.vocabulary))
+    key = ("json", json.dumps(schema), ends)  # (not sorted: properties come in their order)
+    return self._get(key, lambda: Guide.from_json_schema(schema, self.vocabulary(ends)))
 
-  def choices(self, texts: Sequence[str]) -> Guide:
+  def choices(self, texts: Sequence[str], *, ends: bool = True) -> Guide:
     """`Guide.from_choices` (raises its ValueError)."""
-    return self._get(("choices", tuple(texts)),
-                     lambda: Guide.from_choices(list(texts), self.vocabulary))
+    return self._get(("choices", tuple(texts), ends),
+                     lambda: Guide.from_choices(list(texts), self.vocabulary(ends)))
 
   def _get(self, key: tuple, build: Callable[[], Guide]) -> Guide:
     with self._lock:
