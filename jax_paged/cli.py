@@ -63,7 +63,7 @@ class Codec:
   name: str
   vocab_size: int
   # Per token id, the bytes it adds to a text, None for a special token (computed once,
-  # when a guide first needs them: `guided.Vocabulary`).
+  # when a guide first needs them: `guided.Vocabulary.from_tokenizer`).
   token_bytes: Callable[[], tuple[bytes | None, ...]]
 
 
@@ -72,38 +72,6 @@ BYTES = Codec(encode=lambda text, add_special_tokens=True: list(text.encode("utf
                   i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
               name="UTF-8 bytes (ids 0-255)", vocab_size=256,
               token_bytes=lambda: tuple(bytes([i]) for i in range(256)))
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-  """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
-  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-  extra = iter(range(256, 512))
-  return {chr(b if b in printable else next(extra)): b for b in range(256)}
-
-
-def tokenizer_token_bytes(tok) -> tuple[bytes | None, ...]:
-  """Each token's bytes of a `tokenizers.Tokenizer`: byte-level BPE tokens through GPT-2's
-  alphabet; SentencePiece-style tokens with "\u2581" as a space and <0xXX> as byte XX;
-  special added tokens None."""
-  decoder = json.dumps(json.loads(tok.to_str()).get("decoder"))
-  byte_level = '"ByteLevel"' in decoder
-  alphabet = _byte_level_alphabet()
-  added = tok.get_added_tokens_decoder()
-  out: list[bytes | None] = []
-  for i in range(tok.get_vocab_size()):
-    text = tok.id_to_token(i)
-    if text is None or (i in added and added[i].special):
-      out.append(None)
-    elif i in added:
-      out.append(text.encode("utf-8"))
-    elif byte_level:
-      out.append(bytes(alphabet[c] for c in text) if all(c in alphabet for c in text)
-                 else None)
-    elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-      out.append(bytes([int(text[3:5], 16)]))
-    else:
-      out.append(text.replace("\u2581", " ").encode("utf-8"))
-  return tuple(out)
 
 
 # argparse types: a bad value exits with status 2 and "argument --flag: <message>".
@@ -195,7 +163,7 @@ def load_tokenizer(directory: str) -> Codec | None:
                    list(ids), skip_special_tokens=skip_special_tokens),
                name=f"tokenizer of {directory}",
                vocab_size=tok.get_vocab_size(),
-               token_bytes=functools.cache(lambda: tokenizer_token_bytes(tok)))
+               token_bytes=functools.cache(lambda: Vocabulary.from_tokenizer(tok).token_bytes))
 
 
 def model_families() -> list[ModelFamily]:

@@ -79,7 +79,7 @@ def test_token_bytes_spell_what_the_tokenizer_encodes(tmp_path, kind):
   """`Codec.token_bytes` (the guides' vocabulary): the bytes of a text's tokens are its
   UTF-8 bytes (SentencePiece's added leading space aside); special tokens have none."""
   tokenizers = pytest.importorskip("tokenizers")
-  from jax_paged import cli  # pylint: disable=import-outside-toplevel
+  from jax_paged import cli, Vocabulary  # pylint: disable=import-outside-toplevel
   corpus = ["the paged cache holds ünïcode 中文 and emoji 😀 {\"json\": [1, 2]}"] * 20
   bpe = (tokenizers.ByteLevelBPETokenizer() if kind == "byte_level_bpe"
          else tokenizers.SentencePieceBPETokenizer())
@@ -92,6 +92,9 @@ def test_token_bytes_spell_what_the_tokenizer_encodes(tmp_path, kind):
   for text in ["the cache", "ünïcode 中文 😀", '{"json": [1, 2]}', "emoji and code"]:
     spelled = b"".join(token_bytes[i] for i in codec.encode(text))
     assert spelled in (text.encode(), b" " + text.encode()), (text, spelled)
+  transformers = pytest.importorskip("transformers")  # a fast tokenizer: its backend's
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+  assert Vocabulary.from_tokenizer(fast, (1,)).token_bytes == token_bytes
 
 
 def test_checkpoint_with_tokenizer(tmp_path):

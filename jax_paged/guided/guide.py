@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 from typing import Sequence
 
@@ -56,6 +57,40 @@ class Vocabulary:
   def of_bytes(cls, eos_token_ids: Sequence[int] = ()) -> "Vocabulary":
     """Token i < 256 is the byte i (jax_paged's byte-level test models)."""
     return cls(tuple(bytes([i]) for i in range(256)), tuple(eos_token_ids))
+
+  @classmethod
+  def from_tokenizer(cls, tokenizer, eos_token_ids: Sequence[int] = ()) -> "Vocabulary":
+    """A Hugging Face tokenizer's tokens (a `tokenizers.Tokenizer`, or a transformers fast
+    tokenizer: its `backend_tokenizer`): byte-level BPE tokens (GPT-2, Llama 3, Qwen)
+    through GPT-2's byte alphabet; SentencePiece-style tokens (Llama 2, Mistral) with
+    "\u2581" as a space and <0xXX> as the byte XX; special added tokens None."""
+    tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    decoder = json.dumps(json.loads(tok.to_str()).get("decoder"))
+    byte_level = '"ByteLevel"' in decoder
+    alphabet = _byte_level_alphabet()
+    added = tok.get_added_tokens_decoder()
+    out: list[bytes | None] = []
+    for i in range(tok.get_vocab_size()):
+      text = tok.id_to_token(i)
+      if text is None or (i in added and added[i].special):
+        out.append(None)
+      elif i in added:
+        out.append(text.encode("utf-8"))
+      elif byte_level:
+        out.append(bytes(alphabet[c] for c in text) if all(c in alphabet for c in text)
+                   else None)
+      elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        out.append(bytes([int(text[3:5], 16)]))
+      else:
+        out.append(text.replace("\u2581", " ").encode("utf-8"))
+    return cls(tuple(out), tuple(eos_token_ids))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+  """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  extra = iter(range(256, 512))
+  return {chr(b if b in printable else next(extra)): b for b in range(256)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
