@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import re._constants as C  # noqa: N812 (the parse's opcodes)
-import re._parser as sre_parse
 
 import numpy as np
+
+try:  # Python >= 3.11
+  import re._constants as C  # noqa: N812 (the parse's opcodes)
+  import re._parser as sre_parse
+except ImportError:  # 3.10
+  import sre_constants as C  # noqa: N812
+  import sre_parse
+
+# (3.11's; never in a 3.10 parse)
+_ATOMIC_GROUP = getattr(C, "ATOMIC_GROUP", object())
+_POSSESSIVE_REPEAT = getattr(C, "POSSESSIVE_REPEAT", object())
 
 MAX_CODE_POINT = 0x10FFFF
 # Repetitions are unrolled: a bound past this is refused rather than built.
@@ -216,9 +225,9 @@ def _build(nfa: _NFA, parsed, pattern: str, dotall: bool) -> tuple[int, int]:
         raise RegexError(f"{pattern!r}: inline flags other than (?s) are not supported")
       frag = _build(nfa, sub, pattern,
                     (dotall or bool(add_flags & re.DOTALL)) and not del_flags & re.DOTALL)
-    elif op is C.ATOMIC_GROUP:
+    elif op is _ATOMIC_GROUP:
       frag = _build(nfa, arg, pattern, dotall)
-    elif op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+    elif op in (C.MAX_REPEAT, C.MIN_REPEAT, _POSSESSIVE_REPEAT):
       frag = _repeat(nfa, arg, pattern, dotall)
     elif op is C.AT:
       at_start = arg in (C.AT_BEGINNING, C.AT_BEGINNING_STRING) and i == 0
