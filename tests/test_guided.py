@@ -89,6 +89,10 @@ SCHEMAS = [
     {"type": "object", "properties": {"mail": {"type": "string", "format": "email"}, "ip": {
         "type": "string", "format": "ipv4"}, "n": {"type": "integer", "minimum": -3,
                                                    "maximum": 41}}},
+    {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0,
+                                                "maximum": 50}, "maxProperties": 3},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["x", "ab"]}],
+     "items": {"type": "boolean"}},
 ]
 
 
@@ -213,7 +217,10 @@ def test_json_object_mode_takes_objects_only():
     ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer lies"),
     ({"type": "integer", "minimum": "3"}, "minimum: must be a finite number"),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}}, "recursive"),
-    ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "string"}},
+     "additionalProperties"),
+    ({"type": "object", "properties": {"a": {}}, "maxProperties": 1}, "maxProperties"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "exceeds"),
     ({"type": "strin"}, "'strin' is not a JSON schema type"),
     ({"type": "string", "format": "hostname"}, "'hostname' is not supported"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems 2 is below minItems 3"),

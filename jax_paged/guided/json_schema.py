@@ -5,10 +5,11 @@ Supported (anything else is refused with a message naming the keyword and its pa
     email / ipv4), integer (minimum, maximum, exclusive or not: a pattern of the decimal
     range), number (bounds that are integers >= 0, exclusive or not: numbers bounded
     other than by a minimum of 0 are written without an exponent), boolean, null, array
-    (items, minItems, maxItems), object (properties in the schema's order, required;
-    additionalProperties false, or absent with properties; without properties, any
-    object of depth-limited values), and a list of types; enum, const (written
-    compact); anyOf, oneOf (as anyOf), allOf of one schema; $ref into $defs / definitions
+    (items, prefixItems, minItems, maxItems), object (properties in the schema's order,
+    required; additionalProperties false, or absent with properties; without properties
+    a map: any keys, values under additionalProperties' schema (any depth-limited value
+    where it is true or absent), min / maxProperties), and a list of types; enum, const
+    (written compact); anyOf, oneOf (as anyOf), allOf of one schema; $ref into $defs / definitions
     (not recursive); true / {} (any JSON value). A string's pattern is matched against
     its JSON text between the quotes (the same unless the pattern admits `"` or `\\`).
 Values of unconstrained JSON (an object without properties, `{}`, json_object mode) nest
@@ -60,8 +61,9 @@ _KEYWORDS = {
                "const"},
     "boolean": {"type", "enum", "const"},
     "null": {"type", "enum", "const"},
-    "array": {"type", "items", "minItems", "maxItems", "enum", "const"},
-    "object": {"type", "properties", "required", "additionalProperties", "enum", "const"},
+    "array": {"type", "items", "prefixItems", "minItems", "maxItems", "enum", "const"},
+    "object": {"type", "properties", "required", "additionalProperties", "minProperties",
+               "maxProperties", "enum", "const"},
 }
 
 
@@ -260,20 +262,54 @@ class _Converter:
   def _array(self, schema: dict, path: str, refs) -> str:
     items = schema.get("items", True)
     if isinstance(items, list):
-      raise SchemaError(f"{path}/items: a list of item schemas is not supported")
-    item = self.convert(items, f"{path}/items", refs)
+      raise SchemaError(f"{path}/items: a list of item schemas is not supported (draft "
+                        "2020-12's prefixItems is)")
     lo, hi = _bounds(schema, "minItems", "maxItems", path)
+    prefix = schema.get("prefixItems", [])
+    if not isinstance(prefix, list):
+      raise SchemaError(f"{path}/prefixItems: must be a list of schemas")
+    if prefix:  # (a tuple: its positions in order, then `items` for any more)
+      if hi is not None:
+        prefix = prefix[:hi]
+      sep = f"{WHITESPACE},{WHITESPACE}"
+      parts = [self.convert(sub, f"{path}/prefixItems/{i}", refs)
+               for i, sub in enumerate(prefix)]
+      tail = ""  # what may follow the last position
+      if items is not False and (hi is None or hi > len(prefix)):
+        more = self.convert(items, f"{path}/items", refs)
+        extra_lo = max(lo - len(prefix), 0)
+        tail = (f"({sep}{more}){{{extra_lo},}}" if hi is None
+                else f"({sep}{more}){{{extra_lo},{hi - len(prefix)}}}")
+      elif lo > len(prefix):
+        raise SchemaError(f"{path}: minItems {lo} exceeds the {len(prefix)} items allowed")
+      # From the last position back: those at or past minItems may be left out.
+      for k in range(len(parts) - 1, -1, -1):
+        tail = (sep if k else "") + parts[k] + tail
+        if k >= lo:
+          tail = f"({tail})?"
+      return rf"\[{WHITESPACE}{tail}{WHITESPACE}\]"
+    if items is False:
+      return rf"\[{WHITESPACE}\]"
+    item = self.convert(items, f"{path}/items", refs)
     return rf"\[{WHITESPACE}{_items(item, lo, hi)}{WHITESPACE}\]"
 
   def _object(self, schema: dict, path: str, refs) -> str:
     properties = schema.get("properties")
     extra = schema.get("additionalProperties", properties is None)
-    if properties is None and extra in (True, {}):
-      return _free_object(MAX_FREE_DEPTH)
+    lo, hi = _bounds(schema, "minProperties", "maxProperties", path)
+    if properties is None and extra is not False:
+      # A map: any keys, each value as `extra` says (any value where true / {}).
+      value = (_free_value(MAX_FREE_DEPTH - 1) if extra in (True, {})
+               else self.convert(extra, f"{path}/additionalProperties", refs))
+      member = f"{STRING}{WHITESPACE}:{WHITESPACE}{value}"
+      return rf"\{{{WHITESPACE}{_items(member, lo, hi)}{WHITESPACE}\}}"
+    if lo or hi is not None:
+      raise SchemaError(f"{path}: minProperties / maxProperties are supported for maps "
+                        "(additionalProperties without properties) only")
     if extra is not False:
-      raise SchemaError(f"{path}/additionalProperties: {extra!r} is not supported: only "
-                        "false (the object holds the properties named; the default with "
-                        "properties) or true without properties")
+      raise SchemaError(f"{path}/additionalProperties: {extra!r} is not supported with "
+                        "properties: the object holds the properties named (false, the "
+                        "default with properties)")
     properties = {} if properties is None else properties
     if not isinstance(properties, dict):
       raise SchemaError(f"{path}/properties: must be an object")
