@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import tensor_parallel
-from jax_paged.guided import Guide, Vocabulary
+from jax_paged.guided import Guide, GuideCache, Vocabulary
 from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, PagedModel
 from jax_paged.serving.admission import ADMISSION_POLICIES
@@ -590,21 +590,19 @@ def make_guide(args: argparse.Namespace, codec: Codec | None,
     return None
   if codec is None:
     raise CLIError(f"{flag} needs text, and this checkpoint has no tokenizer")
-  token_bytes = codec.token_bytes()
-  vocabulary = Vocabulary(token_bytes, tuple(t for t in eos_token_ids
-                                             if 0 <= t < len(token_bytes)))
+  guides = GuideCache(codec.token_bytes, eos_token_ids)
   try:
     if flag == "--guided-regex":
-      return Guide.from_regex(value, vocabulary)
+      return guides.regex(value)
     if flag == "--guided-choice":
-      return Guide.from_choices(value, vocabulary)
+      return guides.choices(value)
     if value.startswith("@"):
       try:
         with open(value[1:], encoding="utf-8") as f:
           value = f.read()
       except OSError as e:
         raise CLIError(f"--guided-json {value}: cannot read it ({e.strerror})") from e
-    return Guide.from_json_schema(value, vocabulary)
+    return guides.json_schema(value)
   except ValueError as e:  # (RegexError, SchemaError: what is not supported, and why)
     raise CLIError(f"{flag}: {e}") from e
 

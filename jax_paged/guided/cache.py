@@ -4,6 +4,7 @@ building one over a 50k-token vocabulary takes ~0.1-1 s."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 from typing import Any, Callable, Sequence
@@ -27,7 +28,7 @@ class GuideCache:
 
   def __init__(self, token_bytes: Callable[[], Sequence[bytes | None]],
                eos_token_ids: Sequence[int] = ()):
-    self._token_bytes, self._eos = token_bytes, tuple(eos_token_ids)
+    self._read_token_bytes, self._eos = token_bytes, tuple(eos_token_ids)
     self._vocabularies: dict[bool, Vocabulary] = {}
     self._guides: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
@@ -36,13 +37,13 @@ class GuideCache:
     """The vocabulary, with the eos tokens (`ends`) or without (a request that ignores
     them: a guide must not let it end, nor write them)."""
     if ends not in self._vocabularies:
-      if not self._vocabularies:
-        token_bytes = tuple(self._token_bytes())
-      else:
-        token_bytes = next(iter(self._vocabularies.values())).token_bytes
-      eos = tuple(t for t in self._eos if 0 <= t < len(token_bytes)) if ends else ()
-      self._vocabularies[ends] = Vocabulary(token_bytes, eos)
+      eos = tuple(t for t in self._eos if 0 <= t < len(self._token_bytes)) if ends else ()
+      self._vocabularies[ends] = Vocabulary(self._token_bytes, eos)
     return self._vocabularies[ends]
+
+  @functools.cached_property
+  def _token_bytes(self) -> tuple[bytes | None, ...]:
+    return tuple(self._read_token_bytes())
 
   def regex(self, pattern: str, *, ends: bool = True) -> Guide:
     """`Guide.from_regex` (raises its ValueError); `ends`: the eos tokens end a match."""

@@ -217,13 +217,7 @@ def _walk(step: np.ndarray, data: np.ndarray, walking: np.ndarray, first: np.nda
 def _prune_dead_ends(table: np.ndarray, ends: np.ndarray, description: str) -> None:
   """Disallows (in place) the tokens into states from which no tokens reach a state in
   `ends` (bool [states], where a sequence may end)."""
-  successors = [np.unique(row[row >= 0]) for row in table]
-  live = ends.copy()
-  while True:
-    more = live | np.asarray([live[s].any() for s in successors])
-    if (more == live).all():
-      break
-    live = more
+  live = regex_dfa.live_states(table, ends)
   if not live[0]:
     raise regex_dfa.RegexError(f"{description}: the vocabulary's tokens cannot spell any "
                                "match")

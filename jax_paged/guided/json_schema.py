@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 from jax_paged.guided.regex_dfa import regex_escape
@@ -230,28 +229,46 @@ class _Converter:
     return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
 
   def _integer(self, schema: dict, path: str, refs) -> str:
-    lo, hi = None, None
-    for key, bound, closed in (("minimum", max, True), ("exclusiveMinimum", max, False),
-                               ("maximum", min, True), ("exclusiveMaximum", min, False)):
-      value = schema.get(key)
-      if value is None:
-        continue
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-          or abs(value) == float("inf"):
-        raise SchemaError(f"{path}/{key}: must be a finite number, got {value!r}")
-      # The nearest integer inside the bound.
-      if bound is max:
-        edge = math.ceil(value) if closed else math.floor(value) + 1
-        lo = edge if lo is None else max(lo, edge)
-      else:
-        edge = math.floor(value) if closed else math.ceil(value) - 1
-        hi = edge if hi is None else min(hi, edge)
+    lo, hi = _numeric_bounds(schema, path)
+    # The nearest integers inside the bounds.
+    lo = None if lo is None else math.ceil(lo[0]) if lo[1] else math.floor(lo[0]) + 1
+    hi = None if hi is None else math.floor(hi[0]) if hi[1] else math.ceil(hi[0]) - 1
     if lo is not None and hi is not None and lo > hi:
       raise SchemaError(f"{path}: no integer lies within its bounds")
     return integer_range(lo, hi)
 
   def _number(self, schema: dict, path: str, refs) -> str:
-    return _number_range(schema, path)
+    """Bounds that are integers >= 0, exclusive or not; a bounded number is written
+    without an exponent (but where the only bound is a minimum of 0)."""
+    lo, hi = _numeric_bounds(schema, path)
+    for key in _BOUND_KEYS:
+      value = schema.get(key)
+      if value is not None and (value < 0 or value != int(value)):
+        raise SchemaError(f"{path}/{key}: {value!r} is not supported (a number's bounds "
+                          "must be integers >= 0)")
+    if lo is None and hi is None:
+      return NUMBER
+    if lo == (0, True) and hi is None:  # (every number >= 0, with an exponent too)
+      return NUMBER.removeprefix("-?")
+    fraction, nonzero, zeros = r"(\.[0-9]+)?", r"\.[0-9]*[1-9][0-9]*", r"(\.0+)?"
+    a, a_closed = (int(lo[0]), lo[1]) if lo is not None else (0, True)
+    first = a if a_closed else a + 1  # the least whole part with any fraction
+    parts = [] if a_closed else [f"{a}{nonzero}"]  # a itself, with a nonzero fraction
+    if lo is None:  # every negative number too (not "-0")
+      parts.append(f"-(0{nonzero}|[1-9][0-9]*{fraction})")
+    if hi is None:
+      parts.append(f"{integer_range(first, None)}{fraction}")
+    else:
+      b, b_closed = int(hi[0]), hi[1]
+      if not a_closed and a >= b:  # (lo given: no negatives here)
+        parts = []
+      if first <= b - 1:
+        parts.append(f"{integer_range(first, b - 1)}{fraction}")
+      if b_closed and (b > a or (b == a and a_closed)):
+        parts.append(f"{b}{zeros}")
+    if not parts:
+      raise SchemaError(f"{path}: no number lies within its bounds")
+    return "(" + "|".join(parts) + ")"
 
   def _boolean(self, schema: dict, path: str, refs) -> str:
     return BOOLEAN
@@ -334,6 +351,9 @@ class _Converter:
     return rf"\{{{WHITESPACE}{body}{WHITESPACE}\}}"
 
 
+_BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
 def integer_range(lo: int | None, hi: int | None) -> str:
   """The decimal integers in [lo, hi] (None: unbounded that side), as JSON writes them (no
   leading zeros, no "-0")."""
@@ -343,8 +363,9 @@ def integer_range(lo: int | None, hi: int | None) -> str:
   if hi is None or hi >= 0:
     parts.append(_natural_range(0 if lo is None else max(lo, 0), hi))
   if lo is None or lo < 0:  # -m for m in [max(1, -hi), -lo]
-    parts.append("-" + _group(_natural_range(1 if hi is None or hi >= 0 else -hi,
-                                             None if lo is None else -lo)))
+    magnitudes = _natural_range(1 if hi is None or hi >= 0 else -hi,
+                                None if lo is None else -lo)
+    parts.append(f"-({magnitudes})")
   return "(" + "|".join(parts) + ")" if len(parts) > 1 else parts[0]
 
 
@@ -370,35 +391,19 @@ def _digits_range(lo: str, hi: str) -> str:
   if len(lo) == 1:
     return f"[{lo}-{hi}]"
   if lo[0] == hi[0]:
-    return lo[0] + _group(_digits_range(lo[1:], hi[1:]))
+    return lo[0] + f"({_digits_range(lo[1:], hi[1:])})"
   n = len(lo) - 1
   parts = []
   first = lo[0]
   if lo[1:] != "0" * n:  # lo's leading digit with the rest from lo[1:] up
-    parts.append(lo[0] + _group(_digits_range(lo[1:], "9" * n)))
+    parts.append(lo[0] + f"({_digits_range(lo[1:], '9' * n)})")
     first = str(int(lo[0]) + 1)
   last = hi[0] if hi[1:] == "9" * n else str(int(hi[0]) - 1)
   if first <= last:  # whole blocks of leading digits
     parts.append((first if first == last else f"[{first}-{last}]") + f"[0-9]{{{n}}}")
   if hi[1:] != "9" * n:  # hi's leading digit with the rest up to hi[1:]
-    parts.append(hi[0] + _group(_digits_range("0" * n, hi[1:])))
+    parts.append(hi[0] + f"({_digits_range('0' * n, hi[1:])})")
   return "(" + "|".join(parts) + ")" if len(parts) > 1 else parts[0]
-
-
-def _group(pattern: str) -> str:
-  """`pattern` as one unit to follow a prefix."""
-  return pattern if re.fullmatch(r"\d|\[[0-9-]*\](\{\d+\})?|\(.*\)", pattern) and (
-      not pattern.startswith("(") or _balanced(pattern[1:-1])) else f"({pattern})"
-
-
-def _balanced(inner: str) -> bool:
-  """Whether `inner` closes no group it did not open (so "(" + inner + ")" is one)."""
-  depth = 0
-  for c in inner:
-    depth += (c == "(") - (c == ")")
-    if depth < 0:
-      return False
-  return depth == 0
 
 
 def _bounds(schema: dict, lo_key: str, hi_key: str, path: str) -> tuple[int, int | None]:
@@ -412,44 +417,21 @@ def _bounds(schema: dict, lo_key: str, hi_key: str, path: str) -> tuple[int, int
   return lo, hi
 
 
-def _number_range(schema: dict, path: str) -> str:
-  """A number's pattern under its bounds: integers >= 0 (minimum, maximum, exclusive or
-  not), written without an exponent; other bounds are refused."""
-  lo = hi = None  # (bound, closed)
-  for key, is_lo, closed in (("minimum", True, True), ("exclusiveMinimum", True, False),
-                             ("maximum", False, True), ("exclusiveMaximum", False, False)):
+def _numeric_bounds(schema: dict, path: str
+                    ) -> tuple[tuple[float, bool] | None, tuple[float, bool] | None]:
+  """(lower, upper) bounds of a number as (value, inclusive): the tighter of minimum and
+  exclusiveMinimum, of maximum and exclusiveMaximum; None where there is none."""
+  lo = hi = None
+  for key in _BOUND_KEYS:
     value = schema.get(key)
     if value is None:
       continue
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
-        or abs(value) == float("inf") or value < 0 or value != int(value)):
-      raise SchemaError(f"{path}/{key}: {value!r} is not supported (a number's bounds must "
-                        "be integers >= 0)")
-    value = int(value)
-    if is_lo:  # the tighter of two lower bounds
-      lo = (value, closed) if lo is None or (value, not closed) > (lo[0], not lo[1]) else lo
-    else:
-      hi = (value, closed) if hi is None or (value, closed) < (hi[0], hi[1]) else hi
-  if lo is None and hi is None:
-    return NUMBER
-  if lo == (0, True) and hi is None:  # (every number >= 0, with an exponent too)
-    return NUMBER.removeprefix("-?")
-  fraction, nonzero, zeros = r"(\.[0-9]+)?", r"\.[0-9]*[1-9][0-9]*", r"(\.0+)?"
-  a, a_closed = lo if lo is not None else (0, True)
-  first = a if a_closed else a + 1  # the least whole part with any fraction
-  parts = [] if a_closed else [f"{a}{nonzero}"]  # a itself, with a nonzero fraction
-  if lo is None:  # every negative number too (not "-0")
-    parts.append(r"-(0\.[0-9]*[1-9][0-9]*|[1-9][0-9]*(\.[0-9]+)?)")
-  if hi is None:
-    parts.append(f"{integer_range(first, None)}{fraction}")
-  else:
-    b, b_closed = hi
-    if not a_closed and a >= b:  # (lo given: no negatives here)
-      parts = []
-    if first <= b - 1:
-      parts.append(f"{integer_range(first, b - 1)}{fraction}")
-    if b_closed and (b > a or (b == a and a_closed)):
-      parts.append(f"{b}{zeros}")
-  if not parts:
-    raise SchemaError(f"{path}: no number lies within its bounds")
-  return "(" + "|".join(parts) + ")"
+        or abs(value) == float("inf")):
+      raise SchemaError(f"{path}/{key}: must be a finite number, got {value!r}")
+    bound = (value, not key.startswith("exclusive"))
+    if key in ("minimum", "exclusiveMinimum"):  # the larger, the exclusive one at a tie
+      lo = bound if lo is None or (value, not bound[1]) > (lo[0], not lo[1]) else lo
+    else:  # the smaller, the exclusive one at a tie
+      hi = bound if hi is None or bound < hi else hi
+  return lo, hi

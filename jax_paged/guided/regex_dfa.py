@@ -102,17 +102,6 @@ def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
   return out
 
 
-def _encode(cp: int, length: int) -> list[int]:
-  if length == 1:
-    return [cp]
-  out = []
-  for _ in range(length - 1):
-    out.append(0x80 | (cp & 0x3F))
-    cp >>= 6
-  out.append((0xF0, 0xE0, 0xC0)[4 - length] | cp)
-  return out[::-1]
-
-
 def _utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
   """The code points lo..hi (surrogates skipped) as sequences of byte ranges, each
   sequence a product of ranges (Rust regex-syntax's Utf8Sequences)."""
@@ -144,7 +133,7 @@ def _split_same_length(lo: int, hi: int, length: int) -> list[list[tuple[int, in
       if hi & m != m:
         return (_split_same_length(lo, (hi & ~m) - 1, length)
                 + _split_same_length(hi & ~m, hi, length))
-  return [list(zip(_encode(lo, length), _encode(hi, length)))]
+  return [list(zip(chr(lo).encode(), chr(hi).encode()))]
 
 
 def _byte_set(lo: int, hi: int) -> int:
@@ -341,15 +330,21 @@ def compile_regex(pattern: str) -> ByteDFA:
   return ByteDFA(np.ascontiguousarray(table[:, classes]), accepting)
 
 
-def _prune(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Keeps the states from which a match can be reached (state 0 first); edges to the
-  others become -1. Empty arrays if state 0 cannot reach one."""
-  live = accepting.copy()
+def live_states(table: np.ndarray, ends: np.ndarray) -> np.ndarray:
+  """bool [states]: the states of a transition table (int [states, symbols], -1: none)
+  from which some path reaches a state in `ends` (bool [states])."""
+  live = ends.copy()
   while True:
     more = live | ((table >= 0) & live[np.maximum(table, 0)]).any(axis=1)
     if (more == live).all():
-      break
+      return live
     live = more
+
+
+def _prune(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Keeps the states from which a match can be reached (state 0 first); edges to the
+  others become -1. Empty arrays if state 0 cannot reach one."""
+  live = live_states(table, accepting)
   if not live[0]:
     return table[:0], accepting[:0]
   new_id = np.cumsum(live) - 1
@@ -368,14 +363,11 @@ def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
   count = len(np.unique(block))
   while True:
     nxt = np.where(table >= 0, block[np.maximum(table, 0)], -1)
-    signature = np.concatenate([block[:, None], nxt], axis=1)
-    _, block_new = np.unique(signature, axis=0, return_inverse=True)
-    block_new = block_new.reshape(-1)
-    new_count = int(block_new.max()) + 1
-    block = block_new
-    if new_count == count:
+    block = np.unique(np.concatenate([block[:, None], nxt], axis=1), axis=0,
+                      return_inverse=True)[1].reshape(-1)
+    if block.max() + 1 == count:
       break
-    count = new_count
+    count = block.max() + 1
   # Renumber blocks in order of first appearance, so that state 0's block is 0.
   _, first_at = np.unique(block, return_index=True)
   order = np.argsort(first_at)
