@@ -13,7 +13,8 @@ Layers, each using only those before it:
             texts over a Vocabulary's tokens), Request(guide=...)
   serving   scheduler, runner, engine: Engine / Request / TokenEvent (continuous
             batching), EngineLoop (an engine on a thread of its own, for servers),
-            generate (one static batch) and beam_search
+            generate (one static batch), beam_search and speculative decoding
+            (NgramSpeculation)
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
   openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP (server_metrics:
                   its Prometheus metrics; tool_calls: its tool call parsers)
@@ -35,13 +36,14 @@ from jax_paged.serving.engine import Engine
 from jax_paged.serving.engine_loop import EngineLoop
 from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent
+from jax_paged.serving.speculative import NgramSpeculation
 from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
     "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "ModelFamily",
-    "ModelSpec", "PagedModel", "PoolExhausted", "Report", "Request", "TokenEvent",
-    "Vocabulary", "beam_search", "generate", "guided", "merge_attention_states",
+    "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report", "Request",
+    "TokenEvent", "Vocabulary", "beam_search", "generate", "guided", "merge_attention_states",
     "merge_attention_states_n", "nn", "paged_decode_attention", "paged_prefill_attention",
     "pool", "reference",
 ]

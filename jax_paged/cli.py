@@ -40,6 +40,7 @@ from jax_paged.serving.admission import ADMISSION_POLICIES
 from jax_paged.serving.beam_search import beam_search
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent
+from jax_paged.serving.speculative import NgramSpeculation
 
 ENTRY_POINT_GROUP = "jax_paged.models"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -113,6 +114,13 @@ def _non_empty(text: str) -> str:
   if not text:
     raise argparse.ArgumentTypeError("expected a non-empty text")
   return text
+
+
+def _speculative_config(text: str) -> NgramSpeculation:
+  try:
+    return NgramSpeculation.from_config(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _float_in(lo: float, hi: float, *, lo_open: bool, what: str) -> Callable[[str], float]:
@@ -234,6 +242,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> 
   eng.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share the pages of prompts that start alike (prefix caching "
                         "is on by default; tokens are the same either way)")
+  eng.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help="speculative decoding, as vLLM's: {\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
+                        "\"prompt_lookup_min\": M}: each decode step verifies up to K "
+                        "tokens drafted from where the context's last N..M tokens occurred "
+                        "before (same tokens; faster where text repeats its context)")
   eng.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
                    help="split the model over the first N devices (Megatron-style: "
                         "attention heads, the KV pool by kv head, the MLP; default 1); "
@@ -548,7 +563,7 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
                  admission=args.admission, prefix_caching=not args.no_prefix_caching,
                  cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=loaded.mesh,
                  detokenize=loaded.codec.decode if loaded.codec else None,
-                 scheduling_policy=scheduling_policy)
+                 scheduling_policy=scheduling_policy, speculation=args.speculative_config)
   except ValueError as e:
     raise CLIError(str(e)) from e
   except jax.errors.JaxRuntimeError as e:
@@ -707,7 +722,7 @@ _NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "n", "logit_bias", "
                   "logprobs", "top_logprobs", "prompt_logprobs", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed", "admission",
                   "no_prefix_caching", "num_pages", "memory_fraction", "guided_regex",
-                  "guided_json", "guided_choice")
+                  "guided_json", "guided_choice", "speculative_config")
 
 
 def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | None,

@@ -514,6 +514,47 @@ def _release(pool: KVPool, seq_ids: jax.Array, valid: jax.Array) -> KVPool:
   return pool.replace(lengths=lengths)
 
 
+def truncate(pool: KVPool, seq_ids, num_tokens) -> tuple[KVPool, jax.Array]:
+  """Shortens sequences to their first `num_tokens` tokens: speculative decoding's
+  rejected drafts, whose K/V a verify step wrote, dropped.
+
+  The references to pages past a sequence's new last page are dropped (a page goes back
+  to the free stack at zero, as in `release`); the pages it keeps are not touched (the
+  tokens past the new length in its last page are garbage, overwritten by its next
+  writes).
+
+  Args:
+    pool: the pool.
+    seq_ids: int32 [n] distinct ids in [0, max_seqs); under jit, out-of-range (e.g. -1
+      padding) or repeated ids are ignored.
+    num_tokens: int32 [n], each sequence's new length, at most its length.
+
+  Returns:
+    (the pool, bool ok [n]): ok[i] is False for an ignored id and for a num_tokens[i]
+    outside [0, length] (that sequence is left as it was).
+  """
+  seq_ids, _ = _check_seq_ids(pool, seq_ids)
+  n = seq_ids.shape[0]
+  known = validation.concrete(num_tokens)
+  num_tokens = jnp.asarray(num_tokens)
+  if num_tokens.shape != (n,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+    raise ValueError(f"num_tokens must be an int array of shape [{n}] (one per sequence), "
+                     f"got shape {num_tokens.shape} dtype {num_tokens.dtype}")
+  if known is not None and known.size and known.min() < 0:
+    raise ValueError(f"num_tokens must be >= 0, got {known.tolist()}")
+  num_tokens = num_tokens.astype(jnp.int32)
+  valid = _first_valid_occurrence(pool, seq_ids)
+  safe_ids = jnp.where(valid, seq_ids, 0)
+  ok = valid & (num_tokens >= 0) & (num_tokens <= pool.lengths[safe_ids])
+  keep = pool.pages_used(num_tokens)
+  used = pool.pages_used()[safe_ids]
+  j = jnp.arange(pool.max_pages_per_seq)
+  dropped = ok[:, None] & (j[None, :] >= keep[:, None]) & (j[None, :] < used[:, None])
+  pool = _drop_references(pool, pool.page_table[safe_ids], dropped)
+  target = jnp.where(ok, seq_ids, pool.max_seqs)  # out of range -> dropped
+  return pool.replace(lengths=pool.lengths.at[target].set(num_tokens, mode="drop")), ok
+
+
 def _check_page_ids(pool: KVPool, page_ids, name: str) -> jax.Array:
   """int32 page ids of any shape; raises for non-integers and, where concrete, for ids
   outside [0, num_pages) (negative = padding where the caller allows it)."""

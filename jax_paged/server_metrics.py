@@ -125,6 +125,10 @@ class ServerMetrics:
       metric("num_preemptions_total", "counter",
              "Sequences preempted (pages freed, context recomputed).",
              [("", stats.preemptions)])
+      metric("spec_decode_num_draft_tokens_total", "counter",
+             "Speculative drafts verified.", [("", stats.draft_tokens)])
+      metric("spec_decode_num_accepted_tokens_total", "counter",
+             "Speculative drafts kept.", [("", stats.accepted_tokens)])
       metric("prompt_tokens_total", "counter",
              "Prompt tokens of the requests received (a prompt once, whatever n).",
              [("", self.prompt_tokens)])

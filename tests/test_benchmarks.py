@@ -99,3 +99,21 @@ def test_beam_benchmark_tiny(monkeypatch, tmp_path):
   bench_beam.main()
   table = (tmp_path / "bench_beam.md").read_text()
   assert table.count("| jax_paged.beam_search |") == 1 and "(unshared 48)" in table
+
+
+def test_speculative_benchmarks_copy_workload_quotes_each_prompt():
+  """bench_speculative's copy requests: each prompt holds the span, and the guide allows
+  exactly the span's tokens, one at a time, then nothing."""
+  from benchmarks import bench_speculative
+  words = bench_speculative.spelling(300)
+  assert len(set(words)) == 300 and {len(w) for w in words} == {3}
+  requests = bench_speculative.requests_of("copy", 300, 3, 40, 0, 12)
+  guide = requests[0].guide
+  assert all(r.guide is guide and len(r.prompt) == 40 for r in requests)
+  span = requests[0].prompt[14:26]
+  assert all(r.prompt[14:26] == span for r in requests)
+  state = 0
+  for token in span:
+    assert np.flatnonzero(guide.table[state] >= 0).tolist() == [token]
+    state = guide.walk(state, [token])
+  assert guide.done[state]

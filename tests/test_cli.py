@@ -193,6 +193,11 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--guided-json", "{\"type\": 3}"], "--guided-json: #/type: 3 is not a JSON schema"),
     (["--guided-json", "@/no/such.json"], "--guided-json @/no/such.json: cannot read it"),
     (["--guided-regex", "a", "--guided-choice", "b"], "not allowed with argument"),
+    (["--speculative-config", "{\"num_speculative_tokens\": 0}"],
+     "argument --speculative-config: speculative config: num_speculative_tokens must be"),
+    (["--speculative-config", "{\"method\": \"eagle\"}"], "only \"ngram\""),
+    (["--speculative-config", "{\"num_speculative_tokens\": 2}", "--beam-width", "2"],
+     "--speculative-config do not apply"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
@@ -314,6 +319,19 @@ def test_parallel_samples_and_no_prefix_caching(capsys):
   # Three samples on one prompt's pages (forked, prefix caching or not) hold more live
   # tokens than their pages have slots.
   assert "; above 100%: sequences shared pages)" in again
+
+
+def test_speculative_decoding_prints_the_same_text_and_its_drafts(capsys):
+  args = ("--model", "tiny", "--prompt", "abcabcabcabcabc", "--prompt", "xyz", "--n", "2",
+          "--temperature", "0.8", "--max-new-tokens", "24", "--no-progress")
+  status, out, _ = _main(capsys, *args)
+  assert status == 0
+  status, spec, _ = _main(capsys, *args, "--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 3, '
+                          '"prompt_lookup_max": 2, "prompt_lookup_min": 1}')
+  assert status == 0
+  texts = lambda out: out.split("requests:")[0]
+  assert texts(spec) == texts(out) and "speculative decoding: " in spec
 
 
 def test_logprobs_print_each_completions_tokens_and_perplexity(capsys):

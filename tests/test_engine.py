@@ -142,8 +142,8 @@ def test_decode_loop_runs_exactly_num_steps_in_checked_groups(model, prompts):
   assert runner_lib.STEPS_PER_CHECK == 16
   reference = generate(model, prompts[:2], 38, page_size=8)
   runner, kv, lengths, pack = _prefilled(model, prompts)
-  out, kv = runner.decode_loop(kv, 37, max_steps=40, greedy=True, checked=True,
-                               **pack([40, 2]))
+  (out, _, _), kv = runner.decode_loop(kv, 37, max_steps=40, greedy=True, checked=True,
+                                       **pack([40, 2]))
   out = np.asarray(out)
   assert out.shape == (40, 2)  # max_steps rows, though 3 groups of 16 ran
   np.testing.assert_array_equal(out[:37, 0], reference[0][1:38])
@@ -163,8 +163,8 @@ def test_unchecked_decode_loop_matches_the_checked_one(model, prompts):
   results = []
   for checked in (True, False):
     runner, kv, lengths, pack = _prefilled(model, prompts)
-    out, kv = runner.decode_loop(kv, 40, max_steps=40, greedy=True, checked=checked,
-                                 **pack(budget))
+    (out, _, _), kv = runner.decode_loop(kv, 40, max_steps=40, greedy=True,
+                                         checked=checked, **pack(budget))
     results.append((np.asarray(out), kv))
   (out_c, kv_c), (out_u, kv_u) = results
   assert out_u.shape == (40, 2) and (out_u[:, 0] >= 0).all() and (out_u[5:, 1] == -1).all()
@@ -1255,12 +1255,12 @@ def test_stats_count_every_run_and_show_the_load(model, prompts):
   tokens and preemptions summed over every run since the engine was built (an aborted
   run's too)."""
   eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6)
-  assert eng.stats() == (0, 0, 0, 0, 9, 0, 0, 0, 0)
+  assert eng.stats() == (0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0)
   _, first = eng.generate([Request(p, 14) for p in prompts])
   assert first.preemptions > 0
   stats = eng.stats()
   assert stats == (0, 0, 0, eng.num_cached_pages, 9, first.prompt_tokens,
-                   first.cached_prompt_tokens, 14 * len(prompts), first.preemptions)
+                   first.cached_prompt_tokens, 14 * len(prompts), first.preemptions, 0, 0)
   assert first.prompt_tokens > sum(map(len, prompts))  # (preempted contexts again)
   # Added requests: two admitted, the third's 8 samples waiting for 8 free slots.
   long_prompt = list(range(1, 21))

@@ -48,6 +48,8 @@ def test_engine_tokens_match_one_device(model):
   for n in ("2", "4"):
     assert result["tokens"][n] == ref, f"tensor parallel {n}"
   assert result["int8_tokens"]["2"] == result["int8_tokens"]["1"]
+  # Speculative decoding at TP 2: the same tokens, drafts kept.
+  assert result["speculative_tokens"] == ref and result["accepted_tokens"] > 0
   if model == "gpt2":  # beam search at TP 2: the same hypotheses, scores within 1e-5
     ref, got = result["beams"]["1"], result["beams"]["2"]
     assert [b[0] for b in got] == [b[0] for b in ref]
@@ -150,6 +152,7 @@ def test_two_gpus_match_one_gpu():
     assert res["preemptions"] > 0 and res["cached_prompt_tokens"] > 0, name
     assert res["tokens"]["2"] == res["tokens"]["1"], name
     assert res["int8_tokens"]["2"] == res["int8_tokens"]["1"], name
+    assert res["speculative_tokens"] == res["tokens"]["1"], name
     for step, err in res["logit_errors"]["2"].items():
       assert err < 1e-5, (name, step, err)
     assert res["pool_errors"]["2"] < 1e-5, name
@@ -222,7 +225,7 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
   """For each model and TP size in `sizes` (1 first): the engine's tokens (f32 and an
   int8 pool), three forwards' logits and pool, how the pool is sharded."""
   import jax
-  from jax_paged import beam_search, tensor_parallel
+  from jax_paged import NgramSpeculation, beam_search, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
   out = {}
   for name, model in _models(head_dim).items():
@@ -250,6 +253,11 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
       if n in (1, 2):  # an int8 pool: its scales are split by kv head like its pages
         res.setdefault("int8_tokens", {})[str(n)] = _engine(
             model, mesh, cache_dtype="int8").generate(_requests())[0]
+      if n == 2:  # speculative rounds: the verify forward and its draws per device
+        speculating = _engine(model, mesh, speculation=NgramSpeculation(
+            num_tokens=3, min_ngram=1, max_ngram=2))
+        res["speculative_tokens"] = speculating.generate(_requests())[0]
+        res["accepted_tokens"] = speculating.report.accepted_tokens
       if n == 1:
         res["preemptions"] = report.preemptions
         res["cached_prompt_tokens"] = report.cached_prompt_tokens

@@ -51,6 +51,7 @@ from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.scheduler import Scheduler, check_scheduling_policy
+from jax_paged.serving.speculative import NgramSpeculation
 
 
 # Engine.warmup's sampling kinds: the settings of the throwaway requests that compile each.
@@ -124,6 +125,12 @@ class Engine:
       requests are admitted by `Request.priority`, lower first, then by arrival; a full
       pool preempts the lowest priority's newest sequence). A request that arrives does
       not preempt running ones: it goes first when slots and pages free up.
+    speculation: None, or a `NgramSpeculation`: decode calls run speculative rounds
+      (`jax_paged.serving.speculative`, prompt lookup): each verifies up to `num_tokens`
+      drafts from a sequence's own context in one forward, keeping those its own draws
+      confirm. The tokens are the same as without (greedy or sampled, with every
+      request setting); it is faster where text repeats its context, and costs a bit
+      more per token where it does not. The model needs `prefill_hidden` and `logits`.
   """
 
   def __init__(self, model: PagedModel, *, max_batch: int = 32,
@@ -133,7 +140,8 @@ class Engine:
                eos_token_id: int | None = None, cache_dtype=None,
                prefix_caching: bool = True, mesh=None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
-               scheduling_policy: str = "fcfs"):
+               scheduling_policy: str = "fcfs",
+               speculation: NgramSpeculation | None = None):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)
     self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -149,7 +157,8 @@ class Engine:
                        f"{detokenize!r}")
     self.detokenize = detokenize
     self.prefix_caching = bool(prefix_caching)
-    self.runner = runner_lib.ModelRunner(model, mesh)
+    self.runner = runner_lib.ModelRunner(model, mesh, speculation)
+    self.speculation = speculation
     self.mesh = mesh
     self.spec = spec = self.runner.spec
     cache_dtype = validation.check_cache_dtype(
@@ -199,7 +208,7 @@ class Engine:
     self._cache: KVCacheManager | None = None
     # `stats()`'s counts of the runs that have ended (prompt tokens, cached ones,
     # generated tokens, preemptions).
-    self._ended_counts = (0, 0, 0, 0)
+    self._ended_counts = (0,) * 6
 
   @property
   def num_cached_pages(self) -> int:
@@ -223,13 +232,13 @@ class Engine:
     return EngineStats(running, waiting, cache.num_used_pages, cache.num_cached_pages,
                        self.num_pages, *counts)
 
-  def _run_counts(self) -> tuple[int, int, int, int]:
+  def _run_counts(self) -> tuple[int, ...]:
     """`stats()`'s counts of the run in progress (zeros if none)."""
     if self._run is None:
-      return (0, 0, 0, 0)
-    cache = self._cache
-    return (cache.prompt_tokens, cache.cached_prompt_tokens, self.report.generated_tokens,
-            self._run.scheduler.num_preemptions)
+      return (0,) * 6
+    cache, report = self._cache, self.report
+    return (cache.prompt_tokens, cache.cached_prompt_tokens, report.generated_tokens,
+            self._run.scheduler.num_preemptions, report.draft_tokens, report.accepted_tokens)
 
   def _end_run(self) -> None:
     """Forgets the run in progress, its counts kept for `stats()`."""
@@ -440,7 +449,7 @@ class Engine:
         break
       holds *= 2
     self.report = Report(num_pages=self.num_pages)
-    self._ended_counts = (0, 0, 0, 0)  # (`stats()` counts served requests, not these)
+    self._ended_counts = (0,) * 6  # (`stats()` counts served requests, not these)
     gc.collect()  # (what the warm-up left for collection is freed, not frozen)
     gc.freeze()
     return runs
@@ -708,8 +717,13 @@ class Engine:
     if plan.decode_steps:
       report.decode_calls += 1
       produced = (out.decoded >= 0).sum(axis=0)
-      report.decode_steps += int(produced.max())
       report.decode_tokens += int(produced.sum())
+      if out.speculated is None:
+        report.decode_steps += int(produced.max())
+      else:
+        report.decode_steps += int(out.speculated[0])
+        report.draft_tokens += int(out.speculated[1])
+        report.accepted_tokens += int(out.speculated[2])
     # A call with both is counted as decode time: its prefill interleaves.
     if plan.decode_steps:
       report.decode_s += seconds

@@ -34,7 +34,7 @@ class Report:
   aborted: int = 0            # requests dropped by `Engine.abort_request`
   decode_calls: int = 0
   prefill_calls: int = 0
-  decode_steps: int = 0       # device decode steps run (a step decodes every running row)
+  decode_steps: int = 0       # device decode steps (speculative rounds) run over the rows
   decode_tokens: int = 0      # tokens those steps produced
   decode_s: float = 0.0       # wall time of the decode calls (until their tokens are back)
   prefill_s: float = 0.0      # wall time of the prefill-only calls
@@ -42,6 +42,8 @@ class Report:
   cached_prompt_tokens: int = 0   # ... of which served from the prefix cache
   pages_saved: int = 0            # pages shared (prefix cache hits, forks) instead of filled
   evicted_pages: int = 0          # cached pages evicted to make room
+  draft_tokens: int = 0       # speculative drafts verified (`Engine(speculation=...)`)
+  accepted_tokens: int = 0    # ... of which kept
 
   @property
   def prefix_hit_rate(self) -> float:
@@ -71,6 +73,10 @@ class Report:
         f"{self.decode_steps} steps, {self.decode_tokens / max(1, self.decode_steps):.1f} "
         f"sequences per step, {1e3 * self.decode_s / max(1, self.decode_steps):.2f} ms per "
         f"step)",
+        *([f"speculative decoding: {self.accepted_tokens} of {self.draft_tokens} drafts "
+           f"kept ({self.accepted_tokens / self.draft_tokens:.1%}); a sequence took "
+           f"{self.decode_tokens / max(1, self.decode_tokens - self.accepted_tokens):.2f} "
+           "tokens per step"] if self.draft_tokens else []),
         f"throughput: {self.tokens_per_s:.1f} tokens/s",
     ])
 
@@ -91,6 +97,7 @@ class EngineStats(NamedTuple):
     cached_prompt_tokens: those served from the prefix cache.
     generated_tokens: tokens delivered.
     preemptions: sequences preempted (their pages freed, to be recomputed).
+    draft_tokens, accepted_tokens: speculative drafts verified, and kept.
   """
 
   running: int
@@ -102,3 +109,5 @@ class EngineStats(NamedTuple):
   cached_prompt_tokens: int
   generated_tokens: int
   preemptions: int
+  draft_tokens: int
+  accepted_tokens: int

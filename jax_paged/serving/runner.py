@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jax_paged import pool as pool_lib
 from jax_paged import sampling
 from jax_paged import tensor_parallel
+from jax_paged.serving import speculative
 from jax_paged.paged_model import ModelSpec, PagedModel, last_tokens, offers_prompt_logprobs
 
 
@@ -342,6 +343,125 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   return out[:max_steps], kv
 
 
+def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active,
+                     index, budget, stop_ids, seeds, temperature, top_k, top_p, min_p,
+                     history, history_len, *, max_steps: int,
+                     speculation: speculative.NgramSpeculation, greedy: bool,
+                     filter_by: str | None = "chunked", logprobs: bool = False,
+                     top_logprobs: int = 0, processors: dict[str, jax.Array] | None = None,
+                     guides: Guides | None = None, guide_offset=None, guide_state=None):
+  """`decode_loop` by speculative rounds (`jax_paged.serving.speculative`): each row
+  takes up to `num_steps` tokens, its output the same tokens plain decoding gives.
+
+  A round drafts each active row's next tokens from its history (`speculative.propose`,
+  at most as many as its budget and num_steps leave room for, less one), reserves the
+  newest token's and the drafts' slots, runs the model over them at once
+  (`prefill_hidden` with `start`, then `logits` at every position), draws the token at
+  each position as a decode step would at that index (logits processors counting the
+  drafts before it, the guide state after them, the key `fold_in(key(seed), index + i)`),
+  keeps the drafts that equal those draws and the draw after them, up to the first stop
+  (stop token, budget, guide done), and truncates the pool to what it keeps
+  (`pool.truncate`). It checks after every round whether a row is still active.
+
+  Args: as `decode_loop`'s (no `checked`: rounds are always checked), and history int32
+    [B, W] with history_len int32 [B]: each row's last context tokens (the newest
+    included), W at least history_len + num_steps.
+
+  Returns:
+    ((int32 [max_steps, B] new tokens, each row's a prefix of its column, -1 after; their
+    `Logprobs` with `logprobs`, else None; int32 [3]: the rounds run, the drafts
+    verified, the drafts kept); the pool).
+  """
+  b = tokens.shape[0]
+  k = speculation.num_tokens
+  rows = np.arange(b, dtype=np.int32)  # (numpy: `_rows` slices the pool's first rows)
+  at = jnp.arange(k + 1)
+
+  def cond(carry):
+    rnd, _, _, active, *_ = carry
+    return (rnd < num_steps) & jnp.any(active)
+
+  def body(carry):
+    (rnd, kv, tokens, active, index, budget, produced, history, history_len, out,
+     out_logprobs, counts, state, stats) = carry
+    drafts, count = speculative.propose(
+        history, history_len, jnp.minimum(budget, num_steps - produced), num_tokens=k,
+        min_ngram=speculation.min_ngram, max_ngram=speculation.max_ngram)
+    start = _rows(kv.lengths, rows)
+    kv, slots, ok = pool_lib.reserve(kv, jnp.where(active, rows, -1), count + 1,
+                                     max_new_tokens=k + 1)
+    active &= ok  # (the scheduler's pages make every reservation succeed)
+    hidden, kv = model.prefill_hidden(jnp.concatenate([tokens[:, None], drafts], axis=1),
+                                      kv, slots, count + 1, start=start,
+                                      page_table=_rows(kv.page_table, rows))
+    logits = model.logits(hidden)  # [B, k + 1, V]
+    # The draw at each position, after the drafts before it.
+    draws, states, c, s = [], [], counts, state
+    for i in range(k + 1):
+      states.append(s)
+      draws.append(sampling.sample_rows(
+          guided_logits(processed_logits(logits[:, i], processors, c, in_prompt, index + i),
+                        guides, guide_offset, s),
+          seeds, index + i, temperature, top_k, top_p, min_p, all_greedy=greedy,
+          filter_by=filter_by))
+      if i < k:
+        if processors is not None:
+          c = c.at[jnp.arange(b), drafts[:, i]].add((i < count).astype(jnp.int32))
+        if guides is not None:  # (a draft the guide refuses is never accepted)
+          s = guided_step(guides, guide_offset, s, drafts[:, i])[0]
+    draws = jnp.stack(draws, axis=1)  # [B, k + 1]
+    kept = speculative.accepted(draws, drafts, count) + 1  # the draws kept, before stops
+    stops = jnp.any(draws[:, :, None] == stop_ids[:, None, :], axis=2)
+    stops |= budget[:, None] - 1 - at[None, :] <= 0
+    if guides is not None:  # each draw's guide state after it
+      after = jax.vmap(lambda st, t: guided_step(guides, guide_offset, st, t),
+                       in_axes=1, out_axes=1)(jnp.stack(states, axis=1), draws)
+      stops |= after[1]
+    stops &= at[None, :] < kept[:, None]
+    new = jnp.where(active, jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1,
+                                      kept), 0)
+    kv, _ = pool_lib.truncate(kv, jnp.where(active, rows, -1), start + new)
+    stats += jnp.stack([1, jnp.sum(jnp.where(active, count, 0)),
+                        jnp.sum(jnp.maximum(new - 1, 0))])
+    taken = at[None, :] < new[:, None]  # [B, k + 1]
+    last = jnp.maximum(new - 1, 0)
+    if processors is not None:
+      counts = counts.at[rows[:, None], draws].add(taken.astype(jnp.int32))
+    if guides is not None:
+      state = jnp.where(new > 0, after[0][rows, last], state)
+    put = lambda x, where, value: x.at[where].set(value, mode="drop")
+    out_row = jnp.where(taken, produced[:, None] + at[None, :], max_steps)
+    out = put(out, (out_row, rows[:, None]), draws)
+    if logprobs:
+      lp = Logprobs.of(logits.reshape(b * (k + 1), -1), draws.reshape(-1), top_logprobs)
+      out_logprobs = jax.tree.map(
+          lambda all_, x: put(all_, (out_row, rows[:, None]),
+                              x.reshape(b, k + 1, *x.shape[1:])), out_logprobs, lp)
+    history = put(history, (rows[:, None], jnp.where(taken, history_len[:, None] + at[None, :],
+                                                     history.shape[1])), draws)
+    history_len += new
+    tokens = jnp.where(new > 0, draws[rows, last], tokens)
+    index += new
+    budget -= new
+    produced += new
+    active &= ~jnp.any(stops, axis=1) & (budget > 0) & (produced < num_steps)
+    return (rnd + 1, kv, tokens, active, index, budget, produced, history, history_len, out,
+            out_logprobs, counts, state, stats)
+
+  out = jnp.full((max_steps, b), -1, jnp.int32)
+  out_logprobs = None
+  if logprobs:  # (an inactive row's entries are never read)
+    out_logprobs = Logprobs(jnp.zeros((max_steps, b)),
+                            jnp.zeros((max_steps, b, top_logprobs), jnp.int32),
+                            jnp.zeros((max_steps, b, top_logprobs)))
+  counts, in_prompt = processor_counts(processors, model.spec.vocab_size)
+  carry = (jnp.int32(0), kv, tokens, active, index, budget, jnp.zeros((b,), jnp.int32),
+           history, history_len, out, out_logprobs, counts, guide_state,
+           jnp.zeros((3,), jnp.int32))
+  _, kv, *_, out, out_logprobs, _, _, stats = jax.lax.while_loop(cond, body, carry)
+  return (out, out_logprobs, stats), kv
+
+
 # The narrowest context a call with penalized rows sends per row (`processor_arrays`): the
 # longest row's context rounded up to this times a power of two (a compilation each);
 # likewise the fewest `logit_bias` entries per row.
@@ -626,10 +746,23 @@ class JittedSteps:
                          top_logprobs=top_logprobs, processors=processors, guides=guides,
                          **a)
 
+    def speculate(leaves, kv, packed, guides=None, *, layout: Layout, max_steps: int,
+                  speculation: speculative.NgramSpeculation, greedy: bool,
+                  filter_by: str | None, logprobs: bool = False, top_logprobs: int = 0):
+      """Packed: `speculative_loop`'s num_steps and per-row arguments, by name, as
+      `loop`'s."""
+      a = unpack_arrays(packed, layout)
+      processors = take_processors(a)
+      return speculative_loop(model(leaves), kv, max_steps=max_steps,
+                              speculation=speculation, greedy=greedy, filter_by=filter_by,
+                              logprobs=logprobs, top_logprobs=top_logprobs,
+                              processors=processors, guides=guides, **a)
+
     self._model, self._sharding, self._jitted = model, sharding, {}
     if sharding is not None:  # tensor parallel: each step one shard_map over the mesh
-      prefill, decode, prefill_sample, loop = (
-          _per_device(fn, *sharding) for fn in (prefill, decode, prefill_sample, loop))
+      prefill, decode, prefill_sample, loop, speculate = (
+          _per_device(fn, *sharding)
+          for fn in (prefill, decode, prefill_sample, loop, speculate))
     self.prefill = _pool_jit(prefill, donate_argnums=1)
     self.decode = _pool_jit(decode, donate_argnums=1, static_argnames="greedy")
     self.prefill_sample = _pool_jit(prefill_sample, donate_argnums=1,
@@ -640,6 +773,10 @@ class JittedSteps:
                                  static_argnames=("layout", "max_steps", "greedy",
                                                   "checked", "filter_by", "logprobs",
                                                   "top_logprobs"))
+    self.speculative_loop = _pool_jit(
+        speculate, donate_argnums=1,
+        static_argnames=("layout", "max_steps", "speculation", "greedy", "filter_by",
+                         "logprobs", "top_logprobs"))
 
 
   def jit(self, fn: Callable, static: tuple) -> Callable:
@@ -780,6 +917,8 @@ class Executed(NamedTuple):
       and `decoded`; None where no row of the call asked (`Request.logprobs`).
     prompt_logprobs: `Logprobs` (numpy) [rows, T] of the prefill's chunks with `targets`
       (`prompt_logprobs`), in their order; None where it has none.
+    speculated: int32 [3] of a speculative decode chunk (`speculative_loop`): its rounds,
+      the drafts they verified and the drafts kept; None otherwise.
   """
 
   first: np.ndarray
@@ -789,6 +928,7 @@ class Executed(NamedTuple):
   first_logprobs: Logprobs | None = None
   decoded_logprobs: Logprobs | None = None
   prompt_logprobs: Logprobs | None = None
+  speculated: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -807,13 +947,24 @@ class ModelRunner:
     run(fn, kv, *args, **static) -> (out, kv)          another layer's device function
   """
 
-  def __init__(self, model: PagedModel, mesh: Mesh | None = None):
+  def __init__(self, model: PagedModel, mesh: Mesh | None = None,
+               speculation: speculative.NgramSpeculation | None = None):
     if not isinstance(model, PagedModel):
       raise TypeError(f"{type(model).__name__} does not meet jax_paged.PagedModel: it needs "
                       "a `spec` and `prefill` / `decode` forwards over the pool")
     self.spec: ModelSpec = model.spec
     # Whether prefills can give prompt log-probabilities (`Request.prompt_logprobs`).
     self.scores_prompts = offers_prompt_logprobs(model)
+    if speculation is not None and not isinstance(speculation,
+                                                  speculative.NgramSpeculation):
+      raise TypeError(f"speculation must be a NgramSpeculation or None, got "
+                      f"{type(speculation).__name__}")
+    if speculation is not None and not self.scores_prompts:
+      raise ValueError(f"speculation needs the model's logits at every new position: "
+                       f"{type(model).__name__} lacks PagedModel's optional "
+                       "`prefill_hidden` and `logits`")
+    # Decode calls run speculative rounds (`speculative_loop`) with it.
+    self.speculation = speculation
     self.mesh = mesh
     self.guide_tables = GuideTables(self.spec.vocab_size, mesh)
     if mesh is None:
@@ -844,14 +995,27 @@ class ModelRunner:
   def decode_loop(self, kv, num_steps: int, *, max_steps: int, greedy: bool, checked: bool,
                   filter_by: str | None = "chunked", logprobs: bool = False,
                   top_logprobs: int = 0, guides: Guides | None = None, **rows: np.ndarray):
-    """`decode_loop`: num_steps and the per-row arguments (numpy, by name; and the
-    `processor_arrays` where a row has logits processors, guide_offset and guide_state
-    with `guides`) travel as the call's one host-to-device copy (`pack_arrays`)."""
+    """`decode_loop`, or with `speculation` `speculative_loop` (`checked` unused; the rows
+    then include history and history_len, `history_arrays`): num_steps and the per-row
+    arguments (numpy, by name; and the `processor_arrays` where a row has logits
+    processors, guide_offset and guide_state with `guides`) travel as the call's one
+    host-to-device copy (`pack_arrays`).
+
+    Returns ((int32 [max_steps, B] tokens, their `Logprobs` with `logprobs` else None,
+    with `speculation` int32 [3] rounds run, drafts verified and drafts kept, else None);
+    the pool).
+    """
     packed, layout = pack_arrays(num_steps=np.int32(num_steps), **rows)
-    return self.jitted.decode_loop(self.leaves, kv, packed, guides, layout=layout,
-                                   max_steps=max_steps, greedy=greedy, checked=checked,
-                                   filter_by=filter_by, logprobs=logprobs,
-                                   top_logprobs=top_logprobs)
+    if self.speculation is not None:
+      return self.jitted.speculative_loop(
+          self.leaves, kv, packed, guides, layout=layout, max_steps=max_steps,
+          speculation=self.speculation, greedy=greedy, filter_by=filter_by,
+          logprobs=logprobs, top_logprobs=top_logprobs)
+    out, kv = self.jitted.decode_loop(self.leaves, kv, packed, guides, layout=layout,
+                                      max_steps=max_steps, greedy=greedy, checked=checked,
+                                      filter_by=filter_by, logprobs=logprobs,
+                                      top_logprobs=top_logprobs)
+    return (*(out if logprobs else (out, None)), None), kv
 
   def idle_decode(self, kv: pool_lib.KVPool, width: int, max_steps: int, *, greedy: bool,
                   checked: bool, filter_by: str | None, logprobs: bool = False,
@@ -867,10 +1031,26 @@ class ModelRunner:
         active=np.zeros((width,), bool), index=zeros, budget=zeros,
         stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
         **_Sampling.of([None] * width).arrays(),
-        **processor_arrays([None] * width, context_width or None))
-    decoded, decoded_lp = decoded if logprobs else (decoded, None)
-    _read_back(decoded, decoded_lp, kv.page_table, kv.num_free)
+        **processor_arrays([None] * width, context_width or None),
+        **self.history_arrays([None] * width, max_steps))
+    _read_back(*decoded, kv.page_table, kv.num_free)
     return kv
+
+  def history_arrays(self, rows: Sequence, max_steps: int) -> dict[str, np.ndarray]:
+    """With `speculation`, the drafts' source for a decode call of rows (scheduler
+    `RunningRequest`s, None for an empty row): history int32 [B, window + max_steps], each
+    row's last `lookup_window` context tokens (at most the model's context) from column
+    0, and history_len int32 [B]; {} without."""
+    if self.speculation is None:
+      return {}
+    window = min(self.speculation.lookup_window, self.spec.max_positions)
+    history = np.zeros((len(rows), window + max_steps), np.int32)
+    used = [i for i, s in enumerate(rows) if s is not None]
+    contexts = [rows[i].context[-window:] for i in used]
+    fill_rows(history, used, contexts)
+    history_len = np.zeros((len(rows),), np.int32)
+    history_len[used] = [len(c) for c in contexts]
+    return dict(history=history, history_len=history_len)
 
   def run(self, fn: Callable, kv: pool_lib.KVPool, *args, **static):
     """fn(model, kv, *args, **static) -> (out, kv) jitted over this runner's model
@@ -908,21 +1088,22 @@ class ModelRunner:
     chunk, dispatched back to back; the host then reads the results back in one transfer
     (`_read_back`; two with both a prefill and a decode chunk) as `Executed`."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
-    first = decoded = first_lp = decoded_lp = scored = None
+    first = decoded = first_lp = decoded_lp = scored = speculated = None
     sequences = [*plan.rows, *(s for c in plan.prefill for _, s in c.samples)]
     offsets = self.guide_tables.place({s.request.guide for s in sequences
                                        if s is not None and s.request.guide is not None})
     if plan.prefill:
       (first, first_lp, scored), kv = self._prefill_plan(kv, plan, offsets)
     if plan.decode_steps:
-      decoded, decoded_lp, kv = self._decode_plan(kv, plan, offsets)
+      decoded, decoded_lp, speculated, kv = self._decode_plan(kv, plan, offsets)
     # A call with both reads its first tokens apart: one `_packed` program per
     # combination of their shapes would compile anew mid-run.
     apart = None
     if decoded is not None and first is not None:
       apart, first, first_lp, scored = (first, first_lp, scored), None, None, None
-    decoded, decoded_lp, page_table, num_free, first, first_lp, scored = _read_back(
-        decoded, decoded_lp, kv.page_table, kv.num_free, first, first_lp, scored)
+    decoded, decoded_lp, speculated, page_table, num_free, first, first_lp, scored = (
+        _read_back(decoded, decoded_lp, speculated, kv.page_table, kv.num_free, first,
+                   first_lp, scored))
     if apart is not None:
       first, first_lp, scored = jax.tree.map(np.asarray, apart)
     samples = sum(len(c.samples) for c in plan.prefill)
@@ -937,7 +1118,7 @@ class ModelRunner:
                                      + ((0, 0),) * (x.ndim - 2), constant_values=fill)
       decoded, decoded_lp = pad(decoded, -1), jax.tree.map(pad, decoded_lp)
     return kv, Executed(first, decoded, page_table, int(num_free), first_lp, decoded_lp,
-                        scored)
+                        scored, speculated)
 
   def _guided_rows(self, rows: Sequence, offsets: dict) -> tuple[Guides | None, dict]:
     """(The guides' device tables, each row's guide_offset and guide_state (int32
@@ -1024,7 +1205,9 @@ class ModelRunner:
     active = np.array([s is not None for s in rows])
     budget = np.array([s.budget if s else 0 for s in rows], np.int32)
     steps = plan.decode_steps
-    checked = needs_checks(steps, max_steps, active, budget, stop_ids, bool(guided))
+    # (Speculative rounds are each checked and take any number of tokens.)
+    checked = self.speculation is None and needs_checks(steps, max_steps, active, budget,
+                                                        stop_ids, bool(guided))
     per_check = steps_per_check(max_steps)
     if checked and steps < per_check:
       # A chunk cut short (by the free pages) in a loop of its own length, rounded up to a
@@ -1042,5 +1225,5 @@ class ModelRunner:
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
         budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **processor_arrays(rows),
-        **guided)
-    return (*(out if sampling_.logprobs else (out, None)), kv)
+        **guided, **self.history_arrays(rows, max_steps))
+    return (*out, kv)
