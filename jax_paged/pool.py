@@ -241,7 +241,8 @@ def _first_valid_occurrence(pool: KVPool, seq_ids: jax.Array) -> jax.Array:
 
 
 def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None = None,
-            interpret: bool | None = None) -> tuple[KVPool, jax.Array, jax.Array]:
+            interpret: bool | None = None, branch_free: bool = False
+            ) -> tuple[KVPool, jax.Array, jax.Array]:
   """Makes room for `num_new_tokens` more tokens of each listed sequence.
 
   Sequences are served in the order given. One that does not fit (not enough free pages,
@@ -258,6 +259,12 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
     interpret: None = on a GPU, one Pallas-Triton kernel where max_new_tokens is 1 (a
       decode step; `jax_paged.decode_reserve`), XLA otherwise and elsewhere; True = that
       kernel in Pallas interpret mode (tests); False = the kernel.
+    branch_free: (XLA path) serve without XLA conditionals, each a device-to-host round
+      trip (tens of µs inside a device loop): in order by a prefix sum (a sequence that
+      does not fit fails with every later one that needs pages), and a sequence whose
+      first new token falls in a shared, partly filled page is not served (no
+      copy-on-write). For callers whose sequences own their last page and fit (the
+      drafts of a speculative round, after its first token's reservation).
 
   Returns:
     (pool, slots, ok): the new pool with pages allocated and `lengths` advanced; int32
@@ -284,8 +291,8 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
                        "of slots")
     max_new_tokens = int(concrete_counts.max()) if n else 0
   mode = triton_backend.kernel_mode(interpret)
-  if mode is None or max_new_tokens != 1 or not n:
-    return _reserve_xla(pool, seq_ids, counts, max_new_tokens)
+  if mode is None or max_new_tokens != 1 or not n or branch_free:
+    return _reserve_xla(pool, seq_ids, counts, max_new_tokens, branch_free)
   # The kernel needs the ids distinct and in range: concrete ones were checked above;
   # traced ones that repeat an earlier id or are out of range become max_seqs (not served,
   # as on the XLA path). Traced ids take the kernel too: the XLA path's copy-on-write
@@ -304,10 +311,10 @@ def reserve(pool: KVPool, seq_ids, num_new_tokens, *, max_new_tokens: int | None
                       refcounts=refcounts, **dict(zip(page_arrays, pages))), slots, ok
 
 
-def _reserve_xla(pool: KVPool, seq_ids: jax.Array, counts: jax.Array, max_new_tokens: int
-                 ) -> tuple[KVPool, jax.Array, jax.Array]:
+def _reserve_xla(pool: KVPool, seq_ids: jax.Array, counts: jax.Array, max_new_tokens: int,
+                 branch_free: bool = False) -> tuple[KVPool, jax.Array, jax.Array]:
   """`reserve` in plain XLA: seq_ids int32 [n], counts int or bool [n], any
-  max_new_tokens."""
+  max_new_tokens; `branch_free` as `reserve`'s."""
   ps = pool.page_size
   counts = counts.astype(jnp.int32)
 
@@ -348,18 +355,22 @@ def _reserve_xla(pool: KVPool, seq_ids: jax.Array, counts: jax.Array, max_new_to
   def in_order(need, valid):
     return jax.lax.scan(admit, pool.num_free, (need, valid))
 
-  if max_new_tokens <= 1:
+  if branch_free:  # (shared sequences are not served: no copies)
     num_free, (ok, free_before) = prefix_sum(need, plain)
+    refcounts, copy = pool.refcounts, jnp.zeros_like(ok)
   else:
-    total = jnp.sum(jnp.where(plain, need, 0))
-    num_free, (ok, free_before) = jax.lax.cond(total <= pool.num_free, prefix_sum, in_order,
-                                               need, plain)
-  # Rare (only forks share a partly filled page): a device-to-host branch only then.
-  num_free, refcounts, ok_shared, copy, free_before_shared = jax.lax.cond(
-      jnp.any(shared), _serve_shared, _no_shared, num_free, pool.refcounts, shared, need,
-      current)
-  ok |= ok_shared
-  free_before = jnp.where(shared, free_before_shared, free_before)
+    if max_new_tokens <= 1:
+      num_free, (ok, free_before) = prefix_sum(need, plain)
+    else:
+      total = jnp.sum(jnp.where(plain, need, 0))
+      num_free, (ok, free_before) = jax.lax.cond(total <= pool.num_free, prefix_sum,
+                                                 in_order, need, plain)
+    # Rare (only forks share a partly filled page): a device-to-host branch only then.
+    num_free, refcounts, ok_shared, copy, free_before_shared = jax.lax.cond(
+        jnp.any(shared), _serve_shared, _no_shared, num_free, pool.refcounts, shared, need,
+        current)
+    ok |= ok_shared
+    free_before = jnp.where(shared, free_before_shared, free_before)
   # The pages sequence i takes: its copy of the shared page first (replacing it in its
   # row), then its new pages; popped from free_pages[free_before - taken : free_before].
   taken = jnp.where(ok, need + copy, 0)
@@ -383,8 +394,9 @@ def _reserve_xla(pool: KVPool, seq_ids: jax.Array, counts: jax.Array, max_new_to
 
   new_pool = pool.replace(page_table=page_table, lengths=lengths, num_free=num_free,
                           refcounts=refcounts)
-  new_pool = jax.lax.cond(jnp.any(copy), copy_pages, lambda p, src, dst: p, new_pool,
-                          current, jnp.where(copy, popped[:, 0], -1))
+  if not branch_free:
+    new_pool = jax.lax.cond(jnp.any(copy), copy_pages, lambda p, src, dst: p, new_pool,
+                            current, jnp.where(copy, popped[:, 0], -1))
   return new_pool, slots, ok
 
 

@@ -1085,6 +1085,9 @@ def test_metrics_count_requests_tokens_and_the_engine(model):
     assert got["jax_paged:num_requests_running{}"] == 0
     assert got["jax_paged:num_requests_waiting{}"] == 0
     assert got["jax_paged:kv_cache_usage_perc{}"] == 0
+    # (no speculation: no drafts; the counters exist for dashboards)
+    assert got["jax_paged:spec_decode_num_draft_tokens_total{}"] == 0
+    assert got["jax_paged:spec_decode_num_accepted_tokens_total{}"] == 0
     assert got["jax_paged:prefix_cache_queries_total{}"] == 2 * len(prompt.encode())
     assert got["jax_paged:prefix_cache_hits_total{}"] == (len(prompt.encode()) - 1) // 16 * 16
   finally:

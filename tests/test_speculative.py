@@ -1,6 +1,8 @@
 """Speculative decoding (prompt lookup): the drafts, the pool's truncation, and the engine
 giving plain decoding's tokens with every request setting."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 from jax_paged import Engine, Guide, KVPool, NgramSpeculation, Request, Vocabulary, pool
 from jax_paged.serving import speculative
 from models import gpt2
+from test_engine import compilations
 
 CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=128, n_embd=32, n_layer=2, n_head=4,
                          bos_token_id=None, eos_token_id=None)
@@ -92,6 +95,23 @@ def test_truncate_frees_the_pages_past_the_new_length_and_keeps_shared_ones():
   np.testing.assert_array_equal(np.asarray(ok), [False, False])
   for a, b in zip(jax.tree.leaves(kv2), jax.tree.leaves(kv)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_branch_free_reserve_serves_in_order_and_never_writes_a_shared_page():
+  kv = KVPool.create(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=5, page_size=4,
+                     max_seqs=4, max_pages_per_seq=4)
+  kv, _, _ = pool.reserve(kv, [0], [5])  # two pages, the second partly filled
+  kv = pool.fork(kv, 0, [1])  # 1 shares it: its next token would need a copy
+  reserve = jax.jit(functools.partial(pool.reserve, max_new_tokens=4, branch_free=True))
+  kv, slots, ok = reserve(kv, jnp.asarray([2, 1, 3]), jnp.asarray([4, 1, 2]))
+  np.testing.assert_array_equal(np.asarray(ok), [True, False, True])
+  np.testing.assert_array_equal(np.asarray(kv.lengths), [5, 5, 4, 2])
+  assert (np.asarray(slots[1]) == -1).all() and (np.asarray(slots[2, :2]) >= 0).all()
+  assert int(kv.num_free) == 1 and np.asarray(kv.refcounts)[np.asarray(kv.page_table)[0, 1]] == 2
+  # One page left: 2 gets it, 3 (needing one) fails after it, 0 (needing none) is served.
+  kv, _, ok = reserve(kv, jnp.asarray([2, 3, 0]), jnp.asarray([1, 4, 0]))
+  np.testing.assert_array_equal(np.asarray(ok), [True, False, True])
+  assert int(kv.num_free) == 0
 
 
 def test_truncate_rejects_bad_arguments():
@@ -197,3 +217,22 @@ def test_engine_gives_plain_decodings_tokens_with_every_setting(model):
   stats = eng.stats()
   assert (stats.draft_tokens, stats.accepted_tokens) == (report.draft_tokens,
                                                          report.accepted_tokens)
+
+
+def test_warmup_covers_speculative_decode_calls():
+  """After warmup() an engine with speculation serves greedy and sampled batches of any
+  size up to its slots without compiling: its decode calls' history arrays have one width
+  (the lookup window, at most the model's context, plus the steps per call)."""
+  config = gpt2.GPT2Config(vocab_size=89, n_positions=48, n_embd=16, n_layer=1, n_head=2,
+                           bos_token_id=None, eos_token_id=None)
+  model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(4))
+  eng = Engine(model, max_batch=6, num_pages=200, page_size=8, steps_per_call=6,
+               speculation=NgramSpeculation(num_tokens=2, min_ngram=1, max_ngram=2))
+  eng.warmup(max_prompt_tokens=16, sampling=("greedy", "sampled"))
+  rng = np.random.default_rng(1)
+  with compilations() as compiles:
+    for n in (1, 4, 6):
+      eng.generate([Request((rng.integers(0, 89, 3).tolist() * 5)[:rng.integers(2, 17)],
+                            int(rng.integers(3, 20)), temperature=0.8 * (i % 2), seed=i)
+                    for i in range(n)])
+  assert not compiles and eng.report.accepted_tokens > 0

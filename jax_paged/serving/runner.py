@@ -388,28 +388,41 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
         history, history_len, jnp.minimum(budget, num_steps - produced), num_tokens=k,
         min_ngram=speculation.min_ngram, max_ngram=speculation.max_ngram)
     start = _rows(kv.lengths, rows)
-    kv, slots, ok = pool_lib.reserve(kv, jnp.where(active, rows, -1), count + 1,
-                                     max_new_tokens=k + 1)
-    active &= ok  # (the scheduler's pages make every reservation succeed)
+    # The newest token's slot as a decode step reserves it (its kernel copies a shared
+    # last page), then the drafts' without the XLA path's branches (each a round trip to
+    # the host): the scheduler's pages make both succeed.
+    kv, newest, ok = pool_lib.reserve(kv, rows, active, max_new_tokens=1)
+    active &= ok
+    kv, draft_slots, ok = pool_lib.reserve(kv, jnp.where(active, rows, -1), count,
+                                           max_new_tokens=k, branch_free=True)
+    count = jnp.where(ok, count, 0)
     hidden, kv = model.prefill_hidden(jnp.concatenate([tokens[:, None], drafts], axis=1),
-                                      kv, slots, count + 1, start=start,
+                                      kv, jnp.concatenate([newest, draft_slots], axis=1),
+                                      count + 1, start=start,
                                       page_table=_rows(kv.page_table, rows))
     logits = model.logits(hidden)  # [B, k + 1, V]
     # The draw at each position, after the drafts before it.
-    draws, states, c, s = [], [], counts, state
-    for i in range(k + 1):
-      states.append(s)
-      draws.append(sampling.sample_rows(
-          guided_logits(processed_logits(logits[:, i], processors, c, in_prompt, index + i),
-                        guides, guide_offset, s),
-          seeds, index + i, temperature, top_k, top_p, min_p, all_greedy=greedy,
-          filter_by=filter_by))
-      if i < k:
-        if processors is not None:
+    states = [state] * (k + 1)
+    if processors is None and guides is None:  # every position at once
+      positions = lambda x: jnp.repeat(x, k + 1, axis=0)
+      draws = sampling.sample_rows(
+          logits.reshape(b * (k + 1), -1), positions(seeds),
+          (index[:, None] + at[None, :]).reshape(-1), positions(temperature),
+          positions(top_k), positions(top_p), positions(min_p), all_greedy=greedy,
+          filter_by=filter_by).reshape(b, k + 1)
+    else:
+      draws, c = [], counts
+      for i in range(k + 1):
+        draws.append(sampling.sample_rows(
+            guided_logits(processed_logits(logits[:, i], processors, c, in_prompt,
+                                           index + i), guides, guide_offset, states[i]),
+            seeds, index + i, temperature, top_k, top_p, min_p, all_greedy=greedy,
+            filter_by=filter_by))
+        if i < k and processors is not None:
           c = c.at[jnp.arange(b), drafts[:, i]].add((i < count).astype(jnp.int32))
-        if guides is not None:  # (a draft the guide refuses is never accepted)
-          s = guided_step(guides, guide_offset, s, drafts[:, i])[0]
-    draws = jnp.stack(draws, axis=1)  # [B, k + 1]
+        if i < k and guides is not None:  # (a draft the guide refuses is never accepted)
+          states[i + 1] = guided_step(guides, guide_offset, states[i], drafts[:, i])[0]
+      draws = jnp.stack(draws, axis=1)  # [B, k + 1]
     kept = speculative.accepted(draws, drafts, count) + 1  # the draws kept, before stops
     stops = jnp.any(draws[:, :, None] == stop_ids[:, None, :], axis=2)
     stops |= budget[:, None] - 1 - at[None, :] <= 0
