@@ -526,6 +526,17 @@ def _release(pool: KVPool, seq_ids: jax.Array, valid: jax.Array) -> KVPool:
   return pool.replace(lengths=lengths)
 
 
+def _check_num_tokens(num_tokens, n: int) -> tuple[jax.Array, np.ndarray | None]:
+  """(int32 num_tokens, their values where known when tracing); raises unless an int
+  array of shape [n], one per sequence."""
+  known = validation.concrete(num_tokens)
+  num_tokens = jnp.asarray(num_tokens)
+  if num_tokens.shape != (n,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+    raise ValueError(f"num_tokens must be an int array of shape [{n}] (one per sequence), "
+                     f"got shape {num_tokens.shape} dtype {num_tokens.dtype}")
+  return num_tokens.astype(jnp.int32), known
+
+
 def truncate(pool: KVPool, seq_ids, num_tokens) -> tuple[KVPool, jax.Array]:
   """Shortens sequences to their first `num_tokens` tokens: speculative decoding's
   rejected drafts, whose K/V a verify step wrote, dropped.
@@ -546,15 +557,9 @@ def truncate(pool: KVPool, seq_ids, num_tokens) -> tuple[KVPool, jax.Array]:
     outside [0, length] (that sequence is left as it was).
   """
   seq_ids, _ = _check_seq_ids(pool, seq_ids)
-  n = seq_ids.shape[0]
-  known = validation.concrete(num_tokens)
-  num_tokens = jnp.asarray(num_tokens)
-  if num_tokens.shape != (n,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
-    raise ValueError(f"num_tokens must be an int array of shape [{n}] (one per sequence), "
-                     f"got shape {num_tokens.shape} dtype {num_tokens.dtype}")
+  num_tokens, known = _check_num_tokens(num_tokens, seq_ids.shape[0])
   if known is not None and known.size and known.min() < 0:
     raise ValueError(f"num_tokens must be >= 0, got {known.tolist()}")
-  num_tokens = num_tokens.astype(jnp.int32)
   valid = _first_valid_occurrence(pool, seq_ids)
   safe_ids = jnp.where(valid, seq_ids, 0)
   ok = valid & (num_tokens >= 0) & (num_tokens <= pool.lengths[safe_ids])
@@ -709,15 +714,11 @@ def attach(pool: KVPool, seq_ids, page_ids, num_tokens) -> KVPool:
     raise ValueError(f"page_ids must have shape [{n}, m] with m <= max_pages_per_seq = "
                      f"{pool.max_pages_per_seq}, got {tuple(page_ids.shape)}")
   m = page_ids.shape[1]
-  known = validation.concrete(num_tokens)
-  num_tokens = jnp.asarray(num_tokens)
-  if num_tokens.shape != (n,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
-    raise ValueError(f"num_tokens must be an int array of shape [{n}], got shape "
-                     f"{num_tokens.shape} dtype {num_tokens.dtype}")
+  num_tokens, known = _check_num_tokens(num_tokens, n)
   if known is not None and known.size and (known.min() < 0 or known.max() > m * pool.page_size):
     raise ValueError(f"num_tokens must be in [0, {m * pool.page_size}] (the pages given), "
                      f"got {known.tolist()}")
-  num_tokens = jnp.clip(num_tokens.astype(jnp.int32), 0, m * pool.page_size)
+  num_tokens = jnp.clip(num_tokens, 0, m * pool.page_size)
   valid = _first_valid_occurrence(pool, seq_ids)
   pool = _release(pool, seq_ids, valid)
   k = (num_tokens + pool.page_size - 1) // pool.page_size

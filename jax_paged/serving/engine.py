@@ -158,7 +158,6 @@ class Engine:
     self.detokenize = detokenize
     self.prefix_caching = bool(prefix_caching)
     self.runner = runner_lib.ModelRunner(model, mesh, speculation)
-    self.speculation = speculation
     self.mesh = mesh
     self.spec = spec = self.runner.spec
     cache_dtype = validation.check_cache_dtype(
@@ -207,7 +206,7 @@ class Engine:
     # run (its prompts' full pages) serve the next run's requests too, until evicted.
     self._cache: KVCacheManager | None = None
     # `stats()`'s counts of the runs that have ended (prompt tokens, cached ones,
-    # generated tokens, preemptions).
+    # generated tokens, preemptions, drafts verified, drafts kept).
     self._ended_counts = (0,) * 6
 
   @property

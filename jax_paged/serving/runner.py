@@ -325,13 +325,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     return step + 1, kv, tokens, active, index, budget, out, out_logprobs, counts, state
 
   per_check = steps_per_check(max_steps) if checked else max_steps
-  rows = -(-max_steps // per_check) * per_check
-  out = jnp.full((rows, b), -1, jnp.int32)
-  out_logprobs = None
-  if logprobs:  # (an inactive row's entries are never read)
-    out_logprobs = Logprobs(jnp.zeros((rows, b)),
-                            jnp.zeros((rows, b, top_logprobs), jnp.int32),
-                            jnp.zeros((rows, b, top_logprobs)))
+  out, out_logprobs = _outputs(-(-max_steps // per_check) * per_check, b, logprobs,
+                               top_logprobs)
   counts, in_prompt = processor_counts(processors, model.spec.vocab_size)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, out, out_logprobs, counts,
            guide_state)
@@ -341,6 +336,17 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   if logprobs:
     return (out[:max_steps], Logprobs(*(x[:max_steps] for x in out_logprobs))), kv
   return out[:max_steps], kv
+
+
+def _outputs(steps: int, b: int, logprobs: bool, top_logprobs: int
+             ) -> tuple[jax.Array, Logprobs | None]:
+  """A decode loop's outputs before its first step: int32 [steps, B] tokens, all -1, and
+  with `logprobs` their `Logprobs` (zeros: an inactive row's entries are never read)."""
+  out = jnp.full((steps, b), -1, jnp.int32)
+  if not logprobs:
+    return out, None
+  return out, Logprobs(jnp.zeros((steps, b)), jnp.zeros((steps, b, top_logprobs), jnp.int32),
+                       jnp.zeros((steps, b, top_logprobs)))
 
 
 def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active,
@@ -461,12 +467,7 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
     return (rnd + 1, kv, tokens, active, index, budget, produced, history, history_len, out,
             out_logprobs, counts, state, stats)
 
-  out = jnp.full((max_steps, b), -1, jnp.int32)
-  out_logprobs = None
-  if logprobs:  # (an inactive row's entries are never read)
-    out_logprobs = Logprobs(jnp.zeros((max_steps, b)),
-                            jnp.zeros((max_steps, b, top_logprobs), jnp.int32),
-                            jnp.zeros((max_steps, b, top_logprobs)))
+  out, out_logprobs = _outputs(max_steps, b, logprobs, top_logprobs)
   counts, in_prompt = processor_counts(processors, model.spec.vocab_size)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, jnp.zeros((b,), jnp.int32),
            history, history_len, out, out_logprobs, counts, guide_state,
