@@ -440,7 +440,7 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
     new = jnp.where(active, jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1,
                                       kept), 0)
     kv, _ = pool_lib.truncate(kv, jnp.where(active, rows, -1), start + new)
-    stats += jnp.stack([1, jnp.sum(jnp.where(active, count, 0)),
+    stats += jnp.stack([jnp.sum(jnp.where(active, count, 0)),
                         jnp.sum(jnp.maximum(new - 1, 0))])
     taken = at[None, :] < new[:, None]  # [B, k + 1]
     last = jnp.maximum(new - 1, 0)
@@ -471,9 +471,9 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
   counts, in_prompt = processor_counts(processors, model.spec.vocab_size)
   carry = (jnp.int32(0), kv, tokens, active, index, budget, jnp.zeros((b,), jnp.int32),
            history, history_len, out, out_logprobs, counts, guide_state,
-           jnp.zeros((3,), jnp.int32))
-  _, kv, *_, out, out_logprobs, _, _, stats = jax.lax.while_loop(cond, body, carry)
-  return (out, out_logprobs, stats), kv
+           jnp.zeros((2,), jnp.int32))  # (drafts verified, kept)
+  rounds, kv, *_, out, out_logprobs, _, _, stats = jax.lax.while_loop(cond, body, carry)
+  return (out, out_logprobs, jnp.concatenate([rounds[None], stats])), kv
 
 
 # The narrowest context a call with penalized rows sends per row (`processor_arrays`): the
