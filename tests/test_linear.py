@@ -122,6 +122,23 @@ def test_many_rows_take_xla(monkeypatch):
                              _numpy_linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_rows_past_a_large_weights_limit_take_xla(monkeypatch):
+  x, w, b = _inputs(linear._LARGE_WEIGHT_ROWS + 1, 32, 16, jnp.float32, 2)
+  monkeypatch.setattr(linear, "_LARGE_WEIGHT", w.size)  # w counts as large
+  assert linear.takes(x[:-1], w) and not linear.takes(x, w)
+  assert linear.takes(x, w[:, :-1])
+  calls = []
+  argmax_pallas = linear._argmax_pallas
+  monkeypatch.setattr(linear, "_argmax_pallas",
+                      lambda *a, **k: calls.append(1) or argmax_pallas(*a, **k))
+  monkeypatch.setattr(linear, "_linear_pallas", None)  # would raise if called
+  np.testing.assert_allclose(np.asarray(linear.linear(x, w, b, interpret=True), np.float64),
+                             _numpy_linear(x, w, b), rtol=1e-5, atol=1e-5)
+  # The greedy head keeps its own limit (MAX_ROWS): its 128-row programs read each tile once.
+  linear.argmax_attend(x, w.T, interpret=True)
+  assert calls
+
+
 @pytest.mark.parametrize("args,name", [
     (dict(x=jnp.ones((4, 8), jnp.int32)), "x"),
     (dict(kernel=jnp.ones((9, 16))), "kernel"),

@@ -37,6 +37,14 @@ from jax_paged.kernels import triton_backend
 
 # Rows the kernel takes; more (a prompt) go to XLA, whose GEMMs are then compute-bound.
 MAX_ROWS = 256
+# ... and of a weight of at least _LARGE_WEIGHT elements (Llama-3.2-1B's: 4M-34M; GPT-2
+# 124M's are 0.6M-2.4M) only _LARGE_WEIGHT_ROWS: past one row block its whole-K programs
+# lose to XLA's GEMM there (H200, cold weights, 160 rows: Llama-1B's qkv 29.6 vs 22.3 µs,
+# down 58.6 vs 36.6; its decode step at batch 256 6,324 -> 5,557 µs, a speculative round
+# of 32 x 5 tokens 0.56 -> 0.79x plain decoding; LOG.md "GEMMs / linear"), while GPT-2's
+# smaller weights keep the kernel ahead up to 256 rows (its step at batch 128: 1,506 µs
+# vs 1,655 with XLA's GEMMs).
+_LARGE_WEIGHT, _LARGE_WEIGHT_ROWS = 1 << 22, 64
 # Measured on an H200 at 128 rows (benchmarks/LOG.md, "GEMMs / linear"): 128-deep K steps and 4
 # stages were the best or within 0.1 µs of it for K = 768 (N = 2304, 3072). Warps, in the
 # decode step (LOG.md, "GEMMs / linear"): 8 for whole-K programs (64-column
@@ -267,9 +275,11 @@ def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> None
 
 def takes(x: jax.Array, kernel: jax.Array) -> bool:
   """Whether the kernels take x [..., K] @ kernel [K, N]: decode's few rows (at most
-  MAX_ROWS) of non-empty operands. More rows (a prompt) go to XLA, whose GEMMs are then
+  MAX_ROWS; for a kernel of _LARGE_WEIGHT elements or more, at most _LARGE_WEIGHT_ROWS)
+  of non-empty operands. More rows (a prompt) go to XLA, whose GEMMs are then
   compute-bound."""
-  return x.size > 0 and kernel.size > 0 and math.prod(x.shape[:-1]) <= MAX_ROWS
+  limit = _LARGE_WEIGHT_ROWS if kernel.size >= _LARGE_WEIGHT else MAX_ROWS
+  return x.size > 0 and kernel.size > 0 and math.prod(x.shape[:-1]) <= limit
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -279,8 +289,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   """activation(x @ kernel + bias) as one kernel: the GEMM with its epilogue.
 
   Args:
-    x: [..., K] f32 / bf16 / f16; at most MAX_ROWS (256) rows take the kernel, more rows
-      plain XLA.
+    x: [..., K] f32 / bf16 / f16; at most MAX_ROWS (256) rows take the kernel (64 for
+      a kernel of 4M elements or more: `takes`), more rows plain XLA.
     kernel: [K, N], x's dtype.
     bias: [N] or None.
     activation: an elementwise function of the f32 pre-activation (e.g. `jax.nn.gelu`),
@@ -377,7 +387,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   """The split-K partial products of x @ kernel, for a consumer that sums them.
 
   Args:
-    x: [..., K] f32 / bf16 / f16 (any number of rows; over MAX_ROWS, plain XLA).
+    x: [..., K] f32 / bf16 / f16 (any number of rows; past `takes`' limit, plain XLA).
     kernel: [K, N], x's dtype.
     splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
       None = `default_splits(K, N, rows)`.
@@ -493,7 +503,9 @@ def argmax_attend(x: jax.Array, embedding: jax.Array, *,
                      f"{x.shape[-1]}, got {embedding.shape}")
   if embedding.dtype != x.dtype:
     raise ValueError(f"embedding must have x's dtype {x.dtype}, got {embedding.dtype}")
-  mode = triton_backend.kernel_mode(interpret, supported=takes(x, embedding))
+  # Its own row limit: programs of 128 rows read each tile of the vocabulary once.
+  rows = math.prod(x.shape[:-1])
+  mode = triton_backend.kernel_mode(interpret, supported=x.size > 0 and rows <= MAX_ROWS)
   if mode is None:
     logits = jnp.einsum("...k,vk->...v", x, embedding, precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32).astype(x.dtype)
