@@ -140,17 +140,22 @@ def test_rejection_and_chunked_draw_the_sorts_tokens(scale):
   temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0, 1.5], b), jnp.float32)
   min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.02, 0.3], b), jnp.float32)
   key = jax.random.key(11)
-  draw = lambda filter_by, key: sampling.sample(logits, key, temperature=temperature,
-                                                top_k=top_k, top_p=top_p, min_p=min_p,
-                                                filter_by=filter_by)
+  # The arrays are arguments, not constants of the programs: XLA would fold the sorts of
+  # constants at compile time (seconds each on a CPU).
+  args = (logits, temperature, top_k, top_p, min_p)
+  draw = lambda filter_by, key, logits, temperature, top_k, top_p, min_p: sampling.sample(
+      logits, key, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+      filter_by=filter_by)
   sort = jax.jit(functools.partial(draw, "sort"))
+  in_axes = (0,) + (None,) * len(args)
   for method in ("rejection", "chunked"):
     fast = jax.jit(functools.partial(draw, method))
     for i in range(3):
-      np.testing.assert_array_equal(fast(jax.random.fold_in(key, i)),
-                                    sort(jax.random.fold_in(key, i)), err_msg=method)
+      np.testing.assert_array_equal(fast(jax.random.fold_in(key, i), *args),
+                                    sort(jax.random.fold_in(key, i), *args), err_msg=method)
     keys = jax.random.split(key, 4)
-    np.testing.assert_array_equal(jax.jit(jax.vmap(fast))(keys), jax.jit(jax.vmap(sort))(keys))
+    np.testing.assert_array_equal(jax.jit(jax.vmap(fast, in_axes))(keys, *args),
+                                  jax.jit(jax.vmap(sort, in_axes))(keys, *args))
   # With nothing left to the sort (p >= 0.9, top_k up to 64) too.
   easy = dict(temperature=1.0, top_p=jnp.maximum(top_p, 0.9),
               top_k=jnp.where(top_k <= 64, top_k, 0), min_p=min_p)
