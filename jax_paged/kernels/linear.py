@@ -40,8 +40,8 @@ MAX_ROWS = 256
 # ... and of a weight of at least _LARGE_WEIGHT elements (Llama-3.2-1B's: 4M-34M; GPT-2
 # 124M's are 0.6M-2.4M) only _LARGE_WEIGHT_ROWS: past one row block its whole-K programs
 # lose to XLA's GEMM there (H200, cold weights, 160 rows: Llama-1B's qkv 29.6 vs 22.3 µs,
-# down 58.6 vs 36.6; its decode step at batch 256 6,324 -> 5,557 µs, a speculative round
-# of 32 x 5 tokens 0.56 -> 0.79x plain decoding; LOG.md "GEMMs / linear"), while GPT-2's
+# down 58.6 vs 36.6; its decode step at batch 256 6,413 -> 5,673 µs, a speculative round
+# of 32 x 5 tokens 0.56 -> 0.80x plain decoding; LOG.md, "twenty-fifth"), while GPT-2's
 # smaller weights keep the kernel ahead up to 256 rows (its step at batch 128: 1,506 µs
 # vs 1,655 with XLA's GEMMs).
 _LARGE_WEIGHT, _LARGE_WEIGHT_ROWS = 1 << 22, 64
