@@ -339,23 +339,38 @@ class Engine:
       raise ValueError(f"max_samples={max_samples} exceeds max_batch={self.max_batch}: a "
                        "prompt's samples each take a slot")
 
-    def fits(lengths: Sequence[int], new: int) -> bool:
-      return sum(-(-(n + new - 1) // self.page_size) for n in lengths) <= self.num_pages
+    def fits(lengths: Sequence[int], new: int, cached: int = 0) -> bool:
+      """Whether prompts of `lengths` tokens behind `cached` pages they share are admitted
+      together (the optimistic policy counts each prompt's pages, cached ones too, and a
+      page of headroom) and then add `new` tokens each without running out of pages."""
+      pages = lambda n: -(-n // self.page_size)
+      return (sum(pages(cached * self.page_size + n) + 1 for n in lengths) <= self.num_pages
+              and cached + sum(pages(n + new - 1) for n in lengths) <= self.num_pages)
 
-    # Each run: its prompts' lengths and new tokens. A call's shape is its bucketed rows
-    # and longest prompt, so where a full batch of such prompts does not fit the pool, a
-    # run with just enough rows (the longest prompt and one-token ones) takes the shape.
+    def prefill_run(rows: int, width: int, cached: int = 0) -> tuple[int, ...] | None:
+      """Lengths of prompts behind `cached` pages whose prefill (one new token) takes the
+      shape of `rows` rows and `width` tokens (both bucketed) and fits the pool: a full
+      batch of the widest, else the fewest rows of the fewest tokens that make the shape
+      (a pool too small for the batch still serves it: the run serves its calls); None
+      if neither fits."""
+      longest = min(width, limit - cached * self.page_size)
+      shortest = width // 2 + 1 if width > self.page_size else 1
+      for lengths in ((longest,) * min(rows, self.max_batch),
+                      (shortest,) + (1,) * (rows // 2)):
+        if shortest <= longest and fits(lengths, 1, cached):
+          return lengths
+      return None
+
+    # Each run: its prompts' lengths, new tokens and (prefills) the lengths of prompts
+    # behind a cached page in its shape.
     runs_of = []
     rows = 1
     while rows < 2 * self.max_batch:  # prefill rows are bucketed past max_batch
       width = self.page_size
       while rows * width <= self.max_prefill_tokens:
-        length = min(width, limit)
-        for lengths in ((length,) * min(rows, self.max_batch),
-                        (length,) + (1,) * (min(rows // 2 + 1, self.max_batch) - 1)):
-          if fits(lengths, 1):
-            runs_of.append((lengths, 1))
-            break
+        lengths = prefill_run(rows, width)
+        if lengths:
+          runs_of.append((lengths, 1, prefill_run(rows, width, cached=1)))
         if width >= limit:
           break
         width *= 2
@@ -370,7 +385,7 @@ class Engine:
       fewest.setdefault(runner_lib.decode_width([0] * n + [None] * (self.max_batch - n)), n)
     for n in fewest.values():
       if length + new <= self.spec.max_positions and fits((length,) * n, new):
-        runs_of.append(((length,) * n, new))
+        runs_of.append(((length,) * n, new, None))
     # Parallel samples: a prefill samples its rows times the next power of two (runner).
     samples, k = [1], 2
     while k < 2 * max_samples:
@@ -395,7 +410,7 @@ class Engine:
                      guide=_any_tokens(self.spec.vocab_size) if with_guide else None)
       idle = dict(greedy=kind == "greedy", filter_by=filter_by, logprobs=with_logprobs,
                   top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
-      for lengths, new in runs_of:
+      for lengths, new, hits in runs_of:
         # Distinct first tokens: no prompt starts on another's cached page.
         distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
                     for i, n in enumerate(lengths)]
@@ -405,8 +420,7 @@ class Engine:
           self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
           self.generate([Request(p, new, n=n_samples, **setting) for p in distinct])
           runs += 1
-          behind = [self.page_size + n for n in lengths]
-          if prefix_hits and new == 1 and behind[0] <= limit and fits(behind, 1):
+          if prefix_hits and hits:
             # A page cached, then the prompts starting on it: they prefill their own
             # tokens only (as a long prompt's chunks after the first do). Only that page:
             # the first fresh prompt, all zeros, would make the first of these a hit on
@@ -414,8 +428,8 @@ class Engine:
             prefix = [0] * self.page_size
             self.reset_prefix_cache()
             self.generate([Request(prefix + [0], 1)])
-            self.generate([Request(prefix + p, 1, n=n_samples, **setting)
-                           for p in distinct])
+            self.generate([Request(prefix + [i % self.spec.vocab_size] + [0] * (n - 1), 1,
+                                   n=n_samples, **setting) for i, n in enumerate(hits)])
             runs += 2
       # Decode calls with logits processors send contexts of any width up to the model's
       # (`runner.processor_arrays`); 0: none.
