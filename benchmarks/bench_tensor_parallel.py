@@ -14,10 +14,10 @@ timed runs, median of each figure:
   step ms   the decode time per step (Report.decode_s / decode_steps: the engine's
             device loop, `--steps-per-call` steps per call),
   tokens/s  batch * new / the run's wall time (prefill included).
-and how far the tokens agree with TP 1's: TP changes the order of f32 sums (each device's
-partial products, then the all-reduce), so bf16 activations round differently and a
-near-tie of random weights' logits can flip a greedy token, after which the sequence
-diverges (the f32 tests compare tokens exactly: tests/test_tensor_parallel.py).
+and how far the tokens agree with TP 1's: TP changes the order of the sums (each device's
+f32 partial products, rounded to bf16 for the all-reduce), so activations round
+differently and a near-tie of random weights' logits can flip a greedy token, after which
+the sequence diverges (the f32 tests compare tokens exactly: tests/test_tensor_parallel.py).
 The target of issue #33: the step at TP 2 >= 1.6x faster than at TP 1, tokens identical.
 
     PYTHONPATH=. python benchmarks/bench_tensor_parallel.py [--batches 64 256] [--tp 1 2]

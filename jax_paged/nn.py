@@ -259,15 +259,19 @@ def _reduce_axis(proj: nnx.Linear) -> str | None:
 def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None) -> jax.Array:
   """float32 [..., N]: proj(h) of a row-parallel projection under `jax.shard_map`: this
   device's rows of the kernel times its features of h, summed over the mesh axis (one
-  all-reduce, in f32 so that the sum is as exact as one device's accumulator), then the
-  (replicated) bias once."""
+  all-reduce), then the (replicated) bias once.
+
+  The all-reduce carries the compute dtype, as Megatron-LM's and vLLM's do: each device's
+  f32 partial product is rounded to it first. In bf16 that is half the bytes of an f32 sum
+  (two H200s, Llama-3.1-8B shape, batch 256: a TP 2 step 9.67 -> 9.07 ms) for one more
+  rounding of the partial sums (a float32 model's sum stays float32)."""
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     y = jnp.dot(h_c, kernel, preferred_element_type=jnp.float32)
   else:
     y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode), axis=0)
-  y = jax.lax.psum(y, _reduce_axis(proj))
+  y = jax.lax.psum(y.astype(h_c.dtype), _reduce_axis(proj)).astype(jnp.float32)
   return y if proj.bias is None else y + proj.bias[...].astype(jnp.float32)
 
 
