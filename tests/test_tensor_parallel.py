@@ -226,7 +226,7 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
   how the pool is sharded; at TP 1 and 2 the engine's tokens (f32 and an int8 pool; GPT-2's
   beams and speculative rounds too)."""
   import jax
-  from jax_paged import NgramSpeculation, beam_search, tensor_parallel
+  from jax_paged import NgramSpeculation, Request, beam_search, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
   out = {}
   for name, model in _models(head_dim).items():
@@ -247,9 +247,14 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
         res["prompt_logprobs"][str(n)] = [[e.request_id, e.prompt_logprobs[1:],
                                            e.prompt_top_logprobs[1:]]
                                           for e in events if e.prompt_logprobs is not None]
-        # An int8 pool: its scales are split by kv head like its pages.
+        # An int8 pool: its scales are split by kv head like its pages. The requests
+        # without penalties, guides and log-probabilities (the f32 runs cover those; each
+        # of their programs would compile again for int8), still sharing cached pages
+        # and forking.
         res.setdefault("int8_tokens", {})[str(n)] = _engine(
-            model, mesh, cache_dtype="int8").generate(_requests())[0]
+            model, mesh, cache_dtype="int8").generate(
+                [Request(r.prompt, r.max_new_tokens, n=r.n, temperature=r.temperature,
+                         seed=r.seed) for r in _requests()[:-1]])[0]
         if name == "gpt2":  # beam search: the fork onto the beams' rows
           beams, _ = beam_search(model, [r.prompt for r in _requests()[:3]], 10,
                                  beam_width=3, page_size=8, max_batch=6, mesh=mesh)
