@@ -15,9 +15,10 @@ A model is split over a 1-D mesh axis (`AXIS`, "tp") of N devices:
   the head per device, but sampling needs whole rows of logits (an all-gather of [B,
   vocab] f32 per step) and the embedding a masked lookup plus an all-reduce. Measured on
   two H100s (Llama-3.1-8B shape, TP 2, batch 64): the replicated head's greedy kernel
-  takes 0.37 ms of a 6.8 ms step, so sharding it would save at most ~0.18 ms (less an
-  all-gather of each device's best token, ~20-30 µs like the all-reduces): the simpler
-  layout was kept (benchmarks/RESULTS.md, "Tensor parallel").
+  takes 0.37 ms of a 6.8 ms step (0.61 of 10.56 ms at batch 256), so sharding it would
+  save at most ~0.18 ms (~0.3) less an all-gather of each device's best token (~20-30 µs
+  like the all-reduces): the simpler layout was kept (benchmarks/RESULTS.md, "Tensor
+  parallel").
 
 How it runs: the runner wraps each jitted step (reservation, forward, sampling) in one
 `jax.shard_map` over the mesh. Inside, every array is a device's local block and the

@@ -282,11 +282,13 @@ class Engine:
     `top_logprobs`), requests with logits processors (unless `logits_processors`; with
     it, still their prefills whose context is wider than their prompt's width, a long
     prompt's later chunks, a preempted request's, and more than
-    `runner.MIN_BIAS_TOKENS` logit_bias entries) and requests admitted together that
-    share uncached pages (a call's second phase). One compilation per shape: GPT-2
-    124M, 256 slots, prompts up to 512 tokens, greedy, on an H200: 75-103 s, 79
-    compilations (an engine of another steps_per_call on the same model then 13 s:
-    prefill programs are shared); 34 s from jax's persistent compilation cache.
+    `runner.MIN_BIAS_TOKENS` logit_bias entries), requests admitted together that
+    share uncached pages (a call's second phase), and in a pool too small to admit a
+    shape's prompts with all their samples together, parallel samples in that shape.
+    One compilation per shape: GPT-2 124M, 256 slots, prompts up to 512 tokens, greedy,
+    on an H200: 75-103 s, 79 compilations (an engine of another steps_per_call on the
+    same model then 13 s: prefill programs are shared); 34 s from jax's persistent
+    compilation cache.
 
     Then, as vLLM does after its start-up, it moves every object alive (the compiled
     programs and their traces among them) out of Python's garbage collector's reach
@@ -351,8 +353,8 @@ class Engine:
       """Lengths of prompts behind `cached` pages whose prefill (one new token) takes the
       shape of `rows` rows and `width` tokens (both bucketed) and fits the pool: a full
       batch of the widest, else the fewest rows of the fewest tokens that make the shape
-      (a pool too small for the batch still serves it: the run serves its calls); None
-      if neither fits."""
+      (a pool too small for the full batch still meets the shape with such prompts);
+      None if neither fits."""
       longest = min(width, limit - cached * self.page_size)
       shortest = width // 2 + 1 if width > self.page_size else 1
       for lengths in ((longest,) * min(rows, self.max_batch),
