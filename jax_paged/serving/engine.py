@@ -357,11 +357,18 @@ class Engine:
       None if neither fits."""
       longest = min(width, limit - cached * self.page_size)
       shortest = width // 2 + 1 if width > self.page_size else 1
+      if shortest > longest:
+        return None
       for lengths in ((longest,) * min(rows, self.max_batch),
                       (shortest,) + (1,) * (rows // 2)):
-        if shortest <= longest and fits(lengths, 1, cached):
+        if fits(lengths, 1, cached):
           return lengths
       return None
+
+    def distinct(lengths: Sequence[int]) -> list[list[int]]:
+      """Prompts of `lengths` tokens with distinct first tokens: none starts on another's
+      cached page."""
+      return [[i % self.spec.vocab_size] + [0] * (n - 1) for i, n in enumerate(lengths)]
 
     # Each run: its prompts' lengths, new tokens and (prefills) the lengths of prompts
     # behind a cached page in its shape.
@@ -413,14 +420,11 @@ class Engine:
       idle = dict(greedy=kind == "greedy", filter_by=filter_by, logprobs=with_logprobs,
                   top_logprobs=sampling_lib.MAX_TOP_LOGPROBS * top)
       for lengths, new, hits in runs_of:
-        # Distinct first tokens: no prompt starts on another's cached page.
-        distinct = [[i % self.spec.vocab_size] + [0] * (n - 1)
-                    for i, n in enumerate(lengths)]
         for n_samples in samples if new == 1 else samples[:1]:
           if len(lengths) * n_samples > self.max_batch:  # each sample takes a slot
             break
           self.reset_prefix_cache()  # the last run's prompts would be hits: another shape
-          self.generate([Request(p, new, n=n_samples, **setting) for p in distinct])
+          self.generate([Request(p, new, n=n_samples, **setting) for p in distinct(lengths)])
           runs += 1
           if prefix_hits and hits:
             # A page cached, then the prompts starting on it: they prefill their own
@@ -430,8 +434,8 @@ class Engine:
             prefix = [0] * self.page_size
             self.reset_prefix_cache()
             self.generate([Request(prefix + [0], 1)])
-            self.generate([Request(prefix + [i % self.spec.vocab_size] + [0] * (n - 1), 1,
-                                   n=n_samples, **setting) for i, n in enumerate(hits)])
+            self.generate([Request(prefix + p, 1, n=n_samples, **setting)
+                           for p in distinct(hits)])
             runs += 2
       # Decode calls with logits processors send contexts of any width up to the model's
       # (`runner.processor_arrays`); 0: none.
