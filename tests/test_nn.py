@@ -1,6 +1,7 @@
 """`jax_paged.nn.PagedAttention` (GQA, RoPE, sliding window) against dense causal attention
 in numpy."""
 
+import re
 import warnings
 
 import jax
@@ -285,3 +286,23 @@ def test_project_add_matches_unfused(rows, dtype, monkeypatch):
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
   np.testing.assert_allclose(np.asarray(x, np.float64),
                              np.asarray(residual + proj(h), np.float64), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,jaxpr_name", [(jnp.float32, "f32"), (jnp.bfloat16, "bf16")])
+def test_row_parallel_all_reduce_carries_the_compute_dtype(dtype, jaxpr_name):
+  """A row-parallel projection (`reduce_axis`, as `tensor_parallel` marks it) sums its
+  partial products over the mesh in the compute dtype (bf16: half an f32 sum's bytes),
+  then adds the bias in f32; on a 1-device mesh that is the module's own output."""
+  rng = np.random.default_rng(3)
+  proj, h = _random_linear(96, 5, dtype, rng)
+  proj.reduce_axis = "tp"
+  f = jax.shard_map(lambda h: nn.projection(proj, h), mesh=jax.make_mesh((1,), ("tp",)),
+                    in_specs=jax.sharding.PartitionSpec(),
+                    out_specs=jax.sharding.PartitionSpec())
+  summed = re.findall(rf"(\w+)\[5,{E}\] = psum", str(jax.make_jaxpr(f)(h)))
+  assert summed == [jaxpr_name]
+  y = f(h)
+  assert y.dtype == dtype
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(proj(h), np.float64),
+                             rtol=tol, atol=tol)
