@@ -7,6 +7,8 @@ Layers, each using only those before it:
             in plain jax.numpy in `jax_paged.reference`
   pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
             release, ...)
+  lora      LoRA adapters served beside the base model: LoraAdapter (PEFT checkpoints),
+            the slots a model's linears hold and their per-row updates
   nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
   PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
   guided    structured output: Guide (a regular expression, JSON schema or choice of
@@ -25,6 +27,8 @@ Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 from jax_paged.kernels import reference
 from jax_paged import pool
 from jax_paged.pool import KVPool, PoolExhausted
+from jax_paged import lora
+from jax_paged.lora import LoraAdapter
 from jax_paged import nn
 from jax_paged.kernels.paged_attention import paged_decode_attention
 from jax_paged.kernels.paged_prefill import paged_prefill_attention
@@ -41,9 +45,9 @@ from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "ModelFamily",
-    "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report", "Request",
-    "TokenEvent", "Vocabulary", "beam_search", "generate", "guided", "merge_attention_states",
-    "merge_attention_states_n", "nn", "paged_decode_attention", "paged_prefill_attention",
-    "pool", "reference",
+    "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "LoraAdapter",
+    "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report",
+    "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "guided", "lora",
+    "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
+    "paged_prefill_attention", "pool", "reference",
 ]

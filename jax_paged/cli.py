@@ -116,6 +116,14 @@ def _non_empty(text: str) -> str:
   return text
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+  name, sep, path = text.partition("=")
+  if not sep or not name or not path:
+    raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT LoRA adapter directory), "
+                                     f"got {text!r}")
+  return name, path
+
+
 def _speculative_config(text: str) -> NgramSpeculation:
   try:
     return NgramSpeculation.from_config(text)
@@ -249,6 +257,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> 
                         "\"prompt_lookup_min\": M}: each decode step verifies up to K "
                         "tokens drafted from where the context's last N..M tokens occurred "
                         "before (same tokens; faster where text repeats its context)")
+  lora = p.add_argument_group("LoRA adapters")
+  lora.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
+                    metavar="NAME=PATH",
+                    help="LoRA adapters to serve (PEFT checkpoint directories), each under "
+                         "its name; requests of different adapters share batches")
+  lora.add_argument("--max-loras", type=_positive_int, default=None, metavar="N",
+                    help="adapters on the device at once (default: every --lora-modules "
+                         "adapter); requests wait while their adapter has no slot")
+  lora.add_argument("--max-lora-rank", type=_positive_int, default=16, metavar="R",
+                    help="the largest adapter rank served (default 16)")
   eng.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
                    help="split the model over the first N devices (Megatron-style: "
                         "attention heads, the KV pool by kv head, the MLP; default 1); "
@@ -295,6 +313,9 @@ def build_parser(families: Sequence[ModelFamily]) -> argparse.ArgumentParser:
   gen.add_argument("--min-p", type=_float_in(0.0, 1.0, lo_open=False, what="in [0, 1]"),
                    default=0.0, help="keep the tokens at least this many times as likely as "
                                      "the most likely one (default 0: all)")
+  gen.add_argument("--lora", metavar="NAME", default=None,
+                   help="generate with this adapter of --lora-modules (default: the base "
+                        "model)")
   gen.add_argument("--seed", type=_non_negative_int, default=0,
                    help="request i samples with seed + i (reproducible)")
   gen.add_argument("--ignore-eos", action="store_true",
@@ -556,6 +577,11 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
   num_pages = args.num_pages
   if num_pages is None and jax.default_backend() != "gpu":
     num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
+  if args.max_loras is not None and not args.lora_modules:
+    raise CLIError("--max-loras needs --lora-modules")
+  names = [name for name, _ in args.lora_modules]
+  if len(set(names)) < len(names):
+    raise CLIError(f"--lora-modules names an adapter twice: {names}")
   try:
     eng = Engine(loaded.model, max_batch=args.max_batch, num_pages=num_pages,
                  memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
@@ -563,8 +589,12 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
                  admission=args.admission, prefix_caching=not args.no_prefix_caching,
                  cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=loaded.mesh,
                  detokenize=loaded.codec.decode if loaded.codec else None,
-                 scheduling_policy=scheduling_policy, speculation=args.speculative_config)
-  except ValueError as e:
+                 scheduling_policy=scheduling_policy, speculation=args.speculative_config,
+                 max_loras=(args.max_loras or len(names)) if names else 0,
+                 max_lora_rank=args.max_lora_rank)
+    for name, path in args.lora_modules:
+      eng.add_lora(name, path)
+  except (ValueError, TypeError, FileNotFoundError) as e:
     raise CLIError(str(e)) from e
   except jax.errors.JaxRuntimeError as e:
     check_out_of_memory(e, None, args)
@@ -575,7 +605,8 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
         f"{jax.devices()[0].platform}; text as {codec.name if codec else 'token ids'}",
         file=sys.stderr)
   print(f"engine: {eng.max_batch} slots, {eng.num_pages} pages of {eng.page_size} tokens, "
-        f"{eng.cache_dtype.name} KV cache", file=sys.stderr)
+        f"{eng.cache_dtype.name} KV cache"
+        + (f"; LoRA adapters {', '.join(names)}" if names else ""), file=sys.stderr)
   return eng
 
 
@@ -629,7 +660,13 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
   prompts = read_prompts(args, codec)
   # Every eos id stops a request (a config may list several: Llama 3's).
   stops = () if args.ignore_eos else spec.eos_token_ids
+  if args.lora is not None and args.lora not in [name for name, _ in args.lora_modules]:
+    raise CLIError(f"--lora {args.lora}: not an adapter of --lora-modules "
+                   f"({', '.join(name for name, _ in args.lora_modules) or 'none given'})")
   if args.beam_width is not None:
+    if args.lora_modules:
+      raise CLIError("--beam-width runs the base model: LoRA adapters are not served by "
+                     "beam search (drop --lora-modules / --lora)")
     return run_beam_search(args, model, codec, prompts, loaded.label, stops, mesh)
   show_logprobs = args.logprobs or args.top_logprobs > 0  # (--top-logprobs implies it)
   guide = make_guide(args, codec, stops)
@@ -652,7 +689,8 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
                             frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty,
                             logit_bias=args.logit_bias,
-                            min_tokens=min(args.min_tokens, new), guide=guide))
+                            min_tokens=min(args.min_tokens, new), guide=guide,
+                            lora=args.lora))
   if args.stop and codec is None:
     raise CLIError("--stop needs text, and this checkpoint has no tokenizer (its tokens "
                    "are ids): drop --stop")

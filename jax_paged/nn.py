@@ -43,6 +43,7 @@ from jax_paged.kernels import layer_norm
 from jax_paged.kernels import linear
 from jax_paged.kernels import paged_attention
 from jax_paged.kernels import paged_prefill
+from jax_paged import lora
 from jax_paged import pool as pool_lib
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
@@ -220,8 +221,8 @@ def attend_argmax(embed: nnx.Embed, h: jax.Array) -> jax.Array:
 
 
 def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
-          sections: Sequence[int] | None = None, interpret: bool | None = None
-          ) -> jax.Array | tuple[jax.Array, ...]:
+          sections: Sequence[int] | None = None, interpret: bool | None = None,
+          adapters: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
   """activation(proj(h)), as one kernel at decode's few rows on a GPU.
 
   Up to 256 rows, `jax_paged.linear.linear` runs the GEMM with the bias and activation
@@ -236,16 +237,20 @@ def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
       fused projection), written separately by the kernel instead of sliced (copied).
     interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
       Pallas interpret mode (tests).
+    adapters: int32 [B], each row's LoRA slot (-1: none) for a projection with slots
+      (`jax_paged.lora`); None = none. The update joins the GEMM's output before the
+      activation.
 
   Returns:
     [..., N] in the module's compute dtype, or with `sections` a tuple of [..., width].
   """
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
-  if mode is not None:
+  if mode is not None:  # (a LoRA update as one more step of the kernel's product)
     return linear.linear(h_c, kernel, None if proj.bias is None else proj.bias[...],
-                         activation=activation, sections=sections, interpret=mode)
-  y = proj(h)
+                         activation=activation, sections=sections, interpret=mode,
+                         low_rank=lora.low_rank(proj, h, adapters))
+  y = projection(proj, h, adapters=adapters)
   y = y if activation is None else activation(y)
   return y if sections is None else linear.split_sections(y, sections)
 
@@ -256,7 +261,8 @@ def _reduce_axis(proj: nnx.Linear) -> str | None:
   return getattr(proj, "reduce_axis", None)
 
 
-def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None) -> jax.Array:
+def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None,
+                  adapters: jax.Array | None) -> jax.Array:
   """float32 [..., N]: proj(h) of a row-parallel projection under `jax.shard_map`: this
   device's rows of the kernel times its features of h, summed over the mesh axis (one
   all-reduce), then the (replicated) bias once.
@@ -264,28 +270,35 @@ def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None) -> jax
   The all-reduce carries the compute dtype, as Megatron-LM's and vLLM's do: each device's
   f32 partial product is rounded to it first. In bf16 that is half the bytes of an f32 sum
   (two H200s, Llama-3.1-8B shape, batch 256: a TP 2 step 9.67 -> 9.07 ms) for one more
-  rounding of the partial sums (a float32 model's sum stays float32)."""
+  rounding of the partial sums (a float32 model's sum stays float32). A LoRA update
+  (`adapters`) is linear in h too: each device adds its partial before the sum."""
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     y = jnp.dot(h_c, kernel, preferred_element_type=jnp.float32)
+    update = lora.delta(proj, h, adapters)
+    y = y if update is None else y + update
   else:
-    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode), axis=0)
+    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode,
+                                       low_rank=lora.low_rank(proj, h, adapters)), axis=0)
   y = jax.lax.psum(y.astype(h_c.dtype), _reduce_axis(proj)).astype(jnp.float32)
   return y if proj.bias is None else y + proj.bias[...].astype(jnp.float32)
 
 
-def projection(proj: nnx.Linear, h: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-  """proj(h), summed over the mesh axis for a row-parallel projection (in its compute
-  dtype either way)."""
-  if _reduce_axis(proj) is None:
-    return proj(h)
-  return _row_parallel(proj, h, interpret).astype(_operands(proj, h)[0].dtype)
+def projection(proj: nnx.Linear, h: jax.Array, *, interpret: bool | None = None,
+               adapters: jax.Array | None = None) -> jax.Array:
+  """proj(h) plus the rows' LoRA updates (`dense`'s `adapters`), summed over the mesh
+  axis for a row-parallel projection (in its compute dtype either way)."""
+  if _reduce_axis(proj) is not None:
+    return _row_parallel(proj, h, interpret, adapters).astype(_operands(proj, h)[0].dtype)
+  y = proj(h)
+  update = lora.delta(proj, h, adapters)
+  return y if update is None else (y.astype(jnp.float32) + update).astype(y.dtype)
 
 
 def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
-                     norm: LayerNorm, *, interpret: bool | None = None
-                     ) -> tuple[jax.Array, jax.Array]:
+                     norm: LayerNorm, *, interpret: bool | None = None,
+                     adapters: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """x = residual + proj(h) and norm(x), as one kernel after the projection's GEMM.
 
   On a GPU with at most 256 rows, `proj` runs as a split-K GEMM
@@ -300,20 +313,23 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
     norm: the layer norm applied to the new stream.
     interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
       Pallas interpret mode (tests).
+    adapters: the rows' LoRA slots (`dense`), or None: their updates join the kernel's
+      f32 partial sums.
 
   Returns:
     (x [..., N] in the stream's dtype, norm(x)).
   """
   if _reduce_axis(proj) is not None:  # tensor parallel: the sum first, then the norm
-    x = (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret)).astype(
+    x = (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)).astype(
         residual.dtype)
     return x, norm(x)
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
-    x = residual + proj(h)
+    x = residual + projection(proj, h, adapters=adapters)
     return x, norm(x)
-  parts = linear.linear_partials(h_c, kernel, interpret=mode)
+  parts = linear.linear_partials(h_c, kernel, interpret=mode,
+                                 low_rank=lora.low_rank(proj, h, adapters))
   return layer_norm.add_layer_norm(
       residual, parts, norm.scale[...], norm.bias[...],
       parts_bias=None if proj.bias is None else proj.bias[...], epsilon=norm.epsilon,
@@ -321,7 +337,8 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
 
 
 def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
-                interpret: bool | None = None) -> jax.Array:
+                interpret: bool | None = None, adapters: jax.Array | None = None
+                ) -> jax.Array:
   """residual + proj(h), for a projection with a long K at decode's few rows.
 
   On a GPU with at most 256 rows, `proj` runs split-K (`jax_paged.linear.linear_partials`)
@@ -336,18 +353,20 @@ def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
     residual: [..., N], the residual stream.
     interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
       Pallas interpret mode (tests).
+    adapters: the rows' LoRA slots (`dense`), or None.
 
   Returns:
     [..., N] in the residual's dtype.
   """
   if _reduce_axis(proj) is not None:  # tensor parallel
-    return (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret)).astype(
-        residual.dtype)
+    return (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)
+            ).astype(residual.dtype)
   h_c, kernel = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
-    return residual + proj(h)
-  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode), axis=0)
+    return residual + projection(proj, h, adapters=adapters)
+  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode,
+                                     low_rank=lora.low_rank(proj, h, adapters)), axis=0)
   if proj.bias is not None:
     y += proj.bias[...].astype(jnp.float32)
   return (residual.astype(jnp.float32) + y).astype(residual.dtype)
@@ -405,12 +424,14 @@ class PagedAttention(nnx.Module):
                           kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype,
                           rngs=rngs)
 
-  def _project(self, x: jax.Array, positions: jax.Array | None = None
+  def _project(self, x: jax.Array, positions: jax.Array | None = None,
+               adapters: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k rotated
-    to `positions` (int [...], required with a `rope`) when the layer has a `rope`."""
+    to `positions` (int [...], required with a `rope`) when the layer has a `rope`, and
+    the rows' LoRA updates (`adapters`, see `dense`)."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-    q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d))
+    q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d), adapters=adapters)
     lead = x.shape[:-1]
     q, k, v = q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d))
     if self.rope is not None:
@@ -421,8 +442,8 @@ class PagedAttention(nnx.Module):
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
-              page_table: jax.Array | None = None, project: bool = True
-              ) -> tuple[jax.Array, pool_lib.KVPool]:
+              page_table: jax.Array | None = None, project: bool = True,
+              adapters: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
     """New tokens of several sequences: a prompt, or the rest of one after a cached prefix
     (prefix caching) or earlier chunks (chunked prefill).
 
@@ -449,6 +470,7 @@ class PagedAttention(nnx.Module):
         (needed with `start`).
       project: False returns the attention output before the `out` projection, [B, T,
         num_heads * head_dim], for a caller that fuses it (`project_add_norm`).
+      adapters: int32 [B], each row's LoRA slot (-1: none), or None (`jax_paged.lora`).
 
     Returns:
       (y [B, T, in_features], pool with this layer's K/V written). Rows past a prompt's
@@ -456,7 +478,7 @@ class PagedAttention(nnx.Module):
     """
     # New token t of a row sits at position start + t.
     positions = jnp.arange(x.shape[1])[None, :] + (0 if start is None else start[:, None])
-    q, k, v = self._project(x, positions)
+    q, k, v = self._project(x, positions, adapters)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     if kv.quantized:
       k, v = kv_quant.fake_quantize(k, kv.dtype), kv_quant.fake_quantize(v, kv.dtype)
@@ -473,11 +495,11 @@ class PagedAttention(nnx.Module):
           start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
           scale=self.scale, sliding_window=self.sliding_window).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
-    return (projection(self.out, y) if project else y), kv
+    return (projection(self.out, y, adapters=adapters) if project else y), kv
 
   def decode(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
-             page_table: jax.Array, lengths: jax.Array, *,
-             project: bool = True) -> tuple[jax.Array, pool_lib.KVPool]:
+             page_table: jax.Array, lengths: jax.Array, *, project: bool = True,
+             adapters: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
     """One new token per sequence, attending to everything in its pages.
 
     Args:
@@ -490,21 +512,23 @@ class PagedAttention(nnx.Module):
         whose output is then 0); the new token sits at position lengths - 1.
       project: False returns the attention output before the `out` projection, [B,
         num_heads * head_dim] (see `prefill`).
+      adapters: int32 [B], each row's LoRA slot (-1: none), or None (`jax_paged.lora`).
 
     Returns:
       (y [B, in_features], pool with the new tokens' K/V written).
     """
     b = x.shape[0]
     d = self.head_dim
-    if self.rope is None:
+    if self.rope is None and (adapters is None or not lora.attached(self.qkv)):
       x_c, kernel = _operands(self.qkv, x)
       # On a GPU one kernel: the projection, K and V stored straight into the pages.
       q, kv = pool_lib.project_write_kv(
           kv, layer, slots, x_c, kernel,
           None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d)
     else:
-      # K must be rotated before it is stored, which the fused kernel cannot do.
-      q, k, v = self._project(x, jnp.maximum(lengths - 1, 0))
+      # K must be rotated (or get its LoRA update) before it is stored, which the fused
+      # kernel cannot do.
+      q, k, v = self._project(x, jnp.maximum(lengths - 1, 0), adapters)
       kv = pool_lib.write_kv(kv, layer, slots, k, v)
     use_kernel = self.decode_impl == "kernel" or (
         self.decode_impl == "auto" and validation.kernel_supports(d, kv.page_size))
@@ -519,4 +543,4 @@ class PagedAttention(nnx.Module):
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
                scale=self.scale, sliding_window=self.sliding_window)
     y = y.reshape(b, -1).astype(x.dtype)
-    return (projection(self.out, y) if project else y), kv
+    return (projection(self.out, y, adapters=adapters) if project else y), kv

@@ -4,7 +4,7 @@ Serves one model (a Hugging Face checkpoint, or a preset with random weights) wi
 continuous-batching engine, as `vllm serve` does, so that OpenAI clients and tools
 (the `openai` package, lm-evaluation-harness' `local-completions`, curl) use it as is:
 
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model (and its LoRA adapters)
     POST /v1/completions        OpenAI's completions: prompts (text or token ids) in,
                                 completions out; "stream": true sends server-sent events
     POST /v1/chat/completions   OpenAI's chat completions: messages rendered by the
@@ -238,6 +238,7 @@ class Served:
   chat_template: ChatTemplate | None = None
   tool_parser: ToolParser | None = None  # how chat answers' tool calls are read
   prioritizes: bool = False  # the engine schedules by priority (`Request.priority`)
+  loras: tuple[str, ...] = ()  # LoRA adapters served as models of their own names
   # Structured output's guides over the codec's vocabulary (None without a codec).
   guides: GuideCache | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -314,10 +315,17 @@ def _check_body(body: Any, served: Served, fields: tuple[str, ...]) -> dict:
     raise APIError(400, f"unknown fields {unknown}; this endpoint takes "
                         f"{', '.join(fields)}", unknown[0])
   model = body.get("model")
-  if model is not None and model != served.name:
+  if model is not None and model != served.name and model not in served.loras:
     raise APIError(404, f"the model {model!r} does not exist: this server serves "
-                        f"{served.name!r}", "model", code="model_not_found")
+                        f"{', '.join(map(repr, (served.name, *served.loras)))}", "model",
+                   code="model_not_found")
   return body
+
+
+def _lora(body: dict, served: Served) -> str | None:
+  """The LoRA adapter a request's `model` names (vLLM's way), or None: the base model."""
+  model = body.get("model")
+  return model if model in served.loras else None
 
 
 def _prompts(body: dict, served: Served) -> list[list[int]]:
@@ -637,7 +645,8 @@ def _guided_choice(body: dict, served: Served, prompts: list[list[int]], *, chat
       # Scored from the text on: the prompt's pages are computed once and read from the
       # prefix cache by the other texts' requests.
       requests.append(Request(prompt + choice, 1, prompt_logprobs=True,
-                              prompt_logprobs_start=len(prompt), priority=priority))
+                              prompt_logprobs_start=len(prompt), priority=priority,
+                              lora=_lora(body, served)))
   return Completion(requests, prompts, chat, False, None, stream, include_usage, True,
                     _boolean(body, "return_token_ids"), guided=(texts, ids), samples=n,
                     temperature=temperature, seed=seed)
@@ -760,7 +769,7 @@ def _completion(body: dict, served: Served, rng: random.Random, prompts: list[li
         top_logprobs=logprobs or 0, prompt_logprobs=echo and logprobs is not None,
         repetition_penalty=repetition, frequency_penalty=frequency,
         presence_penalty=presence, logit_bias=bias, min_tokens=min_tokens,
-        priority=priority, guide=guide))
+        priority=priority, guide=guide, lora=_lora(body, served)))
   return Completion(requests, prompts, chat, echo, logprobs, stream, include_usage,
                     scores_only, _boolean(body, "return_token_ids"))
 
@@ -1071,6 +1080,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def do_GET(self) -> None:
     if not self._authorized():
       return
+    served = self.server.served
     if self.path == "/health":  # (503 once it no longer serves: a load balancer moves on)
       if self.server.draining or not self.server.loop.alive:
         self._send_json(503, {"status": "draining" if self.server.loop.alive else
@@ -1084,12 +1094,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self.send_header("Content-Length", str(len(data)))
       self.end_headers()
       self.wfile.write(data)
-    elif self.path in ("/v1/models", f"/v1/models/{self.server.served.name}"):
-      model = {"id": self.server.served.name, "object": "model",
-               "created": self.server.created, "owned_by": "jax_paged",
-               "max_model_len": self.server.served.spec.max_positions}
-      self._send_json(200, model if self.path != "/v1/models" else
-                      {"object": "list", "data": [model]})
+    elif self.path == "/v1/models" or self.path.startswith("/v1/models/") and (
+        self.path[len("/v1/models/"):] in (served.name, *served.loras)):
+      # The base model, then each LoRA adapter with the base as its parent (vLLM's).
+      models = [{"id": name, "object": "model", "created": self.server.created,
+                 "owned_by": "jax_paged", "max_model_len": served.spec.max_positions,
+                 "root": name, "parent": None if name == served.name else served.name}
+                for name in (served.name, *served.loras)]
+      if self.path == "/v1/models":
+        self._send_json(200, {"object": "list", "data": models})
+      else:
+        self._send_json(200, next(m for m in models
+                                  if m["id"] == self.path[len("/v1/models/"):]))
     else:
       self._send_error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
 
@@ -1317,7 +1333,11 @@ def served_of(args: argparse.Namespace, spec: ModelSpec, codec: Codec | None,
   name = args.served_model_name or (
       args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else args.model)
   parser = None if args.tool_call_parser is None else TOOL_PARSERS[args.tool_call_parser]
-  return Served(name, spec, codec, spec.eos_token_ids, chat_template, parser, prioritizes)
+  loras = tuple(lora for lora, _ in args.lora_modules)
+  if name in loras:
+    raise CLIError(f"--lora-modules names an adapter {name!r}, the served model's name")
+  return Served(name, spec, codec, spec.eos_token_ids, chat_template, parser, prioritizes,
+                loras=loras)
 
 
 def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:

@@ -80,6 +80,13 @@ class PagedModel(Protocol):
   `nn.project_add` / `project_add_norm` / `projection`, which sum a row-parallel
   projection over the devices). The attention layers are split by head without it.
 
+  Optional, for LoRA adapters (`Engine(max_loras=...)`, `jax_paged.lora`):
+  `lora_targets() -> {checkpoint module name: lora.Target}`, where each module a PEFT
+  adapter may adapt lands (a linear, or columns of a fused one), and an `adapters`
+  keyword (int32 [B], each row's slot, -1 for none) on `prefill`, `decode` and
+  `prefill_hidden`, passed to the `jax_paged.nn` layers and projections of those linears.
+  The engine passes it only when it serves adapters.
+
   Optional, for prompt log-probabilities (`Request.prompt_logprobs`): `prefill_hidden`,
   `prefill`'s arguments -> (the final hidden state, after the last norm, of every new
   token [B, T, D], the pool), and `logits(h)`, hidden states [..., D] -> float32 logits

@@ -55,6 +55,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged.kernels import kv_quant
@@ -150,6 +151,10 @@ class ShardedModel:
     treedef: their structure.
     specs: a `PartitionSpec` per leaf (a tuple, hashable).
     mesh: the mesh.
+    paths: each leaf's key path (`jax.tree_util.tree_flatten_with_path` of the state).
+    column_orders: the path of each column-parallel linear whose columns were reordered
+      (several sections) -> the order (`_column_order`): what a later write of its
+      columns (a LoRA adapter's B) must apply too.
   """
 
   graphdef: nnx.GraphDef
@@ -157,6 +162,8 @@ class ShardedModel:
   treedef: object
   specs: tuple
   mesh: Mesh
+  paths: tuple = ()
+  column_orders: dict = dataclasses.field(default_factory=dict)
 
 
 def _path(key_path) -> tuple:
@@ -205,7 +212,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
       node.num_heads //= n
       node.num_kv_heads //= n
   ids = {id(node): path for path, node in nnx.iter_graph(local)}
-  specs = {}
+  specs, orders = {}, {}
   for linear, split in splits:
     path = ids[id(linear)]
     where = "/".join(map(str, path))
@@ -216,17 +223,21 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
         raise ValueError(f"tensor parallel {n}: {where} has column sections {sections} "
                          f"(of {width} columns); each must be a multiple of {n}")
       if n > 1 and len(sections) > 1:
-        order = _column_order(width, sections, n)
+        order = orders[path] = _column_order(width, sections, n)
         linear.kernel[...] = linear.kernel[...][:, order]
         if linear.bias is not None:
           linear.bias[...] = linear.bias[...][order]
+        if lora.attached(linear):
+          linear.lora_b[...] = linear.lora_b[...][:, order]
       specs[path + ("kernel",)] = P(None, AXIS)
       specs[path + ("bias",)] = P(AXIS)
+      specs[path + ("lora_b",)] = P(None, AXIS)  # (LoRA's A replicated: x A is whole)
     elif split.kind == "row":
       if k % n:
         raise ValueError(f"tensor parallel {n}: {where} has {k} input rows, not a "
                          f"multiple of {n}")
       specs[path + ("kernel",)] = P(AXIS, None)
+      specs[path + ("lora_a",)] = P(AXIS, None)  # (each device's partial x A, summed)
       linear.reduce_axis = AXIS  # read by nn.projection / project_add / project_add_norm
     else:
       raise ValueError(f"Split.kind must be 'column' or 'row', got {split.kind!r}")
@@ -236,7 +247,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
   leaves = [jax.device_put(x, NamedSharding(mesh, spec))
             for (_, x), spec in zip(flat, leaf_specs)]
   return ShardedModel(graphdef=graphdef, leaves=leaves, treedef=treedef, specs=leaf_specs,
-                      mesh=mesh)
+                      mesh=mesh, paths=tuple(kp for kp, _ in flat), column_orders=orders)
 
 
 def create_pool(spec, mesh: Mesh, **kwargs) -> pool_lib.KVPool:

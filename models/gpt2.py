@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
@@ -101,11 +102,11 @@ class MLP(nnx.Module):
                              param_dtype=param_dtype, rngs=rngs)
     self.activation = _ACTIVATIONS[config.activation_function]
 
-  def hidden(self, x: jax.Array) -> jax.Array:
+  def hidden(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
     """activation(c_fc(x)) [..., width] (one kernel at decode's few rows,
-    `jax_paged.nn.dense`); the block applies `c_proj` with its residual add
-    (`jax_paged.nn.project_add_norm`)."""
-    return paged_nn.dense(self.c_fc, x, activation=self.activation)
+    `jax_paged.nn.dense`; with the rows' LoRA `adapters`); the block applies `c_proj`
+    with its residual add (`jax_paged.nn.project_add_norm`)."""
+    return paged_nn.dense(self.c_fc, x, activation=self.activation, adapters=adapters)
 
 
 # attend(attention layer, normalised x, pool, layer index) -> (attention output before
@@ -132,14 +133,17 @@ class Block(nnx.Module):
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
-               attend: Attend, next_norm: paged_nn.LayerNorm
+               attend: Attend, next_norm: paged_nn.LayerNorm,
+               adapters: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, pool_lib.KVPool]:
     """x [..., n_embd] the residual stream and h = ln_1(x) -> (the new stream, its
     `next_norm` (the next block's ln_1, or ln_f), the pool). Each residual add is fused
-    with the projection before it and the norm after it (`project_add_norm`)."""
+    with the projection before it and the norm after it (`project_add_norm`);
+    `adapters`: the rows' LoRA slots, or None."""
     a, kv = attend(self.attn, h, kv, layer)
-    x, h = paged_nn.project_add_norm(self.attn.out, a, x, self.ln_2)
-    x, h = paged_nn.project_add_norm(self.mlp.c_proj, self.mlp.hidden(h), x, next_norm)
+    x, h = paged_nn.project_add_norm(self.attn.out, a, x, self.ln_2, adapters=adapters)
+    x, h = paged_nn.project_add_norm(self.mlp.c_proj, self.mlp.hidden(h, adapters), x,
+                                     next_norm, adapters=adapters)
     return x, h, kv
 
 
@@ -185,14 +189,26 @@ class GPT2LMHeadModel(nnx.Module):
             for split in ((block.mlp.c_fc, tensor_parallel.COLUMN),
                           (block.mlp.c_proj, tensor_parallel.ROW))]
 
+  def lora_targets(self) -> dict[str, lora.Target]:
+    """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
+    each block's c_attn (our fused qkv, the same layout), attn.c_proj, mlp.c_fc and
+    mlp.c_proj."""
+    targets = {}
+    for i, block in enumerate(self.h):
+      for name, linear in (("attn.c_attn", block.attn.qkv), ("attn.c_proj", block.attn.out),
+                           ("mlp.c_fc", block.mlp.c_fc), ("mlp.c_proj", block.mlp.c_proj)):
+        targets[f"transformer.h.{i}.{name}"] = lora.Target(linear)
+    return targets
+
   def _forward(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
-               attend: Attend) -> tuple[jax.Array, pool_lib.KVPool]:
+               attend: Attend, adapters: jax.Array | None
+               ) -> tuple[jax.Array, pool_lib.KVPool]:
     """-> (ln_f of the final residual stream, pool)."""
     x = self.wte(tokens) + self.wpe(positions)
     norms = [block.ln_1 for block in self.h] + [self.ln_f]
     h = norms[0](x)
     for layer, block in enumerate(self.h):
-      x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1])
+      x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1], adapters)
     return h, kv
 
   def logits(self, h: jax.Array) -> jax.Array:
@@ -206,7 +222,7 @@ class GPT2LMHeadModel(nnx.Module):
 
   def prefill_hidden(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
                      lengths: jax.Array, *, start: jax.Array | None = None,
-                     page_table: jax.Array | None = None
+                     page_table: jax.Array | None = None, adapters: jax.Array | None = None
                      ) -> tuple[jax.Array, pool_lib.KVPool]:
     """New tokens of several sequences (`jax_paged.PagedModel.prefill_hidden`).
 
@@ -218,6 +234,7 @@ class GPT2LMHeadModel(nnx.Module):
       start: None for fresh sequences, or int32 [B] tokens already in each sequence's
         pages (a cached prefix, earlier chunks): the new tokens sit at positions start + t.
       page_table: int32 [B, max_pages_per_seq], the batch's rows (with `start`).
+      adapters: int32 [B], each row's LoRA slot (-1: none), or None (`jax_paged.lora`).
 
     Returns:
       (ln_f of every new token [B, T, n_embd] in the compute dtype, pool).
@@ -229,20 +246,24 @@ class GPT2LMHeadModel(nnx.Module):
     return self._forward(
         tokens, positions, kv,
         lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, start=start,
-                                                page_table=page_table, project=False))
+                                                page_table=page_table, project=False,
+                                                adapters=adapters),
+        adapters)
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
-              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+              page_table: jax.Array | None = None, adapters: jax.Array | None = None
+              ) -> tuple[jax.Array, pool_lib.KVPool]:
     """`prefill_hidden`, then float32 logits [B, vocab] of each row's last new token
     (`jax_paged.PagedModel.prefill`)."""
     h, kv = self.prefill_hidden(tokens, kv, slots, lengths, start=start,
-                                page_table=page_table)
+                                page_table=page_table, adapters=adapters)
     return self.logits(last_tokens(h, lengths)), kv
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
              slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
-             greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
+             greedy: bool = False, adapters: jax.Array | None = None
+             ) -> tuple[jax.Array, pool_lib.KVPool]:
     """One token per sequence (`jax_paged.PagedModel.decode`).
 
     Args:
@@ -252,6 +273,7 @@ class GPT2LMHeadModel(nnx.Module):
       page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
       lengths: int32 [B], tokens to attend to including the new one (0 = inactive).
       greedy: return the argmax tokens instead of the logits.
+      adapters: int32 [B], each row's LoRA slot (-1: none), or None (`jax_paged.lora`).
 
     Returns:
       (float32 logits [B, vocab], or with `greedy` their int32 argmax [B], pool).
@@ -259,7 +281,8 @@ class GPT2LMHeadModel(nnx.Module):
     h, kv = self._forward(
         tokens, positions, kv,
         lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
-                                               project=False))
+                                               project=False, adapters=adapters),
+        adapters)
     return (self._greedy(h) if greedy else self.logits(h)), kv
 
 

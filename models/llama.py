@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
@@ -209,12 +210,12 @@ class MLP(nnx.Module):
     self.down = nnx.Linear(config.intermediate_size, config.hidden_size, use_bias=config.mlp_bias,
                            kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def hidden(self, x: jax.Array) -> jax.Array:
-    """silu(gate(x)) * up(x) [..., intermediate]; the block applies `down` with its
-    residual add (`jax_paged.nn.project_add`)."""
+  def hidden(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+    """silu(gate(x)) * up(x) [..., intermediate] (with the rows' LoRA `adapters`); the
+    block applies `down` with its residual add (`jax_paged.nn.project_add`)."""
     # The width from the kernel: a tensor parallel device holds its share of it.
     width = self.gate_up.kernel.shape[1] // 2
-    gate, up = paged_nn.dense(self.gate_up, x, sections=(width, width))
+    gate, up = paged_nn.dense(self.gate_up, x, sections=(width, width), adapters=adapters)
     return jax.nn.silu(gate) * up
 
 
@@ -239,13 +240,14 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = norm()
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, attend: Attend
-               ) -> tuple[jax.Array, pool_lib.KVPool]:
-    """x [..., hidden] the residual stream -> (the new stream, the pool)."""
+  def __call__(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, attend: Attend,
+               adapters: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+    """x [..., hidden] the residual stream -> (the new stream, the pool); `adapters`: the
+    rows' LoRA slots, or None."""
     a, kv = attend(self.self_attn, self.input_layernorm(x), kv, layer)
-    x = paged_nn.project_add(self.self_attn.out, a, x)
-    h = self.mlp.hidden(self.post_attention_layernorm(x))
-    return paged_nn.project_add(self.mlp.down, h, x), kv
+    x = paged_nn.project_add(self.self_attn.out, a, x, adapters=adapters)
+    h = self.mlp.hidden(self.post_attention_layernorm(x), adapters)
+    return paged_nn.project_add(self.mlp.down, h, x, adapters=adapters), kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -295,13 +297,33 @@ class LlamaForCausalLM(nnx.Module):
                 "column", (self.config.intermediate_size,) * 2)),
                           (layer.mlp.down, tensor_parallel.ROW))]
 
-  def _forward(self, tokens: jax.Array, kv: pool_lib.KVPool, attend: Attend
-               ) -> tuple[jax.Array, pool_lib.KVPool]:
+  def lora_targets(self) -> dict[str, lora.Target]:
+    """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
+    q_proj, k_proj and v_proj in our fused qkv's columns, gate_proj and up_proj in
+    gate_up's, o_proj and down_proj whole."""
+    c = self.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    targets = {}
+    for i, layer in enumerate(self.layers):
+      attn, mlp = layer.self_attn, layer.mlp
+      for name, target in (
+          ("self_attn.q_proj", lora.Target(attn.qkv, 0, q)),
+          ("self_attn.k_proj", lora.Target(attn.qkv, q, kv)),
+          ("self_attn.v_proj", lora.Target(attn.qkv, q + kv, kv)),
+          ("self_attn.o_proj", lora.Target(attn.out)),
+          ("mlp.gate_proj", lora.Target(mlp.gate_up, 0, c.intermediate_size)),
+          ("mlp.up_proj", lora.Target(mlp.gate_up, c.intermediate_size, c.intermediate_size)),
+          ("mlp.down_proj", lora.Target(mlp.down))):
+        targets[f"model.layers.{i}.{name}"] = target
+    return targets
+
+  def _forward(self, tokens: jax.Array, kv: pool_lib.KVPool, attend: Attend,
+               adapters: jax.Array | None) -> tuple[jax.Array, pool_lib.KVPool]:
     """-> (the final norm of the residual stream, pool). Positions enter through the
     attention's rotary embedding only."""
     x = self.embed_tokens(tokens)
     for layer, block in enumerate(self.layers):
-      x, kv = block(x, kv, layer, attend)
+      x, kv = block(x, kv, layer, attend, adapters)
     return self.norm(x), kv
 
   def _head(self) -> nnx.Embed:
@@ -318,7 +340,7 @@ class LlamaForCausalLM(nnx.Module):
 
   def prefill_hidden(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
                      lengths: jax.Array, *, start: jax.Array | None = None,
-                     page_table: jax.Array | None = None
+                     page_table: jax.Array | None = None, adapters: jax.Array | None = None
                      ) -> tuple[jax.Array, pool_lib.KVPool]:
     """New tokens of several sequences (`jax_paged.PagedModel.prefill_hidden`).
 
@@ -331,6 +353,7 @@ class LlamaForCausalLM(nnx.Module):
         pages (a cached prefix, earlier chunks): the new tokens sit at positions start + t
         (the attention rotates them there).
       page_table: int32 [B, max_pages_per_seq], the batch's rows (with `start`).
+      adapters: int32 [B], each row's LoRA slot (-1: none), or None (`jax_paged.lora`).
 
     Returns:
       (the final norm of every new token [B, T, hidden_size] in the compute dtype, pool).
@@ -338,20 +361,24 @@ class LlamaForCausalLM(nnx.Module):
     return self._forward(
         tokens, kv,
         lambda attn, h, kv, layer: attn.prefill(h, kv, layer, slots, lengths, start=start,
-                                                page_table=page_table, project=False))
+                                                page_table=page_table, project=False,
+                                                adapters=adapters),
+        adapters)
 
   def prefill(self, tokens: jax.Array, kv: pool_lib.KVPool, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
-              page_table: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
+              page_table: jax.Array | None = None, adapters: jax.Array | None = None
+              ) -> tuple[jax.Array, pool_lib.KVPool]:
     """`prefill_hidden`, then float32 logits [B, vocab] of each row's last new token
     (`jax_paged.PagedModel.prefill`)."""
     h, kv = self.prefill_hidden(tokens, kv, slots, lengths, start=start,
-                                page_table=page_table)
+                                page_table=page_table, adapters=adapters)
     return self.logits(last_tokens(h, lengths)), kv
 
   def decode(self, tokens: jax.Array, positions: jax.Array, kv: pool_lib.KVPool,
              slots: jax.Array, page_table: jax.Array, lengths: jax.Array, *,
-             greedy: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
+             greedy: bool = False, adapters: jax.Array | None = None
+             ) -> tuple[jax.Array, pool_lib.KVPool]:
     """One token per sequence (`jax_paged.PagedModel.decode`).
 
     Args:
@@ -362,6 +389,7 @@ class LlamaForCausalLM(nnx.Module):
       page_table: int32 [B, max_pages_per_seq], the batch's rows of `kv.page_table`.
       lengths: int32 [B], tokens to attend to including the new one (0 = inactive).
       greedy: return the argmax tokens instead of the logits.
+      adapters: int32 [B], each row's LoRA slot (-1: none), or None (`jax_paged.lora`).
 
     Returns:
       (float32 logits [B, vocab], or with `greedy` their int32 argmax [B], pool).
@@ -370,7 +398,8 @@ class LlamaForCausalLM(nnx.Module):
     h, kv = self._forward(
         tokens, kv,
         lambda attn, h, kv, layer: attn.decode(h, kv, layer, slots, page_table, lengths,
-                                               project=False))
+                                               project=False, adapters=adapters),
+        adapters)
     return (self._greedy(h) if greedy else self.logits(h)), kv
 
 

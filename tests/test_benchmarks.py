@@ -117,3 +117,12 @@ def test_speculative_benchmarks_copy_workload_quotes_each_prompt():
     assert np.flatnonzero(guide.table[state] >= 0).tolist() == [token]
     state = guide.walk(state, [token])
   assert guide.done[state]
+
+
+def test_lora_benchmark_tiny(monkeypatch, capsys):
+  from benchmarks import bench_lora
+  monkeypatch.setattr(sys, "argv", ["bench_lora.py", "--tiny", "--adapters", "2", "--rank",
+                                    "4"])
+  bench_lora.main()
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+  assert len(rows) == 1 and rows[0].count("|") == 8

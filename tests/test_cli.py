@@ -494,3 +494,30 @@ def test_beam_search_prints_best_hypotheses_with_scores(capsys):
 def test_beam_search_errors_are_one_line(capsys, args, message):
   status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--no-progress", *args)
   assert status == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_lora_modules_serve_the_adapter_the_prompts_name(capsys, tmp_path):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax_paged import lora  # pylint: disable=import-outside-toplevel
+  from models import gpt2  # pylint: disable=import-outside-toplevel
+  targets = gpt2.FAMILY.presets["tiny"](jnp.float32, 0).lora_targets()
+  lora.LoraAdapter.random(targets, rank=4, seed=1, scale=0.5).save(tmp_path / "sql")
+  args = ("--model", "tiny", "--prompt", "select", "--max-new-tokens", "8", "--no-progress",
+          "--ignore-eos")
+  status, base, _ = _main(capsys, *args)
+  assert status == 0
+  status, out, err = _main(capsys, *args, "--lora-modules", f"sql={tmp_path / 'sql'}",
+                           "--lora", "sql")
+  assert status == 0 and "LoRA adapters sql" in err
+  texts = lambda out: out.split("requests:")[0]
+  assert texts(out) != texts(base)
+  status, again, _ = _main(capsys, *args, "--lora-modules", f"sql={tmp_path / 'sql'}")
+  assert status == 0 and texts(again) == texts(base)  # served, not named: the base model
+  for extra, message in (
+      (("--lora", "sql"), "--lora sql: not an adapter of --lora-modules (none given)"),
+      (("--max-loras", "2"), "--max-loras needs --lora-modules"),
+      (("--lora-modules", f"a={tmp_path}"), "no adapter_config.json in"),
+      (("--lora-modules", f"a={tmp_path / 'sql'}", "--max-lora-rank", "2"),
+       "has rank 4, above the engine's max_lora_rank=2")):
+    status, _, err = _main(capsys, *args, *extra)
+    assert status == 2 and message in err, err

@@ -735,6 +735,42 @@ def test_priority_reaches_the_engine_under_the_priority_policy(model):
       "priority")
 
 
+def test_lora_adapters_are_models_of_their_own_names(model, tmp_path):
+  """`model` names an adapter (vLLM's way): its completion is the engine's under that
+  adapter; /v1/models lists it with the base as its parent."""
+  from jax_paged import lora  # pylint: disable=import-outside-toplevel
+  lora.LoraAdapter.random(model.lora_targets(), rank=4, seed=1, scale=0.5).save(
+      tmp_path / "sql")
+  engine = Engine(model, max_batch=8, num_pages=160, page_size=16, steps_per_call=4,
+                  detokenize=BYTES.decode, max_loras=1, max_lora_rank=4)
+  engine.add_lora("sql", str(tmp_path / "sql"))
+  want = {name: engine.generate([Request(list(b"select"), 6, lora=name)])[0][0]
+          for name in ("sql", None)}
+  assert want["sql"] != want[None]
+  loop = EngineLoop(engine)
+  server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, (),
+                                                       loras=("sql",)))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_address[1]}"
+  try:
+    for name in ("sql", "tiny"):
+      status, answer = post(url, {"model": name, "prompt": "select", "max_tokens": 6,
+                                  "temperature": 0, "return_token_ids": True})
+      assert status == 200
+      assert answer["choices"][0]["token_ids"] == want["sql" if name == "sql" else None]
+    status, answer = post(url, {"model": "nope", "prompt": "x"})
+    assert status == 404 and "this server serves 'tiny', 'sql'" in answer["error"]["message"]
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+      models = json.loads(r.read())["data"]
+    assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("sql", "tiny")]
+    with urllib.request.urlopen(url + "/v1/models/sql", timeout=30) as r:
+      assert json.loads(r.read())["id"] == "sql"
+  finally:
+    server.shutdown()
+    server.server_close()
+    loop.close()
+
+
 def test_warmup_kinds_reach_the_engine(monkeypatch):
   """--warmup: the sampling kinds, and guided (alone: with greedy batches)."""
   calls = []

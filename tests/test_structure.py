@@ -11,17 +11,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool <- nn <- paged_model, tensor_parallel, guided <- serving <- cli, server_metrics
-# <- openai_server <- openai_batch; tool_calls <- openai_server).
+# kernels <- pool, lora <- nn <- paged_model, tensor_parallel, guided <- serving <- cli,
+# server_metrics <- openai_server <- openai_batch; tool_calls <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
-    "nn": {"kernels", "pool", "nn"},
+    "lora": {"lora"},
+    "nn": {"kernels", "lora", "pool", "nn"},
     "sampling": {"sampling"},
     "guided": {"guided"},
     "paged_model": {"pool", "paged_model"},
-    "tensor_parallel": {"kernels", "pool", "nn", "tensor_parallel"},
-    "serving": {"kernels", "pool", "nn", "sampling", "guided", "paged_model",
+    "tensor_parallel": {"kernels", "lora", "pool", "nn", "tensor_parallel"},
+    "serving": {"kernels", "lora", "pool", "nn", "sampling", "guided", "paged_model",
                 "tensor_parallel", "serving"},
     "cli": {"kernels", "paged_model", "tensor_parallel", "guided", "serving", "cli"},
     "server_metrics": {"serving", "server_metrics"},

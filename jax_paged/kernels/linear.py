@@ -79,12 +79,26 @@ _ROW_BLOCK = 64
 _SMEM_BYTES = 200 * 1024
 
 
+# A low-rank update added to a GEMM's output (a LoRA adapter's, `jax_paged.lora`):
+# (xa [..., W], b [W, N]), x's dtype, W a power of two >= 16; the GEMM adds xa @ b.
+LowRank = tuple[jax.Array, jax.Array]
+
+
+def _low_rank_product(low_rank: LowRank) -> jax.Array:
+  xa, b = low_rank
+  return jnp.einsum("...w,wn->...n", xa, b, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
 def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                      activation: Callable[[jax.Array], jax.Array] | None = None,
-                     out_dtype=None) -> jax.Array:
-  """Plain XLA: activation(x @ kernel + bias), f32 accumulation, cast to `out_dtype`."""
+                     out_dtype=None, low_rank: LowRank | None = None) -> jax.Array:
+  """Plain XLA: activation(x @ kernel + bias (+ xa @ b)), f32 accumulation, cast to
+  `out_dtype`."""
   y = jnp.einsum("...k,kn->...n", x, kernel, precision=lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
+  if low_rank is not None:
+    y += _low_rank_product(low_rank)
   if bias is not None:
     y += bias.astype(jnp.float32)
   if activation is not None:
@@ -134,14 +148,16 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
 
 
 def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
-                   block_k: int, k_split: int, has_bias: bool,
+                   block_k: int, k_split: int, has_bias: bool, has_low_rank: bool,
                    activation: Callable[[jax.Array], jax.Array] | None, partials: bool,
                    sections: tuple[int, ...]):
-  """Refs: x [rows, depth], kernel [depth, cols], (has_bias) bias [cols]; outputs:
-  partials f32 [splits, rows, cols], or y split by columns into `sections` arrays
-  [rows, section] (one section: y [rows, cols])."""
+  """Refs: x [rows, depth], kernel [depth, cols], (has_bias) bias [cols], (has_low_rank)
+  xa [rows, W] and b [W, cols]; outputs: partials f32 [splits, rows, cols] (the low-rank
+  product in split 0's), or y split by columns into `sections` arrays [rows, section]
+  (one section: y [rows, cols])."""
   x_ref, w_ref, *refs = refs
   bias_ref = refs.pop(0) if has_bias else None
+  xa_ref, b_ref = (refs.pop(0), refs.pop(0)) if has_low_rank else (None, None)
   o_refs = refs
   n, split, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
@@ -152,6 +168,17 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
     bias = plgpu.load(bias_ref.at[c], mask=col_mask, other=None if col_mask is None else 0.0)
   acc = matmul_tile(x_ref, w_ref, m=m, n=n, split=split, rows=rows, cols=cols, depth=depth,
                     block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
+  if has_low_rank:  # one more step of the product, over the update's W columns
+    j = jnp.arange(xa_ref.shape[1])
+    xa = plgpu.load(xa_ref.at[r[:, None], j[None, :]],
+                    mask=triton_backend.and_masks(row_mask, None),
+                    other=None if row_mask is None else 0.0)
+    b = plgpu.load(b_ref.at[j[:, None], c[None, :]],
+                   mask=triton_backend.and_masks(None, col_mask),
+                   other=None if col_mask is None else 0.0)
+    update = lax.dot_general(xa, b, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+    acc += jnp.where(split == 0, update, 0.0) if partials else update
   mask = triton_backend.and_masks(row_mask, col_mask)
   if partials:
     plgpu.store(o_refs[0].at[split, r[:, None], c[None, :]], acc, mask=mask)
@@ -175,11 +202,12 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
 
 @functools.partial(jax.jit, static_argnames=[
     "activation", "out_dtype", "k_split", "sections", "tiles", "interpret"])
-def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | None,
-                   sections: tuple[int, ...], tiles: Tiles, interpret: bool):
-  """x [rows, K] -> a tuple of [rows, section] for `sections` of N (k_split None:
-  whole-K programs), or f32 partials [cdiv(K, k_split), rows, N] (k_split a multiple of
-  tiles.block_k)."""
+def _linear_pallas(x, kernel, bias, low_rank, *, activation, out_dtype,
+                   k_split: int | None, sections: tuple[int, ...], tiles: Tiles,
+                   interpret: bool):
+  """x [rows, K] (+ low_rank (xa [rows, W], b [W, N]) or None) -> a tuple of [rows,
+  section] for `sections` of N (k_split None: whole-K programs), or f32 partials
+  [cdiv(K, k_split), rows, N] (k_split a multiple of tiles.block_k)."""
   block_m, block_n, block_k, num_warps = tiles
   rows, depth = x.shape
   cols = kernel.shape[1]
@@ -190,7 +218,8 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
   kernel_fn = functools.partial(
       _linear_kernel, rows=rows, cols=cols, depth=depth, block_m=block_m,
       block_n=block_n, block_k=block_k, k_split=k_split, has_bias=bias is not None,
-      activation=activation, partials=partials, sections=sections)
+      has_low_rank=low_rank is not None, activation=activation, partials=partials,
+      sections=sections)
   out_shape = ((jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),) if partials
                else tuple(jax.ShapeDtypeStruct((rows, w), out_dtype) for w in sections))
   return pl.pallas_call(
@@ -200,7 +229,7 @@ def _linear_pallas(x, kernel, bias, *, activation, out_dtype, k_split: int | Non
       compiler_params=compiler_params(num_warps),
       interpret=interpret,
       name="linear_partials" if partials else "linear",
-  )(x, kernel, *(() if bias is None else (bias,)))
+  )(x, kernel, *(() if bias is None else (bias,)), *(low_rank or ()))
 
 
 class Tiles(NamedTuple):
@@ -261,7 +290,14 @@ def _block_k(block_m: int, depth: int, block_n: int, itemsize: int) -> int:
   return block_k
 
 
-def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> None:
+def _rows_of(low_rank: LowRank | None) -> LowRank | None:
+  """low_rank with xa [..., W] as [rows, W]."""
+  return None if low_rank is None else (low_rank[0].reshape(-1, low_rank[0].shape[-1]),
+                                        low_rank[1])
+
+
+def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                low_rank: LowRank | None = None) -> None:
   if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating array [..., K], got {x.dtype}{list(x.shape)}")
   if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
@@ -271,6 +307,15 @@ def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> None
     raise ValueError(f"kernel must have x's dtype {x.dtype}, got {kernel.dtype}")
   if bias is not None and bias.shape != kernel.shape[1:]:
     raise ValueError(f"bias must have shape [N] = {kernel.shape[1:]}, got {bias.shape}")
+  if low_rank is not None:
+    xa, b = low_rank
+    w = xa.shape[-1]
+    if (xa.shape[:-1] != x.shape[:-1] or b.shape != (w, kernel.shape[1]) or w < 16
+        or w & (w - 1) or xa.dtype != x.dtype or b.dtype != x.dtype):
+      raise ValueError(f"low_rank must be (xa [..., W], b [W, N]) with x's rows "
+                       f"{list(x.shape[:-1])}, N = {kernel.shape[1]}, W a power of two "
+                       f">= 16 and x's dtype {x.dtype}; got xa {xa.dtype}{list(xa.shape)}, "
+                       f"b {b.dtype}{list(b.shape)}")
 
 
 def takes(x: jax.Array, kernel: jax.Array) -> bool:
@@ -284,9 +329,9 @@ def takes(x: jax.Array, kernel: jax.Array) -> bool:
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            activation: Callable[[jax.Array], jax.Array] | None = None, out_dtype=None,
-           sections: Sequence[int] | None = None, interpret: bool | None = None
-           ) -> jax.Array | tuple[jax.Array, ...]:
-  """activation(x @ kernel + bias) as one kernel: the GEMM with its epilogue.
+           sections: Sequence[int] | None = None, interpret: bool | None = None,
+           low_rank: LowRank | None = None) -> jax.Array | tuple[jax.Array, ...]:
+  """activation(x @ kernel + bias (+ xa @ b)) as one kernel: the GEMM with its epilogue.
 
   Args:
     x: [..., K] f32 / bf16 / f16; at most MAX_ROWS (256) rows take the kernel (64 for
@@ -304,12 +349,15 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       the whole output.
     interpret: None = the Triton kernel on a GPU, plain XLA elsewhere; True = the kernel
       in Pallas interpret mode (tests); False = the kernel.
+    low_rank: None, or (xa [..., W], b [W, N]) in x's dtype, W a power of two >= 16: a
+      low-rank update added before the bias (a LoRA adapter's, `jax_paged.lora`), as one
+      more step of the kernel's product.
 
   Returns:
     [..., N] in `out_dtype`, or with `sections` a tuple of [..., width]; products
     accumulated, bias added and activation applied in f32.
   """
-  _check_args(x, kernel, bias)
+  _check_args(x, kernel, bias, low_rank)
   cols = kernel.shape[1]
   widths = (cols,) if sections is None else tuple(int(w) for w in sections)
   if sum(widths) != cols or min(widths) < 1:
@@ -319,15 +367,17 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None or (len(widths) > 1 and any(w % _NARROW_BLOCK_N for w in widths)):
     if mode is None:
-      y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype)
+      y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype,
+                           low_rank=low_rank)
     else:
       y = linear(x, kernel, bias, activation=activation, out_dtype=out_dtype,
-                 interpret=mode)
+                 interpret=mode, low_rank=low_rank)
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
   tiles = whole_k_tiles(*x2.shape, cols, x.dtype.itemsize, widths)
-  ys = _linear_pallas(x2, kernel, bias, activation=activation if fused else None,
+  ys = _linear_pallas(x2, kernel, bias, _rows_of(low_rank),
+                      activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
                       sections=widths, tiles=tiles, interpret=mode)
   if not fused:  # XLA applies it to the f32 output, fused with the cast.
@@ -383,7 +433,8 @@ def default_splits(depth: int, cols: int, rows: int) -> int:
 
 
 def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None, low_rank: LowRank | None = None
+                    ) -> jax.Array:
   """The split-K partial products of x @ kernel, for a consumer that sums them.
 
   Args:
@@ -392,12 +443,13 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
     splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
       None = `default_splits(K, N, rows)`.
     interpret: as `linear`.
+    low_rank: as `linear`'s: its product joins the first partial.
 
   Returns:
-    f32 [S, ..., N] whose sum over the first axis is x @ kernel; S = `splits` unless K is
-    too short for that many (then fewer).
+    f32 [S, ..., N] whose sum over the first axis is x @ kernel (+ xa @ b); S = `splits`
+    unless K is too short for that many (then fewer).
   """
-  _check_args(x, kernel, None)
+  _check_args(x, kernel, None, low_rank)
   depth = x.shape[-1]
   rows = math.prod(x.shape[:-1])
   cols = kernel.shape[1]
@@ -413,11 +465,14 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None:
     bounds = list(range(0, depth, k_split)) + [depth]
-    return jnp.stack([jnp.einsum("...k,kn->...n", x[..., a:b], kernel[a:b],
-                                 precision=lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32)
-                      for a, b in zip(bounds[:-1], bounds[1:])])
-  parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, activation=None,
+    parts = [jnp.einsum("...k,kn->...n", x[..., a:b], kernel[a:b],
+                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    if low_rank is not None:
+      parts[0] += _low_rank_product(low_rank)
+    return jnp.stack(parts)
+  parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, _rows_of(low_rank),
+                          activation=None,
                           out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
                           tiles=Tiles(block_m, block_n, block_k, _PARTIALS_NUM_WARPS),
                           interpret=mode)

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import gc
 import itertools
+import os
 import re
 import time
 from typing import Callable, Iterator, Sequence
@@ -46,6 +47,8 @@ from jax_paged.kernels import validation
 from jax_paged.kernels.validation import check_positive_int
 from jax_paged.paged_model import PagedModel
 from jax_paged.serving import admission as admission_lib
+from jax_paged.lora import LoraAdapter
+from jax_paged.serving.adapter_slots import AdapterSlots
 from jax_paged.serving.kv_cache_manager import KVCacheManager
 from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
@@ -131,6 +134,15 @@ class Engine:
       confirm. The tokens are the same as without (greedy or sampled, with every
       request setting); it is faster where text repeats its context, and costs a bit
       more per token where it does not. The model needs `prefill_hidden` and `logits`.
+    max_loras: LoRA adapters held on the device at once (0: none served). Adapters are
+      registered by name (`add_lora`: PEFT checkpoints, any number) and named per
+      request (`Request.lora`); rows of different adapters and of the base model run in
+      the same batches (`jax_paged.lora`: every adapted projection adds two small GEMMs
+      over all the slots). A request waits (FCFS) while every slot holds an adapter in
+      use; an idle slot is reloaded, least recently used first. The model must list its
+      `lora_targets()`.
+    max_lora_rank: the largest adapter rank the slots take (each slot's memory and the
+      added GEMMs grow with it).
   """
 
   def __init__(self, model: PagedModel, *, max_batch: int = 32,
@@ -141,7 +153,8 @@ class Engine:
                prefix_caching: bool = True, mesh=None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                scheduling_policy: str = "fcfs",
-               speculation: NgramSpeculation | None = None):
+               speculation: NgramSpeculation | None = None, max_loras: int = 0,
+               max_lora_rank: int = 16):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)
     self.steps_per_call = check_positive_int("steps_per_call", steps_per_call)
@@ -157,7 +170,14 @@ class Engine:
                        f"{detokenize!r}")
     self.detokenize = detokenize
     self.prefix_caching = bool(prefix_caching)
-    self.runner = runner_lib.ModelRunner(model, mesh, speculation)
+    if is_int(max_loras) and max_loras == 0:
+      self.adapters = None
+    else:
+      self.adapters = AdapterSlots(check_positive_int("max_loras", max_loras))
+    lora = None
+    if self.adapters is not None:
+      lora = (max_loras, check_positive_int("max_lora_rank", max_lora_rank))
+    self.runner = runner_lib.ModelRunner(model, mesh, speculation, lora)
     self.mesh = mesh
     self.spec = spec = self.runner.spec
     cache_dtype = validation.check_cache_dtype(
@@ -209,6 +229,52 @@ class Engine:
     # generated tokens, preemptions, drafts verified, drafts kept).
     self._ended_counts = (0,) * 6
 
+  def add_lora(self, name: str, adapter: str | os.PathLike | LoraAdapter) -> None:
+    """Registers a LoRA adapter under `name` for requests to name (`Request.lora`): a PEFT
+    checkpoint directory (adapter_config.json, adapter_model.safetensors) or a loaded
+    `LoraAdapter`. It reaches the device when a request needs it. Registering a name
+    again replaces its adapter (no cached prefix computed under the old one is reused).
+
+    Raises:
+      ValueError: the engine serves no adapters (max_loras=0), the name is not a
+        non-empty string or its adapter is in use, or the adapter does not fit the model
+        (a module it does not serve, a rank above max_lora_rank, another shape).
+      FileNotFoundError: no PEFT adapter at the path.
+    """
+    if self.adapters is None:
+      raise ValueError("this Engine serves no LoRA adapters: build it with "
+                       "Engine(..., max_loras=N)")
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not isinstance(adapter, LoraAdapter):
+      adapter = LoraAdapter.load(adapter)
+    self.runner.lora_blocks(adapter)  # raises for an adapter the model cannot take
+    if self._run is not None and any(
+        self._run.scheduler.requests[rid].lora == name for rid, _, _ in
+        self._run.scheduler.waiting):
+      raise ValueError(f"LoRA adapter {name!r} is named by waiting requests")
+    self.adapters.add(name, adapter)
+
+  def remove_lora(self, name: str) -> None:
+    """Unregisters a LoRA adapter (its slot freed, its cached prefixes left to eviction).
+
+    Raises:
+      KeyError: no adapter of that name.
+      ValueError: requests waiting or running name it.
+    """
+    if self.adapters is None or name not in self.adapters.adapters:
+      raise KeyError(f"no LoRA adapter named {name!r}; registered: {self.loras}")
+    if self.adapters.in_use(name) or self._run is not None and any(
+        self._run.scheduler.requests[rid].lora == name for rid, _, _ in
+        self._run.scheduler.waiting):
+      raise ValueError(f"LoRA adapter {name!r} is named by waiting or running requests")
+    self.adapters.remove(name)
+
+  @property
+  def loras(self) -> list[str]:
+    """The names of the registered LoRA adapters."""
+    return [] if self.adapters is None else sorted(self.adapters.adapters)
+
   @property
   def num_cached_pages(self) -> int:
     """Pages the prefix cache holds between runs (evictable: a run takes them when it
@@ -243,6 +309,8 @@ class Engine:
     """Forgets the run in progress, its counts kept for `stats()`."""
     self._ended_counts = tuple(a + b for a, b in zip(self._ended_counts, self._run_counts()))
     self._run = None
+    if self.adapters is not None:  # (an aborted run's sequences held theirs)
+      self.adapters.drop_holds()
 
   def reset_prefix_cache(self) -> int:
     """Drops every cached page (vLLM's `reset_prefix_cache`): the next run starts cold, on
@@ -654,7 +722,8 @@ class Engine:
                              max_batch=self.max_batch, first_id=first_id,
                              scores_prompts=self.runner.scores_prompts,
                              detokenizes=self.detokenize is not None,
-                             prioritizes=self.scheduling_policy == "priority")
+                             prioritizes=self.scheduling_policy == "priority",
+                             loras=self.loras)
 
   def _begin(self, requests: Sequence[Request], first_id: int = 0) -> None:
     """Starts a run of `requests` (validated here), whose ids are first_id, first_id + 1,
@@ -678,7 +747,8 @@ class Engine:
                           steps_per_call=self.steps_per_call,
                           max_prefill_tokens=self.max_prefill_tokens,
                           eos_token_id=self.eos_token_id, prompts=prompts,
-                          scheduling_policy=self.scheduling_policy)
+                          scheduling_policy=self.scheduling_policy,
+                          adapters=self.adapters)
     self.report = Report(num_requests=len(requests), num_pages=self.num_pages)
     self._run = _Run(start, scheduler, first_id)
 

@@ -64,6 +64,14 @@ def page_keys(contexts: Sequence[np.ndarray], page_size: int) -> list[np.ndarray
   return keys
 
 
+def salted_keys(keys: np.ndarray, salt: int) -> np.ndarray:
+  """A context's `page_keys` with its chain started from a key of `salt` (> 0) instead of
+  0: K_j + S * B**(j + 1). Contexts computed under different LoRA adapters (the salt:
+  the adapter's registration) then never share a key, nor K/V."""
+  with np.errstate(over="ignore"):
+    return keys + np.uint64(salt) * _MIX * _powers(len(keys) + 1)[1][1:len(keys) + 1]
+
+
 def _group_page_keys(contexts: Sequence[np.ndarray], counts: np.ndarray, page_size: int
                      ) -> list[np.ndarray]:
   """`page_keys` of these contexts, with `counts` full pages each, in one numpy pass."""

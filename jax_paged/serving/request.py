@@ -5,7 +5,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import numbers
-from typing import Mapping, NamedTuple, Sequence
+from typing import Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -91,6 +91,10 @@ class Request:
       nothing may follow. The engine holds each guide's table on the device while a
       request uses it; a batch with a guided request samples through the logits (its own
       compilations).
+    lora: the name of a LoRA adapter registered with the engine (`Engine.add_lora`) to
+      run the request with, or None for the base model. Requests of different adapters
+      (and none) share batches; they share cached prefix pages only with requests of the
+      same adapter.
   """
 
   prompt: Sequence[int]
@@ -115,6 +119,7 @@ class Request:
   min_tokens: int = 0
   priority: int = 0
   guide: Guide | None = None
+  lora: str | None = None
 
   @property
   def penalized(self) -> bool:
@@ -199,7 +204,8 @@ def _token_ids(prompt) -> np.ndarray | None:
 def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size: int,
                       max_pages: int, max_batch: int, first_id: int = 0,
                       scores_prompts: bool = True, detokenizes: bool = False,
-                      prioritizes: bool = False) -> list[np.ndarray]:
+                      prioritizes: bool = False, loras: Collection[str] = ()
+                      ) -> list[np.ndarray]:
   """Raises ValueError, naming the request and the field, for anything the engine cannot
   serve as asked; returns the prompts as int32 arrays [prompt tokens].
 
@@ -214,6 +220,7 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
       (`paged_model.offers_prompt_logprobs`).
     detokenizes: whether the engine turns tokens into text (`Request.stop`).
     prioritizes: whether the engine schedules by `Request.priority` (else it must be 0).
+    loras: the LoRA adapters registered with the engine (`Request.lora` names one).
   """
   if isinstance(requests, Request):
     raise ValueError("requests must be a non-empty list of Request, got one Request: pass "
@@ -326,6 +333,11 @@ def validate_requests(requests: Sequence[Request], spec: ModelSpec, *, page_size
         raise ValueError(f"request {i}: guide's vocabulary has {r.guide.vocab_size} tokens, "
                          f"more than the model's vocab_size={spec.vocab_size}: it was built "
                          "for another tokenizer")
+    if r.lora is not None and (not isinstance(r.lora, str) or r.lora not in loras):
+      served = (f"the engine's adapters are {sorted(loras)}" if loras else
+                "the engine has none (Engine(max_loras=...), then add_lora)")
+      raise ValueError(f"request {i}: lora {r.lora!r} is not a registered LoRA adapter; "
+                       f"{served}")
     if not 0.0 <= r.arrival_s < float("inf"):  # also NaN
       raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got "
                        f"{r.arrival_s!r}")

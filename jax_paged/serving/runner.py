@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jax_paged import lora as lora_lib
 from jax_paged import pool as pool_lib
 from jax_paged import sampling
 from jax_paged import tensor_parallel
@@ -70,7 +71,8 @@ def fill_rows(out: np.ndarray, rows, values: Sequence[np.ndarray]) -> np.ndarray
 
 def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
                  lengths: jax.Array, seq_ids: jax.Array, start: jax.Array | None = None,
-                 *, hidden: bool = False) -> tuple[jax.Array, pool_lib.KVPool]:
+                 *, hidden: bool = False, adapters: jax.Array | None = None
+                 ) -> tuple[jax.Array, pool_lib.KVPool]:
   """Reserves and fills the pages of new tokens of several sequences.
 
   Args:
@@ -82,6 +84,8 @@ def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
     start: None when the sequences are empty; else int32 [B], the tokens each holds (its
       pool length), which the new ones attend to.
     hidden: (static) the model's `prefill_hidden` rather than its `prefill`.
+    adapters: None (no LoRA), or int32 [max_seqs]: each pool sequence's LoRA slot (-1:
+      none; `jax_paged.lora`), which its rows take.
 
   Returns:
     (float32 logits [B, vocab] of each row's last new token, or with `hidden` the final
@@ -90,10 +94,19 @@ def prefill_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array,
   """
   kv, slots, _ = pool_lib.reserve(kv, seq_ids, lengths, max_new_tokens=tokens.shape[1])
   forward = model.prefill_hidden if hidden else model.prefill
+  # (Only with adapters: a model without LoRA targets need not take the keyword.)
+  lora = {} if adapters is None else dict(adapters=_lora_rows(adapters, seq_ids))
   if start is None:
-    return forward(tokens, kv, slots, lengths)
+    return forward(tokens, kv, slots, lengths, **lora)
   page_table = kv.page_table[jnp.clip(seq_ids, 0, kv.max_seqs - 1)]
-  return forward(tokens, kv, slots, lengths, start=start, page_table=page_table)
+  return forward(tokens, kv, slots, lengths, start=start, page_table=page_table, **lora)
+
+
+def _lora_rows(adapters: jax.Array, seq_ids) -> jax.Array:
+  """int32 [B]: the LoRA slots of the rows' sequences (-1 for a padding row's -1)."""
+  if isinstance(seq_ids, np.ndarray) and np.array_equal(seq_ids, np.arange(len(seq_ids))):
+    return _rows(adapters, seq_ids)
+  return jnp.where(seq_ids >= 0, adapters[jnp.clip(seq_ids, 0, adapters.shape[0] - 1)], -1)
 
 
 def update_pages(kv: pool_lib.KVPool, holds: jax.Array, release: jax.Array
@@ -116,8 +129,8 @@ def _rows(x: jax.Array, seq_ids) -> jax.Array:
 
 
 def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_ids,
-                active: jax.Array | None = None, *, greedy: bool = False
-                ) -> tuple[jax.Array, pool_lib.KVPool]:
+                active: jax.Array | None = None, *, greedy: bool = False,
+                adapters: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
   """Appends one token to each active sequence and returns its logits.
 
   Args:
@@ -130,6 +143,7 @@ def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_i
       logits are meaningless, so a fixed-capacity batch can carry empty rows.
     greedy: (static) return each row's argmax token instead of the logits (the model may
       compute it without writing them).
+    adapters: None, or int32 [max_seqs] each pool sequence's LoRA slot (`prefill_step`).
 
   Returns:
     (float32 logits [B, vocab], or with `greedy` int32 tokens [B]; the new pool). A row
@@ -142,8 +156,9 @@ def decode_step(model: PagedModel, kv: pool_lib.KVPool, tokens: jax.Array, seq_i
   # (From the new lengths only, so no reader of the old ones keeps them alive past the
   # in-place reserve kernel.) Other rows' positions are unused.
   positions = jnp.maximum(lengths - 1, 0)
+  lora = {} if adapters is None else dict(adapters=_lora_rows(adapters, seq_ids))
   return model.decode(tokens, positions, kv, slots[:, 0], _rows(kv.page_table, seq_ids),
-                      jnp.where(active & ok, lengths, 0), greedy=greedy)
+                      jnp.where(active & ok, lengths, 0), greedy=greedy, **lora)
 
 
 class Logprobs(NamedTuple):
@@ -255,7 +270,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
                 greedy: bool, checked: bool, filter_by: str | None = "chunked",
                 logprobs: bool = False, top_logprobs: int = 0,
                 processors: dict[str, jax.Array] | None = None,
-                guides: Guides | None = None, guide_offset=None, guide_state=None):
+                guides: Guides | None = None, guide_offset=None, guide_state=None,
+                adapters=None):
   """Up to `num_steps` (<= max_steps) decode steps on device.
 
   With `checked`, the loop checks every `steps_per_check(max_steps)` steps whether steps
@@ -274,7 +290,8 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
   from `processed_logits`, counting its new tokens; log-probabilities stay the
   model's); guides: None, or the guided rows' tables (`GuideTables`) with each row's
   guide_offset (-1: unguided) and guide_state (int32 [B]): each step masks the logits
-  (`guided_logits`), advances the states and stops a row whose guide is done.
+  (`guided_logits`), advances the states and stops a row whose guide is done; adapters:
+  None, or each row's LoRA slot (int32 [B], -1: none).
 
   Returns:
     (int32 [max_steps, B] new tokens, -1 where a row was inactive; the pool), with
@@ -294,9 +311,10 @@ def decode_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, activ
     step, kv, tokens, active, index, budget, out, out_logprobs, counts, state = carry
     if greedy and not logprobs and processors is None and guides is None:
       # The argmax without the logits.
-      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True)
+      new, kv = decode_step(model, kv, tokens, seq_ids, active, greedy=True,
+                            adapters=adapters)
     else:
-      logits, kv = decode_step(model, kv, tokens, seq_ids, active)
+      logits, kv = decode_step(model, kv, tokens, seq_ids, active, adapters=adapters)
       new = sampling.sample_rows(
           guided_logits(processed_logits(logits, processors, counts, in_prompt, index),
                         guides, guide_offset, state),
@@ -355,7 +373,8 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
                      speculation: speculative.NgramSpeculation, greedy: bool,
                      filter_by: str | None = "chunked", logprobs: bool = False,
                      top_logprobs: int = 0, processors: dict[str, jax.Array] | None = None,
-                     guides: Guides | None = None, guide_offset=None, guide_state=None):
+                     guides: Guides | None = None, guide_offset=None, guide_state=None,
+                     adapters=None):
   """`decode_loop` by speculative rounds (`jax_paged.serving.speculative`): each row
   takes up to `num_steps` tokens, its output the same tokens plain decoding gives.
 
@@ -402,10 +421,11 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
     kv, draft_slots, ok = pool_lib.reserve(kv, jnp.where(active, rows, -1), count,
                                            max_new_tokens=k, branch_free=True)
     count = jnp.where(ok, count, 0)
+    lora = {} if adapters is None else dict(adapters=adapters)
     hidden, kv = model.prefill_hidden(jnp.concatenate([tokens[:, None], drafts], axis=1),
                                       kv, jnp.concatenate([newest, draft_slots], axis=1),
                                       count + 1, start=start,
-                                      page_table=_rows(kv.page_table, rows))
+                                      page_table=_rows(kv.page_table, rows), **lora)
     logits = model.logits(hidden)  # [B, k + 1, V]
     # The draw at each position, after the drafts before it.
     states = [state] * (k + 1)
@@ -708,7 +728,8 @@ class JittedSteps:
       fresh prompts), score_rows and score_targets (first-phase rows whose prompt
       log-probabilities are asked, the tokens their positions predict; absent: none), the
       second phase's follow_tokens, follow_lengths, follow_ids, follow_start and
-      follow_src (absent: no second phase), fork_src, fork_dst, sample_rows (into both
+      follow_src (absent: no second phase), adapters (each pool sequence's LoRA slot;
+      absent: no LoRA), fork_src, fork_dst, sample_rows (into both
       phases' rows) and the sample rows' seeds, index, temperature, top_k, top_p, min_p
       and `processor_arrays` (absent: none), and with `guides` (`GuideTables`) the
       sample rows' guide_offset and guide_state (`guided_logits`). Returns ((int32
@@ -720,20 +741,21 @@ class JittedSteps:
       if "start" in a:  # rows attached to cached pages (attach_ids[j] = -1: not row j)
         kv = pool_lib.attach(kv, a["attach_ids"], a["attach_pages"], a["start"])
       scored = None
+      adapters = a.get("adapters")  # each pool sequence's LoRA slot, if any
       if "score_rows" in a:
         hidden, kv = prefill_step(m, kv, a["tokens"], a["lengths"], a["seq_ids"],
-                                  a.get("start"), hidden=True)
+                                  a.get("start"), hidden=True, adapters=adapters)
         scored = prompt_logprobs(m.logits, hidden[a["score_rows"]], a["score_targets"],
                                  prompt_top_logprobs)
         logits = m.logits(last_tokens(hidden, a["lengths"]))
       else:
         logits, kv = prefill_step(m, kv, a["tokens"], a["lengths"], a["seq_ids"],
-                                  a.get("start"))
+                                  a.get("start"), adapters=adapters)
       if "follow_src" in a:  # rows starting on the first pages of rows prefilled above
         src_rows = kv.page_table[jnp.clip(a["follow_src"], 0, kv.max_seqs - 1)]
         kv = pool_lib.attach(kv, a["follow_ids"], src_rows, a["follow_start"])
         more, kv = prefill_step(m, kv, a["follow_tokens"], a["follow_lengths"],
-                                a["follow_ids"], a["follow_start"])
+                                a["follow_ids"], a["follow_start"], adapters=adapters)
         logits = jnp.concatenate([logits, more])
       kv = pool_lib.fork(kv, a["fork_src"], a["fork_dst"])
       logits = logits[a["sample_rows"]]
@@ -823,6 +845,28 @@ def _jitted_steps(graphdef: nnx.GraphDef, treedef, sharding=None) -> JittedSteps
 
 
 _clear = _pool_jit(pool_lib.clear, donate_argnums=0)
+
+
+def _lora_targets(model: PagedModel) -> dict:
+  if not callable(getattr(model, "lora_targets", None)):
+    raise TypeError(f"{type(model).__name__} cannot serve LoRA adapters: it lists no "
+                    "`lora_targets()` (see jax_paged.PagedModel)")
+  targets = dict(model.lora_targets())
+  if not targets:
+    raise ValueError(f"{type(model).__name__}.lora_targets() lists no modules")
+  return targets
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_lora_slot(weights: list, blocks: list, slot: jax.Array) -> list:
+  """weights (lora_a [K, S * R], lora_b [S * R, N] alternately) with slot `slot`'s
+  columns of A and rows of B replaced by blocks ([K, R], [R, N] alternately)."""
+  out = []
+  for i, (w, block) in enumerate(zip(weights, blocks)):
+    r = block.shape[1] if i % 2 == 0 else block.shape[0]
+    at = (0, slot * r) if i % 2 == 0 else (slot * r, 0)
+    out.append(jax.lax.dynamic_update_slice(w, block.astype(w.dtype), at))
+  return out
 
 
 @jax.jit
@@ -962,7 +1006,8 @@ class ModelRunner:
   """
 
   def __init__(self, model: PagedModel, mesh: Mesh | None = None,
-               speculation: speculative.NgramSpeculation | None = None):
+               speculation: speculative.NgramSpeculation | None = None,
+               lora: tuple[int, int] | None = None):
     if not isinstance(model, PagedModel):
       raise TypeError(f"{type(model).__name__} does not meet jax_paged.PagedModel: it needs "
                       "a `spec` and `prefill` / `decode` forwards over the pool")
@@ -981,17 +1026,54 @@ class ModelRunner:
     self.speculation = speculation
     self.mesh = mesh
     self.guide_tables = GuideTables(self.spec.vocab_size, mesh)
-    if mesh is None:
-      graphdef, params = nnx.split(model)
-      self.leaves = jax.tree.leaves(params)
-      self.jitted = _jitted_steps(graphdef, jax.tree.structure(params))
-    else:
-      tensor_parallel.check_kv_heads(self.spec.num_kv_heads,
-                                     tensor_parallel.mesh_size(mesh))
-      sharded = tensor_parallel.shard_model(model, mesh)
-      self.leaves = sharded.leaves
-      self.jitted = _jitted_steps(sharded.graphdef, sharded.treedef,
-                                  (mesh, sharded.specs))
+    # With LoRA (max_loras, max_rank): the slots live among the parameters (`lora`), empty
+    # until `load_adapter`; the caller's model is given them only while it is split.
+    targets = {} if lora is None else _lora_targets(model)
+    self.lora_layout = None if lora is None else lora_lib.SlotLayout.of(targets, lora[1])
+    if lora is not None:
+      lora_lib.attach(targets, max_loras=lora[0], max_rank=lora[1])
+    try:
+      if mesh is None:
+        graphdef, params = nnx.split(model)
+        self.leaves = jax.tree.leaves(params)
+        self.jitted = _jitted_steps(graphdef, jax.tree.structure(params))
+        key_paths, orders = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]], {}
+      else:
+        tensor_parallel.check_kv_heads(self.spec.num_kv_heads,
+                                       tensor_parallel.mesh_size(mesh))
+        sharded = tensor_parallel.shard_model(model, mesh)
+        self.leaves = sharded.leaves
+        self.jitted = _jitted_steps(sharded.graphdef, sharded.treedef,
+                                    (mesh, sharded.specs))
+        key_paths, orders = sharded.paths, sharded.column_orders
+      # Per adapted linear, in `lora_layout`'s order: its (lora_a, lora_b) leaf indices
+      # and, tensor parallel, the order of its columns (B's too).
+      paths = lora_lib.linear_paths(model, targets)
+      self._lora_leaves = lora_lib.slot_leaves(paths, key_paths)
+      self._lora_orders = [orders.get(path, slice(None)) for path in paths]
+    finally:
+      lora_lib.detach(targets)
+
+  @property
+  def serves_loras(self) -> bool:
+    return self.lora_layout is not None
+
+  def lora_blocks(self, adapter: lora_lib.LoraAdapter) -> list:
+    """One slot's arrays of `adapter` (`SlotLayout.blocks`: raises ValueError for an
+    adapter the model cannot take)."""
+    dtype = self.leaves[self._lora_leaves[0][0]].dtype
+    return self.lora_layout.blocks(adapter, dtype)
+
+  def load_adapter(self, slot: int, adapter: lora_lib.LoraAdapter) -> None:
+    """Writes `adapter` into LoRA slot `slot` of the parameters (in place: donated)."""
+    blocks = self.lora_blocks(adapter)
+    # (Tensor parallel: B's columns in the order the devices' blocks take them.)
+    blocks = [(a, b[:, order]) for (a, b), order in zip(blocks, self._lora_orders)]
+    flat = [i for pair in self._lora_leaves for i in pair]
+    new = _set_lora_slot([self.leaves[i] for i in flat],
+                         [x for pair in blocks for x in pair], np.int32(slot))
+    for i, x in zip(flat, new):
+      self.leaves[i] = x
 
   def create_pool(self, **kwargs) -> pool_lib.KVPool:
     """An empty pool shaped for the model (`ModelSpec.create_pool`), its K/V split over
@@ -1046,9 +1128,20 @@ class ModelRunner:
         stop_ids=np.full((width, MIN_STOP_IDS), -1, np.int32),
         **_Sampling.of([None] * width).arrays(),
         **processor_arrays([None] * width, context_width or None),
-        **self.history_arrays([None] * width, max_steps))
+        **self.history_arrays([None] * width, max_steps), **self.lora_arrays(None, width))
     _read_back(*decoded, kv.page_table, kv.num_free)
     return kv
+
+  def lora_arrays(self, adapters: np.ndarray | None, width: int | None = None
+                  ) -> dict[str, np.ndarray]:
+    """With LoRA: {"adapters": int32 [width]} (default: every slot's), each slot's
+    adapter's device slot (a plan's `adapters`; None: -1, none), which every call then
+    takes (one program per shape whichever adapters run); {} without."""
+    if not self.serves_loras:
+      return {}
+    if adapters is None:
+      return dict(adapters=np.full((width,), -1, np.int32))
+    return dict(adapters=adapters[:width])
 
   def history_arrays(self, rows: Sequence, max_steps: int) -> dict[str, np.ndarray]:
     """With `speculation`, the drafts' source for a decode call of rows (scheduler
@@ -1102,6 +1195,8 @@ class ModelRunner:
     chunk, dispatched back to back; the host then reads the results back in one transfer
     (`_read_back`; two with both a prefill and a decode chunk) as `Executed`."""
     kv = self.update_pages(kv, retain=plan.retain, release=plan.release, evict=plan.evict)
+    for slot, adapter in plan.lora_loads:
+      self.load_adapter(slot, adapter)
     first = decoded = first_lp = decoded_lp = scored = speculated = None
     sequences = [*plan.rows, *(s for c in plan.prefill for _, s in c.samples)]
     offsets = self.guide_tables.place({s.request.guide for s in sequences
@@ -1198,7 +1293,7 @@ class ModelRunner:
     packed, layout = pack_arrays(
         tokens=tokens, lengths=lengths, seq_ids=seq_ids, **continued,
         fork_src=fork_src, fork_dst=fork_dst,
-        sample_rows=sample_rows,
+        sample_rows=sample_rows, **self.lora_arrays(plan.adapters),
         index=np.asarray([len(s.tokens) if s else 0 for s in seqs], np.int32),
         **sampling_.arrays(), **processor_arrays(seqs), **guided)
     return self.jitted.prefill_sample(self.leaves, kv, packed, guides, layout=layout,
@@ -1239,5 +1334,6 @@ class ModelRunner:
         tokens=np.asarray([s.tokens[-1] if s else 0 for s in rows], np.int32),
         active=active, index=np.asarray([len(s.tokens) if s else 0 for s in rows], np.int32),
         budget=budget, stop_ids=stop_ids, **sampling_.arrays(), **processor_arrays(rows),
-        **guided, **self.history_arrays(rows, max_steps))
+        **guided, **self.history_arrays(rows, max_steps),
+        **self.lora_arrays(plan.adapters, len(rows)))
     return (*out, kv)

@@ -37,7 +37,8 @@ from typing import Sequence
 import numpy as np
 
 from jax_paged.serving.admission import AdmissionPolicy
-from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys
+from jax_paged.serving.adapter_slots import AdapterSlots
+from jax_paged.serving.kv_cache_manager import KVCacheManager, page_keys, salted_keys
 from jax_paged.serving.request import Request, sample_seed
 from jax_paged.serving.runner import STEPS_PER_CHECK, bucket
 
@@ -85,6 +86,7 @@ class RunningRequest:
   # samples forked from it: it retires after that prefill, its token undelivered.
   aborted: bool = False
   guide_state: int = 0    # with `Request.guide`: its state after the tokens so far
+  lora_slot: int = -1     # with `Request.lora`: the device slot of its adapter
 
   @property
   def seed(self) -> int:
@@ -166,6 +168,9 @@ class Plan:
     decode_steps: steps the decode chunk may run (0: no decode).
     max_steps: the most steps of any decode chunk (`steps_per_call`: the shape of the
       device loop, compiled once).
+    adapters: with LoRA adapters served, int32 [max_batch]: each slot's adapter's device
+      slot (-1: none, or an empty slot); None otherwise.
+    lora_loads: (device slot, `LoraAdapter`) to load before the call, in order.
   """
 
   rows: tuple[RunningRequest | None, ...]
@@ -175,6 +180,8 @@ class Plan:
   prefill: tuple[PrefillChunk, ...] = ()
   decode_steps: int = 0
   max_steps: int = 1
+  adapters: np.ndarray | None = None
+  lora_loads: tuple = ()
 
 
 class Scheduler:
@@ -195,13 +202,15 @@ class Scheduler:
     scheduling_policy: "fcfs" admits arrived requests in order and preempts the newest;
       "priority" (vLLM's) admits them by `Request.priority` (lower first), then arrival,
       and preempts the newest of the lowest priority (the largest value).
+    adapters: the LoRA adapters' slots (`AdapterSlots`) when the engine serves them: a
+      request naming one waits (and those behind it) until its adapter has a slot.
   """
 
   def __init__(self, requests: Sequence[Request], *, max_batch: int, cache: KVCacheManager,
                admission: AdmissionPolicy, steps_per_call: int, max_prefill_tokens: int,
                eos_token_id: int | None = None,
                prompts: Sequence[np.ndarray] | None = None,
-               scheduling_policy: str = "fcfs"):
+               scheduling_policy: str = "fcfs", adapters: AdapterSlots | None = None):
     self.requests = list(requests)
     # Arrays, so that page keys and prefill rows take whole prompts at numpy speed.
     self.prompts = (list(prompts) if prompts is not None
@@ -217,6 +226,7 @@ class Scheduler:
                          max_prefill_tokens // cache.page_size * cache.page_size)
     self.eos_token_id = eos_token_id
     self.by_priority = check_scheduling_policy(scheduling_policy) == "priority"
+    self.adapters = adapters
     self.slots: list[RunningRequest | None] = [None] * max_batch
     # (request id, sample, tokens so far): fresh requests take every sample at once.
     self.waiting = collections.deque((rid, None, []) for rid in range(len(requests)))
@@ -318,9 +328,14 @@ class Scheduler:
     # the holds travel with a release: a plan without one sends none (the bookkeeping call
     # of a static batch's prefills and first decode chunk is then skipped).
     retain = self.cache.take_retains() if release or evict else []
+    adapters, loads = None, ()
+    if self.adapters is not None:
+      adapters = np.array([-1 if s is None else s.lora_slot for s in self.slots], np.int32)
+      loads = tuple(self.adapters.take_loads())
     return Plan(rows=rows, retain=tuple(retain), release=tuple(release),
                 evict=tuple(evict), prefill=tuple(prefill),
-                decode_steps=steps, max_steps=self.steps_per_call)
+                decode_steps=steps, max_steps=self.steps_per_call, adapters=adapters,
+                lora_loads=loads)
 
   def pending_release(self) -> tuple[list[int], list[int]]:
     """(holds, slots) still to send after the last plan: the prefix cache's holds not
@@ -375,6 +390,11 @@ class Scheduler:
       steps_left = request.max_new_tokens - len(done) - 1
       if not self.admission.fits(context_length, steps_left) and (admitted or running):
         break
+      lora_slot = -1
+      if request.lora is not None:  # its adapter in a device slot, one hold per sample
+        lora_slot = self.adapters.acquire(request.lora, len(samples))
+        if lora_slot is None:
+          break
       self.admission.add(context_length, steps_left)
       for _ in samples[1:]:  # forks copy the shared last page, then grow
         self.admission.add(context_length % page_size, steps_left)
@@ -388,6 +408,7 @@ class Scheduler:
         self.slots[slot] = RunningRequest(
             rid, request, self.prompts[rid], list(done), self._admissions, stops, j,
             context_length if slot == first else 0, 0, None if slot == first else first)
+        self.slots[slot].lora_slot = lora_slot
       if request.guide is not None and done:  # (one preempted sample: its state so far)
         self.slots[first].guide_state = request.guide.walk(0, done)
       if request.prompt_logprobs and not done:  # (a preempted one has delivered them)
@@ -432,7 +453,8 @@ class Scheduler:
              if self.slots[i].prefilled == 0 and not self.slots[i].looked_up]
       unkeyed = [self.slots[i] for i in new if self.slots[i].keys is None]
       for s, keys in zip(unkeyed, page_keys([s.context for s in unkeyed], page_size)):
-        s.keys = keys
+        lora = s.request.lora
+        s.keys = keys if lora is None else salted_keys(keys, self.adapters.uids[lora])
       hits = dict(zip(new, self.cache.lookup([self.slots[i].keys for i in new],
                                              [self.slots[i].context_length for i in new])))
     for slot in list(self._prefill_queue):
@@ -530,6 +552,8 @@ class Scheduler:
 
   def _retire(self, slots: list[int]) -> None:
     for slot in slots:
+      if self.slots[slot].lora_slot >= 0:
+        self.adapters.release(self.slots[slot].lora_slot)
       self.slots[slot] = None
     self.cache.free(slots)
     self._release += slots
