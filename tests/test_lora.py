@@ -207,6 +207,28 @@ def test_prefix_cache_shares_pages_within_an_adapter_only(saved):
   assert report.cached_prompt_tokens == 0
 
 
+def test_warmup_covers_runs_of_adapters(saved):
+  """After warmup() a run mixing adapters (loaded into their slots mid-run, one
+  reloaded) compiles nothing: every program takes the slots whichever adapters run."""
+  import jax  # pylint: disable=import-outside-toplevel
+  kind, base, adapters = saved
+  engine = jax_paged.Engine(_load(kind, base), max_batch=4, num_pages=64, page_size=PAGE,
+                            steps_per_call=4, max_loras=1, max_lora_rank=4)
+  for name, path in adapters.items():
+    engine.add_lora(name, path)
+  engine.warmup(max_prompt_tokens=16)
+  compiles = []
+  listen = lambda event, seconds, **_: compiles.append(event) if (
+      event == "/jax/core/compile/backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    engine.generate([jax_paged.Request(p, 6, lora=name)
+                     for p, name in zip(_prompts(7, 4, 2, 16), ["a", None, "b", "a"])])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert not compiles
+
+
 def _slotted_linear(rng, k: int, n: int, slots: int, rank: int):
   linear = nnx.Linear(k, n, rngs=nnx.Rngs(0))
   target = {"m": lora.Target(linear)}

@@ -1053,6 +1053,11 @@ class ModelRunner:
       self._lora_orders = [orders.get(path, slice(None)) for path in paths]
     finally:
       lora_lib.detach(targets)
+    if lora is not None:  # (empty slots made empty: compiled here, not at a run's first load)
+      dtype = self.leaves[self._lora_leaves[0][0]].dtype  # (as `lora_blocks` gives them)
+      self._write_slot(0, [(np.zeros((k, w), dtype), np.zeros((w, n), dtype))
+                           for modules, (k, n) in self.lora_layout.linears
+                           for w in [lora[1] * len(modules)]])
 
   @property
   def serves_loras(self) -> bool:
@@ -1066,7 +1071,10 @@ class ModelRunner:
 
   def load_adapter(self, slot: int, adapter: lora_lib.LoraAdapter) -> None:
     """Writes `adapter` into LoRA slot `slot` of the parameters (in place: donated)."""
-    blocks = self.lora_blocks(adapter)
+    self._write_slot(slot, self.lora_blocks(adapter))
+
+  def _write_slot(self, slot: int, blocks: list) -> None:
+    """Writes one slot's (A [K, R], B [R, N]) per adapted linear into the parameters."""
     # (Tensor parallel: B's columns in the order the devices' blocks take them.)
     blocks = [(a, b[:, order]) for (a, b), order in zip(blocks, self._lora_orders)]
     flat = [i for pair in self._lora_leaves for i in pair]
