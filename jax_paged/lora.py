@@ -22,9 +22,9 @@ weights stay as they are and each row of a batch names its adapter, or none:
   cannot take.
 
 The layers of `jax_paged.nn` add the update to their projections (in the f32
-accumulator, before any bias, activation or norm); a model lists where each checkpoint module lands with
-`lora_targets()` (see `jax_paged.PagedModel`) and passes each row's slot down as
-`adapters`. The serving layer assigns slots (`Engine(max_loras=...)`).
+accumulator, before any bias, activation or norm); a model lists where each checkpoint
+module lands with `lora_targets()` (see `jax_paged.PagedModel`) and passes each row's
+slot down as `adapters`. The serving layer assigns slots (`Engine(max_loras=...)`).
 """
 
 from __future__ import annotations

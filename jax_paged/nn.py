@@ -24,7 +24,8 @@ projection's split-K reduction, the residual add and the norm in one kernel at d
 few rows (the attention layer's `project=False` leaves its output projection to it);
 `project_add` the same without the norm (for a norm of the model's own, e.g. RMSNorm), and
 `dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
-(`jax_paged.kernels.linear`).
+(`jax_paged.kernels.linear`). Each of them, and the attention layer, takes the rows'
+LoRA slots (`adapters`) for a projection with slots (`jax_paged.lora`).
 """
 
 from __future__ import annotations

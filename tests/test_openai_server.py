@@ -1134,12 +1134,17 @@ def test_metrics_count_requests_tokens_and_the_engine(model):
 
 @pytest.mark.skipif(not model_families(), reason="no model family is installed (the "
                     "jax_paged.models entry points come with `pip install -e .`)")
-def test_serve_command():
-  """`python -m jax_paged.openai_server` serves until SIGTERM."""
+def test_serve_command(model, tmp_path):
+  """`python -m jax_paged.openai_server` serves until SIGTERM, with a LoRA adapter of
+  --lora-modules as a model of its own."""
+  from jax_paged import lora  # pylint: disable=import-outside-toplevel
+  lora.LoraAdapter.random(model.lora_targets(), rank=4, seed=1, scale=0.5).save(
+      tmp_path / "sql")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(
       [sys.executable, "-m", "jax_paged.openai_server", "--model", "tiny", "--port", "0",
-       "--max-batch", "4", "--num-pages", "64", "--served-model-name", "tiny-test"],
+       "--max-batch", "4", "--num-pages", "64", "--served-model-name", "tiny-test",
+       "--lora-modules", f"sql={tmp_path / 'sql'}"],
       env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
   try:
     for line in proc.stderr:
@@ -1147,9 +1152,9 @@ def test_serve_command():
       if found:
         break
     assert found, "the server did not start"
-    status, answer = post(found.group(1), {"model": "tiny-test", "prompt": "Hi",
-                                           "max_tokens": 3})
-    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    for name in ("tiny-test", "sql"):
+      status, answer = post(found.group(1), {"model": name, "prompt": "Hi", "max_tokens": 3})
+      assert status == 200 and answer["usage"]["completion_tokens"] == 3
   finally:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0

@@ -137,10 +137,10 @@ class Engine:
     max_loras: LoRA adapters held on the device at once (0: none served). Adapters are
       registered by name (`add_lora`: PEFT checkpoints, any number) and named per
       request (`Request.lora`); rows of different adapters and of the base model run in
-      the same batches (`jax_paged.lora`: every adapted projection adds two small GEMMs
-      over all the slots). A request waits (FCFS) while every slot holds an adapter in
-      use; an idle slot is reloaded, least recently used first. The model must list its
-      `lora_targets()`.
+      the same batches (`jax_paged.lora`: every adapted projection adds its rows' product
+      with all the slots' A, and that times B as one more step of its GEMM). A request
+      waits (FCFS) while every slot holds an adapter in use; an idle slot is reloaded,
+      least recently used first. The model must list its `lora_targets()`.
     max_lora_rank: the largest adapter rank the slots take (each slot's memory and the
       added GEMMs grow with it).
   """

@@ -859,8 +859,8 @@ def _lora_targets(model: PagedModel) -> dict:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_lora_slot(weights: list, blocks: list, slot: jax.Array) -> list:
-  """weights (lora_a [K, S * R], lora_b [S * R, N] alternately) with slot `slot`'s
-  columns of A and rows of B replaced by blocks ([K, R], [R, N] alternately)."""
+  """weights (lora_a [K, W], lora_b [W, N] alternately) with slot `slot`'s R columns of
+  A and rows of B replaced by blocks ([K, R], [R, N] alternately)."""
   out = []
   for i, (w, block) in enumerate(zip(weights, blocks)):
     r = block.shape[1] if i % 2 == 0 else block.shape[0]
@@ -1037,7 +1037,8 @@ class ModelRunner:
         graphdef, params = nnx.split(model)
         self.leaves = jax.tree.leaves(params)
         self.jitted = _jitted_steps(graphdef, jax.tree.structure(params))
-        key_paths, orders = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]], {}
+        key_paths = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        orders = {}
       else:
         tensor_parallel.check_kv_heads(self.spec.num_kv_heads,
                                        tensor_parallel.mesh_size(mesh))
