@@ -577,7 +577,8 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
   num_pages = args.num_pages
   if num_pages is None and jax.default_backend() != "gpu":
     num_pages = args.max_batch * -(-spec.max_positions // args.page_size)
-  if args.max_loras is not None and not args.lora_modules:
+  updates = getattr(args, "allow_lora_updates", False)  # (the server's option)
+  if args.max_loras is not None and not args.lora_modules and not updates:
     raise CLIError("--max-loras needs --lora-modules")
   names = [name for name, _ in args.lora_modules]
   if len(set(names)) < len(names):
@@ -590,7 +591,7 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
                  cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=loaded.mesh,
                  detokenize=loaded.codec.decode if loaded.codec else None,
                  scheduling_policy=scheduling_policy, speculation=args.speculative_config,
-                 max_loras=(args.max_loras or len(names)) if names else 0,
+                 max_loras=args.max_loras or len(names) or int(updates),
                  max_lora_rank=args.max_lora_rank)
     for name, path in args.lora_modules:
       eng.add_lora(name, path)

@@ -12,6 +12,8 @@ continuous-batching engine, as `vllm serve` does, so that OpenAI clients and too
                                 --chat-template), an assistant message out; streamed too
     POST /tokenize              vLLM's: a prompt text or chat messages -> token ids
     POST /detokenize            vLLM's: token ids -> text
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                                vLLM's runtime LoRA updates (--allow-lora-updates)
     GET  /health                200 while serving
     GET  /metrics               Prometheus metrics (`jax_paged.server_metrics`): requests
                                 running and waiting, KV cache use, tokens, prefix cache
@@ -112,6 +114,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens",
                    "add_generation_prompt", "return_token_strs")
 DETOKENIZE_FIELDS = ("model", "tokens")
+LOAD_LORA_FIELDS = ("lora_name", "lora_path")
 # The routes anyone may read without the API key (a load balancer's, a scraper's).
 OPEN_ROUTES = ("/health", "/metrics")
 API_KEY_ENV = "JAX_PAGED_API_KEY"
@@ -238,11 +241,14 @@ class Served:
   chat_template: ChatTemplate | None = None
   tool_parser: ToolParser | None = None  # how chat answers' tool calls are read
   prioritizes: bool = False  # the engine schedules by priority (`Request.priority`)
-  loras: tuple[str, ...] = ()  # LoRA adapters served as models of their own names
+  # LoRA adapters served as models of their own names (a list: runtime updates change it)
+  loras: Sequence[str] = ()
+  lora_updates: bool = False  # adapters may be loaded and unloaded over the API
   # Structured output's guides over the codec's vocabulary (None without a codec).
   guides: GuideCache | None = dataclasses.field(default=None, compare=False, repr=False)
 
   def __post_init__(self):
+    object.__setattr__(self, "loras", list(self.loras))
     if self.guides is None and self.codec is not None:
       object.__setattr__(self, "guides", GuideCache(self.codec.token_bytes,
                                                     self.eos_token_ids))
@@ -520,6 +526,41 @@ def tokenize(body: Any, served: Served) -> dict:
     strs = [served.codec.decode([t], skip_special_tokens=False) for t in ids]
   return {"count": len(ids), "max_model_len": served.spec.max_positions, "tokens": ids,
           "token_strs": strs}
+
+
+def update_loras(path: str, body: Any, served: Served,
+                 loop: EngineLoop | EngineProcess) -> dict:
+  """POST /v1/load_lora_adapter ({"lora_name", "lora_path"}: a PEFT adapter directory on
+  the server's machine) or /v1/unload_lora_adapter ({"lora_name"}), vLLM's runtime LoRA
+  updates: the engine registers or drops the adapter between device calls, and its name
+  is a model of its own from then on (or no longer). Only with `served.lora_updates`."""
+  if not served.lora_updates:
+    raise APIError(403, "runtime LoRA updates are off: start the server with "
+                        "--allow-lora-updates", kind="permission_error")
+  load = path == "/v1/load_lora_adapter"
+  fields = LOAD_LORA_FIELDS if load else LOAD_LORA_FIELDS[:1]
+  if not isinstance(body, dict):
+    raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+  unknown = sorted(set(body) - set(fields))
+  if unknown:
+    raise APIError(400, f"unknown fields {unknown}; this endpoint takes {', '.join(fields)}",
+                   unknown[0])
+  for field in fields:
+    if not isinstance(body.get(field), str) or not body[field]:
+      raise APIError(400, f"{field} must be a non-empty string, got {body.get(field)!r}",
+                     field)
+  name = body["lora_name"]
+  if name == served.name:
+    raise APIError(400, f"lora_name {name!r} is the served model's name", "lora_name")
+  try:
+    names = loop.add_lora(name, body["lora_path"]) if load else loop.remove_lora(name)
+  except KeyError as e:
+    raise APIError(404, str(e.args[0]), "lora_name", code="model_not_found") from e
+  except (ValueError, FileNotFoundError) as e:
+    raise APIError(400, str(e), "lora_path" if load else "lora_name") from e
+  served.loras[:] = names
+  return {"object": "list", "data": [{"id": n, "object": "model", "parent": served.name}
+                                     for n in names]}
 
 
 def detokenize(body: Any, served: Served) -> dict:
@@ -1034,8 +1075,10 @@ class Answer:
     return dict(self._object(self.chunk_object, []), usage=self.usage())
 
   def _object(self, kind: str, choices: list[dict]) -> dict:
-    return {"id": self.id, "object": kind, "created": self.created,
-            "model": self.served.name, "choices": choices}
+    # The model asked for: the served one, or a LoRA adapter's name (vLLM's answer too).
+    model = self.completion.requests[0].lora or self.served.name
+    return {"id": self.id, "object": kind, "created": self.created, "model": model,
+            "choices": choices}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -1121,6 +1164,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(
         self.path)
     local = {"/tokenize": tokenize, "/detokenize": detokenize}.get(self.path)
+    if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+      local = functools.partial(update_loras, self.path, loop=self.server.loop)
     if parse is None and local is None:
       self.close_connection = True  # (a body it sent is not read)
       self._send_error(APIError(404, f"no route POST {self.path}", kind="not_found_error"))
@@ -1337,7 +1382,7 @@ def served_of(args: argparse.Namespace, spec: ModelSpec, codec: Codec | None,
   if name in loras:
     raise CLIError(f"--lora-modules names an adapter {name!r}, the served model's name")
   return Served(name, spec, codec, spec.eos_token_ids, chat_template, parser, prioritizes,
-                loras=loras)
+                loras=loras, lora_updates=getattr(args, "allow_lora_updates", False))
 
 
 def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
@@ -1355,6 +1400,10 @@ def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:
                    help="require the header 'Authorization: Bearer KEY' on every route "
                         f"but /health and /metrics (default: ${API_KEY_ENV}, which keeps "
                         "the key out of the process list; none: open)")
+  srv.add_argument("--allow-lora-updates", action="store_true",
+                   help="take POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(vLLM's runtime LoRA updates: adapters from paths on this "
+                        "machine; --max-loras slots, default 1)")
   srv.add_argument("--warmup", nargs="+", choices=[*WARMUP_SAMPLING, "guided"], default=(),
                    metavar="KIND",
                    help="compile the batch shapes of these sampling kinds before serving "

@@ -154,18 +154,21 @@ def _alone(kind, base, adapters, requests) -> list[list[int]]:
   return out
 
 
-def test_more_adapters_than_slots_and_parallel_samples_give_the_merged_models_tokens(saved):
+def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_tokens(saved):
+  """One slot for two adapters (a request waits until the other's sequences have left
+  it), parallel samples, prompts prefilled in chunks of 16 tokens, and a pool so small
+  that sequences are preempted and readmitted (their adapter's slot acquired again)."""
   kind, base, adapters = saved
-  # One slot for two adapters: a request waits until the other's sequences have left it.
-  engine = jax_paged.Engine(_load(kind, base), max_batch=8, num_pages=64, page_size=PAGE,
-                            max_loras=1, max_lora_rank=4)
+  engine = jax_paged.Engine(_load(kind, base), max_batch=8, num_pages=12, page_size=PAGE,
+                            max_prefill_tokens=16, max_loras=1, max_lora_rank=4)
   for name, path in adapters.items():
     engine.add_lora(name, path)
-  names = ["a", "b", None, "b", "a"]
-  requests = [jax_paged.Request(p, max_new_tokens=5, lora=name, temperature=1.0, seed=i,
+  names = ["a", "b", None, "b", "a", "a"]
+  requests = [jax_paged.Request(p, max_new_tokens=20, lora=name, temperature=1.0, seed=i,
                                 n=2 if i == 3 else 1)
-              for i, (p, name) in enumerate(zip(_prompts(2, len(names)), names))]
-  tokens, _ = engine.generate(requests)
+              for i, (p, name) in enumerate(zip(_prompts(2, len(names), 10, 40), names))]
+  tokens, report = engine.generate(requests)
+  assert report.preemptions > 0
   assert tokens == _alone(kind, base, adapters, requests)
   assert engine.adapters.take_loads() == []
 
@@ -209,10 +212,12 @@ def test_prefix_cache_shares_pages_within_an_adapter_only(saved):
 
 def test_warmup_covers_runs_of_adapters(saved):
   """After warmup() a run mixing adapters (loaded into their slots mid-run, one
-  reloaded) compiles nothing: every program takes the slots whichever adapters run."""
+  reloaded) compiles nothing: every program takes the slots whichever adapters run, and
+  the slot writes compiled with the engine (bf16: the adapters' arrays cast to it)."""
   import jax  # pylint: disable=import-outside-toplevel
   kind, base, adapters = saved
-  engine = jax_paged.Engine(_load(kind, base), max_batch=4, num_pages=64, page_size=PAGE,
+  model = (gpt2 if kind == "gpt2" else llama).from_pretrained(base, dtype=jnp.bfloat16)
+  engine = jax_paged.Engine(model, max_batch=4, num_pages=64, page_size=PAGE,
                             steps_per_call=4, max_loras=1, max_lora_rank=4)
   for name, path in adapters.items():
     engine.add_lora(name, path)

@@ -87,18 +87,27 @@ def test_a_batch_is_answered_in_order_as_each_request_alone(model):
   assert pet["name"] in ("rex", "tom") and 0 <= pet["age"] <= 30
 
 
-def test_the_command_writes_a_line_per_request(tmp_path, capsys):
+def test_the_command_writes_a_line_per_request(model, tmp_path, capsys):
+  """Requests of the base model and of a LoRA adapter of --lora-modules (its name as the
+  model), and one refused."""
+  from jax_paged import lora  # pylint: disable=import-outside-toplevel
+  lora.LoraAdapter.random(model.lora_targets(), rank=4, seed=1).save(tmp_path / "sql")
   source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   source.write_text("\n".join([request(f"q{i}", {"prompt": "abc" * (i + 1), "max_tokens": 3,
-                                                 "temperature": 0}) for i in range(5)]
+                                                 "temperature": 0,
+                                                 "model": "sql" if i % 2 else "tiny"})
+                               for i in range(5)]
                               + ["", request("bad", {"prompt": ""})]) + "\n")
   code = openai_batch.main(["--model", "tiny", "--max-batch", "4", "--num-pages", "64",
-                            "--no-compilation-cache", "-i", str(source), "-o", str(sink)],
+                            "--no-compilation-cache", "-i", str(source), "-o", str(sink),
+                            "--lora-modules", f"sql={tmp_path / 'sql'}"],
                            family_refs=["models.gpt2:FAMILY"])
   assert code == 0
   outputs = [json.loads(line) for line in sink.read_text().splitlines()]
   assert [o["custom_id"] for o in outputs] == ["q0", "q1", "q2", "q3", "q4", "bad"]
   assert [o["response"]["status_code"] for o in outputs] == [200] * 5 + [400]
+  assert [o["response"]["body"]["model"] for o in outputs[:5]] == ["tiny", "sql"] * 2 + [
+      "tiny"]
   assert all(o["response"]["body"]["usage"]["completion_tokens"] == 3 for o in outputs[:5])
   assert "6 requests in" in capsys.readouterr().err
   assert openai_batch.main(["--model", "tiny", "-i", str(tmp_path / "none.jsonl"), "-o",

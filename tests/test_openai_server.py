@@ -756,7 +756,7 @@ def test_lora_adapters_are_models_of_their_own_names(model, tmp_path):
     for name in ("sql", "tiny"):
       status, answer = post(url, {"model": name, "prompt": "select", "max_tokens": 6,
                                   "temperature": 0, "return_token_ids": True})
-      assert status == 200
+      assert status == 200 and answer["model"] == name
       assert answer["choices"][0]["token_ids"] == want["sql" if name == "sql" else None]
     status, answer = post(url, {"model": "nope", "prompt": "x"})
     assert status == 404 and "this server serves 'tiny', 'sql'" in answer["error"]["message"]
@@ -765,10 +765,75 @@ def test_lora_adapters_are_models_of_their_own_names(model, tmp_path):
     assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("sql", "tiny")]
     with urllib.request.urlopen(url + "/v1/models/sql", timeout=30) as r:
       assert json.loads(r.read())["id"] == "sql"
+    status, answer = post(url, {"lora_name": "x", "lora_path": str(tmp_path / "sql")},
+                          "/v1/load_lora_adapter")
+    assert status == 403 and "--allow-lora-updates" in answer["error"]["message"]
   finally:
     server.shutdown()
     server.server_close()
     loop.close()
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_lora_adapters_load_and_unload_at_runtime(model, tmp_path, in_process):
+  """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: the engine (on a thread,
+  or in its own process) registers and drops adapters between device calls, the names
+  become models and stop being ones; bad updates are refused by name."""
+  from jax_paged import lora  # pylint: disable=import-outside-toplevel
+  for i, name in enumerate(("sql", "big")):
+    lora.LoraAdapter.random(model.lora_targets(), rank=4 * (i + 1), seed=i).save(
+        tmp_path / name)
+  if in_process:
+    loop = EngineProcess(functools.partial(
+        Engine, gpt2.FAMILY.presets["tiny"](jnp.float32, 0), max_batch=4, num_pages=64,
+        max_loras=1, max_lora_rank=4))
+  else:
+    loop = EngineLoop(Engine(model, max_batch=4, num_pages=64, max_loras=1, max_lora_rank=4))
+  server = OpenAIServer(("127.0.0.1", 0), loop, Served("tiny", model.spec, BYTES, (),
+                                                       lora_updates=True))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_address[1]}"
+  completion = {"model": "sql", "prompt": "select", "max_tokens": 4}
+  try:
+    assert post(url, completion)[0] == 404
+    status, answer = post(url, {"lora_name": "sql", "lora_path": str(tmp_path / "sql")},
+                          "/v1/load_lora_adapter")
+    assert status == 200 and [m["id"] for m in answer["data"]] == ["sql"]
+    status, answer = post(url, completion)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    for body, path, code, message in (
+        ({"lora_name": "big", "lora_path": str(tmp_path / "big")}, "/v1/load_lora_adapter",
+         400, "has rank 8, above the engine's max_lora_rank=4"),
+        ({"lora_name": "x", "lora_path": str(tmp_path)}, "/v1/load_lora_adapter", 400,
+         "no adapter_config.json in"),
+        ({"lora_name": "tiny", "lora_path": "p"}, "/v1/load_lora_adapter", 400,
+         "the served model's name"),
+        ({"lora_name": "sql", "path": "p"}, "/v1/load_lora_adapter", 400,
+         "unknown fields ['path']"),
+        ({"lora_name": "nope"}, "/v1/unload_lora_adapter", 404,
+         "no LoRA adapter named 'nope'")):
+      status, answer = post(url, body, path)
+      assert status == code and message in answer["error"]["message"], answer
+    status, answer = post(url, {"lora_name": "sql"}, "/v1/unload_lora_adapter")
+    assert status == 200 and answer["data"] == []
+    assert post(url, completion)[0] == 404
+  finally:
+    server.shutdown()
+    server.server_close()
+    loop.close()
+
+
+def test_allow_lora_updates_gives_the_engine_slots():
+  """--allow-lora-updates without --lora-modules: one slot (--max-loras more), updates on."""
+  families = ["models.gpt2:FAMILY"]
+  for extra, slots in (((), 1), (("--max-loras", "3"), 3)):
+    args = openai_server.parse_args(["--model", "tiny", "--num-pages", "64",
+                                     "--no-compilation-cache", "--allow-lora-updates",
+                                     *extra], openai_server.resolve_families(families))
+    assert openai_server.build_engine(args, families).adapters.max_loras == slots
+    served = openai_server.served_of(args, gpt2.FAMILY.presets["tiny"](jnp.float32, 0).spec,
+                                     BYTES, None)
+    assert served.lora_updates and served.loras == []
 
 
 def test_warmup_kinds_reach_the_engine(monkeypatch):

@@ -13,6 +13,8 @@ submitted, steps while a request is unfinished, and hands each request's events 
       ...
     sub.cancel()                                    # a client gone: its requests abort
     loop.stats                                      # the engine's `EngineStats`
+    loop.add_lora("sql", "path/to/adapter")         # between device calls (its reply
+    loop.remove_lora("sql")                         #   awaited): the registered names
     loop.close()
 
 From a coroutine (an asyncio server's handler), the same submission is awaited instead:
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import gc
 import multiprocessing
@@ -171,10 +174,11 @@ class Submission:
 
 class _Core:
   """The engine's side of a loop. Commands come from `receive(block)` (None: none
-  waiting): ("add", key, requests), ("cancel", key), ("stop",). What happens goes to
-  `out`: accepted(key, ids, error), events(key, events, finished) per device call and
-  key, then stats(the engine's `EngineStats`) and flush() (also once at the start), and
-  failed(keys, error). A key names a submission."""
+  waiting): ("add", key, requests), ("cancel", key), ("lora", key, op, args), ("stop",).
+  What happens goes to `out`: accepted(key, ids, error), events(key, events, finished)
+  per device call and key, then stats(the engine's `EngineStats`) and flush() (also once
+  at the start), failed(keys, error), and replied(key, value, error) to a "lora". A key
+  names a submission, or a reply."""
 
   def __init__(self, engine: Engine, out):
     self.engine, self.out = engine, out
@@ -247,6 +251,16 @@ class _Core:
         self.engine.abort_request(rid)
       self.out.failed([key], None)
 
+  def _lora(self, key, op: str, args: tuple) -> None:
+    """`Engine.add_lora(*args)` ("add") or `remove_lora(*args)` ("remove") between device
+    calls; replies the registered adapters' names, or the user's error."""
+    try:
+      (self.engine.add_lora if op == "add" else self.engine.remove_lora)(*args)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+      self.out.replied(key, None, e)
+    else:
+      self.out.replied(key, self.engine.loras, None)
+
 
 class _DirectOut:
   """A thread loop's outputs: straight to the submissions (the keys); the engine's
@@ -274,8 +288,35 @@ class _DirectOut:
     for sub in subs:
       sub._end(error)
 
+  @staticmethod
+  def replied(reply: concurrent.futures.Future, value, error: BaseException | None) -> None:
+    if error is None:
+      reply.set_result(value)
+    else:
+      reply.set_exception(error)
 
-class EngineLoop:
+
+def _user_error(error: BaseException) -> str:
+  """An engine's refusal as one line (a KeyError's str() would quote it)."""
+  return str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+
+
+class _LoraUpdates:
+  """A loop's runtime LoRA updates: `Engine.add_lora` / `remove_lora` run by the loop
+  between device calls (`_request`: the command sent, its reply awaited)."""
+
+  def add_lora(self, name: str, path: str, timeout: float | None = None) -> list[str]:
+    """Registers the PEFT adapter at `path` as `name` (`Engine.add_lora`); returns the
+    registered adapters' names. Raises as that does (ValueError, FileNotFoundError)."""
+    return self._request("add", (name, path), timeout)
+
+  def remove_lora(self, name: str, timeout: float | None = None) -> list[str]:
+    """Unregisters adapter `name` (`Engine.remove_lora`); returns the registered
+    adapters' names. Raises as that does (KeyError, ValueError)."""
+    return self._request("remove", (name,), timeout)
+
+
+class EngineLoop(_LoraUpdates):
   """Runs `engine` on a daemon thread of this process until `close()`; `submit` from any
   thread.
 
@@ -312,6 +353,14 @@ class EngineLoop:
         raise EngineClosed("the engine loop was closed")
       self._inbox.put(("add", sub, sub.requests))
     return sub
+
+  def _request(self, op: str, args: tuple, timeout: float | None) -> list[str]:
+    reply = concurrent.futures.Future()
+    with self._lock:
+      if self._closing:
+        raise EngineClosed("the engine loop was closed")
+      self._inbox.put(("lora", reply, op, args))
+    return reply.result(timeout)
 
   @property
   def num_unfinished(self) -> int:
@@ -365,6 +414,10 @@ class _PipeOut:
       self.conn.send(("failed", keys, None if error is None else
                       (type(error).__name__, str(error))))
 
+  def replied(self, key: int, value, error: BaseException | None) -> None:
+    self.conn.send(("replied", key, value, None if error is None else
+                    (type(error).__name__, _user_error(error))))
+
 
 def _serve_in_process(make_engine: Callable[[], Engine], conn) -> None:
   """An engine process's body: build the engine, say what it serves, run the core. Ctrl-C
@@ -417,7 +470,7 @@ class _GuideKey:
   key: int
 
 
-class EngineProcess:
+class EngineProcess(_LoraUpdates):
   """Runs the engine that `make_engine()` builds in a process of its own (spawned: a
   fresh interpreter) until `close()`; `submit` from any thread of this one.
 
@@ -452,6 +505,7 @@ class EngineProcess:
     self._next_key = 0
     self._guides: collections.OrderedDict = collections.OrderedDict()  # guide -> its key
     # in the process, least recently sent first
+    self._replies: dict[int, concurrent.futures.Future] = {}  # key -> awaited reply
     self._lock = threading.Lock()  # the pipe's sending end, keys, closing
     self._closed = False
     self._reader = threading.Thread(target=self._read, name="jax_paged-engine-reader",
@@ -494,6 +548,16 @@ class EngineProcess:
       self._send(("guides", sent, forget))
     return [r if r.guide is None else dataclasses.replace(r, guide=_GuideKey(self._guides[
         r.guide])) for r in requests]
+
+  def _request(self, op: str, args: tuple, timeout: float | None) -> list[str]:
+    reply = concurrent.futures.Future()
+    with self._lock:
+      if self._closed:
+        raise EngineClosed("the engine process was closed")
+      key, self._next_key = self._next_key, self._next_key + 1
+      self._replies[key] = reply
+      self._send(("lora", key, op, args))
+    return reply.result(timeout)
 
   @property
   def num_unfinished(self) -> int:
@@ -542,6 +606,15 @@ class EngineProcess:
         _, key, ids, error = message
         sub = subs[key] if error is None else subs.pop(key)
         sub._accept(ids, None if error is None else ValueError(error))
+      elif kind == "replied":
+        _, key, value, error = message
+        reply = self._replies.pop(key)
+        if error is None:
+          reply.set_result(value)
+        else:
+          name, text = error
+          reply.set_exception({"KeyError": KeyError, "FileNotFoundError": FileNotFoundError
+                               }.get(name, ValueError)(text))
       elif kind == "failed":
         _, keys, error = message
         if error is not None:
@@ -557,6 +630,10 @@ class EngineProcess:
       self._closed = True
       ended = list(subs.values())
       subs.clear()
+      replies = list(self._replies.values())
+      self._replies.clear()
+    for reply in replies:
+      reply.set_exception(EngineClosed("the engine process ended"))
     self._process.join()
     for sub in ended:
       sub._end(EngineClosed(f"the engine process ended (exit code "
