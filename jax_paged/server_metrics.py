@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from typing import Sequence
 
 from jax_paged.serving.report import EngineStats
@@ -102,7 +103,7 @@ class ServerMetrics:
     """Every metric, in Prometheus' text format (version 0.0.4); the engine's from
     `stats` (None: not reported yet, rendered as zeros)."""
     if stats is None:
-      stats = EngineStats(*[0] * len(EngineStats._fields))
+      stats = EngineStats(*[0] * (len(EngineStats._fields) - len(EngineStats._field_defaults)))
     labels = self.labels
     out: list[str] = []
 
@@ -122,6 +123,12 @@ class ServerMetrics:
              "Fraction of the KV pool's pages that sequences hold (1 = full; cached pages "
              "no sequence uses are free to take).",
              [("", stats.pages_in_use / stats.num_pages if stats.num_pages else 0.0)])
+      if stats.max_loras:  # (vLLM's: the labels say it, the value is when)
+        metric("lora_requests_info", "gauge",
+               "The LoRA adapters of the running and the waiting requests, and the slots.",
+               [(f',running_lora_adapters="{stats.running_loras}",'
+                 f'waiting_lora_adapters="{stats.waiting_loras}",'
+                 f'max_lora="{stats.max_loras}"', time.time())])
       metric("num_preemptions_total", "counter",
              "Sequences preempted (pages freed, context recomputed).",
              [("", stats.preemptions)])

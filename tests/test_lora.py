@@ -173,6 +173,22 @@ def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_t
   assert engine.adapters.take_loads() == []
 
 
+def test_stats_name_the_running_and_waiting_adapters(saved):
+  kind, base, adapters = saved
+  engine = jax_paged.Engine(_load(kind, base), max_batch=1, num_pages=16, page_size=PAGE,
+                            max_loras=1, max_lora_rank=4)
+  for name, path in adapters.items():
+    engine.add_lora(name, path)
+  assert engine.stats()[-3:] == (1, "", "")
+  for name in ("b", "a", None):
+    engine.add_request(jax_paged.Request([1, 2, 3], 4, lora=name))
+  engine.step()
+  assert engine.stats()[-3:] == (1, "b", "a")
+  while engine.has_unfinished_requests():
+    engine.step()
+  assert engine.stats()[-3:] == (1, "", "")
+
+
 def test_speculative_decoding_serves_adapters(saved):
   kind, base, adapters = saved
   rng = np.random.default_rng(3)

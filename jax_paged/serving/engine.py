@@ -286,16 +286,24 @@ class Engine:
     (no device access), for a server's monitoring between steps."""
     counts = [a + b for a, b in zip(self._ended_counts, self._run_counts())]
     running = waiting = 0
+    loras = ()
     if self._run is not None:
       scheduler = self._run.scheduler
       running = sum(s is not None for s in scheduler.slots)
       waiting = sum(scheduler.requests[rid].n if sample is None else 1
                     for rid, sample, _ in scheduler.waiting)
+    if self.adapters is not None:  # (vLLM's lora_requests_info)
+      names = lambda rs: ",".join(sorted({r.lora for r in rs if r.lora is not None}))
+      loras = (self.adapters.max_loras, "", "")
+      if self._run is not None:
+        loras = (self.adapters.max_loras,
+                 names(s.request for s in scheduler.slots if s is not None),
+                 names(scheduler.requests[rid] for rid, _, _ in scheduler.waiting))
     cache = self._cache
     if cache is None:
-      return EngineStats(running, waiting, 0, 0, self.num_pages, *counts)
+      return EngineStats(running, waiting, 0, 0, self.num_pages, *counts, *loras)
     return EngineStats(running, waiting, cache.num_used_pages, cache.num_cached_pages,
-                       self.num_pages, *counts)
+                       self.num_pages, *counts, *loras)
 
   def _run_counts(self) -> tuple[int, ...]:
     """`stats()`'s counts of the run in progress (zeros if none)."""

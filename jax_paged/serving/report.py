@@ -98,6 +98,9 @@ class EngineStats(NamedTuple):
     generated_tokens: tokens delivered.
     preemptions: sequences preempted (their pages freed, to be recomputed).
     draft_tokens, accepted_tokens: speculative drafts verified, and kept.
+    max_loras: the LoRA adapters the engine holds at once (0: it serves none).
+    running_loras, waiting_loras: the adapters of the running and the waiting sequences
+      (sorted names, comma-separated; "" for none).
   """
 
   running: int
@@ -111,3 +114,6 @@ class EngineStats(NamedTuple):
   preemptions: int
   draft_tokens: int
   accepted_tokens: int
+  max_loras: int = 0
+  running_loras: str = ""
+  waiting_loras: str = ""
