@@ -665,9 +665,6 @@ def run(args: argparse.Namespace, families: Sequence[ModelFamily]) -> int:
     raise CLIError(f"--lora {args.lora}: not an adapter of --lora-modules "
                    f"({', '.join(name for name, _ in args.lora_modules) or 'none given'})")
   if args.beam_width is not None:
-    if args.lora_modules:
-      raise CLIError("--beam-width runs the base model: LoRA adapters are not served by "
-                     "beam search (drop --lora-modules / --lora)")
     return run_beam_search(args, model, codec, prompts, loaded.label, stops, mesh)
   show_logprobs = args.logprobs or args.top_logprobs > 0  # (--top-logprobs implies it)
   guide = make_guide(args, codec, stops)
@@ -791,8 +788,8 @@ def run_beam_search(args: argparse.Namespace, model: PagedModel, codec: Codec | 
         min_new_tokens=min(args.min_tokens, new),
         page_size=args.page_size, max_batch=args.max_batch,
         steps_per_call=args.steps_per_call, cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
-        mesh=mesh)
-  except ValueError as e:
+        mesh=mesh, lora=None if args.lora is None else dict(args.lora_modules)[args.lora])
+  except (ValueError, FileNotFoundError) as e:
     raise CLIError(str(e)) from e
   for i, ((prompt, _), hyps) in enumerate(zip(prompts, beams)):
     for j, beam in enumerate(hyps):

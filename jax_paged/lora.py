@@ -83,15 +83,14 @@ def attach(targets: Mapping[str, Target], *, max_loras: int, max_rank: int) -> N
     dtype = linear.kernel[...].dtype
     linear.lora_a = LoraWeight(jnp.zeros((k, width), dtype))
     linear.lora_b = LoraWeight(jnp.zeros((width, n), dtype))
-    linear.lora_slots = max_loras
-    linear.lora_slot_width = max_rank * len(group)
+    linear.lora_slot_width = max_rank * len(group)  # (static: in the graph, not a leaf)
 
 
 def detach(targets: Mapping[str, Target]) -> None:
   """Removes `attach`'s slots (a no-op for a linear without them)."""
   for group in _by_linear(targets).values():
     linear = group[0][1].linear
-    for name in ("lora_a", "lora_b", "lora_slots", "lora_slot_width"):
+    for name in ("lora_a", "lora_b", "lora_slot_width"):
       if hasattr(linear, name):
         delattr(linear, name)
 
@@ -209,6 +208,8 @@ class LoraAdapter:
       if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
         raise ValueError(f"{path}: {module!r} has A {a.shape} and B {b.shape}; expected "
                          "[r, in] and [out, r]")
+      if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError(f"{path}: {module!r} holds NaN or infinite weights")
       rank = a.shape[0]
       alpha = float(_pattern_value(config.get("alpha_pattern"), module,
                                    config.get("lora_alpha", 8)))

@@ -513,6 +513,9 @@ def test_lora_modules_serve_the_adapter_the_prompts_name(capsys, tmp_path):
   assert texts(out) != texts(base)
   status, again, _ = _main(capsys, *args, "--lora-modules", f"sql={tmp_path / 'sql'}")
   assert status == 0 and texts(again) == texts(base)  # served, not named: the base model
+  beams = [_main(capsys, *args, "--beam-width", "2", *extra)[1].split("requests:")[0]
+           for extra in ((), ("--lora-modules", f"sql={tmp_path / 'sql'}", "--lora", "sql"))]
+  assert beams[0] != beams[1] and "score" in beams[1]
   for extra, message in (
       (("--lora", "sql"), "--lora sql: not an adapter of --lora-modules (none given)"),
       (("--max-loras", "2"), "--max-loras needs --lora-modules"),

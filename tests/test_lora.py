@@ -173,6 +173,20 @@ def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_t
   assert engine.adapters.take_loads() == []
 
 
+def test_beam_search_with_an_adapter_is_the_merged_models(saved):
+  kind, base, adapters = saved
+  prompts = _prompts(8, 3)
+  got, _ = jax_paged.beam_search(_load(kind, base), prompts, 6, beam_width=3, page_size=PAGE,
+                                 max_batch=6, lora=adapters["a"])
+  merged = _merged(_load(kind, base), lora.LoraAdapter.load(adapters["a"]))
+  want, _ = jax_paged.beam_search(merged, prompts, 6, beam_width=3, page_size=PAGE,
+                                  max_batch=6)
+  assert [[b.tokens for b in hyps] for hyps in got] == [[b.tokens for b in hyps]
+                                                         for hyps in want]
+  np.testing.assert_allclose([b.score for hyps in got for b in hyps],
+                             [b.score for hyps in want for b in hyps], rtol=1e-5)
+
+
 def test_stats_name_the_running_and_waiting_adapters(saved):
   kind, base, adapters = saved
   engine = jax_paged.Engine(_load(kind, base), max_batch=1, num_pages=16, page_size=PAGE,
@@ -334,6 +348,11 @@ def test_bad_adapters_and_requests_are_refused_by_name(saved, tmp_path):
     (copy / "adapter_config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(ValueError, match=f"{key}="):
       engine.add_lora("c", copy)
+  # Weights that are not finite.
+  broken = {name: (a, b * np.nan) for name, (a, b) in weights.items() if name != "lm_head"}
+  lora.LoraAdapter(broken).save(tmp_path / "nan")
+  with pytest.raises(ValueError, match="holds NaN or infinite weights"):
+    engine.add_lora("c", tmp_path / "nan")
   engine.remove_lora("b")
   assert engine.loras == []
   with pytest.raises(ValueError, match="max_loras must be a positive int, got -1"):

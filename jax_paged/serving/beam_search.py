@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import NamedTuple, Sequence
 
@@ -35,6 +36,7 @@ from jax_paged import sampling
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import validation
 from jax_paged.kernels.validation import check_positive_int
+from jax_paged.lora import LoraAdapter
 from jax_paged.paged_model import PagedModel
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.report import Report
@@ -178,13 +180,14 @@ def select_beams(state: BeamState, config: BeamConfig) -> tuple[BeamState, jax.A
   return new, run_parents
 
 
-def beam_loop(model: PagedModel, kv: pool_lib.KVPool, state: BeamState, *,
-              config: BeamConfig, num_steps: int) -> tuple[BeamState, pool_lib.KVPool]:
+def beam_loop(model: PagedModel, kv: pool_lib.KVPool, state: BeamState,
+              adapters: jax.Array | None = None, *, config: BeamConfig, num_steps: int
+              ) -> tuple[BeamState, pool_lib.KVPool]:
   """`num_steps` beam search steps over pool rows 0 .. R-1 (group g's beams in rows
   g x k ..): select, the new beams take over their parents' rows (`pool.fork` onto
   themselves), a finished group's rows are released, and the running rows decode their
   new tokens, which gives the next step's logits. Steps after every group finished
-  change nothing."""
+  change nothing. `adapters`: None, or each row's LoRA slot (int32 [R])."""
   g, k = state.scores.shape
   rows = np.arange(g * k, dtype=np.int32)
   first_row = jnp.asarray(rows.reshape(g, k)[:, :1])
@@ -199,7 +202,7 @@ def beam_loop(model: PagedModel, kv: pool_lib.KVPool, state: BeamState, *,
     ended = jnp.repeat(was_running & ~state.running, k)
     kv = pool_lib.release(kv, jnp.where(ended, rows, -1))
     tokens = state.tokens[:, :, state.step - 1].reshape(-1)
-    logits, kv = runner_lib.decode_step(model, kv, tokens, rows, on)
+    logits, kv = runner_lib.decode_step(model, kv, tokens, rows, on, adapters=adapters)
     return state._replace(logits=logits, min_free=jnp.minimum(state.min_free, kv.num_free),
                           decoded=state.decoded + jnp.sum(on)), kv
 
@@ -215,7 +218,8 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
                 eos_token_id: int | Sequence[int] | None = None, min_new_tokens: int = 0,
                 page_size: int = 16,
                 max_batch: int = 256, steps_per_call: int = 32, cache_dtype=None,
-                mesh=None) -> tuple[list[list[Beam]], Report]:
+                mesh=None, lora: LoraAdapter | str | os.PathLike | None = None
+                ) -> tuple[list[list[Beam]], Report]:
   """Beam search for each prompt: its `num_return_sequences` best hypotheses.
 
   The same search as Hugging Face's `generate(num_beams=beam_width, do_sample=False,
@@ -247,6 +251,8 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
       every prompt of the wave finished).
     cache_dtype: the pool's dtype (default: the model's compute dtype).
     mesh: None for one device, or a tensor parallel mesh (see `jax_paged.Engine`).
+    lora: None, or a LoRA adapter (a PEFT checkpoint directory, or a `LoraAdapter`) to
+      search with: every beam runs under it (`jax_paged.lora`).
 
   Returns:
     (beams, report): beams[i] the best num_return_sequences `Beam`s of prompt i, best
@@ -255,7 +261,11 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
     decode_tokens the beam rows decoded.
   """
   start = time.perf_counter()
-  runner = runner_lib.ModelRunner(model, mesh)
+  if lora is not None and not isinstance(lora, LoraAdapter):
+    lora = LoraAdapter.load(lora)
+  runner = runner_lib.ModelRunner(model, mesh, lora=None if lora is None else (1, lora.rank))
+  if lora is not None:
+    runner.load_adapter(0, lora)
   spec = runner.spec
   config = _check_settings(spec, beam_width, max_new_tokens, length_penalty, early_stopping,
                            num_return_sequences, eos_token_id, min_new_tokens)
@@ -293,6 +303,8 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
                           max_pages_per_seq=max_pages_per_seq, dtype=cache_dtype)
   report = Report(num_requests=len(prompts), num_pages=num_pages)
   num_steps = min(steps_per_call, max_new_tokens)
+  # Every row under the adapter in slot 0, or no LoRA.
+  adapters = None if lora is None else np.zeros((per_wave * k,), np.int32)
   beams: list[list[Beam]] = []
   for wave in waves:
     lengths = np.zeros((per_wave,), np.int32)
@@ -300,13 +312,15 @@ def beam_search(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
     tokens = np.zeros((per_wave, runner_lib.bucket(int(lengths.max()), 16)), np.int32)
     runner_lib.fill_rows(tokens, range(len(wave)), [prompts[i] for i in wave])
     seq_ids = np.where(np.arange(per_wave) < len(wave), np.arange(per_wave) * k, -1)
-    logits, kv = runner.prefill(kv, tokens, np.maximum(lengths, 1), seq_ids.astype(np.int32))
+    logits, kv = runner.prefill(kv, tokens, np.maximum(lengths, 1), seq_ids.astype(np.int32),
+                                adapters=adapters)
     report.prefill_calls += 1
     report.prompt_tokens += int(lengths.sum())
     state = _initial_state(logits, jnp.asarray(lengths > 0), kv.num_free, config=config)
     running = True
     while running:
-      state, kv = runner.run(beam_loop, kv, state, config=config, num_steps=num_steps)
+      state, kv = runner.run(beam_loop, kv, state, adapters, config=config,
+                             num_steps=num_steps)
       report.decode_calls += 1
       report.decode_steps += num_steps
       running = bool(jax.device_get(state.running).any())

@@ -715,8 +715,9 @@ class JittedSteps:
                sharding: tuple[Mesh, tuple] | None = None):
     model = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def prefill(leaves, kv, tokens, lengths, seq_ids, start=None):
-      return prefill_step(model(leaves), kv, tokens, lengths, seq_ids, start)
+    def prefill(leaves, kv, tokens, lengths, seq_ids, start=None, adapters=None):
+      return prefill_step(model(leaves), kv, tokens, lengths, seq_ids, start,
+                          adapters=adapters)
 
     def decode(leaves, kv, tokens, seq_ids, active=None, *, greedy=False):
       return decode_step(model(leaves), kv, tokens, seq_ids, active, greedy=greedy)
@@ -994,7 +995,8 @@ class ModelRunner:
 
   Every method takes the pool and returns the new one (donated: the old one is consumed).
 
-    prefill(kv, tokens, lengths, seq_ids, start=None) -> (logits, kv)  `prefill_step`
+    prefill(kv, tokens, lengths, seq_ids, start=None, adapters=None) -> (logits, kv)
+                                                                  `prefill_step`
     decode(kv, tokens, seq_ids, active=None, greedy=False) -> (logits | tokens, kv)
     decode_loop(kv, num_steps, rows, max_steps=, greedy=, checked=, filter_by=,
                 logprobs=, top_logprobs=) -> (tokens | (tokens, Logprobs), kv)
@@ -1091,8 +1093,8 @@ class ModelRunner:
       return self.spec.create_pool(**kwargs)
     return tensor_parallel.create_pool(self.spec, self.mesh, **kwargs)
 
-  def prefill(self, kv, tokens, lengths, seq_ids, start=None):
-    return self.jitted.prefill(self.leaves, kv, tokens, lengths, seq_ids, start)
+  def prefill(self, kv, tokens, lengths, seq_ids, start=None, adapters=None):
+    return self.jitted.prefill(self.leaves, kv, tokens, lengths, seq_ids, start, adapters)
 
   def decode(self, kv, tokens, seq_ids, active=None, *, greedy: bool = False):
     return self.jitted.decode(self.leaves, kv, tokens, seq_ids, active, greedy=greedy)
