@@ -72,6 +72,17 @@ def _load(kind: str, path: str):
   return (gpt2 if kind == "gpt2" else llama).from_pretrained(path)
 
 
+def _serving(saved, model=None, **kwargs) -> jax_paged.Engine:
+  """An engine over the base model (or `model`) with both adapters registered, slots of
+  rank 4."""
+  kind, base, adapters = saved
+  engine = jax_paged.Engine(_load(kind, base) if model is None else model, page_size=PAGE,
+                            max_lora_rank=4, **kwargs)
+  for name, path in adapters.items():
+    engine.add_lora(name, path)
+  return engine
+
+
 def _prompts(seed: int, count: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   return [rng.integers(0, VOCAB, size=int(n)).tolist() for n in rng.integers(lo, hi, count)]
@@ -93,11 +104,7 @@ def _peft_logprobs(saved, adapter: str | None, tokens: list[int]) -> np.ndarray:
 
 
 def test_prompt_and_token_logprobs_match_peft_in_a_mixed_batch(saved):
-  kind, base, adapters = saved
-  engine = jax_paged.Engine(_load(kind, base), max_batch=8, num_pages=64, page_size=PAGE,
-                            max_loras=2, max_lora_rank=4)
-  for name, path in adapters.items():
-    engine.add_lora(name, path)
+  engine = _serving(saved, max_batch=8, num_pages=64, max_loras=2)
   names = ["a", None, "b", "a", "b", None]
   requests = [jax_paged.Request(p, max_new_tokens=6, lora=name, logprobs=True,
                                 prompt_logprobs=True)
@@ -159,10 +166,7 @@ def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_t
   it), parallel samples, prompts prefilled in chunks of 16 tokens, and a pool so small
   that sequences are preempted and readmitted (their adapter's slot acquired again)."""
   kind, base, adapters = saved
-  engine = jax_paged.Engine(_load(kind, base), max_batch=8, num_pages=12, page_size=PAGE,
-                            max_prefill_tokens=16, max_loras=1, max_lora_rank=4)
-  for name, path in adapters.items():
-    engine.add_lora(name, path)
+  engine = _serving(saved, max_batch=8, num_pages=12, max_prefill_tokens=16, max_loras=1)
   names = ["a", "b", None, "b", "a", "a"]
   requests = [jax_paged.Request(p, max_new_tokens=20, lora=name, temperature=1.0, seed=i,
                                 n=2 if i == 3 else 1)
@@ -188,11 +192,7 @@ def test_beam_search_with_an_adapter_is_the_merged_models(saved):
 
 
 def test_stats_name_the_running_and_waiting_adapters(saved):
-  kind, base, adapters = saved
-  engine = jax_paged.Engine(_load(kind, base), max_batch=1, num_pages=16, page_size=PAGE,
-                            max_loras=1, max_lora_rank=4)
-  for name, path in adapters.items():
-    engine.add_lora(name, path)
+  engine = _serving(saved, max_batch=1, num_pages=16, max_loras=1)
   assert engine.stats()[-3:] == (1, "", "")
   for name in ("b", "a", None):
     engine.add_request(jax_paged.Request([1, 2, 3], 4, lora=name))
@@ -210,21 +210,15 @@ def test_speculative_decoding_serves_adapters(saved):
   prompts = [rng.integers(0, VOCAB, size=4).tolist() * 4 for _ in range(3)]
   requests = [jax_paged.Request(p, max_new_tokens=8, lora=name)
               for p, name in zip(prompts, ["a", None, "b"])]
-  engine = jax_paged.Engine(_load(kind, base), max_batch=4, num_pages=64, page_size=PAGE,
-                            max_loras=2, max_lora_rank=4,
-                            speculation=jax_paged.NgramSpeculation(num_tokens=3))
-  for name, path in adapters.items():
-    engine.add_lora(name, path)
+  engine = _serving(saved, max_batch=4, num_pages=64, max_loras=2,
+                    speculation=jax_paged.NgramSpeculation(num_tokens=3))
   tokens, _ = engine.generate(requests)
   assert tokens == _alone(kind, base, adapters, requests)
 
 
 def test_prefix_cache_shares_pages_within_an_adapter_only(saved):
   kind, base, adapters = saved
-  engine = jax_paged.Engine(_load(kind, base), max_batch=4, num_pages=64, page_size=PAGE,
-                            max_loras=2, max_lora_rank=4)
-  for name, path in adapters.items():
-    engine.add_lora(name, path)
+  engine = _serving(saved, max_batch=4, num_pages=64, max_loras=2)
   prompt = _prompts(4, 1, 3 * PAGE + 2, 3 * PAGE + 3)[0]
   first, _ = engine.generate([jax_paged.Request(prompt, max_new_tokens=4, lora="a")])
   for name in ("b", None, "a"):
@@ -245,12 +239,9 @@ def test_warmup_covers_runs_of_adapters(saved):
   reloaded) compiles nothing: every program takes the slots whichever adapters run, and
   the slot writes compiled with the engine (bf16: the adapters' arrays cast to it)."""
   import jax  # pylint: disable=import-outside-toplevel
-  kind, base, adapters = saved
+  kind, base, _ = saved
   model = (gpt2 if kind == "gpt2" else llama).from_pretrained(base, dtype=jnp.bfloat16)
-  engine = jax_paged.Engine(model, max_batch=4, num_pages=64, page_size=PAGE,
-                            steps_per_call=4, max_loras=1, max_lora_rank=4)
-  for name, path in adapters.items():
-    engine.add_lora(name, path)
+  engine = _serving(saved, model, max_batch=4, num_pages=64, steps_per_call=4, max_loras=1)
   engine.warmup(max_prompt_tokens=16)
   compiles = []
   listen = lambda event, seconds, **_: compiles.append(event) if (
