@@ -1137,18 +1137,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self.send_header("Content-Length", str(len(data)))
       self.end_headers()
       self.wfile.write(data)
-    elif self.path == "/v1/models" or self.path.startswith("/v1/models/") and (
-        self.path[len("/v1/models/"):] in (served.name, *served.loras)):
-      # The base model, then each LoRA adapter with the base as its parent (vLLM's).
+    elif self.path == "/v1/models" or self.path.startswith("/v1/models/"):
+      # The base model, then each LoRA adapter with the base as its parent (vLLM's); one
+      # snapshot of the adapters (a runtime update may change them meanwhile).
       models = [{"id": name, "object": "model", "created": self.server.created,
                  "owned_by": "jax_paged", "max_model_len": served.spec.max_positions,
                  "root": name, "parent": None if name == served.name else served.name}
                 for name in (served.name, *served.loras)]
+      found = [m for m in models if m["id"] == self.path[len("/v1/models/"):]]
       if self.path == "/v1/models":
         self._send_json(200, {"object": "list", "data": models})
+      elif found:
+        self._send_json(200, found[0])
       else:
-        self._send_json(200, next(m for m in models
-                                  if m["id"] == self.path[len("/v1/models/"):]))
+        self._send_error(APIError(404, f"the model {self.path[len('/v1/models/'):]!r} does "
+                                       "not exist", code="model_not_found"))
     else:
       self._send_error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
 

@@ -765,6 +765,8 @@ def test_lora_adapters_are_models_of_their_own_names(model, tmp_path):
     assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("sql", "tiny")]
     with urllib.request.urlopen(url + "/v1/models/sql", timeout=30) as r:
       assert json.loads(r.read())["id"] == "sql"
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+      urllib.request.urlopen(url + "/v1/models/nope", timeout=30)
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
       assert re.search(r'lora_requests_info\{model_name="tiny",running_lora_adapters="",'
                        r'waiting_lora_adapters="",max_lora="1"\} \d', r.read().decode())
