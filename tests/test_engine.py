@@ -1258,12 +1258,13 @@ def test_stats_count_every_run_and_show_the_load(model, prompts):
   tokens and preemptions summed over every run since the engine was built (an aborted
   run's too)."""
   eng = Engine(model, max_batch=8, num_pages=9, page_size=8, steps_per_call=6)
-  assert eng.stats() == (0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0)
+  assert eng.stats() == (0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, "", "")  # (no LoRA slots)
   _, first = eng.generate([Request(p, 14) for p in prompts])
   assert first.preemptions > 0
   stats = eng.stats()
   assert stats == (0, 0, 0, eng.num_cached_pages, 9, first.prompt_tokens,
-                   first.cached_prompt_tokens, 14 * len(prompts), first.preemptions, 0, 0)
+                   first.cached_prompt_tokens, 14 * len(prompts), first.preemptions, 0, 0,
+                   0, "", "")
   assert first.prompt_tokens > sum(map(len, prompts))  # (preempted contexts again)
   # Added requests: two admitted, the third's 8 samples waiting for 8 free slots.
   long_prompt = list(range(1, 21))

@@ -232,7 +232,7 @@ def test_engine_process_serves_as_the_thread_loop(served):
     got, want = (tokens(p.submit(requests)) for p in (process, loop))
     assert got == want and [len(got[k]) for k in sorted(got)] == [9, 6, 6]
     # The engine's stats cross with its events: the first run's, idle after it.
-    assert process.stats == (0, 0, 0, 0, 160, 5, 0, 21, 0, 0, 0)
+    assert process.stats == (0, 0, 0, 0, 160, 5, 0, 21, 0, 0, 0, 0, "", "")
     # Guides cross by reference: sent once, forgotten beyond the process's limit.
     guides = [Guide.from_regex(r"[a-c]{3}\d", Vocabulary.of_bytes()),
               Guide.from_choices(["yes", "no"], Vocabulary.of_bytes())]
