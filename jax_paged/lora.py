@@ -18,8 +18,8 @@ weights stay as they are and each row of a batch names its adapter, or none:
   Slot -1 is the base model.
 * `LoraAdapter.load` reads a PEFT checkpoint (adapter_config.json and
   adapter_model.safetensors / .bin), the scaling folded into B (`save` writes one);
-  `SlotLayout` places an adapter in a slot, naming any module, rank or shape the model
-  cannot take.
+  `SlotLayout` places an adapter in a slot (`check` names any module, rank or shape the
+  model cannot take).
 
 The layers of `jax_paged.nn` add the update to their projections (in the f32
 accumulator, before any bias, activation or norm); a model lists where each checkpoint
@@ -313,16 +313,12 @@ class SlotLayout:
       linears.append((modules, (k, n)))
     return cls(linears=tuple(linears), max_rank=max_rank)
 
-  def blocks(self, adapter: LoraAdapter, dtype) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per adapted linear, one slot's (A [K, R], B [R, N]) for `adapter` (zeros for the
-    modules it does not adapt), in `dtype`.
-
-    Raises:
-      ValueError: a module the model has no target for, a rank above `max_rank`, or a
-        shape that is not the module's, naming them.
-    """
-    known = {name for modules, _ in self.linears for name, _, _ in modules}
-    unknown = sorted(set(adapter.weights) - known)
+  def check(self, adapter: LoraAdapter) -> None:
+    """Raises ValueError, naming them, for a module the model has no target for, a rank
+    above `max_rank`, or a shape that is not the module's."""
+    known = {name: (k, width) for modules, (k, _) in self.linears
+             for name, _, width in modules}
+    unknown = sorted(set(adapter.weights) - set(known))
     if unknown:
       more = "..." if len(unknown) > 3 else ""
       raise ValueError(f"adapter {adapter.path!r} adapts {unknown[:3]}{more}, which the model "
@@ -330,6 +326,16 @@ class SlotLayout:
     if adapter.rank > self.max_rank:
       raise ValueError(f"adapter {adapter.path!r} has rank {adapter.rank}, above the "
                        f"engine's max_lora_rank={self.max_rank}")
+    for name, (a, b) in adapter.weights.items():
+      k, width = known[name]
+      if a.shape[1] != k or b.shape[0] != width:
+        raise ValueError(f"adapter {adapter.path!r}: {name!r} has A {a.shape} and B "
+                         f"{b.shape}; the model's module takes [r, {k}] and [{width}, r]")
+
+  def blocks(self, adapter: LoraAdapter, dtype) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per adapted linear, one slot's (A [K, R], B [R, N]) for `adapter` (zeros for the
+    modules it does not adapt), in `dtype`. Raises as `check` does."""
+    self.check(adapter)
     r = self.max_rank
     out = []
     for modules, (k, n) in self.linears:
@@ -339,9 +345,6 @@ class SlotLayout:
         if name not in adapter.weights:
           continue
         a, b = adapter.weights[name]
-        if a.shape[1] != k or b.shape[0] != width:
-          raise ValueError(f"adapter {adapter.path!r}: {name!r} has A {a.shape} and B "
-                           f"{b.shape}; the model's module takes [r, {k}] and [{width}, r]")
         rank = a.shape[0]
         a_full[:, part * r:part * r + rank] = a.T
         b_full[part * r:part * r + rank, offset:offset + width] = b.T

@@ -248,10 +248,8 @@ class Engine:
       raise ValueError(f"name must be a non-empty string, got {name!r}")
     if not isinstance(adapter, LoraAdapter):
       adapter = LoraAdapter.load(adapter)
-    self.runner.lora_blocks(adapter)  # raises for an adapter the model cannot take
-    if self._run is not None and any(
-        self._run.scheduler.requests[rid].lora == name for rid, _, _ in
-        self._run.scheduler.waiting):
+    self.runner.lora_layout.check(adapter)  # (the slots' arrays are built when it loads)
+    if self._waiting_for(name):
       raise ValueError(f"LoRA adapter {name!r} is named by waiting requests")
     self.adapters.add(name, adapter)
 
@@ -264,11 +262,16 @@ class Engine:
     """
     if self.adapters is None or name not in self.adapters.adapters:
       raise KeyError(f"no LoRA adapter named {name!r}; registered: {self.loras}")
-    if self.adapters.in_use(name) or self._run is not None and any(
-        self._run.scheduler.requests[rid].lora == name for rid, _, _ in
-        self._run.scheduler.waiting):
+    if self.adapters.in_use(name) or self._waiting_for(name):
       raise ValueError(f"LoRA adapter {name!r} is named by waiting or running requests")
     self.adapters.remove(name)
+
+  def _waiting_for(self, lora: str) -> bool:
+    """Whether a waiting request of the run in progress names LoRA adapter `lora`."""
+    if self._run is None:
+      return False
+    scheduler = self._run.scheduler
+    return any(scheduler.requests[rid].lora == lora for rid, _, _ in scheduler.waiting)
 
   @property
   def loras(self) -> list[str]:

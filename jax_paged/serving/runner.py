@@ -1057,7 +1057,7 @@ class ModelRunner:
     finally:
       lora_lib.detach(targets)
     if lora is not None:  # (empty slots made empty: compiled here, not at a run's first load)
-      dtype = self.leaves[self._lora_leaves[0][0]].dtype  # (as `lora_blocks` gives them)
+      dtype = self._lora_dtype  # (as `load_adapter` writes them)
       self._write_slot(0, [(np.zeros((k, w), dtype), np.zeros((w, n), dtype))
                            for modules, (k, n) in self.lora_layout.linears
                            for w in [lora[1] * len(modules)]])
@@ -1066,15 +1066,15 @@ class ModelRunner:
   def serves_loras(self) -> bool:
     return self.lora_layout is not None
 
-  def lora_blocks(self, adapter: lora_lib.LoraAdapter) -> list:
-    """One slot's arrays of `adapter` (`SlotLayout.blocks`: raises ValueError for an
-    adapter the model cannot take)."""
-    dtype = self.leaves[self._lora_leaves[0][0]].dtype
-    return self.lora_layout.blocks(adapter, dtype)
+  @property
+  def _lora_dtype(self):
+    """The slots' dtype (the adapted linears' parameter dtype)."""
+    return self.leaves[self._lora_leaves[0][0]].dtype
 
   def load_adapter(self, slot: int, adapter: lora_lib.LoraAdapter) -> None:
     """Writes `adapter` into LoRA slot `slot` of the parameters (in place: donated)."""
-    self._write_slot(slot, self.lora_blocks(adapter))
+    # (Built here, not kept: a registered adapter holds only its own small factors.)
+    self._write_slot(slot, self.lora_layout.blocks(adapter, self._lora_dtype))
 
   def _write_slot(self, slot: int, blocks: list) -> None:
     """Writes one slot's (A [K, R], B [R, N]) per adapted linear into the parameters."""
