@@ -7,6 +7,7 @@ Layers, each using only those before it:
             in plain jax.numpy in `jax_paged.reference`
   pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
             release, ...)
+  weight_quant   int8 weights (weight-only, per output column): Int8Linear, quantize_weights
   lora      LoRA adapters served beside the base model: LoraAdapter (PEFT checkpoints),
             the slots a model's linears hold and their per-row updates
   nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
@@ -27,6 +28,7 @@ Models (e.g. `models.gpt2`) use jax_paged; jax_paged never imports them.
 from jax_paged.kernels import reference
 from jax_paged import pool
 from jax_paged.pool import KVPool, PoolExhausted
+from jax_paged import weight_quant
 from jax_paged import lora
 from jax_paged.lora import LoraAdapter
 from jax_paged import nn
@@ -49,5 +51,5 @@ __all__ = [
     "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report",
     "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "guided", "lora",
     "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
-    "paged_prefill_attention", "pool", "reference",
+    "paged_prefill_attention", "pool", "reference", "weight_quant",
 ]

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged import weight_quant
+
 # The prefix PEFT gives every tensor name of a saved causal LM adapter.
 _PEFT_PREFIX = "base_model.model."
 
@@ -80,7 +82,7 @@ def attach(targets: Mapping[str, Target], *, max_loras: int, max_rank: int) -> N
     # A power of two (>= 16) of columns: the linear kernels' tiles take the update's
     # product as one more step (`jax_paged.kernels.linear`); the padding stays zero.
     width = max(16, 1 << (max_loras * max_rank * len(group) - 1).bit_length())
-    dtype = linear.kernel[...].dtype
+    dtype = weight_quant.param_dtype(linear)  # (an int8 linear's slots: its float dtype)
     linear.lora_a = LoraWeight(jnp.zeros((k, width), dtype))
     linear.lora_b = LoraWeight(jnp.zeros((width, n), dtype))
     linear.lora_slot_width = max_rank * len(group)  # (static: in the graph, not a leaf)

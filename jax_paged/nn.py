@@ -46,6 +46,8 @@ from jax_paged.kernels import paged_attention
 from jax_paged.kernels import paged_prefill
 from jax_paged import lora
 from jax_paged import pool as pool_lib
+from jax_paged import weight_quant
+from jax_paged.weight_quant import Linear
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
@@ -205,11 +207,13 @@ class LayerNorm(nnx.Module):
                                  out_dtype=self.dtype or x.dtype)
 
 
-def _operands(proj: nnx.Linear, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """h and proj's kernel in the module's compute dtype (nnx.Linear computes in its dtype,
-  or the inputs' common dtype), as the kernels take them."""
-  dtype = proj.dtype or jnp.result_type(h, proj.kernel[...])
-  return h.astype(dtype), proj.kernel[...].astype(dtype)
+def _operands(proj: Linear, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """(h, kernel, scale) as the kernels take them: h and a float kernel in the module's
+  compute dtype (nnx.Linear computes in its dtype, or the inputs' common dtype); an
+  `Int8Linear`'s kernel as stored, with its f32 per-column scales (else None)."""
+  kernel, scale = weight_quant.weights(proj)
+  dtype = proj.dtype or jnp.result_type(h, weight_quant.param_dtype(proj))
+  return h.astype(dtype), (kernel if scale is not None else kernel.astype(dtype)), scale
 
 
 def attend_argmax(embed: nnx.Embed, h: jax.Array) -> jax.Array:
@@ -221,7 +225,7 @@ def attend_argmax(embed: nnx.Embed, h: jax.Array) -> jax.Array:
   return linear.argmax_attend(h.astype(dtype), embedding.astype(dtype))
 
 
-def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
+def dense(proj: Linear, h: jax.Array, *, activation=None,
           sections: Sequence[int] | None = None, interpret: bool | None = None,
           adapters: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
   """activation(proj(h)), as one kernel at decode's few rows on a GPU.
@@ -245,24 +249,24 @@ def dense(proj: nnx.Linear, h: jax.Array, *, activation=None,
   Returns:
     [..., N] in the module's compute dtype, or with `sections` a tuple of [..., width].
   """
-  h_c, kernel = _operands(proj, h)
+  h_c, kernel, scale = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is not None:  # (a LoRA update as one more step of the kernel's product)
     return linear.linear(h_c, kernel, None if proj.bias is None else proj.bias[...],
                          activation=activation, sections=sections, interpret=mode,
-                         low_rank=lora.low_rank(proj, h, adapters))
+                         low_rank=lora.low_rank(proj, h, adapters), scale=scale)
   y = projection(proj, h, adapters=adapters)
   y = y if activation is None else activation(y)
   return y if sections is None else linear.split_sections(y, sections)
 
 
-def _reduce_axis(proj: nnx.Linear) -> str | None:
+def _reduce_axis(proj: Linear) -> str | None:
   """The mesh axis a row-parallel projection sums over (`jax_paged.tensor_parallel`
   marks them in a model's per-device copy), or None."""
   return getattr(proj, "reduce_axis", None)
 
 
-def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None,
+def _row_parallel(proj: Linear, h: jax.Array, interpret: bool | None,
                   adapters: jax.Array | None) -> jax.Array:
   """float32 [..., N]: proj(h) of a row-parallel projection under `jax.shard_map`: this
   device's rows of the kernel times its features of h, summed over the mesh axis (one
@@ -273,20 +277,20 @@ def _row_parallel(proj: nnx.Linear, h: jax.Array, interpret: bool | None,
   (two H200s, Llama-3.1-8B shape, batch 256: a TP 2 step 9.67 -> 9.07 ms) for one more
   rounding of the partial sums (a float32 model's sum stays float32). A LoRA update
   (`adapters`) is linear in h too: each device adds its partial before the sum."""
-  h_c, kernel = _operands(proj, h)
+  h_c, kernel, scale = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
-    y = jnp.dot(h_c, kernel, preferred_element_type=jnp.float32)
+    y = linear.scaled_product(h_c, kernel, scale)
     update = lora.delta(proj, h, adapters)
     y = y if update is None else y + update
   else:
-    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode,
+    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode, scale=scale,
                                        low_rank=lora.low_rank(proj, h, adapters)), axis=0)
   y = jax.lax.psum(y.astype(h_c.dtype), _reduce_axis(proj)).astype(jnp.float32)
   return y if proj.bias is None else y + proj.bias[...].astype(jnp.float32)
 
 
-def projection(proj: nnx.Linear, h: jax.Array, *, interpret: bool | None = None,
+def projection(proj: Linear, h: jax.Array, *, interpret: bool | None = None,
                adapters: jax.Array | None = None) -> jax.Array:
   """proj(h) plus the rows' LoRA updates (`dense`'s `adapters`), summed over the mesh
   axis for a row-parallel projection (in its compute dtype either way)."""
@@ -297,7 +301,7 @@ def projection(proj: nnx.Linear, h: jax.Array, *, interpret: bool | None = None,
   return y if update is None else (y.astype(jnp.float32) + update).astype(y.dtype)
 
 
-def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
+def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
                      norm: LayerNorm, *, interpret: bool | None = None,
                      adapters: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """x = residual + proj(h) and norm(x), as one kernel after the projection's GEMM.
@@ -324,12 +328,12 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
     x = (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)).astype(
         residual.dtype)
     return x, norm(x)
-  h_c, kernel = _operands(proj, h)
+  h_c, kernel, scale = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     x = residual + projection(proj, h, adapters=adapters)
     return x, norm(x)
-  parts = linear.linear_partials(h_c, kernel, interpret=mode,
+  parts = linear.linear_partials(h_c, kernel, interpret=mode, scale=scale,
                                  low_rank=lora.low_rank(proj, h, adapters))
   return layer_norm.add_layer_norm(
       residual, parts, norm.scale[...], norm.bias[...],
@@ -337,7 +341,7 @@ def project_add_norm(proj: nnx.Linear, h: jax.Array, residual: jax.Array,
       out_dtype=norm.dtype or residual.dtype, interpret=mode)
 
 
-def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
+def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,
                 interpret: bool | None = None, adapters: jax.Array | None = None
                 ) -> jax.Array:
   """residual + proj(h), for a projection with a long K at decode's few rows.
@@ -362,11 +366,11 @@ def project_add(proj: nnx.Linear, h: jax.Array, residual: jax.Array, *,
   if _reduce_axis(proj) is not None:  # tensor parallel
     return (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)
             ).astype(residual.dtype)
-  h_c, kernel = _operands(proj, h)
+  h_c, kernel, scale = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     return residual + projection(proj, h, adapters=adapters)
-  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode,
+  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode, scale=scale,
                                      low_rank=lora.low_rank(proj, h, adapters)), axis=0)
   if proj.bias is not None:
     y += proj.bias[...].astype(jnp.float32)
@@ -521,11 +525,12 @@ class PagedAttention(nnx.Module):
     b = x.shape[0]
     d = self.head_dim
     if self.rope is None and (adapters is None or not lora.attached(self.qkv)):
-      x_c, kernel = _operands(self.qkv, x)
+      x_c, kernel, scale = _operands(self.qkv, x)
       # On a GPU one kernel: the projection, K and V stored straight into the pages.
       q, kv = pool_lib.project_write_kv(
           kv, layer, slots, x_c, kernel,
-          None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d)
+          None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d,
+          scale=scale)
     else:
       # K must be rotated (or get its LoRA update) before it is stored, which the fused
       # kernel cannot do.

@@ -833,11 +833,11 @@ def _replace_kv(pool: KVPool, arrays: tuple[jax.Array, ...]) -> KVPool:
 
 
 def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array,
-                     bias: jax.Array | None, *, q_width: int, interpret: bool | None = None
-                     ) -> tuple[jax.Array, KVPool]:
+                     bias: jax.Array | None, *, q_width: int, interpret: bool | None = None,
+                     scale: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
   """A fused q/k/v projection whose K/V columns go into one layer's pages, returning q.
 
-  y = x @ kernel + bias is split into q [N, q_width], then K and V [N, Hkv * D] (each
+  y = x @ kernel (* scale) + bias is split into q [N, q_width], then K and V [N, Hkv * D] (each
   head-major), and K/V are written at `slots` as `write_kv` writes them. On a GPU, at
   decode's few rows, one kernel computes the projection and stores K and V straight into
   the pages (`cache_write.project_write_kv_pallas`: they never round-trip through HBM as
@@ -849,10 +849,12 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
     layer: int (or int32 scalar under jit), the layer index.
     slots: int32 [N] flat slots from `reserve`; negative = padding, never written.
     x: [N, in_features] f32 / bf16 / f16.
-    kernel: [in_features, q_width + 2 * Hkv * D] in x's dtype; bias: its [columns] or None.
+    kernel: [in_features, q_width + 2 * Hkv * D] in x's dtype, or int8 with `scale` (its
+      f32 per-column scales, `jax_paged.weight_quant`); bias: its [columns] or None.
     q_width: q's columns.
     interpret: None = the kernel on a GPU where it takes the shapes, XLA elsewhere; True =
       the kernel in Pallas interpret mode (tests).
+    scale: float32 [columns] for an int8 kernel, else None.
 
   Returns:
     (q [N, q_width] in x's dtype, the pool with the tokens' K/V written).
@@ -871,7 +873,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   mode = triton_backend.kernel_mode(interpret, supported=fused)
   if mode is None:
     q, k, v = linear.linear(x, kernel, bias, sections=(q_width, kv_width, kv_width),
-                            interpret=interpret)
+                            interpret=interpret, scale=scale)
     heads = (x.shape[0], pool.num_kv_heads, pool.head_dim)
     return q, write_kv(pool, layer, slots, k.reshape(heads), v.reshape(heads),
                        interpret=interpret)
@@ -880,7 +882,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   q, *arrays = cache_write.project_write_kv_pallas(
       x, kernel, bias, pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32),
       slots.astype(jnp.int32), q_width=q_width, interpret=mode, k_scales=pool.k_scales,
-      v_scales=pool.v_scales)
+      v_scales=pool.v_scales, w_scale=scale)
   return q, _replace_kv(pool, arrays)
 
 

@@ -58,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
+from jax_paged import weight_quant
 from jax_paged.kernels import kv_quant
 
 AXIS = "tp"
@@ -227,10 +228,13 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
         linear.kernel[...] = linear.kernel[...][:, order]
         if linear.bias is not None:
           linear.bias[...] = linear.bias[...][order]
+        if isinstance(linear, weight_quant.Int8Linear):
+          linear.kernel_scale[...] = linear.kernel_scale[...][order]
         if lora.attached(linear):
           linear.lora_b[...] = linear.lora_b[...][:, order]
       specs[path + ("kernel",)] = P(None, AXIS)
       specs[path + ("bias",)] = P(AXIS)
+      specs[path + ("kernel_scale",)] = P(AXIS)  # (int8 weights: a row's scales whole)
       specs[path + ("lora_b",)] = P(None, AXIS)  # (LoRA's A replicated: x A is whole)
     elif split.kind == "row":
       if k % n:

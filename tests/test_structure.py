@@ -11,20 +11,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool, lora <- nn <- paged_model, tensor_parallel, guided <- serving <- cli,
-# server_metrics <- openai_server <- openai_batch; tool_calls <- openai_server).
+# kernels <- pool, weight_quant <- lora <- nn <- paged_model, tensor_parallel, guided <-
+# serving <- cli, server_metrics <- openai_server <- openai_batch; tool_calls <-
+# openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
-    "lora": {"lora"},
-    "nn": {"kernels", "lora", "pool", "nn"},
+    "weight_quant": {"kernels", "weight_quant"},
+    "lora": {"weight_quant", "lora"},
+    "nn": {"kernels", "weight_quant", "lora", "pool", "nn"},
     "sampling": {"sampling"},
     "guided": {"guided"},
     "paged_model": {"pool", "paged_model"},
-    "tensor_parallel": {"kernels", "lora", "pool", "nn", "tensor_parallel"},
-    "serving": {"kernels", "lora", "pool", "nn", "sampling", "guided", "paged_model",
-                "tensor_parallel", "serving"},
-    "cli": {"kernels", "paged_model", "tensor_parallel", "guided", "serving", "cli"},
+    "tensor_parallel": {"kernels", "weight_quant", "lora", "pool", "nn", "tensor_parallel"},
+    "serving": {"kernels", "weight_quant", "lora", "pool", "nn", "sampling", "guided",
+                "paged_model", "tensor_parallel", "serving"},
+    "cli": {"kernels", "weight_quant", "paged_model", "tensor_parallel", "guided", "serving",
+            "cli"},
     "server_metrics": {"serving", "server_metrics"},
     "tool_calls": {"tool_calls"},
     "openai_server": {"paged_model", "guided", "serving", "cli", "server_metrics",

@@ -100,10 +100,11 @@ def test_pool_kv_is_sharded_by_kv_head(model):
 def test_lora_adapters_match_one_device(model):
   """A batch mixing two LoRA adapters and the base model: TP 2's greedy tokens are one
   device's (B's columns reordered with the fused q/k/v and gate/up columns), and differ
-  from the base model's."""
+  from the base model's; with int8 weights as well."""
   result = _run_case("lora")[model]
   assert result["2"] == result["1"]
   assert result["1"][0] != result["1"][1]  # the same prompt under adapter a and none
+  assert result["int8_2"] == result["int8_1"]  # int8 weights: their scales split too
 
 
 def test_the_model_is_left_unchanged():
@@ -318,25 +319,31 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
 
 def case_lora() -> dict:
   """Per model, TP 1 and 2: greedy tokens of requests under two random adapters (every
-  adapted module) and none, in one batch."""
-  from jax_paged import Engine, Request, lora, tensor_parallel
+  adapted module) and none, in one batch; the same with int8 weights (`weight_quant`:
+  column-parallel scales reordered and split with the columns, row-parallel ones whole)."""
+  from flax import nnx
+  from jax_paged import Engine, Request, lora, tensor_parallel, weight_quant
   out = {}
-  for name, model in _models().items():
+  for name, float_model in _models().items():
     rng = np.random.default_rng(0)
-    adapters = [lora.LoraAdapter.random(model.lora_targets(), rank=rank, seed=rank, scale=0.3)
+    adapters = [lora.LoraAdapter.random(float_model.lora_targets(), rank=rank, seed=rank,
+                                        scale=0.3)
                 for rank in (4, 2)]
     prompt = rng.integers(0, 256, 11).tolist()
     requests = [Request(prompt, 10, lora="a"), Request(prompt, 10),
                 Request(rng.integers(0, 256, 6).tolist(), 10, lora="b"),
                 Request(rng.integers(0, 256, 17).tolist(), 10, lora="a")]
+    int8 = nnx.clone(float_model)
+    weight_quant.quantize_weights(int8)
     out[name] = {}
-    for n in (1, 2):
-      engine = Engine(model, max_batch=4, num_pages=16, page_size=8, steps_per_call=8,
-                      mesh=None if n == 1 else tensor_parallel.make_mesh(n), max_loras=2,
-                      max_lora_rank=4)
-      engine.add_lora("a", adapters[0])
-      engine.add_lora("b", adapters[1])
-      out[name][str(n)] = engine.generate(requests)[0]
+    for weights, model in (("", float_model), ("int8_", int8)):
+      for n in (1, 2):
+        engine = Engine(model, max_batch=4, num_pages=16, page_size=8, steps_per_call=8,
+                        mesh=None if n == 1 else tensor_parallel.make_mesh(n), max_loras=2,
+                        max_lora_rank=4)
+        engine.add_lora("a", adapters[0])
+        engine.add_lora("b", adapters[1])
+        out[name][f"{weights}{n}"] = engine.generate(requests)[0]
   return out
 
 

@@ -134,14 +134,17 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
 def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, depth: int,
                           q_width: int, kv_width: int, head_dim: int, num_layers: int,
                           num_kv_heads: int, page_size: int, slots_per_head: int,
-                          has_bias: bool,
+                          has_bias: bool, has_w_scale: bool,
                           block_m: int, block_n: int, block_k: int, quantized: bool):
   """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv], (has_bias)
-  bias [q + 2 kv], pools (in, unused) as `_write_kernel` takes them (K [L * Hkv *
-  slots_per_head, D], V the same or token-minor) and (quantized) their scales [L * Hkv *
-  slots_per_head] x 2; outputs q [rows, q_width] and the pools (and scales), aliased."""
+  bias [q + 2 kv], (has_w_scale) an int8 kernel's f32 scales [q + 2 kv], pools (in,
+  unused) as `_write_kernel` takes them (K [L * Hkv * slots_per_head, D], V the same or
+  token-minor) and (quantized) their scales [L * Hkv * slots_per_head] x 2; outputs q
+  [rows, q_width] and the pools (and scales), aliased."""
   if has_bias:
     bias_ref, *refs = refs
+  if has_w_scale:
+    w_scale_ref, *refs = refs
   # The pool inputs (aliased, unused) come first, then q and the pool outputs.
   q_ref, k_out_ref, v_out_ref, *scale_refs = refs[len(refs) // 2:]
   scale_refs = scale_refs or (None, None)
@@ -153,11 +156,14 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   # The epilogue's operands are loaded before the K loop, so their memory latency hides
   # under the loop's loads instead of adding to the program's tail.
   bias = plgpu.load(bias_ref.at[c]) if has_bias else None
+  w_scale = plgpu.load(w_scale_ref.at[c]) if has_w_scale else None
   layer = layer_ref[0]
   slot = plgpu.load(slots_ref.at[r], mask=row_mask, other=-1)
   acc = linear.matmul_tile(x_ref, w_ref, m=m, n=n, split=0, rows=rows, cols=cols,
                            depth=depth, block_m=block_m, block_n=block_n, block_k=block_k,
                            k_split=pl.cdiv(depth, block_k) * block_k)
+  if has_w_scale:
+    acc *= w_scale[None, :]
   if has_bias:
     acc += bias.astype(jnp.float32)[None, :]
 
@@ -208,14 +214,16 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
                             k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                             slots: jax.Array, *, q_width: int, interpret: bool,
                             k_scales: jax.Array | None = None,
-                            v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                            v_scales: jax.Array | None = None,
+                            w_scale: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """A fused q/k/v projection whose K and V go straight into the pool: `linear`'s GEMM
   with this module's write as its epilogue (one kernel where `linear` + `write_kv_pallas`
   were two, and K/V never round-trip through HBM as separate arrays).
 
   Args:
     x: [N, in] (N <= linear.MAX_ROWS), the pool's dtype.
-    kernel: [in, q_width + 2 * Hkv * D], x's dtype; q, then k, then v columns, head-major.
+    kernel: [in, q_width + 2 * Hkv * D], x's dtype or int8 with `w_scale`; q, then k,
+      then v columns, head-major.
     bias: [q_width + 2 * Hkv * D] or None.
     k_pages, v_pages: [L, Hkv, P, page_size, D] (a quantized pool's v_pages [L, Hkv, P,
       D, page_size]), updated in place when donated.
@@ -225,6 +233,8 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
     k_scales, v_scales: a quantized pool's float32 scales [L, Hkv, P, page_size] (K/V are
       quantized in the epilogue; `can_project_write(..., quantized=True)` must hold),
       else None.
+    w_scale: an int8 kernel's float32 per-column scales [q_width + 2 * Hkv * D]
+      (`jax_paged.weight_quant`), or None.
 
   Returns:
     (q [N, q_width] in x's dtype, k_pages, v_pages), and for a quantized pool k_scales,
@@ -246,11 +256,11 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
       head_dim=d, num_layers=layers, num_kv_heads=hkv, page_size=page_size,
       slots_per_head=slots_per_head,
-      has_bias=bias is not None, block_m=block_m, block_n=block_n, block_k=block_k,
+      has_bias=bias is not None, has_w_scale=w_scale is not None, block_m=block_m,
+      block_n=block_n, block_k=block_k,
       quantized=quantized)
   inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots, x, kernel]
-  if bias is not None:
-    inputs.append(bias)
+  inputs += [a for a in (bias, w_scale) if a is not None]
   q, *outs = pl.pallas_call(
       kernel_fn,
       grid=(pl.cdiv(kernel.shape[1], block_n), pl.cdiv(rows, block_m)),

@@ -14,6 +14,11 @@ sums them anyway (`layer_norm.add_layer_norm` folds the sum into the residual ad
 `argmax_attend` is a tied LM head's greedy token (argmax of x @ embedding.T) with the
 argmax as the GEMM's epilogue, so the [rows, vocab] logits are never written.
 
+Weights may be int8 with one f32 scale per output column (`jax_paged.weight_quant`,
+weight-only W8A16): the kernels read the int8 tiles (half the bytes), convert them to x's
+dtype for the tensor cores, and multiply the f32 accumulator by the columns' scales in
+the epilogue, so the product is x @ (kernel * scale) with no dequantized copy anywhere.
+
 Grid (N / block_n, splits, row blocks). A program owns output columns [n * block_n,
 (n + 1) * block_n) of up to 64 rows (padded to a power of two >= 16, the smallest
 tensor-core tile) and one contiguous K range; f32 accumulation. Rows, columns and K are
@@ -90,13 +95,21 @@ def _low_rank_product(low_rank: LowRank) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+def scaled_product(x: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
+  """Plain XLA: f32 x @ kernel, an int8 kernel converted to x's dtype and the product
+  times its per-column `scale` (f32 [N]; None for a float kernel)."""
+  y = jnp.einsum("...k,kn->...n", x, kernel.astype(x.dtype), precision=lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+  return y if scale is None else y * scale
+
+
 def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                      activation: Callable[[jax.Array], jax.Array] | None = None,
-                     out_dtype=None, low_rank: LowRank | None = None) -> jax.Array:
-  """Plain XLA: activation(x @ kernel + bias (+ xa @ b)), f32 accumulation, cast to
-  `out_dtype`."""
-  y = jnp.einsum("...k,kn->...n", x, kernel, precision=lax.Precision.HIGHEST,
-                 preferred_element_type=jnp.float32)
+                     out_dtype=None, low_rank: LowRank | None = None,
+                     scale: jax.Array | None = None) -> jax.Array:
+  """Plain XLA: activation(x @ kernel (* scale) + bias (+ xa @ b)), f32 accumulation,
+  cast to `out_dtype`."""
+  y = scaled_product(x, kernel, scale)
   if low_rank is not None:
     y += _low_rank_product(low_rank)
   if bias is not None:
@@ -120,7 +133,8 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
   """Inside a kernel: f32 [block_m, block_n] = x[rows of block m, K range] @ kernel[K range,
   columns of block n], for K range `split` (k_split wide); with `transposed` the kernel is
   stored [cols, depth] (an embedding table used as a tied LM head). Rows, columns and K
-  masked where they do not fill a block; the kernel's weights streamed (evict_first)."""
+  masked where they do not fill a block; the kernel's weights streamed (evict_first), an
+  int8 kernel converted to x's dtype after its load (its scales are the caller's)."""
   r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
                                           block_n=block_n)
   lo = split * k_split
@@ -137,8 +151,8 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
     xb = plgpu.load(x_ref.at[r[:, None], k[None, :]], mask=x_mask,
                     other=None if x_mask is None else 0.0)
     # Weights are read once per step: stream them, keep L2 for the activations.
-    wb = plgpu.load(w_ref.at[w_idx], mask=w_mask, other=None if w_mask is None else 0.0,
-                    eviction_policy="evict_first")
+    wb = plgpu.load(w_ref.at[w_idx], mask=w_mask, other=None if w_mask is None else 0,
+                    eviction_policy="evict_first").astype(xb.dtype)  # (int8 weights)
     return acc + lax.dot_general(xb, wb, (((1,), (1 if transposed else 0,)), ((), ())),
                                  precision=lax.Precision.HIGHEST,
                                  preferred_element_type=jnp.float32)
@@ -148,14 +162,15 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
 
 
 def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
-                   block_k: int, k_split: int, has_bias: bool, has_low_rank: bool,
-                   activation: Callable[[jax.Array], jax.Array] | None, partials: bool,
-                   sections: tuple[int, ...]):
-  """Refs: x [rows, depth], kernel [depth, cols], (has_bias) bias [cols], (has_low_rank)
-  xa [rows, W] and b [W, cols]; outputs: partials f32 [splits, rows, cols] (the low-rank
-  product in split 0's), or y split by columns into `sections` arrays [rows, section]
-  (one section: y [rows, cols])."""
+                   block_k: int, k_split: int, has_scale: bool, has_bias: bool,
+                   has_low_rank: bool, activation: Callable[[jax.Array], jax.Array] | None,
+                   partials: bool, sections: tuple[int, ...]):
+  """Refs: x [rows, depth], kernel [depth, cols], (has_scale) the int8 kernel's scale f32
+  [cols], (has_bias) bias [cols], (has_low_rank) xa [rows, W] and b [W, cols]; outputs:
+  partials f32 [splits, rows, cols] (the low-rank product in split 0's), or y split by
+  columns into `sections` arrays [rows, section] (one section: y [rows, cols])."""
   x_ref, w_ref, *refs = refs
+  scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   xa_ref, b_ref = (refs.pop(0), refs.pop(0)) if has_low_rank else (None, None)
   o_refs = refs
@@ -166,8 +181,13 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
   # of adding to the program's tail.
   if has_bias and not partials:
     bias = plgpu.load(bias_ref.at[c], mask=col_mask, other=None if col_mask is None else 0.0)
+  if has_scale:
+    scale = plgpu.load(scale_ref.at[c], mask=col_mask,
+                       other=None if col_mask is None else 0.0)
   acc = matmul_tile(x_ref, w_ref, m=m, n=n, split=split, rows=rows, cols=cols, depth=depth,
                     block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
+  if has_scale:  # (before the low-rank update, whose B is not quantized)
+    acc *= scale[None, :]
   if has_low_rank:  # one more step of the product, over the update's W columns
     j = jnp.arange(xa_ref.shape[1])
     xa = plgpu.load(xa_ref.at[r[:, None], j[None, :]],
@@ -202,10 +222,11 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
 
 @functools.partial(jax.jit, static_argnames=[
     "activation", "out_dtype", "k_split", "sections", "tiles", "interpret"])
-def _linear_pallas(x, kernel, bias, low_rank, *, activation, out_dtype,
+def _linear_pallas(x, kernel, scale, bias, low_rank, *, activation, out_dtype,
                    k_split: int | None, sections: tuple[int, ...], tiles: Tiles,
                    interpret: bool):
-  """x [rows, K] (+ low_rank (xa [rows, W], b [W, N]) or None) -> a tuple of [rows,
+  """x [rows, K] @ kernel [K, N] (* scale [N] for an int8 kernel, else None) (+ low_rank
+  (xa [rows, W], b [W, N]) or None) -> a tuple of [rows,
   section] for `sections` of N (k_split None: whole-K programs), or f32 partials
   [cdiv(K, k_split), rows, N] (k_split a multiple of tiles.block_k)."""
   block_m, block_n, block_k, num_warps = tiles
@@ -217,8 +238,9 @@ def _linear_pallas(x, kernel, bias, low_rank, *, activation, out_dtype,
   splits = pl.cdiv(depth, k_split)
   kernel_fn = functools.partial(
       _linear_kernel, rows=rows, cols=cols, depth=depth, block_m=block_m,
-      block_n=block_n, block_k=block_k, k_split=k_split, has_bias=bias is not None,
-      has_low_rank=low_rank is not None, activation=activation, partials=partials,
+      block_n=block_n, block_k=block_k, k_split=k_split, has_scale=scale is not None,
+      has_bias=bias is not None, has_low_rank=low_rank is not None, activation=activation,
+      partials=partials,
       sections=sections)
   out_shape = ((jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),) if partials
                else tuple(jax.ShapeDtypeStruct((rows, w), out_dtype) for w in sections))
@@ -229,7 +251,8 @@ def _linear_pallas(x, kernel, bias, low_rank, *, activation, out_dtype,
       compiler_params=compiler_params(num_warps),
       interpret=interpret,
       name="linear_partials" if partials else "linear",
-  )(x, kernel, *(() if bias is None else (bias,)), *(low_rank or ()))
+  )(x, kernel, *(() if scale is None else (scale,)), *(() if bias is None else (bias,)),
+    *(low_rank or ()))
 
 
 class Tiles(NamedTuple):
@@ -297,14 +320,21 @@ def _rows_of(low_rank: LowRank | None) -> LowRank | None:
 
 
 def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                low_rank: LowRank | None = None) -> None:
+                low_rank: LowRank | None = None, scale: jax.Array | None = None) -> None:
   if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating array [..., K], got {x.dtype}{list(x.shape)}")
   if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
     raise ValueError(f"kernel must have shape [K, N] with K = x.shape[-1] = {x.shape[-1]}, "
                      f"got {kernel.shape}")
-  if kernel.dtype != x.dtype:
-    raise ValueError(f"kernel must have x's dtype {x.dtype}, got {kernel.dtype}")
+  if kernel.dtype == jnp.int8:
+    if scale is None or scale.shape != kernel.shape[1:] or scale.dtype != jnp.float32:
+      raise ValueError(f"an int8 kernel needs scale, float32 [N] = {kernel.shape[1:]}, got "
+                       + ("None" if scale is None else f"{scale.dtype}{list(scale.shape)}"))
+  elif kernel.dtype != x.dtype:
+    raise ValueError(f"kernel must have x's dtype {x.dtype} or be int8 (with scale), got "
+                     f"{kernel.dtype}")
+  elif scale is not None:
+    raise ValueError(f"scale is for an int8 kernel; kernel is {kernel.dtype}")
   if bias is not None and bias.shape != kernel.shape[1:]:
     raise ValueError(f"bias must have shape [N] = {kernel.shape[1:]}, got {bias.shape}")
   if low_rank is not None:
@@ -330,13 +360,15 @@ def takes(x: jax.Array, kernel: jax.Array) -> bool:
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            activation: Callable[[jax.Array], jax.Array] | None = None, out_dtype=None,
            sections: Sequence[int] | None = None, interpret: bool | None = None,
-           low_rank: LowRank | None = None) -> jax.Array | tuple[jax.Array, ...]:
-  """activation(x @ kernel + bias (+ xa @ b)) as one kernel: the GEMM with its epilogue.
+           low_rank: LowRank | None = None, scale: jax.Array | None = None
+           ) -> jax.Array | tuple[jax.Array, ...]:
+  """activation(x @ kernel (* scale) + bias (+ xa @ b)) as one kernel: the GEMM with its
+  epilogue.
 
   Args:
     x: [..., K] f32 / bf16 / f16; at most MAX_ROWS (256) rows take the kernel (64 for
       a kernel of 4M elements or more: `takes`), more rows plain XLA.
-    kernel: [K, N], x's dtype.
+    kernel: [K, N], x's dtype, or int8 with `scale`.
     bias: [N] or None.
     activation: an elementwise function of the f32 pre-activation (e.g. `jax.nn.gelu`),
       applied in the kernel where Pallas-Triton lowers it (`lowers_in_kernel`), else by
@@ -352,12 +384,14 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     low_rank: None, or (xa [..., W], b [W, N]) in x's dtype, W a power of two >= 16: a
       low-rank update added before the bias (a LoRA adapter's, `jax_paged.lora`), as one
       more step of the kernel's product.
+    scale: an int8 kernel's f32 [N] per-column scales (`jax_paged.weight_quant`), applied
+      to the product before the low-rank update and the bias; None for a float kernel.
 
   Returns:
     [..., N] in `out_dtype`, or with `sections` a tuple of [..., width]; products
     accumulated, bias added and activation applied in f32.
   """
-  _check_args(x, kernel, bias, low_rank)
+  _check_args(x, kernel, bias, low_rank, scale)
   cols = kernel.shape[1]
   widths = (cols,) if sections is None else tuple(int(w) for w in sections)
   if sum(widths) != cols or min(widths) < 1:
@@ -368,15 +402,15 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if mode is None or (len(widths) > 1 and any(w % _NARROW_BLOCK_N for w in widths)):
     if mode is None:
       y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype,
-                           low_rank=low_rank)
+                           low_rank=low_rank, scale=scale)
     else:
       y = linear(x, kernel, bias, activation=activation, out_dtype=out_dtype,
-                 interpret=mode, low_rank=low_rank)
+                 interpret=mode, low_rank=low_rank, scale=scale)
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
   tiles = whole_k_tiles(*x2.shape, cols, x.dtype.itemsize, widths)
-  ys = _linear_pallas(x2, kernel, bias, _rows_of(low_rank),
+  ys = _linear_pallas(x2, kernel, scale, bias, _rows_of(low_rank),
                       activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
                       sections=widths, tiles=tiles, interpret=mode)
@@ -433,23 +467,23 @@ def default_splits(depth: int, cols: int, rows: int) -> int:
 
 
 def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
-                    interpret: bool | None = None, low_rank: LowRank | None = None
-                    ) -> jax.Array:
-  """The split-K partial products of x @ kernel, for a consumer that sums them.
+                    interpret: bool | None = None, low_rank: LowRank | None = None,
+                    scale: jax.Array | None = None) -> jax.Array:
+  """The split-K partial products of x @ kernel (* scale), for a consumer that sums them.
 
   Args:
     x: [..., K] f32 / bf16 / f16 (any number of rows; past `takes`' limit, plain XLA).
-    kernel: [K, N], x's dtype.
+    kernel: [K, N], x's dtype, or int8 with `scale` (as `linear`'s: each partial scaled).
     splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
       None = `default_splits(K, N, rows)`.
     interpret: as `linear`.
     low_rank: as `linear`'s: its product joins the first partial.
 
   Returns:
-    f32 [S, ..., N] whose sum over the first axis is x @ kernel (+ xa @ b); S = `splits`
-    unless K is too short for that many (then fewer).
+    f32 [S, ..., N] whose sum over the first axis is x @ kernel (* scale) (+ xa @ b); S =
+    `splits` unless K is too short for that many (then fewer).
   """
-  _check_args(x, kernel, None, low_rank)
+  _check_args(x, kernel, None, low_rank, scale)
   depth = x.shape[-1]
   rows = math.prod(x.shape[:-1])
   cols = kernel.shape[1]
@@ -465,13 +499,12 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None:
     bounds = list(range(0, depth, k_split)) + [depth]
-    parts = [jnp.einsum("...k,kn->...n", x[..., a:b], kernel[a:b],
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    parts = [scaled_product(x[..., a:b], kernel[a:b], scale)
              for a, b in zip(bounds[:-1], bounds[1:])]
     if low_rank is not None:
       parts[0] += _low_rank_product(low_rank)
     return jnp.stack(parts)
-  parts, = _linear_pallas(x.reshape(rows, depth), kernel, None, _rows_of(low_rank),
+  parts, = _linear_pallas(x.reshape(rows, depth), kernel, scale, None, _rows_of(low_rank),
                           activation=None,
                           out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
                           tiles=Tiles(block_m, block_n, block_k, _PARTIALS_NUM_WARPS),
