@@ -226,7 +226,7 @@ def add_model_arguments(p: argparse.ArgumentParser, families: Sequence[ModelFami
                    help="int8: every linear's weights quantized at load, one scale per output "
                         "column (weight-only; activations, embeddings, the LM head and the "
                         "KV cache keep their dtypes): ~0.55-0.65x the weight memory, "
-                        "decoding 0.88-1.0x as fast (benchmarks/RESULTS.md)")
+                        "decoding ~0.9-1.03x as fast (benchmarks/RESULTS.md)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> None:

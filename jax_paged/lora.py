@@ -78,7 +78,7 @@ def attach(targets: Mapping[str, Target], *, max_loras: int, max_rank: int) -> N
   it holds (zeros, in its parameter dtype)."""
   for group in _by_linear(targets).values():
     linear = group[0][1].linear
-    k, n = linear.kernel[...].shape
+    k, n = linear.in_features, linear.out_features
     # A power of two (>= 16) of columns: the linear kernels' tiles take the update's
     # product as one more step (`jax_paged.kernels.linear`); the padding stays zero.
     width = max(16, 1 << (max_loras * max_rank * len(group) - 1).bit_length())
@@ -231,7 +231,7 @@ class LoraAdapter:
     rng = np.random.default_rng(seed)
     weights = {}
     for name, target in targets.items():
-      k, n = target.linear.kernel[...].shape
+      k, n = target.linear.in_features, target.linear.out_features
       width = n - target.offset if target.width is None else target.width
       weights[name] = (rng.normal(0.0, scale, (rank, k)).astype(np.float32),
                        rng.normal(0.0, scale, (width, rank)).astype(np.float32))
@@ -309,7 +309,7 @@ class SlotLayout:
   def of(cls, targets: Mapping[str, Target], max_rank: int) -> "SlotLayout":
     linears = []
     for group in _by_linear(targets).values():
-      k, n = group[0][1].linear.kernel[...].shape
+      k, n = group[0][1].linear.in_features, group[0][1].linear.out_features
       modules = tuple((name, t.offset, n - t.offset if t.width is None else t.width)
                       for name, t in group)
       linears.append((modules, (k, n)))

@@ -207,13 +207,14 @@ class LayerNorm(nnx.Module):
                                  out_dtype=self.dtype or x.dtype)
 
 
-def _operands(proj: Linear, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """(h, kernel, scale) as the kernels take them: h and a float kernel in the module's
+def _operands(proj: Linear, h: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+  """(h, kernel, keywords) as the kernels take them: h and a float kernel in the module's
   compute dtype (nnx.Linear computes in its dtype, or the inputs' common dtype); an
-  `Int8Linear`'s kernel as stored, with its f32 per-column scales (else None)."""
-  kernel, scale = weight_quant.weights(proj)
+  `Int8Linear`'s kernel as stored, with the keywords that read it (`weight_quant.weights`:
+  its scales and layout; {} for a float kernel)."""
+  kernel, quant = weight_quant.weights(proj)
   dtype = proj.dtype or jnp.result_type(h, weight_quant.param_dtype(proj))
-  return h.astype(dtype), (kernel if scale is not None else kernel.astype(dtype)), scale
+  return h.astype(dtype), (kernel if quant else kernel.astype(dtype)), quant
 
 
 def attend_argmax(embed: nnx.Embed, h: jax.Array) -> jax.Array:
@@ -249,12 +250,12 @@ def dense(proj: Linear, h: jax.Array, *, activation=None,
   Returns:
     [..., N] in the module's compute dtype, or with `sections` a tuple of [..., width].
   """
-  h_c, kernel, scale = _operands(proj, h)
+  h_c, kernel, quant = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is not None:  # (a LoRA update as one more step of the kernel's product)
     return linear.linear(h_c, kernel, None if proj.bias is None else proj.bias[...],
                          activation=activation, sections=sections, interpret=mode,
-                         low_rank=lora.low_rank(proj, h, adapters), scale=scale)
+                         low_rank=lora.low_rank(proj, h, adapters), **quant)
   y = projection(proj, h, adapters=adapters)
   y = y if activation is None else activation(y)
   return y if sections is None else linear.split_sections(y, sections)
@@ -277,14 +278,14 @@ def _row_parallel(proj: Linear, h: jax.Array, interpret: bool | None,
   (two H200s, Llama-3.1-8B shape, batch 256: a TP 2 step 9.67 -> 9.07 ms) for one more
   rounding of the partial sums (a float32 model's sum stays float32). A LoRA update
   (`adapters`) is linear in h too: each device adds its partial before the sum."""
-  h_c, kernel, scale = _operands(proj, h)
+  h_c, kernel, quant = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
-    y = linear.scaled_product(h_c, kernel, scale)
+    y = linear.scaled_product(h_c, kernel, **quant)
     update = lora.delta(proj, h, adapters)
     y = y if update is None else y + update
   else:
-    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode, scale=scale,
+    y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode, **quant,
                                        low_rank=lora.low_rank(proj, h, adapters)), axis=0)
   y = jax.lax.psum(y.astype(h_c.dtype), _reduce_axis(proj)).astype(jnp.float32)
   return y if proj.bias is None else y + proj.bias[...].astype(jnp.float32)
@@ -328,12 +329,12 @@ def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
     x = (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)).astype(
         residual.dtype)
     return x, norm(x)
-  h_c, kernel, scale = _operands(proj, h)
+  h_c, kernel, quant = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     x = residual + projection(proj, h, adapters=adapters)
     return x, norm(x)
-  parts = linear.linear_partials(h_c, kernel, interpret=mode, scale=scale,
+  parts = linear.linear_partials(h_c, kernel, interpret=mode, **quant,
                                  low_rank=lora.low_rank(proj, h, adapters))
   return layer_norm.add_layer_norm(
       residual, parts, norm.scale[...], norm.bias[...],
@@ -366,11 +367,11 @@ def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,
   if _reduce_axis(proj) is not None:  # tensor parallel
     return (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)
             ).astype(residual.dtype)
-  h_c, kernel, scale = _operands(proj, h)
+  h_c, kernel, quant = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
     return residual + projection(proj, h, adapters=adapters)
-  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode, scale=scale,
+  y = jnp.sum(linear.linear_partials(h_c, kernel, interpret=mode, **quant,
                                      low_rank=lora.low_rank(proj, h, adapters)), axis=0)
   if proj.bias is not None:
     y += proj.bias[...].astype(jnp.float32)
@@ -525,12 +526,12 @@ class PagedAttention(nnx.Module):
     b = x.shape[0]
     d = self.head_dim
     if self.rope is None and (adapters is None or not lora.attached(self.qkv)):
-      x_c, kernel, scale = _operands(self.qkv, x)
+      x_c, kernel, quant = _operands(self.qkv, x)
       # On a GPU one kernel: the projection, K and V stored straight into the pages.
       q, kv = pool_lib.project_write_kv(
           kv, layer, slots, x_c, kernel,
           None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d,
-          scale=scale)
+          **quant)
     else:
       # K must be rotated (or get its LoRA update) before it is stored, which the fused
       # kernel cannot do.

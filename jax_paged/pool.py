@@ -834,7 +834,8 @@ def _replace_kv(pool: KVPool, arrays: tuple[jax.Array, ...]) -> KVPool:
 
 def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array,
                      bias: jax.Array | None, *, q_width: int, interpret: bool | None = None,
-                     scale: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
+                     scale: jax.Array | None = None, transposed: bool = False
+                     ) -> tuple[jax.Array, KVPool]:
   """A fused q/k/v projection whose K/V columns go into one layer's pages, returning q.
 
   y = x @ kernel (* scale) + bias is split into q [N, q_width], then K and V [N, Hkv * D] (each
@@ -855,6 +856,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
     interpret: None = the kernel on a GPU where it takes the shapes, XLA elsewhere; True =
       the kernel in Pallas interpret mode (tests).
     scale: float32 [columns] for an int8 kernel, else None.
+    transposed: the kernel is stored [columns, in_features] (`linear.linear`'s).
 
   Returns:
     (q [N, q_width] in x's dtype, the pool with the tokens' K/V written).
@@ -864,7 +866,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   if x.ndim != 2 or slots.shape != x.shape[:1]:
     raise ValueError(f"x must have shape [N, in_features] with N = len(slots), got x "
                      f"{tuple(x.shape)} and slots {tuple(slots.shape)}")
-  if kernel.ndim != 2 or kernel.shape[1] != q_width + 2 * kv_width:
+  if kernel.ndim != 2 or kernel.shape[0 if transposed else 1] != q_width + 2 * kv_width:
     raise ValueError(f"kernel must have q_width + 2 * num_kv_heads * head_dim = "
                      f"{q_width + 2 * kv_width} columns, got shape {tuple(kernel.shape)}")
   check_write(pool, layer, slots)
@@ -873,7 +875,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   mode = triton_backend.kernel_mode(interpret, supported=fused)
   if mode is None:
     q, k, v = linear.linear(x, kernel, bias, sections=(q_width, kv_width, kv_width),
-                            interpret=interpret, scale=scale)
+                            interpret=interpret, scale=scale, transposed=transposed)
     heads = (x.shape[0], pool.num_kv_heads, pool.head_dim)
     return q, write_kv(pool, layer, slots, k.reshape(heads), v.reshape(heads),
                        interpret=interpret)
@@ -882,7 +884,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   q, *arrays = cache_write.project_write_kv_pallas(
       x, kernel, bias, pool.k_pages, pool.v_pages, jnp.asarray(layer, jnp.int32),
       slots.astype(jnp.int32), q_width=q_width, interpret=mode, k_scales=pool.k_scales,
-      v_scales=pool.v_scales, w_scale=scale)
+      v_scales=pool.v_scales, w_scale=scale, transposed=transposed)
   return q, _replace_kv(pool, arrays)
 
 

@@ -217,7 +217,9 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
   for linear, split in splits:
     path = ids[id(linear)]
     where = "/".join(map(str, path))
-    k, width = linear.kernel[...].shape
+    k, width = linear.in_features, linear.out_features
+    # An int8 linear's kernel may be stored [N, K] (`weight_quant.Int8Linear.transposed`).
+    transposed = getattr(linear, "transposed", False)
     if split.kind == "column":
       sections = split.sections or (width,)
       if sum(sections) != width or any(s % n for s in sections):
@@ -225,14 +227,15 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
                          f"(of {width} columns); each must be a multiple of {n}")
       if n > 1 and len(sections) > 1:
         order = orders[path] = _column_order(width, sections, n)
-        linear.kernel[...] = linear.kernel[...][:, order]
+        kernel = linear.kernel[...]
+        linear.kernel[...] = kernel[order] if transposed else kernel[:, order]
         if linear.bias is not None:
           linear.bias[...] = linear.bias[...][order]
         if isinstance(linear, weight_quant.Int8Linear):
           linear.kernel_scale[...] = linear.kernel_scale[...][order]
         if lora.attached(linear):
           linear.lora_b[...] = linear.lora_b[...][:, order]
-      specs[path + ("kernel",)] = P(None, AXIS)
+      specs[path + ("kernel",)] = P(AXIS, None) if transposed else P(None, AXIS)
       specs[path + ("bias",)] = P(AXIS)
       specs[path + ("kernel_scale",)] = P(AXIS)  # (int8 weights: a row's scales whole)
       specs[path + ("lora_b",)] = P(None, AXIS)  # (LoRA's A replicated: x A is whole)
@@ -240,7 +243,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
       if k % n:
         raise ValueError(f"tensor parallel {n}: {where} has {k} input rows, not a "
                          f"multiple of {n}")
-      specs[path + ("kernel",)] = P(AXIS, None)
+      specs[path + ("kernel",)] = P(None, AXIS) if transposed else P(AXIS, None)
       specs[path + ("lora_a",)] = P(AXIS, None)  # (each device's partial x A, summed)
       linear.reduce_axis = AXIS  # read by nn.projection / project_add / project_add_norm
     else:

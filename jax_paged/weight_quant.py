@@ -9,7 +9,11 @@ norms, biases and the KV cache keep their dtypes.
 
 `jax_paged.kernels.linear` reads the int8 tiles and scales the f32 accumulator in its
 epilogue (decode's few rows); elsewhere (prompts, CPU) XLA converts the weights and
-scales the product (`linear.scaled_product`). `jax_paged.nn`'s projections take either
+scales the product (`linear.scaled_product`). A linear whose K is at most its N (q/k/v,
+gate/up, out projections) stores its kernel transposed, [N, K]: K-contiguous int8 tiles
+reach the tensor cores at speed (Llama-3.1-8B's gate/up at 1-16 rows 23 µs, bf16's 55;
+in [K, N] 49), while the long-K down projections ran slower that way than in [K, N]
+(benchmarks/LOG.md, "twenty-eighth"). `jax_paged.nn`'s projections take either
 module; LoRA slots (`jax_paged.lora`) and tensor parallelism (`jax_paged.tensor_parallel`)
 work on top of quantized weights.
 """
@@ -30,26 +34,30 @@ class Int8Linear(nnx.Module):
   """A linear layer with int8 weights: y = (x @ kernel) * kernel_scale + bias.
 
   Attributes:
-    kernel: int8 [in_features, out_features].
+    kernel: int8 [in_features, out_features], or with `transposed` [out_features,
+      in_features].
     kernel_scale: float32 [out_features], each output column's step.
     bias: [out_features] (the original's dtype) or None.
     dtype: the compute dtype (as `nnx.Linear`'s: None = the inputs' and `param_dtype`'s
       common dtype).
     param_dtype: the dtype the weights had before quantization (LoRA slots take it).
+    transposed: the kernel's layout (static).
   """
 
   def __init__(self, kernel: jax.Array, kernel_scale: jax.Array, bias: jax.Array | None,
-               *, dtype=None, param_dtype=jnp.float32):
+               *, dtype=None, param_dtype=jnp.float32, transposed: bool = False):
     if kernel.ndim != 2 or kernel.dtype != jnp.int8:
-      raise ValueError(f"kernel must be int8 [in_features, out_features], got "
-                       f"{kernel.dtype}{list(kernel.shape)}")
-    if kernel_scale.shape != kernel.shape[1:] or kernel_scale.dtype != jnp.float32:
-      raise ValueError(f"kernel_scale must be float32 [out_features] = {kernel.shape[1:]}, "
+      raise ValueError(f"kernel must be int8 [in_features, out_features] (transposed: "
+                       f"[out_features, in_features]), got {kernel.dtype}{list(kernel.shape)}")
+    self.transposed = bool(transposed)
+    self.out_features, self.in_features = kernel.shape[::1 if transposed else -1]
+    out = (self.out_features,)
+    if kernel_scale.shape != out or kernel_scale.dtype != jnp.float32:
+      raise ValueError(f"kernel_scale must be float32 [out_features] = {out}, "
                        f"got {kernel_scale.dtype}{list(kernel_scale.shape)}")
-    if bias is not None and bias.shape != kernel.shape[1:]:
-      raise ValueError(f"bias must have shape [out_features] = {kernel.shape[1:]}, got "
+    if bias is not None and bias.shape != out:
+      raise ValueError(f"bias must have shape [out_features] = {out}, got "
                        f"{list(bias.shape)}")
-    self.in_features, self.out_features = kernel.shape
     self.kernel = nnx.Param(kernel)
     self.kernel_scale = nnx.Param(kernel_scale)
     self.bias = None if bias is None else nnx.Param(bias)
@@ -59,7 +67,8 @@ class Int8Linear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., in_features] -> [..., out_features] in the compute dtype."""
     dtype = self.dtype or jnp.result_type(x, self.param_dtype)
-    y = linear.scaled_product(x.astype(dtype), self.kernel[...], self.kernel_scale[...])
+    y = linear.scaled_product(x.astype(dtype), self.kernel[...], self.kernel_scale[...],
+                              self.transposed)
     if self.bias is not None:
       y += self.bias[...].astype(jnp.float32)
     return y.astype(dtype)
@@ -68,10 +77,25 @@ class Int8Linear(nnx.Module):
 Linear = nnx.Linear | Int8Linear
 
 
-def weights(proj: Linear) -> tuple[jax.Array, jax.Array | None]:
-  """(kernel [K, N], its f32 [N] scales or None): the operands of `kernels.linear`."""
-  scale = proj.kernel_scale[...] if isinstance(proj, Int8Linear) else None
-  return proj.kernel[...], scale
+def weights(proj: Linear) -> tuple[jax.Array, dict]:
+  """(kernel, keywords): proj's kernel as stored and, for an `Int8Linear`, the
+  `kernels.linear` keywords that read it (`scale`: f32 [N]; `transposed`), else {}."""
+  if isinstance(proj, Int8Linear):
+    return proj.kernel[...], dict(scale=proj.kernel_scale[...], transposed=proj.transposed)
+  return proj.kernel[...], {}
+
+
+def columns(proj: Linear) -> int:
+  """N, the output columns of proj's kernel as stored (under tensor parallelism, inside
+  the per-device model, a device's share; `out_features` stays the whole)."""
+  transposed = isinstance(proj, Int8Linear) and proj.transposed
+  return proj.kernel[...].shape[0 if transposed else 1]
+
+
+def dequantize(proj: Int8Linear) -> jax.Array:
+  """float32 [in_features, out_features]: the weights an `Int8Linear` computes with."""
+  kernel = proj.kernel[...].astype(jnp.float32)
+  return (kernel.T if proj.transposed else kernel) * proj.kernel_scale[...]
 
 
 def param_dtype(proj: Linear):
@@ -90,10 +114,12 @@ def quantize(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_linear(proj: nnx.Linear) -> Int8Linear:
-  """An `Int8Linear` of proj's weights (bias, dtype kept)."""
+  """An `Int8Linear` of proj's weights (bias, dtype kept), transposed where K <= N."""
   q, scale = quantize(proj.kernel[...])
-  return Int8Linear(q, scale, None if proj.bias is None else proj.bias[...],
-                    dtype=proj.dtype, param_dtype=proj.kernel[...].dtype)
+  transposed = proj.in_features <= proj.out_features
+  return Int8Linear(q.T if transposed else q, scale,
+                    None if proj.bias is None else proj.bias[...], dtype=proj.dtype,
+                    param_dtype=proj.kernel[...].dtype, transposed=transposed)
 
 
 def _child(node, key):

@@ -35,6 +35,7 @@ from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
+from jax_paged import weight_quant
 from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
@@ -214,7 +215,7 @@ class MLP(nnx.Module):
     """silu(gate(x)) * up(x) [..., intermediate] (with the rows' LoRA `adapters`); the
     block applies `down` with its residual add (`jax_paged.nn.project_add`)."""
     # The width from the kernel: a tensor parallel device holds its share of it.
-    width = self.gate_up.kernel.shape[1] // 2
+    width = weight_quant.columns(self.gate_up) // 2
     gate, up = paged_nn.dense(self.gate_up, x, sections=(width, width), adapters=adapters)
     return jax.nn.silu(gate) * up
 

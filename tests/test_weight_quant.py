@@ -44,35 +44,42 @@ def test_quantize_keeps_each_weight_within_half_a_step_of_its_column(dtype):
   assert np.abs(q[:, 0] * scale[0] - w[:, 0]).max() < 0.05 * np.abs(w[:, 0]).max()
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_linear_kernels_with_int8_weights_match_the_reference(dtype, tol):
+def test_linear_kernels_with_int8_weights_match_the_reference(dtype, tol, transposed):
   """`linear` (bias, tanh-gelu, q/k/v sections, a low-rank update) and `linear_partials`
-  in interpret mode: equal to XLA's product of the same int8 weights, and (f32) to x @
-  the dequantized weights."""
+  in interpret mode, the kernel [K, N] or transposed [N, K]: equal to XLA's product of the
+  same int8 weights, and (f32) to x @ the dequantized weights."""
   rng = np.random.default_rng(1)
   x = _rng_array(rng, (5, 96), dtype)
   q, scale = weight_quant.quantize(_rng_array(rng, (96, 192)))
+  stored = q.T if transposed else q
   bias = _rng_array(rng, (192,), dtype)
   low_rank = (_rng_array(rng, (5, 16), dtype), _rng_array(rng, (16, 192), dtype, 0.1))
   gelu = jax.nn.gelu  # tanh approximation: lowered in the kernel
   want = linear.linear_reference(x, q, bias, activation=gelu, low_rank=low_rank, scale=scale)
-  got = linear.linear(x, q, bias, activation=gelu, low_rank=low_rank, scale=scale,
-                      sections=(64, 64, 64), interpret=True)
+  got = linear.linear(x, stored, bias, activation=gelu, low_rank=low_rank, scale=scale,
+                      sections=(64, 64, 64), interpret=True, transposed=transposed)
   np.testing.assert_allclose(np.concatenate([np.asarray(g, np.float32) for g in got], -1),
                              np.asarray(want, np.float32), rtol=tol, atol=tol)
-  parts = linear.linear_partials(x, q, scale=scale, splits=3, interpret=True)
+  parts = linear.linear_partials(x, stored, scale=scale, splits=3, interpret=True,
+                                 transposed=transposed)
   assert parts.shape[0] > 1
   want = linear.scaled_product(x, q, scale)
   np.testing.assert_allclose(parts.sum(0), want, rtol=tol, atol=tol)
+  np.testing.assert_allclose(linear.scaled_product(x, stored, scale, transposed), want,
+                             rtol=1e-6, atol=1e-6)
   if dtype == jnp.float32:
     dequantized = q.astype(jnp.float32) * scale
     np.testing.assert_allclose(want, jnp.dot(x, dequantized, precision="highest"), rtol=1e-5,
                                atol=1e-5)
 
 
-def test_fused_projection_and_kv_write_with_int8_weights():
-  """`pool.project_write_kv` with int8 weights: the Pallas kernel (interpret mode) gives
-  the XLA path's q and pool, every other slot of the (random, nonzero) pool untouched."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_projection_and_kv_write_with_int8_weights(transposed):
+  """`pool.project_write_kv` with int8 weights ([K, N] or [N, K]): the Pallas kernel
+  (interpret mode) gives the XLA path's q and pool, every other slot of the (random,
+  nonzero) pool untouched."""
   rng = np.random.default_rng(2)
   heads, kv_heads, d = 4, 2, 32
   kv = pool_lib.KVPool.create(num_layers=2, num_kv_heads=kv_heads, head_dim=d, num_pages=6,
@@ -85,8 +92,10 @@ def test_fused_projection_and_kv_write_with_int8_weights():
   x = _rng_array(rng, (3, 64))
   q, scale = weight_quant.quantize(_rng_array(rng, (64, (heads + 2 * kv_heads) * d)))
   bias = _rng_array(rng, (q.shape[1],))
+  q = q.T if transposed else q
   outs = [pool_lib.project_write_kv(kv, 1, slots, x, q, bias, q_width=heads * d,
-                                    interpret=mode, scale=scale) for mode in (None, True)]
+                                    interpret=mode, scale=scale, transposed=transposed)
+          for mode in (None, True)]
   np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
   for name in ("k_pages", "v_pages"):
     np.testing.assert_allclose(getattr(outs[1][1], name), getattr(outs[0][1], name),
@@ -122,7 +131,7 @@ def _dequantized_twin(model: nnx.Module) -> nnx.Module:
     if isinstance(node, weight_quant.Int8Linear):
       plain = nnx.Linear(node.in_features, node.out_features, use_bias=node.bias is not None,
                          dtype=node.dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-      plain.kernel[...] = node.kernel[...].astype(jnp.float32) * node.kernel_scale[...]
+      plain.kernel[...] = weight_quant.dequantize(node)
       if node.bias is not None:
         plain.bias[...] = node.bias[...]
       parent = twin
@@ -175,7 +184,11 @@ def test_int8_model_serves_its_dequantized_twins_tokens(quantized):
   assert tokens == twin_tokens
   np.testing.assert_allclose(logprobs, twin_logprobs, atol=1e-5)
   qkv = (int8.h[0].attn.qkv if hasattr(int8, "h") else int8.layers[0].self_attn.qkv)
+  down = int8.h[0].mlp.c_proj if hasattr(int8, "h") else int8.layers[0].mlp.down
   assert qkv.kernel[...].dtype == jnp.int8
+  # K <= N stored [N, K] (the int8 kernels' fast layout); a down projection [K, N].
+  assert qkv.transposed and qkv.kernel[...].shape == (qkv.out_features, qkv.in_features)
+  assert not down.transposed and down.kernel[...].shape == (down.in_features, down.out_features)
 
 
 def test_lora_adapters_on_int8_weights(quantized):
@@ -208,6 +221,8 @@ def test_bad_inputs_are_refused_by_name():
     linear.linear_partials(x, q, scale=scale.astype(jnp.bfloat16))
   with pytest.raises(ValueError, match="scale is for an int8 kernel"):
     linear.linear(x, q.astype(jnp.float32), scale=scale)
+  with pytest.raises(ValueError, match=r"\[N, K\] \(transposed\) with K = x.shape\[-1\] = 32"):
+    linear.linear(x, q, scale=scale, transposed=True)
   with pytest.raises(ValueError, match="kernel must be int8"):
     weight_quant.Int8Linear(q.astype(jnp.float32), scale, None)
   with pytest.raises(ValueError, match="kernel_scale must be float32"):
@@ -235,7 +250,8 @@ def test_cli_quantization_int8(capsys):
 def test_gpu_int8_kernels_and_model():
   """On a GPU (Triton): the linear, split-K and fused projection-write kernels with int8
   weights against XLA's product of the same weights (bf16 tolerance), and an int8 GPT-2
-  (heads of 64, f32) serving its dequantized twin's tokens."""
+  (heads of 64, f32; its q/k/v and c_fc stored transposed) serving its dequantized
+  twin's tokens."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(5)
@@ -245,9 +261,14 @@ def test_gpu_int8_kernels_and_model():
   want = np.asarray(linear.linear_reference(x, q, bias, scale=scale), np.float32)
   got = np.asarray(linear.linear(x, q, bias, scale=scale, interpret=False), np.float32)
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-  parts = linear.linear_partials(x, q, scale=scale, interpret=False)
-  np.testing.assert_allclose(parts.sum(0) + bias.astype(jnp.float32), want, rtol=2e-2,
-                             atol=2e-2)
+  got = np.asarray(linear.linear(x, q.T, bias, scale=scale, interpret=False, transposed=True),
+                   np.float32)
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+  for stored, transposed in ((q, False), (q.T, True)):
+    parts = linear.linear_partials(x, stored, scale=scale, interpret=False,
+                                   transposed=transposed)
+    np.testing.assert_allclose(parts.sum(0) + bias.astype(jnp.float32), want, rtol=2e-2,
+                               atol=2e-2)
   config = gpt2.GPT2Config(vocab_size=256, n_positions=128, n_embd=256, n_layer=2, n_head=4,
                            bos_token_id=None, eos_token_id=None)
   with jax.default_matmul_precision("highest"):

@@ -134,9 +134,10 @@ def write_kv_pallas(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
 def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, depth: int,
                           q_width: int, kv_width: int, head_dim: int, num_layers: int,
                           num_kv_heads: int, page_size: int, slots_per_head: int,
-                          has_bias: bool, has_w_scale: bool,
+                          has_bias: bool, has_w_scale: bool, transposed: bool,
                           block_m: int, block_n: int, block_k: int, quantized: bool):
-  """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv], (has_bias)
+  """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv] (`transposed`:
+  [q + 2 kv, depth]), (has_bias)
   bias [q + 2 kv], (has_w_scale) an int8 kernel's f32 scales [q + 2 kv], pools (in,
   unused) as `_write_kernel` takes them (K [L * Hkv * slots_per_head, D], V the same or
   token-minor) and (quantized) their scales [L * Hkv * slots_per_head] x 2; outputs q
@@ -161,7 +162,7 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
   slot = plgpu.load(slots_ref.at[r], mask=row_mask, other=-1)
   acc = linear.matmul_tile(x_ref, w_ref, m=m, n=n, split=0, rows=rows, cols=cols,
                            depth=depth, block_m=block_m, block_n=block_n, block_k=block_k,
-                           k_split=pl.cdiv(depth, block_k) * block_k)
+                           k_split=pl.cdiv(depth, block_k) * block_k, transposed=transposed)
   if has_w_scale:
     acc *= w_scale[None, :]
   if has_bias:
@@ -209,13 +210,14 @@ def can_project_write(rows: int, head_dim: int, num_layers: int, *,
   return 0 < rows <= linear.MAX_ROWS and whole and num_layers > 1
 
 
-@functools.partial(jax.jit, static_argnames=["q_width", "interpret"])
+@functools.partial(jax.jit, static_argnames=["q_width", "interpret", "transposed"])
 def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
                             k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                             slots: jax.Array, *, q_width: int, interpret: bool,
                             k_scales: jax.Array | None = None,
                             v_scales: jax.Array | None = None,
-                            w_scale: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                            w_scale: jax.Array | None = None,
+                            transposed: bool = False) -> tuple[jax.Array, ...]:
   """A fused q/k/v projection whose K and V go straight into the pool: `linear`'s GEMM
   with this module's write as its epilogue (one kernel where `linear` + `write_kv_pallas`
   were two, and K/V never round-trip through HBM as separate arrays).
@@ -235,6 +237,7 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
       else None.
     w_scale: an int8 kernel's float32 per-column scales [q_width + 2 * Hkv * D]
       (`jax_paged.weight_quant`), or None.
+    transposed: the kernel is stored [q_width + 2 * Hkv * D, in].
 
   Returns:
     (q [N, q_width] in x's dtype, k_pages, v_pages), and for a quantized pool k_scales,
@@ -242,6 +245,7 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
   """
   layers, hkv, pages, page_size, d = k_pages.shape
   rows, depth = x.shape
+  cols = kernel.shape[0 if transposed else 1]
   slots_per_head = pages * page_size
   flat, shapes = _flat_pool(k_pages, v_pages, k_scales, v_scales)
   quantized = k_scales is not None
@@ -250,20 +254,21 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
                      f"block per head), got {d}: use linear + write_kv")
   # Quantized, a program's columns are one head: its epilogue quantizes whole heads.
   block_m, block_n, block_k, num_warps = linear.whole_k_tiles(
-      rows, depth, kernel.shape[1], x.dtype.itemsize, (q_width, d),
+      rows, depth, cols, x.dtype.itemsize, (q_width, d),
       block_n=d if quantized else None)
   kernel_fn = functools.partial(
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
       head_dim=d, num_layers=layers, num_kv_heads=hkv, page_size=page_size,
       slots_per_head=slots_per_head,
-      has_bias=bias is not None, has_w_scale=w_scale is not None, block_m=block_m,
+      has_bias=bias is not None, has_w_scale=w_scale is not None, transposed=transposed,
+      block_m=block_m,
       block_n=block_n, block_k=block_k,
       quantized=quantized)
   inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots, x, kernel]
   inputs += [a for a in (bias, w_scale) if a is not None]
   q, *outs = pl.pallas_call(
       kernel_fn,
-      grid=(pl.cdiv(kernel.shape[1], block_n), pl.cdiv(rows, block_m)),
+      grid=(pl.cdiv(cols, block_n), pl.cdiv(rows, block_m)),
       out_shape=[jax.ShapeDtypeStruct((rows, q_width), x.dtype)]
                 + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat],
       input_output_aliases={len(inputs) + i: 1 + i for i in range(len(flat))},

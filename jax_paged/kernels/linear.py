@@ -18,6 +18,10 @@ Weights may be int8 with one f32 scale per output column (`jax_paged.weight_quan
 weight-only W8A16): the kernels read the int8 tiles (half the bytes), convert them to x's
 dtype for the tensor cores, and multiply the f32 accumulator by the columns' scales in
 the epilogue, so the product is x @ (kernel * scale) with no dequantized copy anywhere.
+A kernel may be stored transposed, [N, K] (`transposed=True`): the layout int8 tiles need
+to reach the tensor cores at speed (K contiguous; an [K, N] int8 tile ran 1.3-2x slower
+than bf16's at Llama's shapes, the [N, K] one at up to 0.43x bf16's time, H200;
+benchmarks/LOG.md, "twenty-eighth").
 
 Grid (N / block_n, splits, row blocks). A program owns output columns [n * block_n,
 (n + 1) * block_n) of up to 64 rows (padded to a power of two >= 16, the smallest
@@ -95,10 +99,13 @@ def _low_rank_product(low_rank: LowRank) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
-def scaled_product(x: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
-  """Plain XLA: f32 x @ kernel, an int8 kernel converted to x's dtype and the product
-  times its per-column `scale` (f32 [N]; None for a float kernel)."""
-  y = jnp.einsum("...k,kn->...n", x, kernel.astype(x.dtype), precision=lax.Precision.HIGHEST,
+def scaled_product(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None,
+                   transposed: bool = False) -> jax.Array:
+  """Plain XLA: f32 x @ kernel (kernel [K, N], or [N, K] `transposed`), an int8 kernel
+  converted to x's dtype and the product times its per-column `scale` (f32 [N]; None for
+  a float kernel)."""
+  y = jnp.einsum("...k,nk->...n" if transposed else "...k,kn->...n", x,
+                 kernel.astype(x.dtype), precision=lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
   return y if scale is None else y * scale
 
@@ -106,10 +113,10 @@ def scaled_product(x: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> 
 def linear_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                      activation: Callable[[jax.Array], jax.Array] | None = None,
                      out_dtype=None, low_rank: LowRank | None = None,
-                     scale: jax.Array | None = None) -> jax.Array:
+                     scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
   """Plain XLA: activation(x @ kernel (* scale) + bias (+ xa @ b)), f32 accumulation,
-  cast to `out_dtype`."""
-  y = scaled_product(x, kernel, scale)
+  cast to `out_dtype` (a `transposed` kernel stored [N, K])."""
+  y = scaled_product(x, kernel, scale, transposed)
   if low_rank is not None:
     y += _low_rank_product(low_rank)
   if bias is not None:
@@ -164,11 +171,12 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
 def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
                    block_k: int, k_split: int, has_scale: bool, has_bias: bool,
                    has_low_rank: bool, activation: Callable[[jax.Array], jax.Array] | None,
-                   partials: bool, sections: tuple[int, ...]):
-  """Refs: x [rows, depth], kernel [depth, cols], (has_scale) the int8 kernel's scale f32
-  [cols], (has_bias) bias [cols], (has_low_rank) xa [rows, W] and b [W, cols]; outputs:
-  partials f32 [splits, rows, cols] (the low-rank product in split 0's), or y split by
-  columns into `sections` arrays [rows, section] (one section: y [rows, cols])."""
+                   partials: bool, sections: tuple[int, ...], transposed: bool):
+  """Refs: x [rows, depth], kernel [depth, cols] (`transposed`: [cols, depth]),
+  (has_scale) the int8 kernel's scale f32 [cols], (has_bias) bias [cols], (has_low_rank)
+  xa [rows, W] and b [W, cols]; outputs: partials f32 [splits, rows, cols] (the low-rank
+  product in split 0's), or y split by columns into `sections` arrays [rows, section] (one
+  section: y [rows, cols])."""
   x_ref, w_ref, *refs = refs
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -185,7 +193,8 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
     scale = plgpu.load(scale_ref.at[c], mask=col_mask,
                        other=None if col_mask is None else 0.0)
   acc = matmul_tile(x_ref, w_ref, m=m, n=n, split=split, rows=rows, cols=cols, depth=depth,
-                    block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split)
+                    block_m=block_m, block_n=block_n, block_k=block_k, k_split=k_split,
+                    transposed=transposed)
   if has_scale:  # (before the low-rank update, whose B is not quantized)
     acc *= scale[None, :]
   if has_low_rank:  # one more step of the product, over the update's W columns
@@ -221,17 +230,18 @@ def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_
 
 
 @functools.partial(jax.jit, static_argnames=[
-    "activation", "out_dtype", "k_split", "sections", "tiles", "interpret"])
+    "activation", "out_dtype", "k_split", "sections", "tiles", "interpret", "transposed"])
 def _linear_pallas(x, kernel, scale, bias, low_rank, *, activation, out_dtype,
                    k_split: int | None, sections: tuple[int, ...], tiles: Tiles,
-                   interpret: bool):
-  """x [rows, K] @ kernel [K, N] (* scale [N] for an int8 kernel, else None) (+ low_rank
+                   interpret: bool, transposed: bool = False):
+  """x [rows, K] @ kernel [K, N] (`transposed`: [N, K]) (* scale [N] for an int8 kernel,
+  else None) (+ low_rank
   (xa [rows, W], b [W, N]) or None) -> a tuple of [rows,
   section] for `sections` of N (k_split None: whole-K programs), or f32 partials
   [cdiv(K, k_split), rows, N] (k_split a multiple of tiles.block_k)."""
   block_m, block_n, block_k, num_warps = tiles
   rows, depth = x.shape
-  cols = kernel.shape[1]
+  cols = kernel.shape[0 if transposed else 1]
   partials = k_split is not None
   if not partials:
     k_split = pl.cdiv(depth, block_k) * block_k
@@ -240,8 +250,7 @@ def _linear_pallas(x, kernel, scale, bias, low_rank, *, activation, out_dtype,
       _linear_kernel, rows=rows, cols=cols, depth=depth, block_m=block_m,
       block_n=block_n, block_k=block_k, k_split=k_split, has_scale=scale is not None,
       has_bias=bias is not None, has_low_rank=low_rank is not None, activation=activation,
-      partials=partials,
-      sections=sections)
+      partials=partials, sections=sections, transposed=transposed)
   out_shape = ((jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),) if partials
                else tuple(jax.ShapeDtypeStruct((rows, w), out_dtype) for w in sections))
   return pl.pallas_call(
@@ -319,33 +328,43 @@ def _rows_of(low_rank: LowRank | None) -> LowRank | None:
                                         low_rank[1])
 
 
+def _cols(kernel: jax.Array, transposed: bool) -> int:
+  """N of a kernel [K, N] (`transposed`: [N, K])."""
+  return kernel.shape[0 if transposed else 1]
+
+
 def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                low_rank: LowRank | None = None, scale: jax.Array | None = None) -> None:
+                low_rank: LowRank | None = None, scale: jax.Array | None = None,
+                transposed: bool = False) -> int:
+  """Raises ValueError naming a bad argument; returns N."""
   if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating array [..., K], got {x.dtype}{list(x.shape)}")
-  if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
-    raise ValueError(f"kernel must have shape [K, N] with K = x.shape[-1] = {x.shape[-1]}, "
-                     f"got {kernel.shape}")
+  if kernel.ndim != 2 or kernel.shape[1 if transposed else 0] != x.shape[-1]:
+    layout = "[N, K] (transposed)" if transposed else "[K, N]"
+    raise ValueError(f"kernel must have shape {layout} with K = x.shape[-1] = "
+                     f"{x.shape[-1]}, got {kernel.shape}")
+  cols = _cols(kernel, transposed)
   if kernel.dtype == jnp.int8:
-    if scale is None or scale.shape != kernel.shape[1:] or scale.dtype != jnp.float32:
-      raise ValueError(f"an int8 kernel needs scale, float32 [N] = {kernel.shape[1:]}, got "
+    if scale is None or scale.shape != (cols,) or scale.dtype != jnp.float32:
+      raise ValueError(f"an int8 kernel needs scale, float32 [N] = ({cols},), got "
                        + ("None" if scale is None else f"{scale.dtype}{list(scale.shape)}"))
   elif kernel.dtype != x.dtype:
     raise ValueError(f"kernel must have x's dtype {x.dtype} or be int8 (with scale), got "
                      f"{kernel.dtype}")
   elif scale is not None:
     raise ValueError(f"scale is for an int8 kernel; kernel is {kernel.dtype}")
-  if bias is not None and bias.shape != kernel.shape[1:]:
-    raise ValueError(f"bias must have shape [N] = {kernel.shape[1:]}, got {bias.shape}")
+  if bias is not None and bias.shape != (cols,):
+    raise ValueError(f"bias must have shape [N] = ({cols},), got {bias.shape}")
   if low_rank is not None:
     xa, b = low_rank
     w = xa.shape[-1]
-    if (xa.shape[:-1] != x.shape[:-1] or b.shape != (w, kernel.shape[1]) or w < 16
+    if (xa.shape[:-1] != x.shape[:-1] or b.shape != (w, cols) or w < 16
         or w & (w - 1) or xa.dtype != x.dtype or b.dtype != x.dtype):
       raise ValueError(f"low_rank must be (xa [..., W], b [W, N]) with x's rows "
-                       f"{list(x.shape[:-1])}, N = {kernel.shape[1]}, W a power of two "
+                       f"{list(x.shape[:-1])}, N = {cols}, W a power of two "
                        f">= 16 and x's dtype {x.dtype}; got xa {xa.dtype}{list(xa.shape)}, "
                        f"b {b.dtype}{list(b.shape)}")
+  return cols
 
 
 def takes(x: jax.Array, kernel: jax.Array) -> bool:
@@ -360,15 +379,15 @@ def takes(x: jax.Array, kernel: jax.Array) -> bool:
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            activation: Callable[[jax.Array], jax.Array] | None = None, out_dtype=None,
            sections: Sequence[int] | None = None, interpret: bool | None = None,
-           low_rank: LowRank | None = None, scale: jax.Array | None = None
-           ) -> jax.Array | tuple[jax.Array, ...]:
+           low_rank: LowRank | None = None, scale: jax.Array | None = None,
+           transposed: bool = False) -> jax.Array | tuple[jax.Array, ...]:
   """activation(x @ kernel (* scale) + bias (+ xa @ b)) as one kernel: the GEMM with its
   epilogue.
 
   Args:
     x: [..., K] f32 / bf16 / f16; at most MAX_ROWS (256) rows take the kernel (64 for
       a kernel of 4M elements or more: `takes`), more rows plain XLA.
-    kernel: [K, N], x's dtype, or int8 with `scale`.
+    kernel: [K, N] (`transposed`: [N, K]), x's dtype, or int8 with `scale`.
     bias: [N] or None.
     activation: an elementwise function of the f32 pre-activation (e.g. `jax.nn.gelu`),
       applied in the kernel where Pallas-Triton lowers it (`lowers_in_kernel`), else by
@@ -386,13 +405,13 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       more step of the kernel's product.
     scale: an int8 kernel's f32 [N] per-column scales (`jax_paged.weight_quant`), applied
       to the product before the low-rank update and the bias; None for a float kernel.
+    transposed: the kernel is stored [N, K] (K contiguous: int8 weights' fast layout).
 
   Returns:
     [..., N] in `out_dtype`, or with `sections` a tuple of [..., width]; products
     accumulated, bias added and activation applied in f32.
   """
-  _check_args(x, kernel, bias, low_rank, scale)
-  cols = kernel.shape[1]
+  cols = _check_args(x, kernel, bias, low_rank, scale, transposed)
   widths = (cols,) if sections is None else tuple(int(w) for w in sections)
   if sum(widths) != cols or min(widths) < 1:
     raise ValueError(f"sections must be positive widths summing to N = {cols}, got "
@@ -402,10 +421,10 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if mode is None or (len(widths) > 1 and any(w % _NARROW_BLOCK_N for w in widths)):
     if mode is None:
       y = linear_reference(x, kernel, bias, activation=activation, out_dtype=out_dtype,
-                           low_rank=low_rank, scale=scale)
+                           low_rank=low_rank, scale=scale, transposed=transposed)
     else:
       y = linear(x, kernel, bias, activation=activation, out_dtype=out_dtype,
-                 interpret=mode, low_rank=low_rank, scale=scale)
+                 interpret=mode, low_rank=low_rank, scale=scale, transposed=transposed)
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
@@ -413,7 +432,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   ys = _linear_pallas(x2, kernel, scale, bias, _rows_of(low_rank),
                       activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
-                      sections=widths, tiles=tiles, interpret=mode)
+                      sections=widths, tiles=tiles, interpret=mode, transposed=transposed)
   if not fused:  # XLA applies it to the f32 output, fused with the cast.
     ys = tuple(activation(y).astype(out_dtype) for y in ys)
   ys = tuple(y.reshape(x.shape[:-1] + (w,)) for y, w in zip(ys, widths))
@@ -468,12 +487,13 @@ def default_splits(depth: int, cols: int, rows: int) -> int:
 
 def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
                     interpret: bool | None = None, low_rank: LowRank | None = None,
-                    scale: jax.Array | None = None) -> jax.Array:
+                    scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
   """The split-K partial products of x @ kernel (* scale), for a consumer that sums them.
 
   Args:
     x: [..., K] f32 / bf16 / f16 (any number of rows; past `takes`' limit, plain XLA).
-    kernel: [K, N], x's dtype, or int8 with `scale` (as `linear`'s: each partial scaled).
+    kernel: [K, N] (`transposed`: [N, K]), x's dtype, or int8 with `scale` (as `linear`'s:
+      each partial scaled).
     splits: K ranges (each rounded up to whole kernel steps; the last may be shorter);
       None = `default_splits(K, N, rows)`.
     interpret: as `linear`.
@@ -483,10 +503,9 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
     f32 [S, ..., N] whose sum over the first axis is x @ kernel (* scale) (+ xa @ b); S =
     `splits` unless K is too short for that many (then fewer).
   """
-  _check_args(x, kernel, None, low_rank, scale)
+  cols = _check_args(x, kernel, None, low_rank, scale, transposed)
   depth = x.shape[-1]
   rows = math.prod(x.shape[:-1])
-  cols = kernel.shape[1]
   splits = default_splits(depth, cols, rows) if splits is None else splits
   if not (isinstance(splits, int) and splits > 0):
     raise ValueError(f"splits must be a positive int or None, got {splits!r}")
@@ -499,17 +518,17 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None:
     bounds = list(range(0, depth, k_split)) + [depth]
-    parts = [scaled_product(x[..., a:b], kernel[a:b], scale)
-             for a, b in zip(bounds[:-1], bounds[1:])]
+    parts = [scaled_product(x[..., a:b], kernel[:, a:b] if transposed else kernel[a:b], scale,
+                            transposed) for a, b in zip(bounds[:-1], bounds[1:])]
     if low_rank is not None:
       parts[0] += _low_rank_product(low_rank)
     return jnp.stack(parts)
   parts, = _linear_pallas(x.reshape(rows, depth), kernel, scale, None, _rows_of(low_rank),
-                          activation=None,
-                          out_dtype=jnp.float32, k_split=k_split, sections=(kernel.shape[1],),
+                          activation=None, out_dtype=jnp.float32, k_split=k_split,
+                          sections=(cols,),
                           tiles=Tiles(block_m, block_n, block_k, _PARTIALS_NUM_WARPS),
-                          interpret=mode)
-  return parts.reshape((parts.shape[0],) + x.shape[:-1] + kernel.shape[1:])
+                          interpret=mode, transposed=transposed)
+  return parts.reshape((parts.shape[0],) + x.shape[:-1] + (cols,))
 
 
 # The tied LM head's greedy argmax (`argmax_attend`): the vocabulary is wide (GPT-2: 50257
