@@ -27,7 +27,7 @@ GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _hf_base(kind: str):
+def hf_base(kind: str):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   torch.manual_seed(0)
@@ -52,7 +52,7 @@ def saved(request, tmp_path_factory):
   kind = request.param
   root = tmp_path_factory.mktemp(kind)
   base = os.path.join(root, "base")
-  _hf_base(kind).save_pretrained(base)
+  hf_base(kind).save_pretrained(base)
   targets = GPT2_TARGETS if kind == "gpt2" else LLAMA_TARGETS
   configs = {"a": dict(r=4, lora_alpha=8),
              "b": dict(r=2, lora_alpha=4, use_rslora=True,
@@ -60,7 +60,7 @@ def saved(request, tmp_path_factory):
   adapters = {}
   for seed, (name, kwargs) in enumerate(configs.items(), 1):
     torch.manual_seed(seed)
-    model = peft.get_peft_model(_hf_base(kind), peft.LoraConfig(
+    model = peft.get_peft_model(hf_base(kind), peft.LoraConfig(
         target_modules=targets, init_lora_weights=False,
         fan_in_fan_out=kind == "gpt2", **kwargs))
     adapters[name] = os.path.join(root, name)
@@ -94,7 +94,7 @@ def _peft_logprobs(saved, adapter: str | None, tokens: list[int]) -> np.ndarray:
   torch = pytest.importorskip("torch")
   peft = pytest.importorskip("peft")
   kind, _, adapters = saved
-  model = _hf_base(kind)
+  model = hf_base(kind)
   if adapter is not None:
     model = peft.PeftModel.from_pretrained(model, adapters[adapter]).eval()
   with torch.no_grad():

@@ -18,9 +18,9 @@ from jax_paged import lora, weight_quant
 from jax_paged import pool as pool_lib
 from jax_paged.kernels import linear
 from models import gpt2, llama
+from tests.test_lora import VOCAB, hf_base
 
 PAGE = 8
-VOCAB = 97
 
 
 def _rng_array(rng, shape, dtype=jnp.float32, scale=1.0):
@@ -106,24 +106,6 @@ def test_fused_projection_and_kv_write_with_int8_weights(transposed):
                                 np.asarray(kv.k_pages)[untouched])
 
 
-def _hf_checkpoint(kind: str, path: str) -> str:
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  torch.manual_seed(0)
-  if kind == "gpt2":
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=96, n_embd=32, n_layer=2,
-                                     n_head=4, bos_token_id=None, eos_token_id=None)
-    model = transformers.GPT2LMHeadModel(config)
-  else:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-        initializer_range=0.1, bos_token_id=None, eos_token_id=None)
-    model = transformers.LlamaForCausalLM(config)
-  model.save_pretrained(path)
-  return path
-
-
 def _dequantized_twin(model: nnx.Module) -> nnx.Module:
   """A float32 copy of a quantized model whose linears hold q * scale (plain nnx.Linear)."""
   twin = nnx.clone(model)
@@ -149,7 +131,8 @@ def quantized(request, tmp_path_factory):
   """(a model loaded from a Hugging Face checkpoint and quantized, its dequantized
   twin)."""
   kind = request.param
-  path = _hf_checkpoint(kind, str(tmp_path_factory.mktemp(kind)))
+  path = str(tmp_path_factory.mktemp(kind))
+  hf_base(kind).save_pretrained(path)
   int8 = (gpt2 if kind == "gpt2" else llama).from_pretrained(path)
   # Per layer: GPT-2's c_attn, attn.c_proj, c_fc, mlp.c_proj; Llama's fused qkv, o,
   # fused gate_up, down.
