@@ -126,3 +126,13 @@ def test_lora_benchmark_tiny(monkeypatch, capsys):
   bench_lora.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
   assert len(rows) == 1 and rows[0].count("|") == 8
+
+
+def test_weight_quant_benchmark_tiny(monkeypatch, capsys):
+  from benchmarks import bench_weight_quant
+  monkeypatch.setattr(sys, "argv", ["bench_weight_quant.py", "--tiny"])
+  bench_weight_quant.main()
+  out = capsys.readouterr().out.splitlines()
+  rows = [line for line in out if line.startswith("| tiny |")]
+  assert len(rows) == 3  # two batch sizes, one agreement row
+  assert rows[-1].split("|")[3].strip().endswith(" of 16")  # leading tokens shared
