@@ -24,8 +24,9 @@ projection's split-K reduction, the residual add and the norm in one kernel at d
 few rows (the attention layer's `project=False` leaves its output projection to it);
 `project_add` the same without the norm (for a norm of the model's own, e.g. RMSNorm), and
 `dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
-(`jax_paged.kernels.linear`). Each of them, and the attention layer, takes the rows'
-LoRA slots (`adapters`) for a projection with slots (`jax_paged.lora`).
+(`jax_paged.kernels.linear`). Each of them, and the attention layer, takes an int8
+`weight_quant.Int8Linear` as well as an `nnx.Linear`, and the rows' LoRA slots
+(`adapters`) for a projection with slots (`jax_paged.lora`).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def dense(proj: Linear, h: jax.Array, *, activation=None,
   GEMM); elsewhere, the plain module and activation.
 
   Args:
-    proj: an `nnx.Linear` (kernel [K, N], optional bias [N]).
+    proj: an `nnx.Linear` (kernel [K, N], optional bias [N]) or a
+      `weight_quant.Int8Linear` (int8 weights, read as stored).
     h: [..., K].
     activation: an elementwise function (hashable, e.g. a module-level partial) or None.
     sections: column widths summing to N: return that many arrays (e.g. q, k, v of a
@@ -313,7 +315,8 @@ def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
   for the projection and no separate norm. Elsewhere, the plain modules.
 
   Args:
-    proj: the projection added to the residual stream (kernel [K, N], optional bias [N]).
+    proj: the projection added to the residual stream (kernel [K, N], optional bias [N]),
+      float or `weight_quant.Int8Linear`.
     h: [..., K], its input.
     residual: [..., N], the residual stream.
     norm: the layer norm applied to the new stream.
@@ -354,7 +357,8 @@ def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,
   few to keep HBM busy. Elsewhere, the plain module.
 
   Args:
-    proj: the projection added to the residual stream (kernel [K, N], optional bias [N]).
+    proj: the projection added to the residual stream (kernel [K, N], optional bias [N]),
+      float or `weight_quant.Int8Linear`.
     h: [..., K], its input.
     residual: [..., N], the residual stream.
     interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in

@@ -219,7 +219,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
     where = "/".join(map(str, path))
     k, width = linear.in_features, linear.out_features
     # An int8 linear's kernel may be stored [N, K] (`weight_quant.Int8Linear.transposed`).
-    transposed = getattr(linear, "transposed", False)
+    transposed = isinstance(linear, weight_quant.Int8Linear) and linear.transposed
     if split.kind == "column":
       sections = split.sections or (width,)
       if sum(sections) != width or any(s % n for s in sections):
