@@ -866,7 +866,7 @@ def project_write_kv(pool: KVPool, layer, slots, x: jax.Array, kernel: jax.Array
   if x.ndim != 2 or slots.shape != x.shape[:1]:
     raise ValueError(f"x must have shape [N, in_features] with N = len(slots), got x "
                      f"{tuple(x.shape)} and slots {tuple(slots.shape)}")
-  if kernel.ndim != 2 or kernel.shape[0 if transposed else 1] != q_width + 2 * kv_width:
+  if kernel.ndim != 2 or linear.columns(kernel, transposed) != q_width + 2 * kv_width:
     raise ValueError(f"kernel must have q_width + 2 * num_kv_heads * head_dim = "
                      f"{q_width + 2 * kv_width} columns, got shape {tuple(kernel.shape)}")
   check_write(pool, layer, slots)

@@ -90,8 +90,7 @@ def weights(proj: Linear) -> tuple[jax.Array, dict]:
 def columns(proj: Linear) -> int:
   """N, the output columns of proj's kernel as stored (under tensor parallelism, inside
   the per-device model, a device's share; `out_features` stays the whole)."""
-  transposed = isinstance(proj, Int8Linear) and proj.transposed
-  return proj.kernel[...].shape[0 if transposed else 1]
+  return linear.columns(proj.kernel[...], isinstance(proj, Int8Linear) and proj.transposed)
 
 
 def dequantize(proj: Int8Linear) -> jax.Array:

@@ -137,11 +137,10 @@ def _project_write_kernel(layer_ref, slots_ref, x_ref, w_ref, *refs, rows: int, 
                           has_bias: bool, has_w_scale: bool, transposed: bool,
                           block_m: int, block_n: int, block_k: int, quantized: bool):
   """Refs: layer [1], slots [rows], x [rows, depth], kernel [depth, q + 2 kv] (`transposed`:
-  [q + 2 kv, depth]), (has_bias)
-  bias [q + 2 kv], (has_w_scale) an int8 kernel's f32 scales [q + 2 kv], pools (in,
-  unused) as `_write_kernel` takes them (K [L * Hkv * slots_per_head, D], V the same or
-  token-minor) and (quantized) their scales [L * Hkv * slots_per_head] x 2; outputs q
-  [rows, q_width] and the pools (and scales), aliased."""
+  [q + 2 kv, depth]), (has_bias) bias [q + 2 kv], (has_w_scale) an int8 kernel's f32
+  scales [q + 2 kv], pools (in, unused) as `_write_kernel` takes them (K [L * Hkv *
+  slots_per_head, D], V the same or token-minor) and (quantized) their scales [L * Hkv *
+  slots_per_head] x 2; outputs q [rows, q_width] and the pools (and scales), aliased."""
   if has_bias:
     bias_ref, *refs = refs
   if has_w_scale:
@@ -245,7 +244,7 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
   """
   layers, hkv, pages, page_size, d = k_pages.shape
   rows, depth = x.shape
-  cols = kernel.shape[0 if transposed else 1]
+  cols = linear.columns(kernel, transposed)
   slots_per_head = pages * page_size
   flat, shapes = _flat_pool(k_pages, v_pages, k_scales, v_scales)
   quantized = k_scales is not None
@@ -261,9 +260,7 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
       head_dim=d, num_layers=layers, num_kv_heads=hkv, page_size=page_size,
       slots_per_head=slots_per_head,
       has_bias=bias is not None, has_w_scale=w_scale is not None, transposed=transposed,
-      block_m=block_m,
-      block_n=block_n, block_k=block_k,
-      quantized=quantized)
+      block_m=block_m, block_n=block_n, block_k=block_k, quantized=quantized)
   inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots, x, kernel]
   inputs += [a for a in (bias, w_scale) if a is not None]
   q, *outs = pl.pallas_call(

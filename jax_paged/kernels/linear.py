@@ -235,13 +235,12 @@ def _linear_pallas(x, kernel, scale, bias, low_rank, *, activation, out_dtype,
                    k_split: int | None, sections: tuple[int, ...], tiles: Tiles,
                    interpret: bool, transposed: bool = False):
   """x [rows, K] @ kernel [K, N] (`transposed`: [N, K]) (* scale [N] for an int8 kernel,
-  else None) (+ low_rank
-  (xa [rows, W], b [W, N]) or None) -> a tuple of [rows,
-  section] for `sections` of N (k_split None: whole-K programs), or f32 partials
-  [cdiv(K, k_split), rows, N] (k_split a multiple of tiles.block_k)."""
+  else None) (+ low_rank (xa [rows, W], b [W, N]) or None) -> a tuple of [rows, section]
+  for `sections` of N (k_split None: whole-K programs), or f32 partials [cdiv(K,
+  k_split), rows, N] (k_split a multiple of tiles.block_k)."""
   block_m, block_n, block_k, num_warps = tiles
   rows, depth = x.shape
-  cols = kernel.shape[0 if transposed else 1]
+  cols = columns(kernel, transposed)
   partials = k_split is not None
   if not partials:
     k_split = pl.cdiv(depth, block_k) * block_k
@@ -328,8 +327,8 @@ def _rows_of(low_rank: LowRank | None) -> LowRank | None:
                                         low_rank[1])
 
 
-def _cols(kernel: jax.Array, transposed: bool) -> int:
-  """N of a kernel [K, N] (`transposed`: [N, K])."""
+def columns(kernel: jax.Array, transposed: bool = False) -> int:
+  """N, the output columns of a kernel [K, N] (`transposed`: [N, K])."""
   return kernel.shape[0 if transposed else 1]
 
 
@@ -343,7 +342,7 @@ def _check_args(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
     layout = "[N, K] (transposed)" if transposed else "[K, N]"
     raise ValueError(f"kernel must have shape {layout} with K = x.shape[-1] = "
                      f"{x.shape[-1]}, got {kernel.shape}")
-  cols = _cols(kernel, transposed)
+  cols = columns(kernel, transposed)
   if kernel.dtype == jnp.int8:
     if scale is None or scale.shape != (cols,) or scale.dtype != jnp.float32:
       raise ValueError(f"an int8 kernel needs scale, float32 [N] = ({cols},), got "
