@@ -1,14 +1,18 @@
-"""Where a decode step's GPU time goes (GPT-2 124M, or the Llama-3.2-1B shape of
-bench_llama): a per-kernel breakdown from a profiler trace.
+"""Where a decode step's GPU time goes (GPT-2 124M, the Llama-3.2-1B shape of bench_llama
+or the Llama-3.1-8B shape of bench_tensor_parallel; bf16 or int8 weights): a per-kernel
+breakdown from a profiler trace.
 
 Runs the engine's on-device decode loop (`steps` decode steps in one jitted call, as in
 `jax_paged.Engine`) at a fixed batch and context under `jax.profiler`, then reads the
 Perfetto trace and prints, per kernel name: launches per step, µs per step and share of
 the GPU's busy time, plus the step's wall time vs the summed kernel time (the gap is time
-the GPU sat idle: launch latency and host waits).
+the GPU sat idle: launch latency and host waits). `--layer` also prints one layer's kernels
+in launch order with their mean durations over the layers (its GEMMs apart, where the
+by-name table sums every "linear").
 
-    PYTHONPATH=. python benchmarks/profile_decode_step.py [--model gpt2 | llama-3.2-1b]
-        [--batch 128] [--context 512] [--steps 32] [--top 40]
+    PYTHONPATH=. python benchmarks/profile_decode_step.py
+        [--model gpt2 | llama-3.2-1b | llama-3.1-8b] [--quantization int8] [--batch 128]
+        [--context 512] [--steps 32] [--top 40] [--layer]
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from flax import nnx
 
 from benchmarks import bench_decode_step
 from benchmarks import bench_llama
+from benchmarks import bench_tensor_parallel
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
+from jax_paged import weight_quant
 from jax_paged.serving import runner as runner_lib
 from models import gpt2
 from models import llama
@@ -34,14 +40,18 @@ from models import llama
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model", choices=("gpt2", "llama-3.2-1b"), default="gpt2",
-                      help="random bf16 weights of this shape")
+  parser.add_argument("--model", choices=("gpt2", "llama-3.2-1b", "llama-3.1-8b"),
+                      default="gpt2", help="random bf16 weights of this shape")
+  parser.add_argument("--quantization", choices=("none", "int8"), default="none",
+                      help="int8: the linears' weights int8 (`weight_quant.quantize_weights`)")
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--steps", type=int, default=32,
                       help="steps per device call")
   parser.add_argument("--calls", type=int, default=3, help="profiled device calls")
   parser.add_argument("--top", type=int, default=40)
+  parser.add_argument("--layer", action="store_true",
+                      help="also print one layer's kernels in launch order")
   parser.add_argument("--hlo", help="also write the decode loop's optimized HLO here")
   args = parser.parse_args()
   bench_decode_step.check_steps_per_call(parser, "--steps", args.steps)
@@ -49,8 +59,11 @@ def main():
   if args.model == "gpt2":
     model = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   else:
-    model = llama.LlamaForCausalLM(bench_llama.LLAMA_3_2_1B, dtype=jnp.bfloat16,
-                                   rngs=nnx.Rngs(0))
+    config = {"llama-3.2-1b": bench_llama.LLAMA_3_2_1B,
+              "llama-3.1-8b": bench_tensor_parallel.LLAMA_3_1_8B}[args.model]
+    model = llama.LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  if args.quantization == "int8":
+    weight_quant.quantize_weights(model)
   ps = bench_decode_step.PAGE_SIZE
   total_steps = (args.calls + 2) * args.steps
   pages_per_seq = -(-(args.context + total_steps) // ps)
@@ -99,7 +112,8 @@ def main():
   idle = sum(v[2] for v in by_name.values()) / steps
   span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps
 
-  print(f"# {args.model} decode step profile: batch {args.batch}, context {args.context} to "
+  print(f"# {args.model} ({args.quantization} weights) decode step profile: batch "
+        f"{args.batch}, context {args.context} to "
         f"{args.context + args.calls * args.steps}, {args.steps} steps per call, "
         f"{common.header()}")
   print(f"wall per step (unprofiled, median of {args.calls} calls): {wall * 1e6:.0f} us; "
@@ -115,6 +129,35 @@ def main():
   print("\nKernels with the most idle GPU time just before them (µs per step):",
         ", ".join(f"{name[:40]} {gap / steps:.1f}" for name, (_, _, gap) in
                   sorted(by_name.items(), key=lambda kv: -kv[1][2])[:8]))
+  if args.layer:
+    print_layer(events)
+
+
+def print_layer(events: list[dict]) -> None:
+  """One layer's kernels in launch order, each with its mean duration over every window of
+  the trace that launched the same names (the layers; not the step's head or sampling)."""
+  names = [e["name"] for e in events]
+  # A layer: from the middle of the trace on, the first window of at least 4 launch names
+  # that repeats three times in a row (shorter ones are runs of copies).
+  found = next(((start, k) for start in range(len(names) // 2, len(names))
+                for k in range(4, 256) if start + 3 * k <= len(names)
+                and names[start:start + k] == names[start + k:start + 2 * k]
+                == names[start + 2 * k:start + 3 * k]), None)
+  if found is None:
+    print("\nno repeating layer in the trace")
+    return
+  start, period = found
+  layer = names[start:start + period]
+  starts, i = [], 0
+  while i + period <= len(names):
+    if names[i:i + period] == layer:
+      starts.append(i)
+      i += period
+    else:
+      i += 1
+  print(f"\nOne layer's {period} kernels in launch order, mean µs over {len(starts)} layers:")
+  for j, name in enumerate(layer):
+    print(f"{j:4d} {np.mean([events[i + j]['dur'] for i in starts]):8.1f}  {name[:80]}")
 
 
 if __name__ == "__main__":

@@ -5,17 +5,16 @@ is bound by those bytes. `quantize_weights(model)` replaces each `nnx.Linear` of
 by an `Int8Linear`: its kernel int8 with one float32 scale per output column (symmetric,
 scale = max |w| / 127 over the column's K weights, so each weight's error is at most half
 a step of its own column), half the bytes of bf16. Activations, embeddings, the LM head,
-norms, biases and the KV cache keep their dtypes. Measured, the gain is memory (0.57-0.66x
-the weight bytes); decoding runs at about bf16's speed (0.91-1.03x on an H200,
-benchmarks/RESULTS.md "Int8 weights").
+norms, biases and the KV cache keep their dtypes. Measured (H200, benchmarks/RESULTS.md
+"Int8 weights"): 0.57-0.66x the weight bytes, and at batch 1-16 1.42-1.46x bf16's
+decoding throughput for the Llama-3.1-8B shape (1.21-1.24x Llama-3.2-1B, 1.05-1.10x GPT-2).
 
 `jax_paged.kernels.linear` reads the int8 tiles and scales the f32 accumulator in its
 epilogue (decode's few rows); elsewhere (prompts, CPU) XLA converts the weights and
-scales the product (`linear.scaled_product`). A linear whose K is at most its N (q/k/v,
-gate/up, out projections) stores its kernel transposed, [N, K]: K-contiguous int8 tiles
-reach the tensor cores at speed (Llama-3.1-8B's gate/up at 1-16 rows 23 µs, bf16's 55;
-in [K, N] 49), while the long-K down projections ran slower that way than in [K, N]
-(benchmarks/LOG.md, "twenty-eighth"). `jax_paged.nn`'s projections take either
+scales the product (`linear.scaled_product`). Kernels are stored transposed, [N, K]:
+K-contiguous int8 tiles reach the tensor cores at speed (Llama-3.1-8B's gate/up at 1 row
+32 µs, bf16's 55, [K, N] int8's 49; its down projection 17 vs 33 and 45;
+benchmarks/LOG.md, "twenty-ninth"). `jax_paged.nn`'s projections take either
 module; LoRA slots (`jax_paged.lora`) and tensor parallelism (`jax_paged.tensor_parallel`)
 work on top of quantized weights.
 """
@@ -43,7 +42,7 @@ class Int8Linear(nnx.Module):
     dtype: the compute dtype (as `nnx.Linear`'s: None = the inputs' and `param_dtype`'s
       common dtype).
     param_dtype: the dtype the weights had before quantization (LoRA slots take it).
-    transposed: the kernel's layout (static).
+    transposed: the kernel's layout (static; `quantize_linear` stores [N, K], the fast one).
   """
 
   def __init__(self, kernel: jax.Array, kernel_scale: jax.Array, bias: jax.Array | None,
@@ -115,12 +114,10 @@ def quantize(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_linear(proj: nnx.Linear) -> Int8Linear:
-  """An `Int8Linear` of proj's weights (bias, dtype kept), transposed where K <= N."""
+  """An `Int8Linear` of proj's weights (bias, dtype kept), its kernel stored [N, K]."""
   q, scale = quantize(proj.kernel[...])
-  transposed = proj.in_features <= proj.out_features
-  return Int8Linear(q.T if transposed else q, scale,
-                    None if proj.bias is None else proj.bias[...], dtype=proj.dtype,
-                    param_dtype=proj.kernel[...].dtype, transposed=transposed)
+  return Int8Linear(q.T, scale, None if proj.bias is None else proj.bias[...],
+                    dtype=proj.dtype, param_dtype=proj.kernel[...].dtype, transposed=True)
 
 
 def _child(node, key):

@@ -75,6 +75,40 @@ def test_linear_kernels_with_int8_weights_match_the_reference(dtype, tol, transp
                                atol=1e-5)
 
 
+def test_int8_transposed_tiles_step_deeper():
+  """An int8 [N, K] kernel's programs: 32 columns of 256-deep steps, or a wide output's 128
+  columns 128 deep up to 16 rows (64 past them), 4 warps; split-K at a long K in 8 units
+  of 64 columns (128 columns, 64 deep past 16 rows); a bf16 kernel's tiles unchanged."""
+  assert linear.whole_k_tiles(1, 4096, 6144, 2, int8_transposed=True) == (16, 32, 256, 4)
+  assert linear.whole_k_tiles(1, 768, 2304, 2, (768,) * 3, int8_transposed=True) == (
+      16, 32, 256, 4)
+  assert linear.whole_k_tiles(16, 4096, 28672, 2, (14336,) * 2,
+                              int8_transposed=True) == (16, 128, 128, 4)
+  assert linear.whole_k_tiles(64, 4096, 28672, 2, int8_transposed=True) == (64, 128, 64, 4)
+  assert linear.whole_k_tiles(1, 4096, 6144, 2) == (16, 32, 128, 4)
+  # f32 activations at 64 rows: 256-deep steps would not fit shared memory.
+  assert linear.whole_k_tiles(64, 4096, 6144, 4, int8_transposed=True).block_k == 128
+  assert linear.default_splits(14336, 4096, 1, int8_transposed=True) == 8
+  assert linear.default_splits(14336, 4096, 1) == 4
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_int8_transposed_long_k_tiles_match_the_reference(rows):
+  """At a long K (2048: the int8 [N, K] tile rules), the whole-K and split-K kernels in
+  interpret mode equal XLA's product of the same weights (f32)."""
+  rng = np.random.default_rng(9)
+  x = _rng_array(rng, (rows, 2048))
+  q, scale = weight_quant.quantize(_rng_array(rng, (2048, 96)))
+  bias = _rng_array(rng, (96,))
+  want = linear.linear_reference(x, q, bias, scale=scale)
+  got = linear.linear(x, q.T, bias, scale=scale, interpret=True, transposed=True)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  parts = linear.linear_partials(x, q.T, scale=scale, interpret=True, transposed=True)
+  assert parts.shape[0] == 8
+  np.testing.assert_allclose(parts.sum(0), linear.scaled_product(x, q, scale), rtol=1e-5,
+                             atol=1e-4)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_fused_projection_and_kv_write_with_int8_weights(transposed):
   """`pool.project_write_kv` with int8 weights ([K, N] or [N, K]): the Pallas kernel
@@ -169,9 +203,9 @@ def test_int8_model_serves_its_dequantized_twins_tokens(quantized):
   qkv = (int8.h[0].attn.qkv if hasattr(int8, "h") else int8.layers[0].self_attn.qkv)
   down = int8.h[0].mlp.c_proj if hasattr(int8, "h") else int8.layers[0].mlp.down
   assert qkv.kernel[...].dtype == jnp.int8
-  # K <= N stored [N, K] (the int8 kernels' fast layout); a down projection [K, N].
-  assert qkv.transposed and qkv.kernel[...].shape == (qkv.out_features, qkv.in_features)
-  assert not down.transposed and down.kernel[...].shape == (down.in_features, down.out_features)
+  # Stored [N, K], the int8 kernels' fast layout, down projections included.
+  for proj in (qkv, down):
+    assert proj.transposed and proj.kernel[...].shape == (proj.out_features, proj.in_features)
 
 
 def test_lora_adapters_on_int8_weights(quantized):
@@ -233,7 +267,7 @@ def test_cli_quantization_int8(capsys):
 def test_gpu_int8_kernels_and_model():
   """On a GPU (Triton): the linear, split-K and fused projection-write kernels with int8
   weights against XLA's product of the same weights (bf16 tolerance), and an int8 GPT-2
-  (heads of 64, f32; its q/k/v and c_fc stored transposed) serving its dequantized
+  (heads of 64, f32; its kernels stored transposed) serving its dequantized
   twin's tokens."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")

@@ -254,7 +254,8 @@ def project_write_kv_pallas(x: jax.Array, kernel: jax.Array, bias: jax.Array | N
   # Quantized, a program's columns are one head: its epilogue quantizes whole heads.
   block_m, block_n, block_k, num_warps = linear.whole_k_tiles(
       rows, depth, cols, x.dtype.itemsize, (q_width, d),
-      block_n=d if quantized else None)
+      block_n=d if quantized else None,
+      int8_transposed=transposed and kernel.dtype == jnp.int8)
   kernel_fn = functools.partial(
       _project_write_kernel, rows=rows, depth=depth, q_width=q_width, kv_width=hkv * d,
       head_dim=d, num_layers=layers, num_kv_heads=hkv, page_size=page_size,

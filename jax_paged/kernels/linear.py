@@ -19,9 +19,9 @@ weight-only W8A16): the kernels read the int8 tiles (half the bytes), convert th
 dtype for the tensor cores, and multiply the f32 accumulator by the columns' scales in
 the epilogue, so the product is x @ (kernel * scale) with no dequantized copy anywhere.
 A kernel may be stored transposed, [N, K] (`transposed=True`): the layout int8 tiles need
-to reach the tensor cores at speed (K contiguous; an [K, N] int8 tile ran 1.3-2x slower
-than bf16's at Llama's shapes, the [N, K] one at up to 0.43x bf16's time, H200;
-benchmarks/LOG.md, "twenty-eighth").
+to reach the tensor cores at speed (K contiguous), with deeper K steps than bf16's tiles
+(Llama-3.1-8B at 1 row on an H200, bf16 / int8 [K, N] / int8 [N, K]: gate/up 55 / 49 / 32
+µs, down 33 / 45 / 17; benchmarks/LOG.md, "twenty-ninth").
 
 Grid (N / block_n, splits, row blocks). A program owns output columns [n * block_n,
 (n + 1) * block_n) of up to 64 rows (padded to a power of two >= 16, the smallest
@@ -71,7 +71,7 @@ _BLOCK_N, _NARROW_BLOCK_N = 64, 32
 # programs (qkv's 3072 columns at 64 rows: 96 programs rather than 48), or for an output
 # of at least _WIDE_N columns 128-column programs of 64-deep steps (gate/up's 16384: 128
 # programs). `linear_partials` into 2048 columns and more takes 32 columns and 4 work
-# units (`_partials_shape`) where it took 64 and 8: each K split writes an f32 partial the
+# units (`_partials_tiles`) where it took 64 and 8: each K split writes an f32 partial the
 # consumer reads back. With both, the Llama decode step on an H200 ran 2325 -> 2200 µs at
 # batch 64 and 6900 -> 6400 at batch 256.
 _LONG_K, _WIDE_N = 2048, 8192
@@ -82,6 +82,17 @@ _WIDE_BLOCK_N, _WIDE_BLOCK_K = 128, 64
 # K, since every K split adds a partial for the consumer to read and a row block does not
 # (attention out + add_layer_norm 4.9 vs 5.5 µs, c_proj 7.8 vs 8.9).
 _ROW_BLOCK = 64
+# Int8 kernels stored [N, K] (`jax_paged.weight_quant`) read K-contiguous int8 rows, half a
+# bf16 tile's bytes per step, so their steps go deeper (H200, 1-64 rows, cold weights;
+# LOG.md, "twenty-ninth"). Whole-K: 32-column programs of 256-deep steps (Llama-3.1-8B's
+# q/k/v 12.3 vs 13.0 µs at 1 row; GPT-2's c_fc 2.8 vs 3.4, at 64 rows 4.1 vs 6.7), and for
+# a wide output 128 columns of 128-deep steps up to 16 rows (8B gate/up 32.2 vs 46.5 µs),
+# 64-deep past them (54.8 vs 69.6 at 64 rows); 4 warps. `linear_partials` at a long K: 8
+# work units of 64 columns, 128 deep, up to 16 rows (8B down 17.2 vs 19.7 µs at 1 row), of
+# 128 columns, 64 deep past them (28.8 vs 45.0 at 64 rows; 8B o 11.0 vs 16.2).
+_INT8_BLOCK_K, _INT8_WIDE_BLOCK_K = 256, 128
+_INT8_FEW_ROWS = 16
+_INT8_PARTIALS_UNITS = 8
 # Shared memory for the pipelined x and kernel tiles: an H100 / H200 SM has 227 KB, and
 # Triton buffers num_stages - 1 copies of each (f32 at 128 rows, 128-deep K, 4 stages asked
 # for 240 KB = 3 x 80 KB and failed to launch).
@@ -273,23 +284,28 @@ class Tiles(NamedTuple):
 
 
 def whole_k_tiles(rows: int, depth: int, cols: int, itemsize: int,
-                  sections: Sequence[int] = (), block_n: int | None = None) -> Tiles:
+                  sections: Sequence[int] = (), block_n: int | None = None,
+                  int8_transposed: bool = False) -> Tiles:
   """The tiles of whole-K programs (`linear`, or a kernel built on `matmul_tile`) for
-  `rows` x `depth` inputs of `itemsize` bytes and `cols` output columns. Column blocks
-  must each lie inside one of `sections` (widths): the block narrows to 64 or 32 columns
-  until it divides each. `block_n` fixes the columns (a kernel whose epilogue needs it)."""
+  `rows` x `depth` inputs of `itemsize` bytes and `cols` output columns, of a kernel
+  [K, N] in x's dtype or (`int8_transposed`) int8 [N, K]. Column blocks must each lie
+  inside one of `sections` (widths): the block narrows to 64 or 32 columns until it
+  divides each. `block_n` fixes the columns (a kernel whose epilogue needs it)."""
   block_m = _block_m(rows)
-  block_k = None
+  max_k = _BLOCK_K
   if block_n is None:
     block_n = _BLOCK_N
-    if depth >= _LONG_K:
+    if depth >= _LONG_K or int8_transposed:
       block_n = _WIDE_BLOCK_N if cols >= _WIDE_N else _NARROW_BLOCK_N
     while block_n > _NARROW_BLOCK_N and any(w % block_n for w in sections):
       block_n //= 2
     if block_n == _WIDE_BLOCK_N:
-      block_k = _WIDE_BLOCK_K
-  num_warps = _LONG_K_NUM_WARPS if depth >= _LONG_K else _NUM_WARPS
-  return Tiles(block_m, block_n, block_k or _block_k(block_m, depth, block_n, itemsize),
+      max_k = (_INT8_WIDE_BLOCK_K if int8_transposed and block_m <= _INT8_FEW_ROWS
+               else _WIDE_BLOCK_K)
+    elif int8_transposed and block_n == _NARROW_BLOCK_N:
+      max_k = _INT8_BLOCK_K
+  num_warps = _LONG_K_NUM_WARPS if depth >= _LONG_K or int8_transposed else _NUM_WARPS
+  return Tiles(block_m, block_n, _block_k(block_m, depth, block_n, itemsize, max_k),
                num_warps)
 
 
@@ -310,11 +326,12 @@ def _block_m(rows: int) -> int:
   return _tile(rows, _ROW_BLOCK)
 
 
-def _block_k(block_m: int, depth: int, block_n: int, itemsize: int) -> int:
-  """K per step: 128, halved until every stage's x and kernel tiles fit the shared-memory
-  budget (at 64-row blocks 128 fits every dtype at block_n 32 and 64; the budget guards
-  other tile constants), never much deeper than K."""
-  block_k = _tile(depth, _BLOCK_K)
+def _block_k(block_m: int, depth: int, block_n: int, itemsize: int,
+             max_k: int = _BLOCK_K) -> int:
+  """K per step: `max_k`, halved until every stage's x and kernel tiles fit the
+  shared-memory budget (at 64-row blocks 128 fits every dtype at block_n 32 and 64; the
+  budget guards other tile constants), never much deeper than K."""
+  block_k = _tile(depth, max_k)
   while (block_k > 16 and
          (_NUM_STAGES - 1) * (block_m + block_n) * block_k * itemsize > _SMEM_BYTES):
     block_k //= 2
@@ -427,7 +444,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if sections is None else split_sections(y, widths)
   x2 = x.reshape(-1, x.shape[-1])
   fused = activation is None or lowers_in_kernel(activation)
-  tiles = whole_k_tiles(*x2.shape, cols, x.dtype.itemsize, widths)
+  tiles = whole_k_tiles(*x2.shape, cols, x.dtype.itemsize, widths,
+                        int8_transposed=transposed and kernel.dtype == jnp.int8)
   ys = _linear_pallas(x2, kernel, scale, bias, _rows_of(low_rank),
                       activation=activation if fused else None,
                       out_dtype=out_dtype if fused else jnp.float32, k_split=None,
@@ -464,24 +482,41 @@ def lowers_in_kernel(activation: Callable[[jax.Array], jax.Array]) -> bool:
   return True
 
 
-def _partials_shape(depth: int, cols: int) -> tuple[int, int]:
-  """(columns per program, work units per column block) of `linear_partials`. A K over
-  1024 into fewer than _LONG_K columns (GPT-2's c_proj: 3072 x 768) has few column
-  blocks, so it finds its programs in K splits: 64 columns, 8 units. Otherwise 32
+def _partials_tiles(rows: int, depth: int, cols: int, itemsize: int,
+                    int8_transposed: bool = False) -> tuple[Tiles, int]:
+  """(tiles, work units per column block) of `linear_partials` for `rows` x `depth`
+  inputs of `itemsize` bytes and `cols` outputs, of a kernel [K, N] in x's dtype or
+  (`int8_transposed`) int8 [N, K]; the K step is the caller's (it divides the splits).
+  A K over 1024 into fewer than _LONG_K columns (GPT-2's c_proj: 3072 x 768) has few
+  column blocks, so it finds its programs in K splits: 64 columns, 8 units. Otherwise 32
   columns and 4 units: a short K needs no more (GPT-2's attention out, 768 x 768), and a
   wide output has its programs in columns, each K split writing one more f32 partial for
-  the consumer to read (Llama-3.2-1B's 2048 columns: 64 blocks)."""
-  if 1024 < depth and cols < _LONG_K:
-    return 2 * _NARROW_BLOCK_N, 8
-  return _NARROW_BLOCK_N, 4
+  the consumer to read (Llama-3.2-1B's 2048 columns: 64 blocks). An int8 [N, K] kernel at
+  a long K reads its half-size tiles in 8 units (_INT8_PARTIALS_UNITS)."""
+  block_m = _block_m(rows)
+  max_k = _BLOCK_K
+  if int8_transposed and depth >= _LONG_K:
+    units = _INT8_PARTIALS_UNITS
+    if block_m <= _INT8_FEW_ROWS:
+      block_n = 2 * _NARROW_BLOCK_N
+    else:
+      block_n, max_k = _WIDE_BLOCK_N, _WIDE_BLOCK_K
+  elif 1024 < depth and cols < _LONG_K:
+    block_n, units = 2 * _NARROW_BLOCK_N, 8
+  else:
+    block_n, units = _NARROW_BLOCK_N, 4
+  tiles = Tiles(block_m, block_n, _block_k(block_m, depth, block_n, itemsize, max_k),
+                _PARTIALS_NUM_WARPS)
+  return tiles, units
 
 
-def default_splits(depth: int, cols: int, rows: int) -> int:
+def default_splits(depth: int, cols: int, rows: int, int8_transposed: bool = False) -> int:
   """K splits of `linear_partials` for `rows` x `depth` inputs and `cols` outputs: its
-  work units per column block (`_partials_shape`; ~100 programs at GPT-2's widths, 256 at
+  work units per column block (`_partials_tiles`; ~100 programs at GPT-2's widths, 256 at
   Llama-3.2-1B's; fewer and each walks a longer serial K loop), made of row blocks
   first, K splits for the rest."""
-  return max(1, _partials_shape(depth, cols)[1] // pl.cdiv(rows, _block_m(rows)))
+  _, units = _partials_tiles(rows, depth, cols, 2, int8_transposed)
+  return max(1, units // pl.cdiv(rows, _block_m(rows)))
 
 
 def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = None,
@@ -505,12 +540,12 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   cols = _check_args(x, kernel, None, low_rank, scale, transposed)
   depth = x.shape[-1]
   rows = math.prod(x.shape[:-1])
-  splits = default_splits(depth, cols, rows) if splits is None else splits
+  int8_transposed = transposed and kernel.dtype == jnp.int8
+  splits = default_splits(depth, cols, rows, int8_transposed) if splits is None else splits
   if not (isinstance(splits, int) and splits > 0):
     raise ValueError(f"splits must be a positive int or None, got {splits!r}")
-  block_n, _ = _partials_shape(depth, cols)
-  block_m = _block_m(rows)
-  block_k = _block_k(block_m, depth, block_n, x.dtype.itemsize)
+  tiles, _ = _partials_tiles(rows, depth, cols, x.dtype.itemsize, int8_transposed)
+  block_k = tiles.block_k
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64
     block_k //= 2
   k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
@@ -525,7 +560,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   parts, = _linear_pallas(x.reshape(rows, depth), kernel, scale, None, _rows_of(low_rank),
                           activation=None, out_dtype=jnp.float32, k_split=k_split,
                           sections=(cols,),
-                          tiles=Tiles(block_m, block_n, block_k, _PARTIALS_NUM_WARPS),
+                          tiles=tiles._replace(block_k=block_k),
                           interpret=mode, transposed=transposed)
   return parts.reshape((parts.shape[0],) + x.shape[:-1] + (cols,))
 
