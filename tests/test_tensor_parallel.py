@@ -10,6 +10,7 @@ GPUs, `test_two_gpus_match_one_gpu` runs the engine case in the main process on 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -47,7 +48,6 @@ def test_engine_tokens_match_one_device(model):
   assert any(len(t) for t in ref)
   assert re.fullmatch("[a-d]{3,10}", bytes(ref[-1]).decode())  # the guided request
   assert result["tokens"]["2"] == ref
-  assert result["int8_tokens"]["2"] == result["int8_tokens"]["1"]
   if model == "gpt2":
     # Speculative decoding at TP 2: the same tokens, drafts kept.
     assert result["speculative_tokens"] == ref and result["accepted_tokens"] > 0
@@ -75,25 +75,27 @@ def test_engine_tokens_match_one_device(model):
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_logits_and_pool_match_one_device(model):
   """Prefill, a decode step and a prefill over the cached tokens (start): f32 logits within
-  1e-5 of one device's, and the gathered pool equal to one device's pool."""
+  1e-5 of one device's, and the gathered pool equal to one device's pool; with an int8
+  pool (scales split by kv head) as well."""
   result = _run_case("engine")[model]
-  for n in ("2", "4"):
-    for step, err in result["logit_errors"][n].items():
-      assert err < 1e-5, (n, step, err)
-    assert result["pool_errors"][n] < 1e-6, n
+  for prefix in ("", "int8_"):
+    for n in ("2", "4"):
+      for step, err in result[prefix + "logit_errors"][n].items():
+        assert err < 1e-5, (prefix, n, step, err)
+      assert result[prefix + "pool_errors"][n] < 1e-6, (prefix, n)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_pool_kv_is_sharded_by_kv_head(model):
   result = _run_case("engine")[model]
   layers, hkv, rest = result["pool_shape"][0], result["pool_shape"][1], result["pool_shape"][2:]
-  for n in ("2", "4"):
-    shards = result["shards"][n]
+  for prefix, n in itertools.product(("", "int8_"), ("2", "4")):
+    shards = result[prefix + "shards"][n]
     assert len(shards) == int(n) and len({s["device"] for s in shards}) == int(n)
     for i, s in enumerate(sorted(shards, key=lambda s: s["start"])):
       assert s["shape"] == [layers, hkv // int(n)] + rest  # only its kv heads
       assert s["start"] == i * hkv // int(n)
-    assert result["replicated"][n]  # page table, lengths, free stack, refcounts
+    assert result[prefix + "replicated"][n]  # page table, lengths, free stack, refcounts
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
@@ -151,7 +153,7 @@ def test_pool_sized_by_the_device_with_least_memory():
 def test_two_gpus_match_one_gpu():
   """On two GPUs of one host (skipped with fewer), in this process: the Triton kernels
   (heads of 64) per GPU under shard_map and XLA's all-reduces between them. TP 2's greedy
-  tokens (f32 and int8 pools) equal one GPU's, its logits and pool are within f32
+  tokens equal one GPU's, its logits and pool (f32 and int8 pools) are within f32
   tolerance, and each GPU holds half the kv heads."""
   import jax
   if len(jax.devices()) < 2:
@@ -161,12 +163,12 @@ def test_two_gpus_match_one_gpu():
   for name, res in result.items():
     assert res["preemptions"] > 0 and res["cached_prompt_tokens"] > 0, name
     assert res["tokens"]["2"] == res["tokens"]["1"], name
-    assert res["int8_tokens"]["2"] == res["int8_tokens"]["1"], name
     if name == "gpt2":
       assert res["speculative_tokens"] == res["tokens"]["1"], name
-    for step, err in res["logit_errors"]["2"].items():
-      assert err < 1e-5, (name, step, err)
-    assert res["pool_errors"]["2"] < 1e-5, name
+    for prefix in ("", "int8_"):
+      for step, err in res[prefix + "logit_errors"]["2"].items():
+        assert err < 1e-5, (name, prefix, step, err)
+      assert res[prefix + "pool_errors"]["2"] < 1e-5, (name, prefix)
     hkv = res["pool_shape"][1]
     assert sorted(s["start"] for s in res["shards"]["2"]) == [0, hkv // 2], name
     assert {s["shape"][1] for s in res["shards"]["2"]} == {hkv // 2}, name
@@ -232,20 +234,35 @@ def _engine(model, mesh, **kwargs):
                 mesh=mesh, **kwargs)
 
 
+def _forwards(runner, dtype) -> tuple[dict, object]:
+  """A prefill, a decode step and a prefill over the cached tokens (start) into a fresh
+  pool of `dtype` (None: the model's): ({step: logits}, the pool they leave)."""
+  kv = runner.create_pool(num_pages=16, page_size=8, max_seqs=3, max_pages_per_seq=8,
+                          dtype=dtype)
+  rng = np.random.default_rng(1)
+  tok = rng.integers(0, 256, (3, 16)).astype(np.int32)
+  lengths = np.array([16, 5, 11], np.int32)
+  ids = np.arange(3, dtype=np.int32)
+  logits = {}
+  logits["prefill"], kv = runner.prefill(kv, tok, lengths, ids)
+  logits["decode"], kv = runner.decode(kv, tok[:, 0], ids)
+  logits["prefill_start"], kv = runner.prefill(kv, tok, lengths, ids, np.asarray(kv.lengths))
+  return {k: np.asarray(v) for k, v in logits.items()}, kv
+
+
 def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
-  """For each model and TP size in `sizes` (1 first): three forwards' logits and pool,
-  how the pool is sharded; at TP 1 and 2 the engine's tokens (f32 and an int8 pool; GPT-2's
-  beams and speculative rounds too)."""
+  """For each model and TP size in `sizes` (1 first): three forwards' logits and pool
+  (f32 and an int8 pool), how the pool is sharded; at TP 1 and 2 the engine's tokens
+  (GPT-2's beams and speculative rounds too)."""
   import jax
-  from jax_paged import NgramSpeculation, Request, beam_search, tensor_parallel
+  from jax_paged import NgramSpeculation, beam_search, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
   out = {}
   for name, model in _models(head_dim).items():
     qkv_before = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
                             else model.layers[0].self_attn.qkv.kernel[...])
-    res = {"tokens": {}, "logprobs": {}, "prompt_logprobs": {}, "logit_errors": {},
-           "pool_errors": {}, "shards": {}, "replicated": {}}
-    ref_logits = ref_pool = None
+    res = {"tokens": {}, "logprobs": {}, "prompt_logprobs": {}}
+    ref = {}  # TP 1's logits and pool, by pool dtype
     for n in sizes:
       mesh = None if n == 1 else tensor_parallel.make_mesh(n)
       if n in (1, 2):
@@ -258,14 +275,6 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
         res["prompt_logprobs"][str(n)] = [[e.request_id, e.prompt_logprobs[1:],
                                            e.prompt_top_logprobs[1:]]
                                           for e in events if e.prompt_logprobs is not None]
-        # An int8 pool: its scales are split by kv head like its pages. The requests
-        # without penalties, guides and log-probabilities (the f32 runs cover those; each
-        # of their programs would compile again for int8), still sharing cached pages
-        # and forking.
-        res.setdefault("int8_tokens", {})[str(n)] = _engine(
-            model, mesh, cache_dtype="int8").generate(
-                [Request(r.prompt, r.max_new_tokens, n=r.n, temperature=r.temperature,
-                         seed=r.seed) for r in _requests()[:-1]])[0]
         if name == "gpt2":  # beam search: the fork onto the beams' rows
           beams, _ = beam_search(model, [r.prompt for r in _requests()[:3]], 10,
                                  beam_width=3, page_size=8, max_batch=6, mesh=mesh)
@@ -279,35 +288,30 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
         if n == 1:
           res["preemptions"] = report.preemptions
           res["cached_prompt_tokens"] = report.cached_prompt_tokens
-      # Logits of the three forwards, and the pool they leave.
+      # Logits of the three forwards, and the pool they leave; an int8 pool's too (its
+      # scales split by kv head like its pages).
       runner = ModelRunner(model, mesh)
-      kv = runner.create_pool(num_pages=16, page_size=8, max_seqs=3, max_pages_per_seq=8)
-      rng = np.random.default_rng(1)
-      tok = rng.integers(0, 256, (3, 16)).astype(np.int32)
-      lengths = np.array([16, 5, 11], np.int32)
-      ids = np.arange(3, dtype=np.int32)
-      logits = {}
-      logits["prefill"], kv = runner.prefill(kv, tok, lengths, ids)
-      logits["decode"], kv = runner.decode(kv, tok[:, 0], ids)
-      logits["prefill_start"], kv = runner.prefill(kv, tok, lengths, ids,
-                                                   np.asarray(kv.lengths))
-      logits = {k: np.asarray(v) for k, v in logits.items()}
-      pool = jax.device_get((kv.k_pages, kv.v_pages, kv.page_table, kv.lengths))
-      if n == 1:
-        ref_logits, ref_pool = logits, pool
-        res["pool_shape"] = list(kv.k_pages.shape)
-      else:
-        res["shards"][str(n)] = [{"shape": list(s.data.shape), "device": str(s.device),
-                                  "start": s.index[1].start or 0}
-                                 for s in kv.k_pages.addressable_shards]
-        res["replicated"][str(n)] = all(
-            x.sharding.is_fully_replicated for x in
-            (kv.page_table, kv.lengths, kv.free_pages, kv.num_free, kv.refcounts))
-        res["logit_errors"][str(n)] = {
+      for dtype in (None, "int8"):
+        logits, kv = _forwards(runner, dtype)
+        pool = jax.device_get((kv.k_pages, kv.v_pages, kv.page_table, kv.lengths)
+                              + ((kv.k_scales, kv.v_scales) if dtype else ()))
+        prefix = "int8_" if dtype else ""
+        if n == 1:
+          ref[dtype] = logits, pool
+          res["pool_shape"] = list(kv.k_pages.shape)
+          continue
+        ref_logits, ref_pool = ref[dtype]
+        res.setdefault(prefix + "logit_errors", {})[str(n)] = {
             k: float(np.abs(v - ref_logits[k]).max() / np.abs(ref_logits[k]).max())
             for k, v in logits.items()}
-        res["pool_errors"][str(n)] = max(float(np.abs(a - b).max())
-                                         for a, b in zip(pool, ref_pool))
+        res.setdefault(prefix + "pool_errors", {})[str(n)] = max(
+            float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(pool, ref_pool))
+        res.setdefault(prefix + "shards", {})[str(n)] = [
+            {"shape": list(s.data.shape), "device": str(s.device),
+             "start": s.index[1].start or 0} for s in kv.k_pages.addressable_shards]
+        res.setdefault(prefix + "replicated", {})[str(n)] = all(
+            x.sharding.is_fully_replicated for x in
+            (kv.page_table, kv.lengths, kv.free_pages, kv.num_free, kv.refcounts))
     qkv_after = np.asarray(model.h[0].attn.qkv.kernel[...] if name == "gpt2"
                            else model.layers[0].self_attn.qkv.kernel[...])
     outs = model.h[0].attn.out if name == "gpt2" else model.layers[0].self_attn.out
