@@ -10,7 +10,8 @@ Layers, each using only those before it:
   weight_quant   int8 weights (weight-only, per output column): Int8Linear, quantize_weights
   lora      LoRA adapters served beside the base model: LoraAdapter (PEFT checkpoints),
             the slots a model's linears hold and their per-row updates
-  nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, project_add_norm, dense
+  nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, RMSNorm,
+            project_add_norm, dense
   PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
   guided    structured output: Guide (a regular expression, JSON schema or choice of
             texts over a Vocabulary's tokens), Request(guide=...)

@@ -21,8 +21,9 @@ decode alike).
 
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
-few rows (the attention layer's `project=False` leaves its output projection to it);
-`project_add` the same without the norm (for a norm of the model's own, e.g. RMSNorm), and
+few rows (the attention layer's `project=False` leaves its output projection to it), for a
+`LayerNorm` or an `RMSNorm` (one kernel each where XLA runs two);
+`project_add` the same without the norm (for a norm of the model's own), and
 `dense` an `nnx.Linear` (+ activation) as one GEMM-with-epilogue kernel at those rows
 (`jax_paged.kernels.linear`). Each of them, and the attention layer, takes an int8
 `weight_quant.Int8Linear` as well as an `nnx.Linear`, and the rows' LoRA slots
@@ -207,6 +208,39 @@ class LayerNorm(nnx.Module):
     return layer_norm.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon,
                                  out_dtype=self.dtype or x.dtype)
 
+  def add(self, x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None,
+          interpret: bool | None) -> tuple[jax.Array, jax.Array]:
+    """(x + sum(parts) + parts_bias, its norm): `layer_norm.add_layer_norm`."""
+    return layer_norm.add_layer_norm(x, parts, self.scale[...], self.bias[...],
+                                     parts_bias=parts_bias, epsilon=self.epsilon,
+                                     out_dtype=self.dtype or x.dtype, interpret=interpret)
+
+
+class RMSNorm(nnx.Module):
+  """Hugging Face's LlamaRMSNorm (a `weight` of the same name and shape): x / rms(x) in
+  float32, rounded to x's dtype, times `weight`; computed by `jax_paged.layer_norm.rms_norm`,
+  one kernel on a GPU where XLA runs two.
+
+  Args:
+    num_features: the normalised (last) axis.
+    epsilon: added to the mean square.
+    param_dtype: the weight's dtype. The output's is x's and the weight's promoted.
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, param_dtype=jnp.float32):
+    self.epsilon = epsilon
+    self.weight = nnx.Param(jnp.ones((num_features,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., num_features] -> the same shape."""
+    return layer_norm.rms_norm(x, self.weight[...], epsilon=self.epsilon)
+
+  def add(self, x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None,
+          interpret: bool | None) -> tuple[jax.Array, jax.Array]:
+    """(x + sum(parts) + parts_bias, its norm): `layer_norm.add_rms_norm`."""
+    return layer_norm.add_rms_norm(x, parts, self.weight[...], parts_bias=parts_bias,
+                                   epsilon=self.epsilon, interpret=interpret)
+
 
 def _operands(proj: Linear, h: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
   """(h, kernel, keywords) as the kernels take them: h and a float kernel in the module's
@@ -305,21 +339,21 @@ def projection(proj: Linear, h: jax.Array, *, interpret: bool | None = None,
 
 
 def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
-                     norm: LayerNorm, *, interpret: bool | None = None,
+                     norm: LayerNorm | RMSNorm, *, interpret: bool | None = None,
                      adapters: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """x = residual + proj(h) and norm(x), as one kernel after the projection's GEMM.
 
   On a GPU with at most 256 rows, `proj` runs as a split-K GEMM
   (`jax_paged.linear.linear_partials`) whose f32 partial sums go straight to
-  `layer_norm.add_layer_norm` (sum + bias + residual, then the norm): no reduction kernel
-  for the projection and no separate norm. Elsewhere, the plain modules.
+  `layer_norm.add_layer_norm` / `add_rms_norm` (sum + bias + residual, then the norm): no
+  reduction kernel for the projection and no separate norm. Elsewhere, the plain modules.
 
   Args:
     proj: the projection added to the residual stream (kernel [K, N], optional bias [N]),
       float or `weight_quant.Int8Linear`.
     h: [..., K], its input.
     residual: [..., N], the residual stream.
-    norm: the layer norm applied to the new stream.
+    norm: the layer norm or RMS norm applied to the new stream.
     interpret: None = the kernel on a GPU, plain modules elsewhere; True = the kernel in
       Pallas interpret mode (tests).
     adapters: the rows' LoRA slots (`dense`), or None: their updates join the kernel's
@@ -339,10 +373,7 @@ def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
     return x, norm(x)
   parts = linear.linear_partials(h_c, kernel, interpret=mode, **quant,
                                  low_rank=lora.low_rank(proj, h, adapters))
-  return layer_norm.add_layer_norm(
-      residual, parts, norm.scale[...], norm.bias[...],
-      parts_bias=None if proj.bias is None else proj.bias[...], epsilon=norm.epsilon,
-      out_dtype=norm.dtype or residual.dtype, interpret=mode)
+  return norm.add(residual, parts, None if proj.bias is None else proj.bias[...], mode)
 
 
 def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,

@@ -6,8 +6,8 @@ by an `Int8Linear`: its kernel int8 with one float32 scale per output column (sy
 scale = max |w| / 127 over the column's K weights, so each weight's error is at most half
 a step of its own column), half the bytes of bf16. Activations, embeddings, the LM head,
 norms, biases and the KV cache keep their dtypes. Measured (H200, benchmarks/RESULTS.md
-"Int8 weights"): 0.57-0.66x the weight bytes, and at batch 1-16 1.42-1.46x bf16's
-decoding throughput for the Llama-3.1-8B shape (1.21-1.24x Llama-3.2-1B, 1.05-1.10x GPT-2).
+"Int8 weights"): 0.57-0.66x the weight bytes, and at batch 1-16 1.35-1.47x bf16's
+decoding throughput for the Llama-3.1-8B shape (1.14-1.16x Llama-3.2-1B, 1.00-1.03x GPT-2).
 
 `jax_paged.kernels.linear` reads the int8 tiles and scales the f32 accumulator in its
 epilogue (decode's few rows); elsewhere (prompts, CPU) XLA converts the weights and

@@ -185,20 +185,6 @@ class LlamaConfig:
     return cls(**{k: v for k, v in config.items() if k in names})
 
 
-class RMSNorm(nnx.Module):
-  """HF's LlamaRMSNorm: x / rms(x) in float32, cast back to x's dtype, times `weight`."""
-
-  def __init__(self, dim: int, *, eps: float, param_dtype):
-    self.eps = eps
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x [..., dim] -> the same shape, in the promotion of x's and the weight's dtypes."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...] * y.astype(x.dtype)
-
-
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [hidden, 2 * intermediate]
   projection (`gate_up`: gate's columns, then up's)."""
@@ -213,7 +199,7 @@ class MLP(nnx.Module):
 
   def hidden(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
     """silu(gate(x)) * up(x) [..., intermediate] (with the rows' LoRA `adapters`); the
-    block applies `down` with its residual add (`jax_paged.nn.project_add`)."""
+    block applies `down` with its residual add (`jax_paged.nn.project_add_norm`)."""
     # The width from the kernel: a tensor parallel device holds its share of it.
     width = weight_quant.columns(self.gate_up) // 2
     gate, up = paged_nn.dense(self.gate_up, x, sections=(width, width), adapters=adapters)
@@ -229,8 +215,8 @@ Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
 class DecoderLayer(nnx.Module):
   def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
-    norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps,
-                             param_dtype=param_dtype)
+    norm = functools.partial(paged_nn.RMSNorm, config.hidden_size,
+                             epsilon=config.rms_norm_eps, param_dtype=param_dtype)
     self.input_layernorm = norm()
     self.self_attn = paged_nn.PagedAttention(
         config.hidden_size, config.num_attention_heads, config.head_dim,
@@ -241,14 +227,20 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = norm()
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, attend: Attend,
-               adapters: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
-    """x [..., hidden] the residual stream -> (the new stream, the pool); `adapters`: the
-    rows' LoRA slots, or None."""
-    a, kv = attend(self.self_attn, self.input_layernorm(x), kv, layer)
-    x = paged_nn.project_add(self.self_attn.out, a, x, adapters=adapters)
-    h = self.mlp.hidden(self.post_attention_layernorm(x), adapters)
-    return paged_nn.project_add(self.mlp.down, h, x, adapters=adapters), kv
+  def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
+               attend: Attend, next_norm: paged_nn.RMSNorm,
+               adapters: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, pool_lib.KVPool]:
+    """x [..., hidden] the residual stream and h = input_layernorm(x) -> (the new stream,
+    its `next_norm` (the next layer's input_layernorm, or the final norm), the pool). Each
+    residual add is fused with the projection before it and the norm after it
+    (`project_add_norm`); `adapters`: the rows' LoRA slots, or None."""
+    a, kv = attend(self.self_attn, h, kv, layer)
+    x, h = paged_nn.project_add_norm(self.self_attn.out, a, x, self.post_attention_layernorm,
+                                     adapters=adapters)
+    x, h = paged_nn.project_add_norm(self.mlp.down, self.mlp.hidden(h, adapters), x,
+                                     next_norm, adapters=adapters)
+    return x, h, kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -275,7 +267,8 @@ class LlamaForCausalLM(nnx.Module):
     self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype,
                                          decode_impl=decode_impl, rngs=rngs)
                             for i in range(config.num_hidden_layers)])
-    self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+    self.norm = paged_nn.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps,
+                                 param_dtype=param_dtype)
     # HF's lm_head weight is [vocab, hidden], an embedding table's layout: `attend` and
     # the greedy kernel take it as it is, tied or not.
     self.lm_head = None if config.tie_word_embeddings else embed()
@@ -323,9 +316,11 @@ class LlamaForCausalLM(nnx.Module):
     """-> (the final norm of the residual stream, pool). Positions enter through the
     attention's rotary embedding only."""
     x = self.embed_tokens(tokens)
+    norms = [block.input_layernorm for block in self.layers] + [self.norm]
+    h = norms[0](x)
     for layer, block in enumerate(self.layers):
-      x, kv = block(x, kv, layer, attend, adapters)
-    return self.norm(x), kv
+      x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1], adapters)
+    return h, kv
 
   def _head(self) -> nnx.Embed:
     return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -91,29 +91,42 @@ def test_kernel_on_gpu(shape, dtype):
                              atol=_TOL[dtype])
 
 
-def _numpy_add_layer_norm(x, parts, scale, bias, parts_bias, epsilon):
-  """(x + sum(parts) + parts_bias rounded to x's dtype, its layer norm), float64."""
+def _numpy_total(x, parts, parts_bias):
+  """x + sum(parts) + parts_bias rounded to x's dtype, float64."""
   total = np.asarray(x, np.float64) + np.asarray(parts, np.float64).sum(0)
   if parts_bias is not None:
     total += np.asarray(parts_bias, np.float64)
-  total = np.asarray(jnp.asarray(total, jnp.float32).astype(x.dtype), np.float64)
-  return total, _numpy_layer_norm(total, scale, bias, epsilon)
+  return np.asarray(jnp.asarray(total, jnp.float32).astype(x.dtype), np.float64)
 
 
+def _numpy_rms_norm(x, weight, epsilon):
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + epsilon) * np.asarray(weight,
+                                                                              np.float64)
+
+
+@pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("shape,dtype,splits,with_bias", [
     ((5, 96), jnp.float32, 3, True), ((3, 7, 768), jnp.bfloat16, 4, True),
     ((2, 80), jnp.float16, 1, False), ((1059, 64), jnp.float32, 8, True),
 ])
-def test_add_layer_norm_matches_numpy(shape, dtype, splits, with_bias, monkeypatch):
+def test_add_norm_matches_numpy(shape, dtype, splits, with_bias, rms, monkeypatch):
+  """`add_layer_norm` / `add_rms_norm`: the kernel (interpret mode) and plain XLA."""
   monkeypatch.setattr(ln.triton_backend, "sm_count", lambda: 4)  # pack rows at small sizes
   x, scale, bias = _inputs(shape, dtype, seed=sum(shape) + splits)
   rng = np.random.default_rng(splits)
   parts = jnp.asarray(rng.standard_normal((splits,) + shape), jnp.float32)
   parts_bias = jnp.asarray(rng.standard_normal(shape[-1]), dtype) if with_bias else None
-  want_total, want = _numpy_add_layer_norm(x, parts, scale, bias, parts_bias, 1e-5)
+  want_total = _numpy_total(x, parts, parts_bias)
+  want = (_numpy_rms_norm(want_total, scale, 1e-5) if rms
+          else _numpy_layer_norm(want_total, scale, bias, 1e-5))
   for interpret in (True, None):  # the kernel; plain XLA (this machine has no GPU)
-    total, got = ln.add_layer_norm(x, parts, scale, bias, parts_bias=parts_bias,
+    if rms:
+      total, got = ln.add_rms_norm(x, parts, scale, parts_bias=parts_bias, epsilon=1e-5,
                                    interpret=interpret)
+    else:
+      total, got = ln.add_layer_norm(x, parts, scale, bias, parts_bias=parts_bias,
+                                     interpret=interpret)
     chex.assert_shape((total, got), shape)
     assert total.dtype == got.dtype == dtype
     chex.assert_tree_all_finite((total, got))
@@ -147,6 +160,94 @@ def test_add_layer_norm_on_gpu():
   fn = jax.jit(lambda *a: ln.add_layer_norm(*a, parts_bias=parts_bias))
   assert "add_layer_norm" in fn.lower(x, parts, scale, bias).as_text()
   total, got = fn(x, parts, scale, bias)
-  want_total, want = _numpy_add_layer_norm(x, parts, scale, bias, parts_bias, 1e-5)
+  want_total = _numpy_total(x, parts, parts_bias)
+  want = _numpy_layer_norm(want_total, scale, bias, 1e-5)
   np.testing.assert_allclose(np.asarray(total, np.float64), want_total, rtol=2e-2, atol=2e-2)
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2)
+
+
+def _hf_rms_norm(x, weight, epsilon):
+  """Hugging Face's LlamaRMSNorm (torch) on x and weight, as float64 numpy."""
+  import torch
+  from transformers.models.llama.modeling_llama import LlamaRMSNorm
+  dtypes = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16,
+            jnp.float16: torch.float16}
+  norm = LlamaRMSNorm(x.shape[-1], eps=epsilon).to(dtypes[weight.dtype.type])
+  with torch.no_grad():
+    norm.weight.copy_(torch.tensor(np.asarray(weight, np.float32)))
+    y = norm(torch.tensor(np.asarray(x, np.float32)).to(dtypes[x.dtype.type]))
+  return y.float().numpy().astype(np.float64), y.dtype
+
+
+@pytest.mark.parametrize("shape,dtype,weight_dtype", [
+    ((5, 96), jnp.float32, jnp.float32), ((3, 7, 768), jnp.bfloat16, jnp.bfloat16),
+    ((2, 80), jnp.bfloat16, jnp.float32),  # f32 weight: an f32 result, as the product's
+    ((1059, 64), jnp.float16, jnp.float16),  # several rows per program
+])
+def test_rms_norm_matches_hugging_face(shape, dtype, weight_dtype, monkeypatch):
+  """`rms_norm` (kernel in interpret mode, and plain XLA) and `nn.RMSNorm` against
+  transformers' LlamaRMSNorm on the same inputs: its dtype, its values."""
+  monkeypatch.setattr(ln.triton_backend, "sm_count", lambda: 4)  # pack rows at small sizes
+  x, weight, _ = _inputs(shape, dtype, seed=sum(shape) + 7)
+  weight = weight.astype(weight_dtype)
+  want, want_dtype = _hf_rms_norm(x, weight, 1e-6)
+  module = nn.RMSNorm(shape[-1], param_dtype=weight_dtype)
+  module.weight[...] = weight
+  for got in [ln.rms_norm(x, weight, interpret=interpret) for interpret in (True, None)] + [
+      module(x)]:
+    chex.assert_shape(got, shape)
+    assert str(got.dtype) == str(want_dtype).removeprefix("torch.")
+    chex.assert_tree_all_finite(got)
+    tol = _TOL[jnp.dtype(got.dtype).type]
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+
+
+def test_add_norm_past_the_partial_values_limit_takes_xla(monkeypatch):
+  """More than 16384 partial values per row (8 parts of 4096): plain XLA (there faster than
+  the kernel's one program per row), even in interpret mode; 4 parts: the kernel."""
+  calls = []
+  kernel = ln._layer_norm_pallas
+  monkeypatch.setattr(ln, "_layer_norm_pallas", lambda *a, **k: calls.append(1) or kernel(
+      *a, **k))
+  x, weight, bias = _inputs((2, 4096), jnp.float32, seed=10)
+  parts = jnp.asarray(np.random.default_rng(10).standard_normal((8, 2, 4096)), jnp.float32)
+  for rms in (False, True):
+    args = (x, parts, weight) if rms else (x, parts, weight, bias)
+    fused, reference = ((ln.add_rms_norm, ln.add_rms_norm_reference) if rms else
+                        (ln.add_layer_norm, ln.add_layer_norm_reference))
+    chex.assert_trees_all_equal(fused(*args, interpret=True),
+                                reference(*args, epsilon=1e-6 if rms else 1e-5))
+    assert not calls
+    fused(x, parts[:4], *args[2:], interpret=True)
+    assert calls == [1]
+    calls.clear()
+
+
+def test_rms_norm_rejects_bad_input():
+  x, weight, _ = _inputs((4, 64), jnp.float32, seed=8)
+  with pytest.raises(ValueError, match=r"weight must have shape \(64,\)"):
+    ln.rms_norm(x, weight[:32])
+  with pytest.raises(ValueError, match="floating"):
+    ln.rms_norm(jnp.ones((4, 64), jnp.int32), weight)
+  with pytest.raises(ValueError, match="parts must have shape"):
+    ln.add_rms_norm(x, jnp.ones((4, 64)), weight)
+  with pytest.raises(ValueError, match="weight must have shape"):
+    ln.add_rms_norm(x, jnp.ones((2, 4, 64)), weight[:8])
+
+
+@pytest.mark.gpu
+def test_rms_norms_on_gpu():
+  x, weight, _ = _inputs((64, 4096), jnp.bfloat16, seed=9)
+  fn = jax.jit(lambda x, w: ln.rms_norm(x, w))
+  assert "rms_norm" in fn.lower(x, weight).as_text()
+  want, _ = _hf_rms_norm(x, weight, 1e-6)
+  np.testing.assert_allclose(np.asarray(fn(x, weight), np.float64), want, rtol=2e-2, atol=2e-2)
+  parts = jnp.asarray(np.random.default_rng(9).standard_normal((4, 64, 4096)), jnp.float32)
+  fn = jax.jit(lambda *a: ln.add_rms_norm(*a))
+  assert "add_rms_norm" in fn.lower(x, parts, weight).as_text()
+  total, got = fn(x, parts, weight)
+  want_total, want = ln.add_rms_norm_reference(x, parts, weight, epsilon=1e-6)
+  np.testing.assert_allclose(np.asarray(total, np.float32), np.asarray(want_total, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2)

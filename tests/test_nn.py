@@ -249,16 +249,21 @@ def test_dense_matches_module(rows, dtype, monkeypatch):
                              rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
 @pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
-def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
-  # 5 and 7 rows take the split-K + add_layer_norm kernel (interpret mode); 300 rows are
-  # over the fused path's limit and take the plain modules.
-  fused_calls = _record_calls(monkeypatch, nn.layer_norm, "add_layer_norm", 1)
+def test_project_add_norm_matches_unfused(rows, dtype, norm_kind, monkeypatch):
+  # 5 and 7 rows take the split-K + add_layer_norm (add_rms_norm) kernel (interpret mode);
+  # 300 rows are over the fused path's limit and take the plain modules.
+  fused_calls = _record_calls(monkeypatch, nn.layer_norm, f"add_{norm_kind}_norm", 1)
   rng = np.random.default_rng(rows)
   proj, h = _random_linear(192, rows, dtype, rng)
-  norm = nn.LayerNorm(E, epsilon=1e-5, dtype=dtype, param_dtype=dtype)
-  norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, E), dtype)
-  norm.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  if norm_kind == "layer":
+    norm = nn.LayerNorm(E, epsilon=1e-5, dtype=dtype, param_dtype=dtype)
+    norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, E), dtype)
+    norm.bias[...] = jnp.asarray(rng.standard_normal(E), dtype)
+  else:
+    norm = nn.RMSNorm(E, epsilon=1e-5, param_dtype=dtype)
+    norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, E), dtype)
   residual = jnp.asarray(rng.standard_normal((rows, E)) * 2 + 1, dtype)
   x, y = nn.project_add_norm(proj, h, residual, norm, interpret=True)
   assert fused_calls == ([] if rows > 256 else [(4, rows, E)])  # 4 K-splits of 192
@@ -270,6 +275,8 @@ def test_project_add_norm_matches_unfused(rows, dtype, monkeypatch):
   np.testing.assert_allclose(np.asarray(y, np.float64),
                              np.asarray(norm(want_x.astype(jnp.float32)), np.float64),
                              rtol=tol, atol=tol * 4)
+  np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(norm(x), np.float64),
+                             rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])

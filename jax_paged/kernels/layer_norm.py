@@ -1,4 +1,5 @@
-"""Layer normalisation in one Pallas-Triton kernel, optionally fused with a residual add.
+"""Layer and RMS normalisation in one Pallas-Triton kernel, optionally fused with a
+residual add.
 
 XLA runs a layer norm as two kernels: a reduction for the row statistics, then an
 elementwise kernel that normalises. In a GPT-2 124M decode step at batch 128 those are 24
@@ -11,7 +12,11 @@ residual stream first, writing both the new stream and its normalised rows (vLLM
 fused_add_rms_norm, for layer norm). A projection at decode's few rows runs as a split-K
 GEMM whose partials XLA reduces in a kernel of its own; handing the partials to this
 kernel instead folds that reduction, the residual add and the next layer norm into one
-launch.
+launch. `rms_norm` / `add_rms_norm` are the same kernel for Llama's RMSNorm (Hugging Face's
+LlamaRMSNorm: no mean, no bias; the normalised row rounded to the stream's dtype before
+the weight multiplies it): XLA ran the partials' sum with the residual add, the mean of
+squares and the normalisation as three kernels of ~1.4 µs each (Llama-3.1-8B shape at
+batch 1 on an H200, LOG.md "twenty-ninth").
 
 Grid (rows / block_rows,): a program normalises `block_rows` rows of `features` values
 (padded to a power of two and masked). Statistics in f32 (the mean, then the mean of
@@ -37,6 +42,12 @@ _MAX_BLOCK_ROWS = 8
 # Values one program holds: 64 f32 registers per thread at 8 warps. Rows are packed only
 # up to this, and wider rows than this take plain XLA.
 _MAX_BLOCK_VALUES = _MAX_FEATURES = 16384
+# Partial values a fused add reads per row at most (parts x features); more take plain
+# XLA, whose elementwise sum spreads them over every SM where the kernel's one program per
+# row reads them alone. H200, add_rms_norm vs XLA, µs: 4096 features x 4 parts 2.3 / 2.9 /
+# 4.9 vs 3.3 / 3.7 / 6.4 at 1 / 16 / 64 rows, x 8 parts 3.7 / 4.3 / 8.5 vs 3.3 / 3.1 / 5.8
+# (4-32 warps alike; LOG.md, "twenty-ninth").
+_MAX_PART_VALUES = 16384
 
 
 def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
@@ -50,28 +61,52 @@ def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   return (y + bias.astype(jnp.float32)).astype(out_dtype)
 
 
+def rms_norm_reference(x: jax.Array, weight: jax.Array, *, epsilon: float,
+                       out_dtype=None) -> jax.Array:
+  """Plain-XLA RMS norm over the last axis (Hugging Face's LlamaRMSNorm); see `rms_norm`."""
+  out_dtype = jnp.promote_types(x.dtype, weight.dtype) if out_dtype is None else out_dtype
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+  return (weight * y.astype(x.dtype)).astype(out_dtype)
+
+
+def _residual_sum(x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None) -> jax.Array:
+  """x + sum(parts) + parts_bias, summed in f32, in x's dtype."""
+  total = x.astype(jnp.float32) + jnp.sum(parts.astype(jnp.float32), axis=0)
+  if parts_bias is not None:
+    total += parts_bias.astype(jnp.float32)
+  return total.astype(x.dtype)
+
+
 def add_layer_norm_reference(x: jax.Array, parts: jax.Array, scale: jax.Array,
                              bias: jax.Array, *, parts_bias: jax.Array | None = None,
                              epsilon: float, out_dtype=None) -> tuple[jax.Array, jax.Array]:
   """Plain-XLA `add_layer_norm`."""
-  total = x.astype(jnp.float32) + jnp.sum(parts.astype(jnp.float32), axis=0)
-  if parts_bias is not None:
-    total += parts_bias.astype(jnp.float32)
-  total = total.astype(x.dtype)
+  total = _residual_sum(x, parts, parts_bias)
   return total, layer_norm_reference(total, scale, bias, epsilon=epsilon, out_dtype=out_dtype)
 
 
+def add_rms_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
+                           parts_bias: jax.Array | None = None, epsilon: float,
+                           out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """Plain-XLA `add_rms_norm`."""
+  total = _residual_sum(x, parts, parts_bias)
+  return total, rms_norm_reference(total, weight, epsilon=epsilon, out_dtype=out_dtype)
+
+
 def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f: int,
-                       epsilon: float, num_parts: int, has_parts_bias: bool):
+                       epsilon: float, num_parts: int, has_parts_bias: bool, rms: bool):
   """Refs: x [rows, features]; with num_parts > 0, parts [num_parts, rows, features] and
-  (has_parts_bias) parts_bias [features]; scale, bias [features]; outputs: with
-  num_parts > 0, the sum [rows, features]; the normalised rows [rows, features]."""
+  (has_parts_bias) parts_bias [features]; scale [features] and (not `rms`) bias
+  [features]; outputs: with num_parts > 0, the sum [rows, features]; the normalised rows
+  [rows, features]."""
   x_ref, *refs = refs
   if num_parts:
     parts_ref, *refs = refs
     if has_parts_bias:
       parts_bias_ref, *refs = refs
-  scale_ref, bias_ref, *out_refs = refs
+  scale_ref, *refs = refs
+  bias_ref, *out_refs = (None, *refs) if rms else refs
   r = pl.program_id(0) * block_rows + jnp.arange(block_rows)
   cols = jnp.arange(block_f)
   col_mask = cols < features
@@ -80,7 +115,8 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
   # Loaded first: Triton keeps loads in program order around the reductions' barriers, so
   # loaded where they are used they added a memory latency after the last barrier.
   scale = plgpu.load(scale_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
-  bias = plgpu.load(bias_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
+  if not rms:
+    bias = plgpu.load(bias_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
   x = plgpu.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
   if num_parts:
     sum_ref, o_ref = out_refs
@@ -95,6 +131,12 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
     x = total.astype(jnp.float32)
   else:
     o_ref, = out_refs
+  if rms:  # (masked columns are 0)
+    y = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1) / features + epsilon)[:, None]
+    # Rounded to the stream's dtype before the weight multiplies it, as LlamaRMSNorm does.
+    y = y.astype(x_ref.dtype).astype(jnp.float32) * scale[None, :]
+    plgpu.store(o_ref.at[idx], y.astype(o_ref.dtype), mask=mask)
+    return
   mean = jnp.sum(x, axis=1) / features
   centred = jnp.where(mask, x - mean[:, None], 0.0)
   var = jnp.sum(centred * centred, axis=1) / features
@@ -105,7 +147,8 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
 @functools.partial(jax.jit, static_argnames=["epsilon", "out_dtype", "interpret"])
 def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: float,
                        out_dtype, interpret: bool):
-  """The kernel over x's rows; with `parts`, (sum, normalised sum) of `add_layer_norm`."""
+  """The kernel over x's rows (bias None: the RMS norm); with `parts`, (sum, normalised
+  sum) of `add_layer_norm` / `add_rms_norm`."""
   features = x.shape[-1]
   x2 = x.reshape(-1, features)
   rows = x2.shape[0]
@@ -120,7 +163,8 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
   num_warps = max(1, min(8, block_rows * block_f // 128))
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,
                              block_rows=block_rows, block_f=block_f, epsilon=epsilon,
-                             num_parts=num_parts, has_parts_bias=parts_bias is not None)
+                             num_parts=num_parts, has_parts_bias=parts_bias is not None,
+                             rms=bias is None)
   out_shape = jax.ShapeDtypeStruct((rows, features), out_dtype)
   inputs = [x2]
   if num_parts:
@@ -134,8 +178,8 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
       out_shape=out_shape,
       compiler_params=triton_backend.compiler_params(num_warps=num_warps, num_stages=1),
       interpret=interpret,
-      name="add_layer_norm" if num_parts else "layer_norm",
-  )(*inputs, scale, bias)
+      name=("add_" if num_parts else "") + ("rms_norm" if bias is None else "layer_norm"),
+  )(*inputs, scale, *(() if bias is None else (bias,)))
   return jax.tree.map(lambda y: y.reshape(x.shape), out)
 
 
@@ -182,12 +226,97 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
     parts_bias: [F] or None.
     epsilon: added to the variance.
     out_dtype: the normalised result's dtype (default x's).
-    interpret: as `layer_norm`.
+    interpret: as `layer_norm`; more than 16384 partial values per row (S x F) always take
+      plain XLA, faster there.
 
   Returns:
     (total [..., F] in x's dtype, layer_norm(total) [..., F] in `out_dtype`).
   """
   _check_norm_args(x, scale, bias)
+  _check_parts(x, parts, parts_bias)
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  mode = triton_backend.kernel_mode(interpret, supported=_takes(x, parts))
+  if mode is None:
+    return add_layer_norm_reference(x, parts, scale, bias, parts_bias=parts_bias,
+                                    epsilon=epsilon, out_dtype=out_dtype)
+  return _layer_norm_pallas(x, scale, bias, parts, parts_bias, epsilon=float(epsilon),
+                            out_dtype=out_dtype, interpret=mode)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, *, epsilon: float = 1e-6, out_dtype=None,
+             interpret: bool | None = None) -> jax.Array:
+  """RMS norm over the last axis, as Hugging Face's LlamaRMSNorm: weight * (x /
+  sqrt(mean(x^2) + epsilon)), the normalised x rounded to x's dtype before the product.
+
+  Args:
+    x: [..., F], f32 / bf16 / f16.
+    weight: [F].
+    epsilon: added to the mean square.
+    out_dtype: the result's dtype (default: x's and weight's promoted, as the product's).
+    interpret: as `layer_norm`.
+
+  Returns:
+    [..., F] in `out_dtype`; the statistics in f32.
+  """
+  _check_norm_args(x, weight)
+  out_dtype = jnp.dtype(jnp.promote_types(x.dtype, weight.dtype) if out_dtype is None
+                        else out_dtype)
+  mode = triton_backend.kernel_mode(interpret, supported=_takes(x))
+  if mode is None:
+    return rms_norm_reference(x, weight, epsilon=epsilon, out_dtype=out_dtype)
+  return _layer_norm_pallas(x, weight, None, epsilon=float(epsilon), out_dtype=out_dtype,
+                            interpret=mode)
+
+
+def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
+                 parts_bias: jax.Array | None = None, epsilon: float = 1e-6,
+                 out_dtype=None, interpret: bool | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+  """`add_layer_norm` with the RMS norm (`rms_norm`): vLLM's fused_add_rms_norm, with the
+  split-K partials of the projection being added summed in the same kernel.
+
+  Args:
+    x, parts, parts_bias: as `add_layer_norm`'s.
+    weight, epsilon, out_dtype: as `rms_norm`'s.
+    interpret: as `add_layer_norm`.
+
+  Returns:
+    (total [..., F] in x's dtype, rms_norm(total) [..., F] in `out_dtype`).
+  """
+  _check_norm_args(x, weight)
+  _check_parts(x, parts, parts_bias)
+  out_dtype = jnp.dtype(jnp.promote_types(x.dtype, weight.dtype) if out_dtype is None
+                        else out_dtype)
+  mode = triton_backend.kernel_mode(interpret, supported=_takes(x, parts))
+  if mode is None:
+    return add_rms_norm_reference(x, parts, weight, parts_bias=parts_bias, epsilon=epsilon,
+                                  out_dtype=out_dtype)
+  return _layer_norm_pallas(x, weight, None, parts, parts_bias, epsilon=float(epsilon),
+                            out_dtype=out_dtype, interpret=mode)
+
+
+def _takes(x: jax.Array, parts: jax.Array | None = None) -> bool:
+  """Whether the kernel takes x (and parts): non-empty, rows of at most 16384 features
+  (and 16384 partial values)."""
+  return x.size > 0 and x.shape[-1] <= _MAX_FEATURES and (
+      parts is None or parts.shape[0] * x.shape[-1] <= _MAX_PART_VALUES)
+
+
+def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None) -> None:
+  """Raises ValueError naming a bad argument (bias None: an RMS norm's, which has none)."""
+  if x.ndim < 1 or x.shape[-1] < 1:
+    raise ValueError(f"x must have a non-empty last (feature) axis, got shape {x.shape}")
+  if bias is None and scale.shape != x.shape[-1:]:
+    raise ValueError(f"weight must have shape {x.shape[-1:]} (x's last axis), got "
+                     f"{scale.shape}")
+  if bias is not None and (scale.shape != x.shape[-1:] or bias.shape != x.shape[-1:]):
+    raise ValueError(f"scale and bias must have shape {x.shape[-1:]} (x's last axis), got "
+                     f"{scale.shape} and {bias.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating dtype, got {x.dtype}")
+
+
+def _check_parts(x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None) -> None:
   if parts.ndim != x.ndim + 1 or parts.shape[1:] != x.shape or parts.shape[0] < 1:
     dims = ", ".join(map(str, x.shape))
     raise ValueError(f"parts must have shape [S >= 1, *x.shape] = [S, {dims}], got "
@@ -197,25 +326,3 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
   if parts_bias is not None and parts_bias.shape != x.shape[-1:]:
     raise ValueError(f"parts_bias must have shape {x.shape[-1:]} (x's last axis), got "
                      f"{parts_bias.shape}")
-  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  mode = triton_backend.kernel_mode(interpret, supported=_takes(x))
-  if mode is None:
-    return add_layer_norm_reference(x, parts, scale, bias, parts_bias=parts_bias,
-                                    epsilon=epsilon, out_dtype=out_dtype)
-  return _layer_norm_pallas(x, scale, bias, parts, parts_bias, epsilon=float(epsilon),
-                            out_dtype=out_dtype, interpret=mode)
-
-
-def _takes(x: jax.Array) -> bool:
-  """Whether the kernel takes x: non-empty, rows of at most 16384 features."""
-  return x.size > 0 and x.shape[-1] <= _MAX_FEATURES
-
-
-def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array) -> None:
-  if x.ndim < 1 or x.shape[-1] < 1:
-    raise ValueError(f"x must have a non-empty last (feature) axis, got shape {x.shape}")
-  if scale.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
-    raise ValueError(f"scale and bias must have shape {x.shape[-1:]} (x's last axis), got "
-                     f"{scale.shape} and {bias.shape}")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"x must be a floating dtype, got {x.dtype}")

@@ -87,9 +87,10 @@ _ROW_BLOCK = 64
 # LOG.md, "twenty-ninth"). Whole-K: 32-column programs of 256-deep steps (Llama-3.1-8B's
 # q/k/v 12.3 vs 13.0 µs at 1 row; GPT-2's c_fc 2.8 vs 3.4, at 64 rows 4.1 vs 6.7), and for
 # a wide output 128 columns of 128-deep steps up to 16 rows (8B gate/up 32.2 vs 46.5 µs),
-# 64-deep past them (54.8 vs 69.6 at 64 rows); 4 warps. `linear_partials` at a long K: 8
-# work units of 64 columns, 128 deep, up to 16 rows (8B down 17.2 vs 19.7 µs at 1 row), of
-# 128 columns, 64 deep past them (28.8 vs 45.0 at 64 rows; 8B o 11.0 vs 16.2).
+# 64-deep past them (54.8 vs 69.6 at 64 rows); 4 warps. `linear_partials` at a long K: 4
+# work units of 64 columns, 256 deep, up to 16 rows (8B down 17.4 vs 19.7 µs at 1 row;
+# 8 units of 128-deep steps ran 17.2, but the norm after it reads every unit's partial),
+# 8 units of 128 columns, 64 deep past them (28.8 vs 45.0 at 64 rows; 8B o 11.0 vs 16.2).
 _INT8_BLOCK_K, _INT8_WIDE_BLOCK_K = 256, 128
 _INT8_FEW_ROWS = 16
 _INT8_PARTIALS_UNITS = 8
@@ -492,15 +493,15 @@ def _partials_tiles(rows: int, depth: int, cols: int, itemsize: int,
   columns and 4 units: a short K needs no more (GPT-2's attention out, 768 x 768), and a
   wide output has its programs in columns, each K split writing one more f32 partial for
   the consumer to read (Llama-3.2-1B's 2048 columns: 64 blocks). An int8 [N, K] kernel at
-  a long K reads its half-size tiles in 8 units (_INT8_PARTIALS_UNITS)."""
+  a long K: 64 columns of 256-deep steps in 4 units up to 16 rows, past them 128 columns
+  in 8 units (_INT8_PARTIALS_UNITS)."""
   block_m = _block_m(rows)
   max_k = _BLOCK_K
   if int8_transposed and depth >= _LONG_K:
-    units = _INT8_PARTIALS_UNITS
     if block_m <= _INT8_FEW_ROWS:
-      block_n = 2 * _NARROW_BLOCK_N
+      block_n, units, max_k = 2 * _NARROW_BLOCK_N, 4, _INT8_BLOCK_K
     else:
-      block_n, max_k = _WIDE_BLOCK_N, _WIDE_BLOCK_K
+      block_n, units, max_k = _WIDE_BLOCK_N, _INT8_PARTIALS_UNITS, _WIDE_BLOCK_K
   elif 1024 < depth and cols < _LONG_K:
     block_n, units = 2 * _NARROW_BLOCK_N, 8
   else:
