@@ -10,7 +10,7 @@ the compiled kernel (GPU), interpret mode (`interpret=True`, tests) or plain XLA
   merge_attention   merging attention states by their log-sum-exp
   reference         the plain-jnp ground truth of those three
   linear            GEMMs with fused epilogues at decode's few rows; a tied LM head's argmax
-  layer_norm        layer norm, and the residual add + layer norm of a pre-LN block
+  layer_norm        layer and RMS norms, and the residual add + norm of a pre-norm block
   cache_write       K/V into the pool's pages (and the q/k/v projection that stores them)
   kv_quant          int8 / float8 cache dtypes: per-token scales, quantize / dequantize
   decode_reserve    a decode step's page reservation
