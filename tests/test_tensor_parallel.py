@@ -83,6 +83,7 @@ def test_logits_and_pool_match_one_device(model):
       for step, err in result[prefix + "logit_errors"][n].items():
         assert err < 1e-5, (prefix, n, step, err)
       assert result[prefix + "pool_errors"][n] < 1e-6, (prefix, n)
+  assert result["int8_code_steps"] == {"2": 0, "4": 0}
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
@@ -153,8 +154,8 @@ def test_pool_sized_by_the_device_with_least_memory():
 def test_two_gpus_match_one_gpu():
   """On two GPUs of one host (skipped with fewer), in this process: the Triton kernels
   (heads of 64) per GPU under shard_map and XLA's all-reduces between them. TP 2's greedy
-  tokens equal one GPU's, its logits and pool (f32 and int8 pools) are within f32
-  tolerance, and each GPU holds half the kv heads."""
+  tokens equal one GPU's, its logits and pool are within f32 tolerance (an int8 pool's
+  codes within one step), and each GPU holds half the kv heads."""
   import jax
   if len(jax.devices()) < 2:
     pytest.skip("needs two GPUs")
@@ -165,10 +166,15 @@ def test_two_gpus_match_one_gpu():
     assert res["tokens"]["2"] == res["tokens"]["1"], name
     if name == "gpt2":
       assert res["speculative_tokens"] == res["tokens"]["1"], name
-    for prefix in ("", "int8_"):
-      for step, err in res[prefix + "logit_errors"]["2"].items():
-        assert err < 1e-5, (name, prefix, step, err)
-      assert res[prefix + "pool_errors"]["2"] < 1e-5, (name, prefix)
+    for step, err in res["logit_errors"]["2"].items():
+      assert err < 1e-5, (name, step, err)
+    assert res["pool_errors"]["2"] < 1e-5 and res["int8_pool_errors"]["2"] < 1e-5, name
+    # An int8 pool: a K / V value that TP's summation order moves across a rounding
+    # boundary stores one code step apart (never more), which moves the logits by more
+    # than f32 rounding (bounded here at 1e-2 of their largest).
+    assert res["int8_code_steps"]["2"] <= 1, name
+    for step, err in res["int8_logit_errors"]["2"].items():
+      assert err < 1e-2, (name, step, err)
     hkv = res["pool_shape"][1]
     assert sorted(s["start"] for s in res["shards"]["2"]) == [0, hkv // 2], name
     assert {s["shape"][1] for s in res["shards"]["2"]} == {hkv // 2}, name
@@ -293,19 +299,25 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
       runner = ModelRunner(model, mesh)
       for dtype in (None, "int8"):
         logits, kv = _forwards(runner, dtype)
-        pool = jax.device_get((kv.k_pages, kv.v_pages, kv.page_table, kv.lengths)
-                              + ((kv.k_scales, kv.v_scales) if dtype else ()))
+        pages = jax.device_get((kv.k_pages, kv.v_pages))
+        # (An int8 pool's scales with the other float / int arrays; its codes apart.)
+        pool = jax.device_get((kv.page_table, kv.lengths) + (
+            (kv.k_scales, kv.v_scales) if dtype else ()))
+        pool, pages = (pool, pages) if dtype else (pool + pages, ())
         prefix = "int8_" if dtype else ""
         if n == 1:
-          ref[dtype] = logits, pool
+          ref[dtype] = logits, pool, pages
           res["pool_shape"] = list(kv.k_pages.shape)
           continue
-        ref_logits, ref_pool = ref[dtype]
+        ref_logits, ref_pool, ref_pages = ref[dtype]
         res.setdefault(prefix + "logit_errors", {})[str(n)] = {
             k: float(np.abs(v - ref_logits[k]).max() / np.abs(ref_logits[k]).max())
             for k, v in logits.items()}
         res.setdefault(prefix + "pool_errors", {})[str(n)] = max(
             float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(pool, ref_pool))
+        if dtype:  # the largest difference of a K / V code, in quantization steps
+          res.setdefault("int8_code_steps", {})[str(n)] = max(
+              int(np.abs(a.astype(np.int32) - b).max()) for a, b in zip(pages, ref_pages))
         res.setdefault(prefix + "shards", {})[str(n)] = [
             {"shape": list(s.data.shape), "device": str(s.device),
              "start": s.index[1].start or 0} for s in kv.k_pages.addressable_shards]
