@@ -33,6 +33,7 @@ few rows (the attention layer's `project=False` leaves its output projection to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal, Sequence
 
@@ -423,6 +424,8 @@ class PagedAttention(nnx.Module):
   Attributes:
     rope: a `RotaryEmbedding` applied to q and k (K is cached rotated), or None (a model
       with learned or no positions).
+    q_norm, k_norm: `RMSNorm`s of [head_dim] applied to each head of q and of k before
+      RoPE (Qwen3's; K is cached normalised), or None (`qk_norm_epsilon` None).
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
@@ -434,7 +437,7 @@ class PagedAttention(nnx.Module):
                num_kv_heads: int | None = None, scale: float | None = None,
                qkv_bias: bool = True, out_bias: bool = True,
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
-               decode_impl: DecodeImpl = "auto",
+               qk_norm_epsilon: float | None = None, decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -458,6 +461,10 @@ class PagedAttention(nnx.Module):
     self.rope = rope
     self.sliding_window = sliding_window
     self.decode_impl = decode_impl
+    head_norm = functools.partial(RMSNorm, head_dim, epsilon=qk_norm_epsilon,
+                                  param_dtype=param_dtype)
+    self.q_norm = None if qk_norm_epsilon is None else head_norm()
+    self.k_norm = None if qk_norm_epsilon is None else head_norm()
     self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim,
                           use_bias=qkv_bias, kernel_init=kernel_init, dtype=dtype,
                           param_dtype=param_dtype, rngs=rngs)
@@ -468,13 +475,16 @@ class PagedAttention(nnx.Module):
   def _project(self, x: jax.Array, positions: jax.Array | None = None,
                adapters: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k rotated
-    to `positions` (int [...], required with a `rope`) when the layer has a `rope`, and
-    the rows' LoRA updates (`adapters`, see `dense`)."""
+    """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k each
+    head normalised when the layer has `q_norm` / `k_norm`, then rotated to `positions`
+    (int [...], required with a `rope`) when it has a `rope`, and the rows' LoRA updates
+    (`adapters`, see `dense`)."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d), adapters=adapters)
     lead = x.shape[:-1]
     q, k, v = q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     if self.rope is not None:
       if positions is None:
         raise ValueError("a layer with a rope needs the tokens' positions")
@@ -560,7 +570,8 @@ class PagedAttention(nnx.Module):
     """
     b = x.shape[0]
     d = self.head_dim
-    if self.rope is None and (adapters is None or not lora.attached(self.qkv)):
+    if self.rope is None and self.k_norm is None and (adapters is None
+                                                      or not lora.attached(self.qkv)):
       x_c, kernel, quant = _operands(self.qkv, x)
       # On a GPU one kernel: the projection, K and V stored straight into the pages.
       q, kv = pool_lib.project_write_kv(
@@ -568,8 +579,8 @@ class PagedAttention(nnx.Module):
           None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d,
           **quant)
     else:
-      # K must be rotated (or get its LoRA update) before it is stored, which the fused
-      # kernel cannot do.
+      # K must be normalised, rotated or get its LoRA update before it is stored, which
+      # the fused kernel cannot do.
       q, k, v = self._project(x, jnp.maximum(lengths - 1, 0), adapters)
       kv = pool_lib.write_kv(kv, layer, slots, k, v)
     use_kernel = self.decode_impl == "kernel" or (

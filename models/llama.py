@@ -1,11 +1,15 @@
-"""Llama (and Mistral, Qwen2) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+"""Llama (and Mistral, Qwen2, Qwen3, Phi-3) in Flax NNX, decoding from a paged KV cache
+(`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
 a SwiGLU MLP, and an LM head (its own matrix, or tied to the embedding). The attention is
-`jax_paged.nn.PagedAttention`, so the K/V cache lives in the pool's pages. Two relatives
-differ only in configuration: Mistral attends within a sliding window, Qwen2 has q/k/v
-biases (and optionally a sliding window on its upper layers).
+`jax_paged.nn.PagedAttention`, so the K/V cache lives in the pool's pages. Its relatives
+differ in configuration and checkpoint names: Mistral attends within a sliding window,
+Qwen2 has q/k/v biases (and optionally a sliding window on its upper layers), Qwen3
+RMS-normalises each head of q and k before RoPE (q_norm, k_norm), and Phi-3 (Phi-3-mini
+/ medium 4k, Phi-4) stores q/k/v as one qkv_proj and gate / up as one gate_up_proj,
+optionally attending within a sliding window on every layer.
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -16,7 +20,9 @@ the forwards over the pool that `jax_paged`'s runner jits. Serve it with
 model.safetensors, or shards listed by model.safetensors.index.json. HF's q_proj, k_proj
 and v_proj (torch Linear weights, [out, in]) are transposed and concatenated into
 `PagedAttention.qkv`'s [in, (H + 2 Hkv) D] kernel, gate_proj and up_proj into the MLP's
-one `gate_up` kernel.
+one `gate_up` kernel (Phi-3's fused qkv_proj and gate_up_proj are that layout already).
+The eos ids are `generation_config.json`'s where it names them (what HF's `generate`
+stops on: Phi-3's chat turns end with <|end|>, which config.json does not list).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from jax_paged import weight_quant
 from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -48,12 +54,13 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral" or "qwen2", which decides the biases: Llama's
+    model_type: "llama", "mistral", "qwen2", "qwen3" or "phi3", which decides the biases,
+      Qwen3's q / k norms and the checkpoint's names: Llama's and Qwen3's
       `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
-      on o; Mistral has none.
-    sliding_window: W > 0 limits each token to the last W positions (Mistral; Qwen2 with
-      use_sliding_window), on the layers `layer_types` names "sliding_attention" (all of
-      them when layer_types is None).
+      on o; Mistral and Phi-3 have none.
+    sliding_window: W > 0 limits each token to the last W positions (Mistral, Phi-3;
+      Qwen2 / Qwen3 with use_sliding_window), on the layers `layer_types` names
+      "sliding_attention" (all of them when layer_types is None).
     rope_scaling: HF's dict ({"rope_type": "linear" | "llama3", "factor": ..., ...}) or
       None, kept as a sorted tuple of (key, value) pairs so that the config is hashable
       (a model's static structure).
@@ -145,7 +152,12 @@ class LlamaConfig:
 
   @property
   def out_bias(self) -> bool:
-    return self.attention_bias and self.model_type == "llama"
+    return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+  @property
+  def qk_norm(self) -> bool:
+    """Whether each head of q and k is RMS-normalised before RoPE (Qwen3)."""
+    return self.model_type == "qwen3"
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "LlamaConfig":
@@ -164,17 +176,28 @@ class LlamaConfig:
                          f"supported), got {rope!r}")
       config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
       config["rope_scaling"] = rope
-    if isinstance(config.get("rope_scaling"), Mapping) and config["rope_scaling"].get(
-        "rope_type", config["rope_scaling"].get("type")) == "default":
+    scaling = config.get("rope_scaling")
+    # transformers 4 keeps it beside the scaling (Phi-4-mini: 0.75), 5 inside it.
+    partial = config.pop("partial_rotary_factor", None)
+    if isinstance(scaling, Mapping):
+      partial = scaling.get("partial_rotary_factor", partial)
+    if partial not in (None, 1, 1.0):
+      raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head) is "
+                       "not supported")
+    if isinstance(scaling, Mapping) and scaling.get("rope_type",
+                                                    scaling.get("type")) == "default":
       config["rope_scaling"] = None
+    if model_type == "qwen3":
+      config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
     if model_type == "llama":  # HF's Llama has no window
       config.pop("sliding_window", None)
       config.pop("layer_types", None)
-    elif model_type == "mistral":  # every layer windowed; no biases
+    elif model_type in ("mistral", "phi3"):  # every layer windowed (if any); no biases
       config.pop("layer_types", None)
       config.pop("attention_bias", None)
-    else:  # qwen2: q/k/v biases; a window only with use_sliding_window, from a layer on
-      config.pop("attention_bias", None)
+    else:  # qwen2 / 3: a window only with use_sliding_window, from a layer on
+      if model_type == "qwen2":  # always q/k/v biases, never o's
+        config.pop("attention_bias", None)
       if not config.get("use_sliding_window", False):
         config["sliding_window"] = None
       if config.get("layer_types") is None and config.get("sliding_window") is not None:
@@ -222,6 +245,7 @@ class DecoderLayer(nnx.Module):
         config.hidden_size, config.num_attention_heads, config.head_dim,
         num_kv_heads=config.num_key_value_heads, qkv_bias=config.qkv_bias,
         out_bias=config.out_bias, rope=config.rope, sliding_window=config.window(layer),
+        qk_norm_epsilon=config.rms_norm_eps if config.qk_norm else None,
         decode_impl=decode_impl, kernel_init=nnx.initializers.normal(config.initializer_range),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
@@ -244,7 +268,7 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-  """Llama / Mistral / Qwen2 with an LM head, attending through a `KVPool`.
+  """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 with an LM head, attending through a `KVPool`.
 
   Args:
     config: the hyperparameters.
@@ -294,20 +318,25 @@ class LlamaForCausalLM(nnx.Module):
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
     q_proj, k_proj and v_proj in our fused qkv's columns, gate_proj and up_proj in
-    gate_up's, o_proj and down_proj whole."""
+    gate_up's (Phi-3's qkv_proj and gate_up_proj: all of them), o_proj and down_proj
+    whole."""
     c = self.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     targets = {}
     for i, layer in enumerate(self.layers):
       attn, mlp = layer.self_attn, layer.mlp
-      for name, target in (
-          ("self_attn.q_proj", lora.Target(attn.qkv, 0, q)),
-          ("self_attn.k_proj", lora.Target(attn.qkv, q, kv)),
-          ("self_attn.v_proj", lora.Target(attn.qkv, q + kv, kv)),
-          ("self_attn.o_proj", lora.Target(attn.out)),
-          ("mlp.gate_proj", lora.Target(mlp.gate_up, 0, c.intermediate_size)),
-          ("mlp.up_proj", lora.Target(mlp.gate_up, c.intermediate_size, c.intermediate_size)),
-          ("mlp.down_proj", lora.Target(mlp.down))):
+      if c.model_type == "phi3":
+        fused = (("self_attn.qkv_proj", lora.Target(attn.qkv)),
+                 ("mlp.gate_up_proj", lora.Target(mlp.gate_up)))
+      else:
+        fused = (("self_attn.q_proj", lora.Target(attn.qkv, 0, q)),
+                 ("self_attn.k_proj", lora.Target(attn.qkv, q, kv)),
+                 ("self_attn.v_proj", lora.Target(attn.qkv, q + kv, kv)),
+                 ("mlp.gate_proj", lora.Target(mlp.gate_up, 0, c.intermediate_size)),
+                 ("mlp.up_proj", lora.Target(mlp.gate_up, c.intermediate_size,
+                                             c.intermediate_size)))
+      for name, target in fused + (("self_attn.o_proj", lora.Target(attn.out)),
+                                   ("mlp.down_proj", lora.Target(mlp.down))):
         targets[f"model.layers.{i}.{name}"] = target
     return targets
 
@@ -456,9 +485,12 @@ _FUSED = {"self_attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v
           "self_attn.out": ("self_attn.o_proj",),
           "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
           "mlp.down": ("mlp.down_proj",)}
+# Phi-3 fuses them as we do (q, k, v; gate, up): one module each.
+_PHI3_FUSED = {**_FUSED, "self_attn.qkv": ("self_attn.qkv_proj",),
+               "mlp.gate_up": ("mlp.gate_up_proj",)}
 
 
-def _hf_sources(path: tuple[str, ...]) -> tuple[list[str], bool]:
+def _hf_sources(path: tuple[str, ...], model_type: str) -> tuple[list[str], bool]:
   """An nnx state path -> (the HF tensor names it is made of, whether they are torch
   Linear weights [out, in] to concatenate along out and transpose)."""
   if path == ("embed_tokens", "embedding"):
@@ -470,19 +502,33 @@ def _hf_sources(path: tuple[str, ...]) -> tuple[list[str], bool]:
   _, layer, *module, param = path  # ("layers", i, ..., "kernel" | "bias" | "weight")
   prefix = f"model.layers.{layer}."
   module = ".".join(module)
-  if module not in _FUSED:  # the norms
+  fused = _PHI3_FUSED if model_type == "phi3" else _FUSED
+  if module not in fused:  # the norms
     return [f"{prefix}{module}.{param}"], False
   kind = "weight" if param == "kernel" else "bias"
-  return [f"{prefix}{hf}.{kind}" for hf in _FUSED[module]], param == "kernel"
+  return [f"{prefix}{hf}.{kind}" for hf in fused[module]], param == "kernel"
+
+
+def _read_json(file: str) -> dict[str, Any]:
+  """A JSON object file's contents; ValueError naming the file if it is not one."""
+  try:
+    with open(file, encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{file}: not a readable JSON file ({e})") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{file}: not a JSON object")
+  return value
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                     decode_impl: paged_nn.DecodeImpl = "auto") -> LlamaForCausalLM:
-  """Loads a Hugging Face Llama, Mistral or Qwen2 checkpoint directory.
+  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint directory.
 
   Args:
     path: a directory with config.json and model.safetensors, or shards listed in
-      model.safetensors.index.json, as `transformers`' `save_pretrained` writes them.
+      model.safetensors.index.json, as `transformers`' `save_pretrained` writes them;
+      generation_config.json's eos_token_id, where present, replaces config.json's.
     dtype, param_dtype, decode_impl: as for `LlamaForCausalLM`.
 
   Raises:
@@ -496,11 +542,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
   config_file = os.path.join(path, "config.json")
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f"no config.json in {path}")
-  try:
-    with open(config_file, encoding="utf-8") as f:
-      config = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{config_file}: not a readable JSON file ({e})") from e
+  config = _read_json(config_file)
+  generation_file = os.path.join(path, "generation_config.json")
+  if os.path.isfile(generation_file):
+    eos = _read_json(generation_file).get("eos_token_id")
+    if eos is not None:
+      config = {**config, "eos_token_id": eos}
   try:
     config = LlamaConfig.from_dict(config)
   except (TypeError, ValueError, AttributeError) as e:
@@ -516,7 +563,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
   def load(key_path, spec: jax.ShapeDtypeStruct) -> jax.Array:
     names, linear_weight = _hf_sources(tuple(str(k.key) for k in key_path
-                                             if isinstance(k, jax.tree_util.DictKey)))
+                                             if isinstance(k, jax.tree_util.DictKey)),
+                                       config.model_type)
     parts = []
     for name in names:
       try:

@@ -1,4 +1,5 @@
-"""Llama, Mistral and Qwen2 on the paged pool against Hugging Face transformers (CPU, f32).
+"""Llama, Mistral, Qwen2, Qwen3 and Phi-3 on the paged pool against Hugging Face transformers
+(CPU, f32).
 
 Random-init HF models (biases and norm weights randomised too: HF initialises them to 0
 and 1, which would hide a misplaced tensor) are saved with `save_pretrained`, one file or
@@ -54,6 +55,15 @@ MODELS = {
         num_attention_heads=8, num_key_value_heads=2, use_sliding_window=True,
         sliding_window=6, max_window_layers=1, tie_word_embeddings=True),
         dict(max_shard_size="40KB")),
+    # q / k norms per head (head_dim 16: q is 128 wide, hidden 64), biases on q/k/v/o,
+    # layer 1 windowed to 5 positions.
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        use_sliding_window=True, sliding_window=5, max_window_layers=1), {}),
+    # One qkv_proj and one gate_up_proj per layer; every layer windowed to 7 positions.
+    "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, dict(
+        num_attention_heads=8, num_key_value_heads=2, sliding_window=7, pad_token_id=None),
+        {}),
 }
 
 
@@ -242,8 +252,23 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
   c = llama.LlamaConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 4,
                                    "use_sliding_window": True, "max_window_layers": 2})
   assert [c.window(i) for i in range(3)] == [None, None, 4]
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "qwen3", "attention_bias": True})
+  assert c.head_dim == 128 and c.qkv_bias and c.out_bias and c.qk_norm  # HF's defaults
+  assert c.window(2) is None
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "phi3", "sliding_window": 4,
+                                   "attention_bias": True, "layer_types": ["x"]})
+  assert [c.window(i) for i in range(3)] == [4, 4, 4] and not c.qkv_bias and not c.out_bias
   with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
     llama.LlamaConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+  with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
+    llama.LlamaConfig.from_dict({**base, "model_type": "phi3", "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+  # Phi-4-mini's RoPE on 3/4 of each head, as transformers 4 and 5 write it.
+  for partial in ({"partial_rotary_factor": 0.75},
+                  {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                       "partial_rotary_factor": 0.75}}):
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
+      llama.LlamaConfig.from_dict({**base, "model_type": "phi3", **partial})
   with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
     llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
   with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
@@ -305,6 +330,24 @@ def test_from_pretrained_errors(saved, tmp_path):
     llama.from_pretrained(tmp_path)
 
 
+def test_from_pretrained_takes_generation_configs_eos_ids(saved, tmp_path):
+  """HF's generate stops on generation_config.json's eos ids (Phi-3's chat turns end with
+  <|end|>, which config.json does not list): so do we."""
+  _, _, path = saved("phi3")
+  for file in path.iterdir():
+    (tmp_path / file.name).write_bytes(file.read_bytes())
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 9}))
+  generation = tmp_path / "generation_config.json"
+  generation.write_text(json.dumps({"eos_token_id": [9, 17]}))
+  assert llama.from_pretrained(tmp_path).spec.eos_token_ids == (9, 17)
+  generation.write_text(json.dumps({"do_sample": True}))  # no eos: config.json's
+  assert llama.from_pretrained(tmp_path).spec.eos_token_ids == (9,)
+  generation.write_text("[1, 2]")
+  with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+    llama.from_pretrained(tmp_path)
+
+
 def test_from_pretrained_bf16(saved):
   _, hf, path = saved("llama")
   half = llama.from_pretrained(path, dtype=jnp.bfloat16)
@@ -317,12 +360,12 @@ def test_from_pretrained_bf16(saved):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_triton_decode_matches_reference_and_hf_on_gpu(name, tmp_path):
-  """f32, head dim 64 (a shape the Triton kernels take): the decode attention kernel (with
-  Mistral's window), the q/k/v GEMM kernel and the cache-write kernel behind RoPE give the
-  reference path's and HF's greedy tokens."""
-  hf = _hf_model(name, head_dim=64)
+@pytest.mark.parametrize("name, head_dim", [("llama", 64), ("mistral", 64), ("phi3", 96)])
+def test_triton_decode_matches_reference_and_hf_on_gpu(name, head_dim, tmp_path):
+  """f32, head dims the Triton kernels take (Phi-3-mini's 96): the decode attention kernel
+  (with Mistral's and Phi-3's windows), the q/k/v GEMM kernel and the cache-write kernel
+  behind RoPE give the reference path's and HF's greedy tokens."""
+  hf = _hf_model(name, head_dim=head_dim)
   hf.save_pretrained(tmp_path)
   prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
   with jax.default_matmul_precision("highest"):
@@ -418,7 +461,7 @@ def test_cli_names_unsupported_and_broken_checkpoints(capsys, tmp_path):
   (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
   status, _, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
   assert status == 2 and ("model_type 'falcon' is not supported (supported: gpt2, llama, "
-                          "mistral, qwen2)") in err
+                          "mistral, phi3, qwen2, qwen3)") in err
   _hf_model("mistral").save_pretrained(tmp_path)
   weights = tmp_path / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:100])

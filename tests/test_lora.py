@@ -3,8 +3,9 @@ models, against merged weights, and the slots' and prefix cache's bookkeeping.
 
 Adapters are PEFT checkpoints saved with random A and B (`init_lora_weights=False`: B is
 zero by default, which would hide every error), loaded through `LoraAdapter.load`; the
-base models are random Hugging Face GPT-2 and Llama (GQA) checkpoints. Every run mixes
-requests of several adapters and of the base model in one batch.
+base models are random Hugging Face GPT-2 and Llama (GQA) checkpoints (and a Phi-3, whose
+adapters target its fused qkv_proj and gate_up_proj). Every run mixes requests of several
+adapters and of the base model in one batch.
 """
 
 import json
@@ -25,6 +26,8 @@ PAGE = 8
 VOCAB = 97
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = {"gpt2": GPT2_TARGETS, "llama": LLAMA_TARGETS,
+           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
 def hf_base(kind: str):
@@ -35,25 +38,25 @@ def hf_base(kind: str):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=96, n_embd=32, n_layer=2,
                                      n_head=4, bos_token_id=None, eos_token_id=None)
     return transformers.GPT2LMHeadModel(config).eval()
-  config = transformers.LlamaConfig(
+  config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM)
+                           if kind == "llama" else
+                           (transformers.Phi3Config, transformers.Phi3ForCausalLM))
+  config = config_cls(
       vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-      initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
       attn_implementation="eager")
-  return transformers.LlamaForCausalLM(config).eval()
+  return model_cls(config).eval()
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def saved(request, tmp_path_factory):
+def save_with_adapters(kind: str, root) -> tuple[str, str, dict[str, str]]:
   """(kind, base checkpoint dir, {adapter name: its PEFT dir}): two adapters of different
   ranks, the second with rsLoRA scaling and a per-module alpha, on every linear."""
   torch = pytest.importorskip("torch")
   peft = pytest.importorskip("peft")
-  kind = request.param
-  root = tmp_path_factory.mktemp(kind)
   base = os.path.join(root, "base")
   hf_base(kind).save_pretrained(base)
-  targets = GPT2_TARGETS if kind == "gpt2" else LLAMA_TARGETS
+  targets = TARGETS[kind]
   configs = {"a": dict(r=4, lora_alpha=8),
              "b": dict(r=2, lora_alpha=4, use_rslora=True,
                        alpha_pattern={targets[1]: 16})}
@@ -66,6 +69,12 @@ def saved(request, tmp_path_factory):
     adapters[name] = os.path.join(root, name)
     model.save_pretrained(adapters[name])
   return kind, base, adapters
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def saved(request, tmp_path_factory):
+  """`save_with_adapters` of GPT-2 and of Llama."""
+  return save_with_adapters(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _load(kind: str, path: str):
@@ -104,6 +113,16 @@ def _peft_logprobs(saved, adapter: str | None, tokens: list[int]) -> np.ndarray:
 
 
 def test_prompt_and_token_logprobs_match_peft_in_a_mixed_batch(saved):
+  _assert_logprobs_match_peft(saved)
+
+
+def test_phi3_adapters_on_fused_modules_match_peft(tmp_path):
+  """Phi-3's adapters on qkv_proj and gate_up_proj: each over all of our fused kernel's
+  columns."""
+  _assert_logprobs_match_peft(save_with_adapters("phi3", tmp_path))
+
+
+def _assert_logprobs_match_peft(saved):
   engine = _serving(saved, max_batch=8, num_pages=64, max_loras=2)
   names = ["a", None, "b", "a", "b", None]
   requests = [jax_paged.Request(p, max_new_tokens=6, lora=name, logprobs=True,

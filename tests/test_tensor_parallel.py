@@ -75,8 +75,9 @@ def test_engine_tokens_match_one_device(model):
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_logits_and_pool_match_one_device(model):
   """Prefill, a decode step and a prefill over the cached tokens (start): f32 logits within
-  1e-5 of one device's, and the gathered pool equal to one device's pool; with an int8
-  pool (scales split by kv head) as well."""
+  1e-5 of one device's, and the gathered pool within 1e-6 of one device's pool (relative:
+  the normalised K of Qwen3's heads is f32 rounding apart); with an int8 pool (scales
+  split by kv head) as well."""
   result = _run_case("engine")[model]
   for prefix in ("", "int8_"):
     for n in ("2", "4"):
@@ -193,9 +194,10 @@ def test_make_mesh_needs_the_devices():
 # ------------------------------------------------------ the cases (subprocesses, 4 devices)
 
 def _models(head_dim: int | None = None):
-  """A GPT-2 and a GQA Llama, f32, random. `head_dim` (64 on a GPU, where smaller heads
-  take the plain-XLA attention, not the kernels): the heads' width; None: the CPU cases'
-  small heads (16 and 8)."""
+  """A GPT-2 and a GQA Llama (Qwen3's), f32, random. `head_dim` (64 on a GPU, where
+  smaller heads take the plain-XLA attention, not the kernels): the heads' width; None:
+  the CPU cases' small heads (16 and 8)."""
+  import jax
   import jax.numpy as jnp
   from flax import nnx
   from models import gpt2, llama
@@ -203,14 +205,19 @@ def _models(head_dim: int | None = None):
                                            n_embd=4 * (head_dim or 16), n_layer=1, n_head=4,
                                            bos_token_id=None, eos_token_id=None),
                            dtype=jnp.float32, rngs=nnx.Rngs(0))
-  # GQA: 8 q heads sharing 4 kv heads (2 per group), q/k/v biases (Qwen2-style).
+  # GQA: 8 q heads sharing 4 kv heads (2 per group), biases on q/k/v/o and each head of q
+  # and k RMS-normalised (Qwen3-style; the norms' weights made unequal).
   l = llama.LlamaForCausalLM(llama.LlamaConfig(vocab_size=256, hidden_size=64,
                                                intermediate_size=96, num_hidden_layers=2,
                                                num_attention_heads=8, num_key_value_heads=4,
-                                               head_dim=head_dim,
+                                               head_dim=head_dim, attention_bias=True,
                                                max_position_embeddings=128,
-                                               model_type="qwen2", eos_token_id=None),
+                                               model_type="qwen3", eos_token_id=None),
                              dtype=jnp.float32, rngs=nnx.Rngs(1))
+  for layer in l.layers:
+    for i, norm in enumerate((layer.self_attn.q_norm, layer.self_attn.k_norm)):
+      norm.weight[...] = jax.random.uniform(jax.random.key(i), norm.weight.shape,
+                                            minval=0.5, maxval=1.5)
   return {"gpt2": g, "llama": l}
 
 
@@ -313,8 +320,10 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
         res.setdefault(prefix + "logit_errors", {})[str(n)] = {
             k: float(np.abs(v - ref_logits[k]).max() / np.abs(ref_logits[k]).max())
             for k, v in logits.items()}
+        # Relative to each array's largest value (at least 1: exact for the int arrays).
         res.setdefault(prefix + "pool_errors", {})[str(n)] = max(
-            float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(pool, ref_pool))
+            float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(b).max(), 1.0))
+            for a, b in zip(pool, ref_pool))
         if dtype:  # the largest difference of a K / V code, in quantization steps
           res.setdefault("int8_code_steps", {})[str(n)] = max(
               int(np.abs(a.astype(np.int32) - b).max()) for a, b in zip(pages, ref_pages))
