@@ -89,6 +89,7 @@ from jax_paged.cli import (BYTES, CLIError, Codec, _float_in, _notice, add_engin
                            model_families, parse_model_args)
 from jax_paged.guided import Guide, GuideCache
 from jax_paged.paged_model import ModelFamily, ModelSpec
+from jax_paged.reasoning import REASONING_PARSERS, ThinkParser
 from jax_paged.serving.engine import WARMUP_SAMPLING, Engine
 from jax_paged.serving.engine_loop import EngineClosed, EngineLoop, EngineProcess, Submission
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent, is_int
@@ -109,10 +110,12 @@ SAMPLING_FIELDS = (
 COMPLETION_FIELDS = SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs",
                                  "top_logprobs", "add_generation_prompt", "tools",
-                                 "tool_choice", "parallel_tool_calls")
+                                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens",
-                   "add_generation_prompt", "return_token_strs")
+                   "add_generation_prompt", "return_token_strs", "chat_template_kwargs")
+# What a template renders from the request's own fields, not from chat_template_kwargs.
+_TEMPLATE_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
 DETOKENIZE_FIELDS = ("model", "tokens")
 LOAD_LORA_FIELDS = ("lora_name", "lora_path")
 # The routes anyone may read without the API key (a load balancer's, a scraper's).
@@ -170,14 +173,15 @@ class ChatTemplate:
     self.special_tokens = dict(special_tokens or {})
 
   def render(self, messages: list[dict], add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> str:
+             tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> str:
     """The conversation (and the tools it may call, OpenAI's function objects, as
-    transformers passes them) as the model's text; raises APIError if the template
+    transformers passes them) as the model's text, with `extra` variables (a request's
+    chat_template_kwargs, e.g. Qwen3's enable_thinking); raises APIError if the template
     refuses it."""
     try:
-      return self._template.render(messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
+      return self._template.render(**{**self.special_tokens, **(extra or {})},
+                                   messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt)
     except self._error as e:
       raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
 
@@ -231,8 +235,9 @@ def read_chat_template(path: str | None, checkpoint: str | None) -> ChatTemplate
 class Served:
   """What the server serves: the model's name in the API, its spec, its text codec (None:
   token ids only), the tokens that end a completion unless `ignore_eos`, its chat
-  template (None: no chat completions), tool call parser (None: no tool calls) and
-  whether requests' `priority` orders them."""
+  template (None: no chat completions), tool call parser (None: no tool calls), whether
+  requests' `priority` orders them, its adapters and how chat answers' reasoning is
+  split from their content (None: not split)."""
 
   name: str
   spec: ModelSpec
@@ -244,6 +249,7 @@ class Served:
   # LoRA adapters served as models of their own names (a list: runtime updates change it)
   loras: Sequence[str] = ()
   lora_updates: bool = False  # adapters may be loaded and unloaded over the API
+  reasoning_parser: ThinkParser | None = None
   # Structured output's guides over the codec's vocabulary (None without a codec).
   guides: GuideCache | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -492,8 +498,15 @@ def _chat_prompt(body: dict, served: Served, add_special_tokens: bool = False,
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise APIError(400, "messages must be a non-empty list of messages", "messages")
+  extra = body.get("chat_template_kwargs")
+  if extra is not None and not (isinstance(extra, dict) and all(
+      isinstance(k, str) and k not in _TEMPLATE_ARGUMENTS for k in extra)):
+    raise APIError(400, "chat_template_kwargs must be an object of the template's extra "
+                        f"variables (not {', '.join(_TEMPLATE_ARGUMENTS)}, which are "
+                        f"fields of their own), got {extra!r:.200}", "chat_template_kwargs")
   text = served.chat_template.render([_message_text(m, i) for i, m in enumerate(messages)],
-                                     _boolean(body, "add_generation_prompt", True), tools)
+                                     _boolean(body, "add_generation_prompt", True), tools,
+                                     extra)
   ids = served.codec.encode(text, add_special_tokens=add_special_tokens)
   if not ids:
     raise APIError(400, "the chat template made the messages an empty text", "messages")
@@ -827,7 +840,8 @@ class _Choice:
   stop_text: str | None = None
   prompt_event: TokenEvent | None = None  # the first, with prompt log-probabilities
   sent_first: bool = False  # its first chunk was streamed
-  sent_chars: int = 0  # completion text streamed so far
+  sent_chars: int = 0  # completion text (a chat answer's content) streamed so far
+  sent_reasoning: int = 0  # a chat answer's reasoning streamed so far
   sent_tokens: int = 0  # tokens streamed so far (log-probabilities, ids)
   sent_offset: int = 0  # text_offset of the next streamed token
   sent_calls: bool = False  # its tool calls were streamed
@@ -865,6 +879,10 @@ class Answer:
     stops = completion.requests[0].stop
     self.hold = max(map(len, stops)) - 1 if len(stops) else 0
     self._scored: dict[int, tuple] = {}  # (guided_choice) engine id -> prompt logprobs
+    # A guided answer is its guide's text from its first token: no thinking to split.
+    self.reasoning = served.reasoning_parser if (
+        chat and completion.guided is None and completion.requests[0].guide is None
+    ) else None
 
   def take(self, events: list[TokenEvent], request_ids: list[int]) -> set[int]:
     """Adds events (`request_ids`: the engine's ids of the prompts; with guided_choice,
@@ -936,9 +954,10 @@ class Answer:
     codec = self.served.codec
     return codec.decode([token]) if codec else f"<{token}>"
 
-  def _text(self, c: _Choice) -> tuple[str, bool, list[ToolCall]]:
-    """The choice's completion text as far as it is settled, whether it is whole, and
-    its tool calls once it is (their text is not the answer's)."""
+  def _text(self, c: _Choice) -> tuple[str | None, str, bool, list[ToolCall]]:
+    """The choice's reasoning (None: not split, or none) and completion text (a split
+    answer's content) as far as they are settled, whether they are whole, and the tool
+    calls once it is (their text is not the answer's)."""
     tokens = c.tokens
     done = c.finish_reason is not None
     if done and c.finish_reason == "stop" and c.stop_text is None and tokens and (
@@ -950,13 +969,16 @@ class Answer:
     elif not done:  # an unfinished character, or the start of a stop text, may follow
       text = text.rstrip("\ufffd")
       text = text[:max(0, len(text) - self.hold)]
+    reasoning = None
+    if self.reasoning is not None:
+      reasoning, text = self.reasoning.split(text, done)
     parser = self.completion.tool_parser
     if parser is None:
-      return text, done, []
+      return reasoning, text, done, []
     if not done:  # (what may be calls is held back)
-      return text[:parser.content_end(text)], done, []
+      return reasoning, text[:parser.content_end(text)], done, []
     content, calls = parser.parse(text)
-    return content, done, calls[:None if self.completion.parallel_tool_calls else 1]
+    return reasoning, content, done, calls[:None if self.completion.parallel_tool_calls else 1]
 
   def _tool_calls(self, c: _Choice, calls: list[ToolCall]) -> list[dict]:
     """OpenAI's tool call objects (ids per choice and call, the same in every chunk)."""
@@ -1012,7 +1034,7 @@ class Answer:
     """The answer to a request that is not streamed, once every choice has finished."""
     choices = []
     for c in self.choices:
-      text, _, calls = self._text(c)
+      reasoning, text, _, calls = self._text(c)
       logprobs = None
       if self.completion.logprobs is not None:
         logprobs, _ = self._logprobs(c, c.events, 0, self.completion.echo)
@@ -1020,7 +1042,10 @@ class Answer:
         text = self._decode(c.prompt) + text
       choice = {"index": c.index}
       if self.completion.chat:
-        choice["message"] = {"role": "assistant", "content": text or None if calls else text}
+        choice["message"] = {"role": "assistant", "content": text or None if (
+            calls or reasoning is not None) else text}
+        if self.reasoning is not None:
+          choice["message"]["reasoning_content"] = reasoning
         if calls:
           choice["message"]["tool_calls"] = self._tool_calls(c, calls)
       else:
@@ -1036,12 +1061,13 @@ class Answer:
     choices = []
     for i in sorted(indices):
       c = self.choices[i]
-      text, done, calls = self._text(c)
+      reasoning, text, done, calls = self._text(c)
       delta = text[c.sent_chars:]
+      thought = (reasoning or "")[c.sent_reasoning:]
       first = not c.sent_first
       prefix = self._decode(c.prompt) if self.completion.echo and first else ""
       events = c.events[c.sent_tokens:]
-      if not (delta or prefix or done or (events and (
+      if not (delta or thought or prefix or done or (events and (
           self.completion.logprobs is not None or self.completion.return_token_ids))):
         continue
       logprobs = None
@@ -1050,7 +1076,9 @@ class Answer:
                                                  self.completion.echo and first)
       choice = {"index": c.index}
       if self.completion.chat:  # (the role with the first delta; the calls, whole, last)
-        choice["delta"] = dict({"role": "assistant"} if first else {}, content=delta)
+        choice["delta"] = dict({"role": "assistant"} if first else {},
+                               **({"reasoning_content": thought} if thought else {}),
+                               **({} if thought and not delta else {"content": delta}))
         if calls and not c.sent_calls:
           choice["delta"]["tool_calls"] = [dict(call, index=i) for i, call in
                                            enumerate(self._tool_calls(c, calls))]
@@ -1063,6 +1091,7 @@ class Answer:
         if first:
           choice["prompt_token_ids"] = c.prompt
       c.sent_chars, c.sent_tokens, c.sent_first = len(text), len(c.events), True
+      c.sent_reasoning = len(reasoning or "")
       choices.append(choice)
     if not choices:
       return None
@@ -1354,7 +1383,7 @@ class OpenAIServer(http.server.ThreadingHTTPServer):
 
 def add_served_arguments(p: argparse.ArgumentParser, families) -> None:
   """The model options and how its API answers (`served_of`): the served name, the chat
-  template, the tool call parser (the server's and `jax-paged-batch`'s)."""
+  template, the tool call and reasoning parsers (the server's and `jax-paged-batch`'s)."""
   add_model_arguments(p, families)
   p.add_argument("--seed", type=int, default=0,
                  help="the random weights' seed of a --model preset (default 0)")
@@ -1371,6 +1400,12 @@ def add_served_arguments(p: argparse.ArgumentParser, families) -> None:
                         "tools (tool_choice auto): hermes (Qwen2 / Qwen2.5, Hermes), "
                         "llama3_json (Llama 3.1+); the chat template must render the tools "
                         "(default: none, tools refused)")
+  api.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="return chat answers' <think> reasoning apart from their content "
+                        "(message.reasoning_content, delta.reasoning_content): deepseek_r1 "
+                        "(the answer starts thinking: DeepSeek-R1 and its distills, QwQ), "
+                        "qwen3 (thinking when the answer opens with <think>) (default: "
+                        "none, the reasoning stays in the content)")
 
 
 def served_of(args: argparse.Namespace, spec: ModelSpec, codec: Codec | None,
@@ -1384,8 +1419,10 @@ def served_of(args: argparse.Namespace, spec: ModelSpec, codec: Codec | None,
   loras = tuple(lora for lora, _ in args.lora_modules)
   if name in loras:
     raise CLIError(f"--lora-modules names an adapter {name!r}, the served model's name")
+  reasoning = args.reasoning_parser
   return Served(name, spec, codec, spec.eos_token_ids, chat_template, parser, prioritizes,
-                loras=loras, lora_updates=getattr(args, "allow_lora_updates", False))
+                loras=loras, lora_updates=getattr(args, "allow_lora_updates", False),
+                reasoning_parser=None if reasoning is None else REASONING_PARSERS[reasoning])
 
 
 def parse_args(argv: Sequence[str] | None, families) -> argparse.Namespace:

@@ -431,6 +431,11 @@ def test_chat_completions_render_the_template(served):
      "unknown fields"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600},
      "max_tokens", "context holds 512"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": ["x"]},
+     "chat_template_kwargs", "must be an object"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
+     "(not messages, tools, add_generation_prompt, which are fields of their own)"),
 ])
 def test_bad_chat_requests_are_named(served, body, param, message):
   url, _, _ = served
@@ -700,6 +705,87 @@ def test_tool_calls_in_answers_whole_and_streamed(model, parser, answer, content
     ids = [c["id"] for c in streamed_calls[0] + message["tool_calls"]]
     assert len(set(ids)) == len(ids) and all(i.startswith("call-chatcmpl-") for i in ids)
   assert chunk["choices"][0]["finish_reason"] == ("tool_calls" if calls else "stop")
+
+
+# Qwen3's switch in the template's dialect: an empty think block when thinking is off.
+THINKING_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                     "{% endfor %}[assistant] {% if enable_thinking is defined and "
+                     "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(model):
+  """A request's chat_template_kwargs are the template's variables (vLLM's field), in a
+  chat completion and in /tokenize."""
+  served = Served("tiny", model.spec, BYTES, (), ChatTemplate(THINKING_TEMPLATE))
+  body = {"messages": [{"role": "user", "content": "Hi"}]}
+  prompt = lambda extra: bytes(openai_server.parse_chat(
+      dict(body, **extra), served, random.Random(0)).prompts[0]).decode()
+  assert prompt({}) == "[user] Hi\n[assistant] "
+  assert prompt({"chat_template_kwargs": {"enable_thinking": False}}) == (
+      "[user] Hi\n[assistant] <think>\n\n</think>\n\n")
+  ids = openai_server.tokenize(dict(body, chat_template_kwargs={"enable_thinking": False}),
+                               served)["tokens"]
+  assert bytes(ids).decode().endswith("</think>\n\n")
+
+
+@pytest.mark.parametrize("parser,answer,reasoning,content", [
+    ("deepseek_r1", "Paris is in France.</think>\n\nParis.", "Paris is in France.",
+     "\n\nParis."),
+    ("deepseek_r1", "<think>\nHmm.</think>Paris.", "\nHmm.", "Paris."),
+    ("deepseek_r1", "Still thinking when cut", "Still thinking when cut", None),
+    ("qwen3", "<think>\nHmm.</think>\n\nParis.", "\nHmm.", "\n\nParis."),
+    ("qwen3", "Paris, without thinking.", None, "Paris, without thinking."),
+    ("qwen3", "<thin is not the tag", None, "<thin is not the tag"),
+    ("qwen3", "<think>cut mid-thought", "cut mid-thought", None)])
+def test_reasoning_apart_from_content_whole_and_streamed(model, parser, answer, reasoning,
+                                                         content):
+  """With a reasoning parser a chat answer's thinking is message.reasoning_content (its
+  tags in neither part) and the rest its content; streamed, the deltas' reasoning_content
+  and content add up to them, no delta holding a tag, whole or in part."""
+  served = Served("tiny", model.spec, BYTES, (0,), ChatTemplate(THINKING_TEMPLATE),
+                  reasoning_parser=openai_server.REASONING_PARSERS[parser])
+  body = {"messages": [{"role": "user", "content": "Where is Paris?"}]}
+  answer_of = lambda what: openai_server.Answer(openai_server.parse_chat(
+      dict(body), what, random.Random(0)), what)
+  whole = answer_of(served)
+  whole.take(_events(answer), [7])
+  message = whole.whole()["choices"][0]["message"]
+  assert message == {"role": "assistant", "content": content, "reasoning_content": reasoning}
+  streamed = answer_of(served)
+  events = _events(answer)
+  deltas = []
+  for i in range(0, len(events), 3):
+    chunk = streamed.chunk(streamed.take(events[i:i + 3], [7]))
+    deltas += [c["delta"] for c in chunk["choices"]] if chunk else []
+  assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+  assert "".join(d.get("content", "") for d in deltas) == (content or "")
+  if reasoning is not None:
+    assert not any("<" in d.get("reasoning_content", "") + d.get("content", "")
+                   for d in deltas)
+  # Without a parser the thinking stays in the content, as before.
+  plain = answer_of(dataclasses.replace(served, reasoning_parser=None))
+  plain.take(_events(answer), [7])
+  assert plain.whole()["choices"][0]["message"] == {"role": "assistant", "content": answer}
+
+
+def test_tool_calls_are_read_after_the_reasoning(model):
+  """A chat answer that thinks, then calls: the call from the content (a call written in
+  the thinking is not one); --reasoning-parser reaches what is served."""
+  call = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+  served = Served("tiny", model.spec, BYTES, (0,), ChatTemplate(TOOLS_TEMPLATE),
+                  openai_server.TOOL_PARSERS["hermes"],
+                  reasoning_parser=openai_server.REASONING_PARSERS["qwen3"])
+  answer = openai_server.Answer(openai_server.parse_chat(
+      {"messages": CONVERSATION[:1], "tools": [WEATHER]}, served, random.Random(0)), served)
+  answer.take(_events(f"<think>Maybe {call}?</think>\n{call}"), [7])
+  choice = answer.whole()["choices"][0]
+  assert choice["message"]["reasoning_content"] == f"Maybe {call}?"
+  assert choice["message"]["content"] == "\n" and choice["finish_reason"] == "tool_calls"
+  assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["weather"]
+  args = openai_server.parse_args(["--model", "tiny", "--reasoning-parser", "deepseek_r1"],
+                                  openai_server.resolve_families(["models.gpt2:FAMILY"]))
+  assert openai_server.served_of(args, model.spec, BYTES, None).reasoning_parser is (
+      openai_server.REASONING_PARSERS["deepseek_r1"])
 
 
 @pytest.mark.parametrize("fields,param,message", [

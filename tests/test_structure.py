@@ -12,8 +12,8 @@ PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
 # kernels <- pool, weight_quant <- lora <- nn <- paged_model, tensor_parallel, guided <-
-# serving <- cli, server_metrics <- openai_server <- openai_batch; tool_calls <-
-# openai_server).
+# serving <- cli, server_metrics <- openai_server <- openai_batch; tool_calls, reasoning
+# <- openai_server).
 ALLOWED = {
     "kernels": {"kernels"},
     "pool": {"kernels", "pool"},
@@ -30,8 +30,9 @@ ALLOWED = {
             "cli"},
     "server_metrics": {"serving", "server_metrics"},
     "tool_calls": {"tool_calls"},
+    "reasoning": {"reasoning"},
     "openai_server": {"paged_model", "guided", "serving", "cli", "server_metrics",
-                      "tool_calls", "openai_server"},
+                      "tool_calls", "reasoning", "openai_server"},
     "openai_batch": {"serving", "cli", "openai_server", "openai_batch"},
 }
 
