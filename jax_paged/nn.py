@@ -33,9 +33,8 @@ few rows (the attention layer's `project=False` leaves its output projection to 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -219,28 +218,36 @@ class LayerNorm(nnx.Module):
 
 class RMSNorm(nnx.Module):
   """Hugging Face's LlamaRMSNorm (a `weight` of the same name and shape): x / rms(x) in
-  float32, rounded to x's dtype, times `weight`; computed by `jax_paged.layer_norm.rms_norm`,
-  one kernel on a GPU where XLA runs two.
+  float32, rounded to x's dtype, times `weight`; with `unit_offset` GemmaRMSNorm's: times
+  1 + `weight` in float32, then rounded. Computed by `jax_paged.layer_norm.rms_norm`, one
+  kernel on a GPU where XLA runs two.
 
   Args:
     num_features: the normalised (last) axis.
     epsilon: added to the mean square.
-    param_dtype: the weight's dtype. The output's is x's and the weight's promoted.
+    param_dtype: the weight's dtype. The output's is x's and the weight's promoted
+      (`unit_offset`: x's).
+    unit_offset: Gemma's norm, whose weight starts at 0 (Llama's at 1).
   """
 
-  def __init__(self, num_features: int, *, epsilon: float = 1e-6, param_dtype=jnp.float32):
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, param_dtype=jnp.float32,
+               unit_offset: bool = False):
     self.epsilon = epsilon
-    self.weight = nnx.Param(jnp.ones((num_features,), param_dtype))
+    self.unit_offset = unit_offset
+    init = jnp.zeros if unit_offset else jnp.ones
+    self.weight = nnx.Param(init((num_features,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., num_features] -> the same shape."""
-    return layer_norm.rms_norm(x, self.weight[...], epsilon=self.epsilon)
+    return layer_norm.rms_norm(x, self.weight[...], epsilon=self.epsilon,
+                               unit_offset=self.unit_offset)
 
   def add(self, x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None,
           interpret: bool | None) -> tuple[jax.Array, jax.Array]:
     """(x + sum(parts) + parts_bias, its norm): `layer_norm.add_rms_norm`."""
     return layer_norm.add_rms_norm(x, parts, self.weight[...], parts_bias=parts_bias,
-                                   epsilon=self.epsilon, interpret=interpret)
+                                   epsilon=self.epsilon, interpret=interpret,
+                                   unit_offset=self.unit_offset)
 
 
 def _operands(proj: Linear, h: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
@@ -424,8 +431,9 @@ class PagedAttention(nnx.Module):
   Attributes:
     rope: a `RotaryEmbedding` applied to q and k (K is cached rotated), or None (a model
       with learned or no positions).
-    q_norm, k_norm: `RMSNorm`s of [head_dim] applied to each head of q and of k before
-      RoPE (Qwen3's; K is cached normalised), or None (`qk_norm_epsilon` None).
+    q_norm, k_norm: norms of [head_dim] applied to each head of q and of k before RoPE
+      (Qwen3's, Gemma 3's; K is cached normalised), made by `head_norm(head_dim)`, or
+      None (`head_norm` None).
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
@@ -437,7 +445,8 @@ class PagedAttention(nnx.Module):
                num_kv_heads: int | None = None, scale: float | None = None,
                qkv_bias: bool = True, out_bias: bool = True,
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
-               qk_norm_epsilon: float | None = None, decode_impl: DecodeImpl = "auto",
+               head_norm: Callable[[int], RMSNorm] | None = None,
+               decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -461,10 +470,8 @@ class PagedAttention(nnx.Module):
     self.rope = rope
     self.sliding_window = sliding_window
     self.decode_impl = decode_impl
-    head_norm = functools.partial(RMSNorm, head_dim, epsilon=qk_norm_epsilon,
-                                  param_dtype=param_dtype)
-    self.q_norm = None if qk_norm_epsilon is None else head_norm()
-    self.k_norm = None if qk_norm_epsilon is None else head_norm()
+    self.q_norm = None if head_norm is None else head_norm(head_dim)
+    self.k_norm = None if head_norm is None else head_norm(head_dim)
     self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim,
                           use_bias=qkv_bias, kernel_init=kernel_init, dtype=dtype,
                           param_dtype=param_dtype, rngs=rngs)

@@ -49,6 +49,28 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def rotary(head_dim: int, theta: float, scaling: Any,
+           max_position_embeddings: int) -> paged_nn.RotaryEmbedding:
+  """The rotary embedding of a base `theta` and HF's `scaling` (a dict or its sorted
+  items; None: none); ValueError for a type or setting it does not support."""
+  scaling = dict(scaling or ())
+  rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+  if rope_type not in ("default", "linear", "llama3"):
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use default, "
+                     "linear or llama3")
+  if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not "
+                     "supported")
+  scaling.pop("rope_theta", None)  # v5 configs repeat it here; `theta` holds it
+  if rope_type == "llama3":
+    scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+  known = {"factor", "low_freq_factor", "high_freq_factor",
+           "original_max_position_embeddings"}
+  return paged_nn.RotaryEmbedding(
+      head_dim, theta=float(theta), rope_type=rope_type,
+      **{k: v for k, v in scaling.items() if k in known and v is not None})
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
@@ -123,22 +145,8 @@ class LlamaConfig:
   @property
   def rope(self) -> paged_nn.RotaryEmbedding:
     """The rotary embedding of rope_theta and rope_scaling."""
-    scaling = dict(self.rope_scaling or ())
-    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-      raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use default, "
-                       "linear or llama3")
-    if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
-      raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not "
-                       "supported")
-    scaling.pop("rope_theta", None)  # v5 configs repeat it here; rope_theta holds it
-    if rope_type == "llama3":
-      scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-    known = {"factor", "low_freq_factor", "high_freq_factor",
-             "original_max_position_embeddings"}
-    return paged_nn.RotaryEmbedding(
-        self.head_dim, theta=float(self.rope_theta), rope_type=rope_type,
-        **{k: v for k, v in scaling.items() if k in known and v is not None})
+    return rotary(self.head_dim, self.rope_theta, self.rope_scaling,
+                  self.max_position_embeddings)
 
   def window(self, layer: int) -> int | None:
     """Layer `layer`'s sliding window (None: full causal attention)."""
@@ -153,6 +161,11 @@ class LlamaConfig:
   @property
   def out_bias(self) -> bool:
     return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+  @property
+  def activation(self) -> Callable[[jax.Array], jax.Array]:
+    """The MLP's gate activation."""
+    return jax.nn.silu
 
   @property
   def qk_norm(self) -> bool:
@@ -209,10 +222,12 @@ class LlamaConfig:
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [hidden, 2 * intermediate]
-  projection (`gate_up`: gate's columns, then up's)."""
+  """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with a config whose `activation` is
+  gelu), gate and up as one [hidden, 2 * intermediate] projection (`gate_up`: gate's
+  columns, then up's)."""
 
   def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.activation = config.activation
     init = nnx.initializers.normal(config.initializer_range)
     self.gate_up = nnx.Linear(config.hidden_size, 2 * config.intermediate_size, use_bias=config.mlp_bias,
                               kernel_init=init, dtype=dtype, param_dtype=param_dtype,
@@ -226,7 +241,7 @@ class MLP(nnx.Module):
     # The width from the kernel: a tensor parallel device holds its share of it.
     width = weight_quant.columns(self.gate_up) // 2
     gate, up = paged_nn.dense(self.gate_up, x, sections=(width, width), adapters=adapters)
-    return jax.nn.silu(gate) * up
+    return self.activation(gate) * up
 
 
 # attend(attention layer, normalised x, pool, layer index) -> (attention output before
@@ -238,14 +253,15 @@ Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
 class DecoderLayer(nnx.Module):
   def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
-    norm = functools.partial(paged_nn.RMSNorm, config.hidden_size,
-                             epsilon=config.rms_norm_eps, param_dtype=param_dtype)
+    norm_of = functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
+                                param_dtype=param_dtype)
+    norm = functools.partial(norm_of, config.hidden_size)
     self.input_layernorm = norm()
     self.self_attn = paged_nn.PagedAttention(
         config.hidden_size, config.num_attention_heads, config.head_dim,
         num_kv_heads=config.num_key_value_heads, qkv_bias=config.qkv_bias,
         out_bias=config.out_bias, rope=config.rope, sliding_window=config.window(layer),
-        qk_norm_epsilon=config.rms_norm_eps if config.qk_norm else None,
+        head_norm=norm_of if config.qk_norm else None,
         decode_impl=decode_impl, kernel_init=nnx.initializers.normal(config.initializer_range),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
@@ -278,6 +294,10 @@ class LlamaForCausalLM(nnx.Module):
     rngs: initialisation randomness (normal(initializer_range) weights, as HF does).
   """
 
+  # The blocks, and whether the final norm is Gemma's (a subclass's: `models.gemma3`).
+  decoder_layer = DecoderLayer
+  unit_offset_norm = False
+
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
@@ -288,11 +308,12 @@ class LlamaForCausalLM(nnx.Module):
                               embedding_init=init, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
     self.embed_tokens = embed()
-    self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype,
-                                         decode_impl=decode_impl, rngs=rngs)
+    self.layers = nnx.List([self.decoder_layer(config, i, dtype=dtype,
+                                               param_dtype=param_dtype,
+                                               decode_impl=decode_impl, rngs=rngs)
                             for i in range(config.num_hidden_layers)])
     self.norm = paged_nn.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps,
-                                 param_dtype=param_dtype)
+                                 param_dtype=param_dtype, unit_offset=self.unit_offset_norm)
     # HF's lm_head weight is [vocab, hidden], an embedding table's layout: `attend` and
     # the greedy kernel take it as it is, tied or not.
     self.lm_head = None if config.tie_word_embeddings else embed()
@@ -344,12 +365,15 @@ class LlamaForCausalLM(nnx.Module):
                adapters: jax.Array | None) -> tuple[jax.Array, pool_lib.KVPool]:
     """-> (the final norm of the residual stream, pool). Positions enter through the
     attention's rotary embedding only."""
-    x = self.embed_tokens(tokens)
+    x = self._embed(tokens)
     norms = [block.input_layernorm for block in self.layers] + [self.norm]
     h = norms[0](x)
     for layer, block in enumerate(self.layers):
       x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1], adapters)
     return h, kv
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    return self.embed_tokens(tokens)
 
   def _head(self) -> nnx.Embed:
     return self.embed_tokens if self.lm_head is None else self.lm_head
@@ -523,13 +547,29 @@ def _read_json(file: str) -> dict[str, Any]:
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                     decode_impl: paged_nn.DecodeImpl = "auto") -> LlamaForCausalLM:
-  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint directory.
+  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint directory
+  (`load_pretrained`).
+
+  Args:
+    path: as `load_pretrained`'s.
+    dtype, param_dtype, decode_impl: as for `LlamaForCausalLM`.
+  """
+  return load_pretrained(path, LlamaConfig.from_dict, functools.partial(
+      LlamaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl))
+
+
+def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
+                    model_of: Callable[..., nnx.Module]) -> nnx.Module:
+  """Loads a Hugging Face checkpoint directory of this module's layout (Llama's tensor
+  names, our fused projections; a model of models/ built on it, as Gemma 3's).
 
   Args:
     path: a directory with config.json and model.safetensors, or shards listed in
       model.safetensors.index.json, as `transformers`' `save_pretrained` writes them;
       generation_config.json's eos_token_id, where present, replaces config.json's.
-    dtype, param_dtype, decode_impl: as for `LlamaForCausalLM`.
+    config_of: config.json's dict -> the model's config (ValueError if unsupported); it
+      has a `model_type`.
+    model_of: (config, rngs=) -> the model, whose parameters the checkpoint fills.
 
   Raises:
     FileNotFoundError: the directory's config.json, its weights or a listed shard is
@@ -549,16 +589,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if eos is not None:
       config = {**config, "eos_token_id": eos}
   try:
-    config = LlamaConfig.from_dict(config)
+    config = config_of(config)
   except (TypeError, ValueError, AttributeError) as e:
     raise ValueError(f"{config_file}: {e}") from e
   checkpoint = _Checkpoint(path)
 
   # Shapes only: the checkpoint supplies every value, so nothing is initialised twice.
-  abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype,
-                                                     param_dtype=param_dtype,
-                                                     decode_impl=decode_impl,
-                                                     rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: model_of(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
 
   def load(key_path, spec: jax.ShapeDtypeStruct) -> jax.Array:

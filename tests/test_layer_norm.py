@@ -166,13 +166,16 @@ def test_add_layer_norm_on_gpu():
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2)
 
 
-def _hf_rms_norm(x, weight, epsilon):
-  """Hugging Face's LlamaRMSNorm (torch) on x and weight, as float64 numpy."""
+def _hf_rms_norm(x, weight, epsilon, gemma: bool = False):
+  """Hugging Face's LlamaRMSNorm (`gemma`: Gemma3RMSNorm) (torch) on x and weight, as
+  float64 numpy."""
   import torch
+  from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
   from transformers.models.llama.modeling_llama import LlamaRMSNorm
   dtypes = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16,
             jnp.float16: torch.float16}
-  norm = LlamaRMSNorm(x.shape[-1], eps=epsilon).to(dtypes[weight.dtype.type])
+  norm = (Gemma3RMSNorm if gemma else LlamaRMSNorm)(x.shape[-1], eps=epsilon).to(
+      dtypes[weight.dtype.type])
   with torch.no_grad():
     norm.weight.copy_(torch.tensor(np.asarray(weight, np.float32)))
     y = norm(torch.tensor(np.asarray(x, np.float32)).to(dtypes[x.dtype.type]))
@@ -198,6 +201,30 @@ def test_rms_norm_matches_hugging_face(shape, dtype, weight_dtype, monkeypatch):
     chex.assert_shape(got, shape)
     assert str(got.dtype) == str(want_dtype).removeprefix("torch.")
     chex.assert_tree_all_finite(got)
+    tol = _TOL[jnp.dtype(got.dtype).type]
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape,dtype,weight_dtype", [
+    ((5, 96), jnp.float32, jnp.float32), ((3, 7, 768), jnp.bfloat16, jnp.bfloat16),
+    ((2, 80), jnp.bfloat16, jnp.float32),  # f32 weight: still x's dtype, as Gemma's
+])
+def test_gemma_rms_norm_matches_hugging_face(shape, dtype, weight_dtype, monkeypatch):
+  """`unit_offset` (kernel in interpret mode, plain XLA, `nn.RMSNorm(unit_offset=True)`,
+  and the fused add's) against transformers' Gemma3RMSNorm: (1 + weight) in f32."""
+  monkeypatch.setattr(ln.triton_backend, "sm_count", lambda: 4)
+  x, weight, _ = _inputs(shape, dtype, seed=sum(shape) + 11)
+  weight = (weight - 1.0).astype(weight_dtype)  # centred on 0, as Gemma's
+  want, want_dtype = _hf_rms_norm(x, weight, 1e-6, gemma=True)
+  module = nn.RMSNorm(shape[-1], param_dtype=weight_dtype, unit_offset=True)
+  np.testing.assert_array_equal(module.weight[...], 0.0)  # the identity, as HF's init
+  module.weight[...] = weight
+  zero = jnp.zeros((1,) + shape, jnp.float32)  # the fused add of nothing: its norm alone
+  for got in [ln.rms_norm(x, weight, interpret=i, unit_offset=True) for i in (True, None)] + [
+      module(x)] + [ln.add_rms_norm(x, zero, weight, interpret=i, unit_offset=True)[1]
+                    for i in (True, None)]:
+    chex.assert_shape(got, shape)
+    assert str(got.dtype) == str(want_dtype).removeprefix("torch.")
     tol = _TOL[jnp.dtype(got.dtype).type]
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
 

@@ -4,7 +4,7 @@ models, against merged weights, and the slots' and prefix cache's bookkeeping.
 Adapters are PEFT checkpoints saved with random A and B (`init_lora_weights=False`: B is
 zero by default, which would hide every error), loaded through `LoraAdapter.load`; the
 base models are random Hugging Face GPT-2 and Llama (GQA) checkpoints (and a Phi-3, whose
-adapters target its fused qkv_proj and gate_up_proj). Every run mixes requests of several
+adapters target its fused qkv_proj and gate_up_proj, and a Gemma 3). Every run mixes requests of several
 adapters and of the base model in one batch.
 """
 
@@ -20,13 +20,13 @@ import jax_paged
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged.kernels import linear as linear_lib
-from models import gpt2, llama
+from models import gemma3, gpt2, llama
 
 PAGE = 8
 VOCAB = 97
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TARGETS = {"gpt2": GPT2_TARGETS, "llama": LLAMA_TARGETS,
+TARGETS = {"gpt2": GPT2_TARGETS, "llama": LLAMA_TARGETS, "gemma3": LLAMA_TARGETS,
            "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
@@ -38,9 +38,10 @@ def hf_base(kind: str):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=96, n_embd=32, n_layer=2,
                                      n_head=4, bos_token_id=None, eos_token_id=None)
     return transformers.GPT2LMHeadModel(config).eval()
-  config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM)
-                           if kind == "llama" else
-                           (transformers.Phi3Config, transformers.Phi3ForCausalLM))
+  config_cls, model_cls = {
+      "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+      "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+      "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[kind]
   config = config_cls(
       vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
@@ -78,7 +79,7 @@ def saved(request, tmp_path_factory):
 
 
 def _load(kind: str, path: str):
-  return (gpt2 if kind == "gpt2" else llama).from_pretrained(path)
+  return {"gpt2": gpt2, "gemma3": gemma3}.get(kind, llama).from_pretrained(path)
 
 
 def _serving(saved, model=None, **kwargs) -> jax_paged.Engine:
@@ -116,10 +117,11 @@ def test_prompt_and_token_logprobs_match_peft_in_a_mixed_batch(saved):
   _assert_logprobs_match_peft(saved)
 
 
-def test_phi3_adapters_on_fused_modules_match_peft(tmp_path):
-  """Phi-3's adapters on qkv_proj and gate_up_proj: each over all of our fused kernel's
-  columns."""
-  _assert_logprobs_match_peft(save_with_adapters("phi3", tmp_path))
+@pytest.mark.parametrize("kind", ["phi3", "gemma3"])
+def test_phi3_and_gemma3_adapters_match_peft(tmp_path, kind):
+  """Phi-3's adapters on qkv_proj and gate_up_proj (each over all of our fused kernel's
+  columns); Gemma 3's on its Llama-named modules, between its extra norms."""
+  _assert_logprobs_match_peft(save_with_adapters(kind, tmp_path))
 
 
 def _assert_logprobs_match_peft(saved):

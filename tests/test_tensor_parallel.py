@@ -121,7 +121,7 @@ def test_pallas_kernels_per_device_in_interpret_mode():
   attention, the decode reservation with copy-on-write, the linear and norm kernels) in
   Pallas interpret mode under shard_map: TP 2 matches one device."""
   result = _run_case("kernels")
-  for model in ("gpt2", "llama"):
+  for model in ("gpt2", "llama", "gemma3"):
     assert result[model]["tokens"]["2"] == result[model]["tokens"]["1"], model
     assert result[model]["logit_error"] < 1e-5, model
 
@@ -382,7 +382,7 @@ def case_kernels() -> dict:
   from flax import nnx
   from jax_paged import Request, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
-  from models import gpt2, llama
+  from models import gemma3, gpt2, llama
   models = {
       "gpt2": gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=64, n_embd=64,
                                                    n_layer=1, n_head=4, bos_token_id=None,
@@ -393,6 +393,12 @@ def case_kernels() -> dict:
           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
           max_position_embeddings=64, eos_token_id=None), dtype=jnp.float32,
           rngs=nnx.Rngs(1)),
+      # Gemma 3's four norms per block around the row-parallel projections, a window.
+      "gemma3": gemma3.Gemma3ForCausalLM(gemma3.Gemma3Config(
+          vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+          max_position_embeddings=64, sliding_window=4, eos_token_id=None),
+          dtype=jnp.float32, rngs=nnx.Rngs(2)),
   }
   out = {}
   for name, model in models.items():

@@ -62,12 +62,23 @@ def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, *, epsilon: float,
-                       out_dtype=None) -> jax.Array:
-  """Plain-XLA RMS norm over the last axis (Hugging Face's LlamaRMSNorm); see `rms_norm`."""
-  out_dtype = jnp.promote_types(x.dtype, weight.dtype) if out_dtype is None else out_dtype
+                       out_dtype=None, unit_offset: bool = False) -> jax.Array:
+  """Plain-XLA RMS norm over the last axis (Hugging Face's LlamaRMSNorm, or with
+  `unit_offset` GemmaRMSNorm); see `rms_norm`."""
+  out_dtype = _rms_out_dtype(x, weight, out_dtype, unit_offset)
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+  if unit_offset:
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(out_dtype)
   return (weight * y.astype(x.dtype)).astype(out_dtype)
+
+
+def _rms_out_dtype(x: jax.Array, weight: jax.Array, out_dtype, unit_offset: bool):
+  """The RMS norm's result dtype: `out_dtype`, or by default x's (`unit_offset`: Gemma's
+  product in f32 cast back) or x's and weight's promoted (Llama's product)."""
+  if out_dtype is not None:
+    return jnp.dtype(out_dtype)
+  return jnp.dtype(x.dtype if unit_offset else jnp.promote_types(x.dtype, weight.dtype))
 
 
 def _residual_sum(x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None) -> jax.Array:
@@ -88,18 +99,21 @@ def add_layer_norm_reference(x: jax.Array, parts: jax.Array, scale: jax.Array,
 
 def add_rms_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
                            parts_bias: jax.Array | None = None, epsilon: float,
-                           out_dtype=None) -> tuple[jax.Array, jax.Array]:
+                           out_dtype=None, unit_offset: bool = False
+                           ) -> tuple[jax.Array, jax.Array]:
   """Plain-XLA `add_rms_norm`."""
   total = _residual_sum(x, parts, parts_bias)
-  return total, rms_norm_reference(total, weight, epsilon=epsilon, out_dtype=out_dtype)
+  return total, rms_norm_reference(total, weight, epsilon=epsilon, out_dtype=out_dtype,
+                                   unit_offset=unit_offset)
 
 
 def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f: int,
-                       epsilon: float, num_parts: int, has_parts_bias: bool, rms: bool):
+                       epsilon: float, num_parts: int, has_parts_bias: bool, rms: bool,
+                       unit_offset: bool):
   """Refs: x [rows, features]; with num_parts > 0, parts [num_parts, rows, features] and
-  (has_parts_bias) parts_bias [features]; scale [features] and (not `rms`) bias
-  [features]; outputs: with num_parts > 0, the sum [rows, features]; the normalised rows
-  [rows, features]."""
+  (has_parts_bias) parts_bias [features]; scale [features] (`unit_offset`: the RMS norm
+  multiplies by 1 + scale) and (not `rms`) bias [features]; outputs: with num_parts > 0,
+  the sum [rows, features]; the normalised rows [rows, features]."""
   x_ref, *refs = refs
   if num_parts:
     parts_ref, *refs = refs
@@ -133,8 +147,10 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
     o_ref, = out_refs
   if rms:  # (masked columns are 0)
     y = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1) / features + epsilon)[:, None]
-    # Rounded to the stream's dtype before the weight multiplies it, as LlamaRMSNorm does.
-    y = y.astype(x_ref.dtype).astype(jnp.float32) * scale[None, :]
+    if unit_offset:  # GemmaRMSNorm: times 1 + weight in f32, rounded once
+      y = y * (1.0 + scale[None, :])
+    else:  # rounded to the stream's dtype before the weight multiplies it (LlamaRMSNorm)
+      y = y.astype(x_ref.dtype).astype(jnp.float32) * scale[None, :]
     plgpu.store(o_ref.at[idx], y.astype(o_ref.dtype), mask=mask)
     return
   mean = jnp.sum(x, axis=1) / features
@@ -144,11 +160,12 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
   plgpu.store(o_ref.at[idx], y.astype(o_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=["epsilon", "out_dtype", "interpret"])
+@functools.partial(jax.jit, static_argnames=["epsilon", "out_dtype", "interpret",
+                                             "unit_offset"])
 def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: float,
-                       out_dtype, interpret: bool):
-  """The kernel over x's rows (bias None: the RMS norm); with `parts`, (sum, normalised
-  sum) of `add_layer_norm` / `add_rms_norm`."""
+                       out_dtype, interpret: bool, unit_offset: bool = False):
+  """The kernel over x's rows (bias None: the RMS norm, by 1 + scale with `unit_offset`);
+  with `parts`, (sum, normalised sum) of `add_layer_norm` / `add_rms_norm`."""
   features = x.shape[-1]
   x2 = x.reshape(-1, features)
   rows = x2.shape[0]
@@ -164,7 +181,7 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,
                              block_rows=block_rows, block_f=block_f, epsilon=epsilon,
                              num_parts=num_parts, has_parts_bias=parts_bias is not None,
-                             rms=bias is None)
+                             rms=bias is None, unit_offset=unit_offset)
   out_shape = jax.ShapeDtypeStruct((rows, features), out_dtype)
   inputs = [x2]
   if num_parts:
@@ -244,40 +261,44 @@ def add_layer_norm(x: jax.Array, parts: jax.Array, scale: jax.Array, bias: jax.A
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, epsilon: float = 1e-6, out_dtype=None,
-             interpret: bool | None = None) -> jax.Array:
+             interpret: bool | None = None, unit_offset: bool = False) -> jax.Array:
   """RMS norm over the last axis, as Hugging Face's LlamaRMSNorm: weight * (x /
-  sqrt(mean(x^2) + epsilon)), the normalised x rounded to x's dtype before the product.
+  sqrt(mean(x^2) + epsilon)), the normalised x rounded to x's dtype before the product;
+  with `unit_offset` as GemmaRMSNorm: (1 + weight) times the normalised x in f32, rounded
+  once.
 
   Args:
     x: [..., F], f32 / bf16 / f16.
     weight: [F].
     epsilon: added to the mean square.
-    out_dtype: the result's dtype (default: x's and weight's promoted, as the product's).
+    out_dtype: the result's dtype (default: x's and weight's promoted, as the product's;
+      with `unit_offset` x's).
     interpret: as `layer_norm`.
+    unit_offset: Gemma's norm (its weights are centred on 0).
 
   Returns:
     [..., F] in `out_dtype`; the statistics in f32.
   """
   _check_norm_args(x, weight)
-  out_dtype = jnp.dtype(jnp.promote_types(x.dtype, weight.dtype) if out_dtype is None
-                        else out_dtype)
+  out_dtype = _rms_out_dtype(x, weight, out_dtype, unit_offset)
   mode = triton_backend.kernel_mode(interpret, supported=_takes(x))
   if mode is None:
-    return rms_norm_reference(x, weight, epsilon=epsilon, out_dtype=out_dtype)
+    return rms_norm_reference(x, weight, epsilon=epsilon, out_dtype=out_dtype,
+                              unit_offset=unit_offset)
   return _layer_norm_pallas(x, weight, None, epsilon=float(epsilon), out_dtype=out_dtype,
-                            interpret=mode)
+                            interpret=mode, unit_offset=unit_offset)
 
 
 def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
                  parts_bias: jax.Array | None = None, epsilon: float = 1e-6,
-                 out_dtype=None, interpret: bool | None = None
+                 out_dtype=None, interpret: bool | None = None, unit_offset: bool = False
                  ) -> tuple[jax.Array, jax.Array]:
   """`add_layer_norm` with the RMS norm (`rms_norm`): vLLM's fused_add_rms_norm, with the
   split-K partials of the projection being added summed in the same kernel.
 
   Args:
     x, parts, parts_bias: as `add_layer_norm`'s.
-    weight, epsilon, out_dtype: as `rms_norm`'s.
+    weight, epsilon, out_dtype, unit_offset: as `rms_norm`'s.
     interpret: as `add_layer_norm`.
 
   Returns:
@@ -285,14 +306,13 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
   """
   _check_norm_args(x, weight)
   _check_parts(x, parts, parts_bias)
-  out_dtype = jnp.dtype(jnp.promote_types(x.dtype, weight.dtype) if out_dtype is None
-                        else out_dtype)
+  out_dtype = _rms_out_dtype(x, weight, out_dtype, unit_offset)
   mode = triton_backend.kernel_mode(interpret, supported=_takes(x, parts))
   if mode is None:
     return add_rms_norm_reference(x, parts, weight, parts_bias=parts_bias, epsilon=epsilon,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, unit_offset=unit_offset)
   return _layer_norm_pallas(x, weight, None, parts, parts_bias, epsilon=float(epsilon),
-                            out_dtype=out_dtype, interpret=mode)
+                            out_dtype=out_dtype, interpret=mode, unit_offset=unit_offset)
 
 
 def _takes(x: jax.Array, parts: jax.Array | None = None) -> bool:

@@ -1,0 +1,249 @@
+"""Gemma 3 (text) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+
+Hugging Face's `Gemma3ForCausalLM` (`model_type` "gemma3_text": Gemma 3 1B, and text-only
+exports of the larger ones) is Llama's decoder (`models.llama`: GQA through
+`jax_paged.nn.PagedAttention`, a gated MLP, the same checkpoint names and loader) with
+Gemma's differences:
+
+* RMS norms of weights centred on 0, which scale by 1 + weight in f32
+  (`nn.RMSNorm(unit_offset=True)`), four per block: the attention's and the MLP's outputs
+  are normalised before their residual adds (post_attention_layernorm,
+  post_feedforward_layernorm), their inputs after (input_layernorm,
+  pre_feedforward_layernorm);
+* each head of q and k normalised so before RoPE (q_norm, k_norm), and attention scores
+  scaled by query_pre_attn_scalar^-1/2;
+* sliding-window layers (five of every six by default) with RoPE of base
+  rope_local_base_freq, the others attending to everything with base rope_theta (and
+  rope_scaling);
+* a GeGLU MLP (tanh-approximated gelu), embeddings scaled by sqrt(hidden_size) (rounded
+  to the weights' dtype), a head tied to the embedding by default.
+
+Gemma 2's logit soft-capping and the image-text checkpoints (`model_type` "gemma3") are
+not supported: their configs are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_paged import nn as paged_nn
+from jax_paged import pool as pool_lib
+from jax_paged.paged_model import ModelFamily
+from models import llama
+
+MODEL_TYPES = ("gemma3_text",)
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Config:
+  """Gemma 3 hyperparameters under Hugging Face's field names and defaults
+  (Gemma3TextConfig's).
+
+  Attributes beyond HF's Gemma3TextConfig:
+    rope_scaling: the full-attention layers' RoPE scaling (HF's dict, e.g. {"rope_type":
+      "linear", "factor": 8.0}) or None, kept as sorted (key, value) pairs (hashable).
+    layer_types: "sliding_attention" / "full_attention" per layer; None: every
+      sliding_window_pattern-th layer full, the others sliding (HF's default).
+  """
+
+  vocab_size: int = 262208
+  hidden_size: int = 2304
+  intermediate_size: int = 9216
+  num_hidden_layers: int = 26
+  num_attention_heads: int = 8
+  num_key_value_heads: int = 4
+  head_dim: int = 256
+  hidden_activation: str = "gelu_pytorch_tanh"
+  max_position_embeddings: int = 131072
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  rope_scaling: Any = None
+  rope_local_base_freq: float = 10_000.0
+  query_pre_attn_scalar: float = 256
+  sliding_window: int | None = 4096
+  sliding_window_pattern: int = 6
+  layer_types: tuple[str, ...] | None = None
+  tie_word_embeddings: bool = True
+  attention_bias: bool = False
+  initializer_range: float = 0.02
+  bos_token_id: int | None = 2
+  eos_token_id: int | tuple[int, ...] | None = 1
+  model_type: str = "gemma3_text"
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    if isinstance(self.rope_scaling, Mapping):
+      set_("rope_scaling", tuple(sorted(self.rope_scaling.items())))
+    if isinstance(self.eos_token_id, list):
+      set_("eos_token_id", tuple(self.eos_token_id))
+    if self.layer_types is None:
+      set_("layer_types", tuple("full_attention" if (i + 1) % self.sliding_window_pattern == 0
+                                else "sliding_attention"
+                                for i in range(self.num_hidden_layers)))
+    set_("layer_types", tuple(self.layer_types))
+    if (len(self.layer_types) != self.num_hidden_layers
+        or any(t not in _LAYER_TYPES for t in self.layer_types)):
+      raise ValueError(f"layer_types must list one of {_LAYER_TYPES} per layer "
+                       f"({self.num_hidden_layers}), got {self.layer_types}")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type {self.model_type!r} is not supported; use one of "
+                       f"{MODEL_TYPES}")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                       f"of num_key_value_heads ({self.num_key_value_heads})")
+    if self.hidden_activation != "gelu_pytorch_tanh":
+      raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported; "
+                       "Gemma 3's MLP is GeGLU ('gelu_pytorch_tanh')")
+    if "sliding_attention" in self.layer_types and not (
+        isinstance(self.sliding_window, int) and self.sliding_window > 0):
+      raise ValueError(f"sliding_window must be a positive int for sliding layers, got "
+                       f"{self.sliding_window!r}")
+    for layer in range(self.num_hidden_layers):
+      self.rope(layer)  # validates rope_theta and rope_scaling
+
+  # What `models.llama`'s modules read (Gemma has no biases but attention_bias's).
+  mlp_bias = False
+
+  @property
+  def qkv_bias(self) -> bool:
+    return self.attention_bias
+
+  @property
+  def out_bias(self) -> bool:
+    return self.attention_bias
+
+  @property
+  def activation(self):
+    """The MLP's gate activation: HF's gelu_pytorch_tanh."""
+    return functools.partial(jax.nn.gelu, approximate=True)
+
+  def rope(self, layer: int) -> paged_nn.RotaryEmbedding:
+    """Layer `layer`'s rotary embedding: local (sliding) or global (full attention)."""
+    if self.layer_types[layer] == "sliding_attention":
+      return llama.rotary(self.head_dim, self.rope_local_base_freq, None,
+                          self.max_position_embeddings)
+    return llama.rotary(self.head_dim, self.rope_theta, self.rope_scaling,
+                        self.max_position_embeddings)
+
+  def window(self, layer: int) -> int | None:
+    """Layer `layer`'s sliding window (None: full causal attention)."""
+    return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+  @classmethod
+  def from_dict(cls, config: dict[str, Any]) -> "Gemma3Config":
+    """From a Hugging Face config dict (transformers 4's rope_theta / rope_local_base_freq
+    / rope_scaling or 5's rope_parameters per layer type); fields this model does not use
+    are ignored, settings it does not support refused by name."""
+    config = dict(config)
+    model_type = config.get("model_type", "gemma3_text")
+    if model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type {model_type!r} is not supported; use one of "
+                       f"{MODEL_TYPES}")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+      if config.get(name) is not None:
+        raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported")
+    if config.get("use_bidirectional_attention"):
+      raise ValueError("use_bidirectional_attention is not supported (decoding is causal)")
+    if "hidden_activation" not in config and "hidden_act" in config:
+      config["hidden_activation"] = config["hidden_act"]
+    rope = config.pop("rope_parameters", None)
+    if rope is not None:  # transformers 5: one dict per layer type
+      if not (isinstance(rope, Mapping) and all(
+          isinstance(rope.get(t), Mapping) for t in _LAYER_TYPES)):
+        raise ValueError(f"rope_parameters must hold a dict for each of {_LAYER_TYPES}, "
+                         f"got {rope!r}")
+      local, full = dict(rope["sliding_attention"]), dict(rope["full_attention"])
+      if local.get("rope_type", "default") != "default":
+        raise ValueError(f"the sliding layers' rope_type {local['rope_type']!r} is not "
+                         "supported; use default")
+      config["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
+      config["rope_theta"] = full.get("rope_theta", 1_000_000.0)
+      config["rope_scaling"] = full
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, Mapping) and scaling.get(
+        "rope_type", scaling.get("type")) == "default":
+      config["rope_scaling"] = None
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in config.items() if k in names})
+
+
+class DecoderLayer(nnx.Module):
+  """A Gemma 3 block: Llama's attention and MLP, each output normalised before its
+  residual add."""
+
+  def __init__(self, config: Gemma3Config, layer: int, *, dtype, param_dtype,
+               decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
+    norm_of = functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
+                                param_dtype=param_dtype, unit_offset=True)
+    norm = functools.partial(norm_of, config.hidden_size)
+    self.input_layernorm = norm()
+    self.self_attn = paged_nn.PagedAttention(
+        config.hidden_size, config.num_attention_heads, config.head_dim,
+        num_kv_heads=config.num_key_value_heads, scale=config.query_pre_attn_scalar ** -0.5,
+        qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.rope(layer),
+        sliding_window=config.window(layer), head_norm=norm_of, decode_impl=decode_impl,
+        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = norm()
+    self.pre_feedforward_layernorm = norm()
+    self.mlp = llama.MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.post_feedforward_layernorm = norm()
+
+  def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
+               attend: llama.Attend, next_norm: paged_nn.RMSNorm,
+               adapters: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, pool_lib.KVPool]:
+    """As `models.llama.DecoderLayer`'s: x the residual stream, h = input_layernorm(x) ->
+    (the new stream, its `next_norm`, the pool). Each residual add is fused with the norm
+    after it (`RMSNorm.add`)."""
+    a, kv = attend(self.self_attn, h, kv, layer)
+    y = self.post_attention_layernorm(
+        paged_nn.projection(self.self_attn.out, a, adapters=adapters))
+    x, h = self.pre_feedforward_layernorm.add(x, y[None], None, None)
+    y = self.post_feedforward_layernorm(
+        paged_nn.projection(self.mlp.down, self.mlp.hidden(h, adapters), adapters=adapters))
+    x, h = next_norm.add(x, y[None], None, None)
+    return x, h, kv
+
+
+class Gemma3ForCausalLM(llama.LlamaForCausalLM):
+  """Gemma 3 (text) with an LM head, attending through a `KVPool`: `LlamaForCausalLM`'s
+  forwards, pool and adapters over Gemma's blocks (its Args)."""
+
+  decoder_layer = DecoderLayer
+  unit_offset_norm = True
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    # sqrt(hidden_size) rounded to the weights' dtype, as HF's scaled embedding.
+    x = self.embed_tokens(tokens)
+    scale = jnp.asarray(self.config.hidden_size ** 0.5,
+                        self.embed_tokens.embedding[...].dtype)
+    return x * scale.astype(x.dtype)
+
+
+def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
+                    decode_impl: paged_nn.DecodeImpl = "auto") -> Gemma3ForCausalLM:
+  """Loads a Hugging Face Gemma 3 (text) checkpoint directory (`models.llama`'s
+  `load_pretrained`: its files, errors and eos ids).
+
+  Args:
+    path: as `models.llama.load_pretrained`'s.
+    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
+  """
+  return llama.load_pretrained(path, Gemma3Config.from_dict, functools.partial(
+      Gemma3ForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl))
+
+
+FAMILY = ModelFamily(
+    name="gemma3",
+    model_types=MODEL_TYPES,
+    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    presets={},
+)

@@ -1,0 +1,164 @@
+"""Gemma 3 (text) on the paged pool against Hugging Face transformers' Gemma3ForCausalLM
+(CPU, f32), loaded from its `save_pretrained` directory.
+
+The HF model is random, its norms' weights too (HF initialises them to 0, Gemma's
+identity, which would hide a norm applied wrongly or not at all). Tolerance as
+test_llama's: 1e-4 on the logits.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import jax_paged
+from jax_paged import cli
+from jax_paged.serving.runner import ModelRunner
+from models import gemma3
+from tests.test_llama import PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts
+
+# Layers 0 and 1 windowed to 5 positions with the local RoPE base, layer 2 global with
+# linear scaling; GQA 4 q heads over 2 kv heads of 32 (128 wide, hidden 48); scores scaled
+# by query_pre_attn_scalar 20, not the head dim.
+CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              max_position_embeddings=64, query_pre_attn_scalar=20, sliding_window=5,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                  "rope_theta": 1000.0}},
+              initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None, attn_implementation="eager")
+
+
+def _hf_model(**overrides):
+  torch.manual_seed(0)
+  hf = transformers.Gemma3ForCausalLM(
+      transformers.Gemma3TextConfig(**{**CONFIG, **overrides})).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name:
+        p.normal_(0.0, 0.5)
+  return hf
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """(HF model, its save_pretrained directory)."""
+  hf = _hf_model()
+  path = tmp_path_factory.mktemp("gemma3")
+  hf.save_pretrained(path)
+  return hf, path
+
+
+def test_prefill_and_decode_logits_match_hf(saved):
+  hf, path = saved
+  model = gemma3.from_pretrained(path)
+  assert isinstance(model, jax_paged.PagedModel)
+  assert [b.self_attn.sliding_window for b in model.layers] == [5, 5, None]
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(1)
+  seqs = _prompts(rng, [3, 8, 13])
+  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  seq_ids = np.array([2, 0, 3], np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(11):  # to lengths 13, 18, 23: across pages, past the window
+    want = _hf_last_logits(hf, seqs)
+    assert np.abs(want).max(axis=1).min() > 0.5
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
+    nxt = rng.integers(1, VOCAB, len(seqs))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+
+
+def test_greedy_tokens_match_hf_with_a_cached_prefix_and_chunks(saved):
+  """generate, and an engine whose prompts share a cached prefix and whose long prompt is
+  prefilled in chunks: HF's greedy tokens."""
+  hf, path = saved
+  model = gemma3.from_pretrained(path)
+  rng = np.random.default_rng(2)
+  prompts = _prompts(rng, [1, 5, 9, 17])
+  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == [
+      _hf_generate(hf, p, 12) for p in prompts]
+  system = _prompts(rng, [2 * PAGE + 3])[0]
+  prompts = [system + p for p in _prompts(rng, [4, 9])] + _prompts(rng, [40])
+  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
+                         max_prefill_tokens=16)
+  outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
+  assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
+  assert report.cached_prompt_tokens >= 2 * PAGE
+
+
+def test_config_reads_hf_layouts_and_refuses_what_it_lacks(saved):
+  _, path = saved
+  config = json.loads((path / "config.json").read_text())
+  c = gemma3.Gemma3Config.from_dict(config)
+  assert (c.rope_local_base_freq, c.rope_theta) == (100.0, 1000.0)
+  assert dict(c.rope_scaling)["factor"] == 2.0
+  # transformers 4's layout: flat RoPE fields, layer types from the pattern.
+  v4 = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+  c = gemma3.Gemma3Config.from_dict({**v4, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                     "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                     "sliding_window_pattern": 2})
+  assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+  assert c.rope(0).theta == 1e4 and c.rope(1).theta == 1e6 and c.rope(1).factor == 8.0
+  for bad, message in (({"final_logit_softcapping": 30.0}, "soft-capping"),
+                       ({"use_bidirectional_attention": True}, "bidirectional"),
+                       ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+                       ({"model_type": "gemma3"}, "model_type 'gemma3' is not supported")):
+    with pytest.raises(ValueError, match=message):
+      gemma3.Gemma3Config.from_dict({**config, **bad})
+  (path.parent / "bad").mkdir(exist_ok=True)
+  bad = path.parent / "bad"
+  (bad / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 50.0}))
+  with pytest.raises(ValueError, match=r"config.json: attn_logit_softcapping"):
+    gemma3.from_pretrained(bad)
+
+
+def test_bf16_tracks_hf(saved):
+  """bf16 weights and compute against HF in f32: within bf16's error."""
+  hf, path = saved
+  half = gemma3.from_pretrained(path, dtype=jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(half)))
+  prompt = _prompts(np.random.default_rng(4), [9])[0]
+  kv = half.spec.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
+  logits, _ = ModelRunner(half).prefill(kv, *_padded([prompt]), np.array([0], np.int32))
+  want = _hf_last_logits(hf, [prompt])[0]
+  np.testing.assert_allclose(logits[0], want, atol=0.1 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_triton_kernels_match_reference_and_hf_on_gpu(tmp_path):
+  """f32, Gemma 3 1B's head dim 256: the decode attention kernel (windowed and not) and
+  the norm kernels give the reference path's and HF's greedy tokens."""
+  hf = _hf_model(head_dim=256)
+  hf.save_pretrained(tmp_path)
+  prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
+  with jax.default_matmul_precision("highest"):
+    kernel = jax_paged.generate(gemma3.from_pretrained(tmp_path, decode_impl="kernel"),
+                                prompts, 24, page_size=16)
+    ref = jax_paged.generate(gemma3.from_pretrained(tmp_path, decode_impl="reference"),
+                             prompts, 24, page_size=16)
+  assert kernel == ref
+  assert kernel == [_hf_generate(hf, p, 24) for p in prompts]
+
+
+def test_cli_finds_gemma3_by_model_type(saved, capsys):
+  """jax-paged-generate on the checkpoint, through the installed families (the gemma3
+  entry point): HF's greedy tokens."""
+  hf, path = saved
+  prompt = _prompts(np.random.default_rng(6), [7])[0]
+  families = cli.model_families()
+  assert "gemma3_text" in [t for f in families for t in f.model_types]
+  status = cli.run(cli.parse_args(["--checkpoint", str(path), "--prompt-ids",
+                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
+                                   "--no-progress"], families), families)
+  out = capsys.readouterr().out
+  assert status == 0
+  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
