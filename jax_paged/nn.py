@@ -243,11 +243,15 @@ class RMSNorm(nnx.Module):
                                unit_offset=self.unit_offset)
 
   def add(self, x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None,
-          interpret: bool | None) -> tuple[jax.Array, jax.Array]:
-    """(x + sum(parts) + parts_bias, its norm): `layer_norm.add_rms_norm`."""
-    return layer_norm.add_rms_norm(x, parts, self.weight[...], parts_bias=parts_bias,
-                                   epsilon=self.epsilon, interpret=interpret,
-                                   unit_offset=self.unit_offset)
+          interpret: bool | None, parts_norm: "RMSNorm | None" = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """(x + sum(parts) + parts_bias, its norm): `layer_norm.add_rms_norm`; with
+    `parts_norm` (a norm of the same kind and epsilon) the parts' sum is normalised by it
+    before the add."""
+    return layer_norm.add_rms_norm(
+        x, parts, self.weight[...], parts_bias=parts_bias, epsilon=self.epsilon,
+        interpret=interpret, unit_offset=self.unit_offset,
+        parts_weight=None if parts_norm is None else parts_norm.weight[...])
 
 
 def _operands(proj: Linear, h: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
@@ -348,8 +352,10 @@ def projection(proj: Linear, h: jax.Array, *, interpret: bool | None = None,
 
 def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
                      norm: LayerNorm | RMSNorm, *, interpret: bool | None = None,
-                     adapters: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """x = residual + proj(h) and norm(x), as one kernel after the projection's GEMM.
+                     adapters: jax.Array | None = None, parts_norm: RMSNorm | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+  """x = residual + proj(h) and norm(x), as one kernel after the projection's GEMM (with
+  `parts_norm`, x = residual + parts_norm(proj(h)): Gemma's post-norms).
 
   On a GPU with at most 256 rows, `proj` runs as a split-K GEMM
   (`jax_paged.linear.linear_partials`) whose f32 partial sums go straight to
@@ -366,22 +372,30 @@ def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
       Pallas interpret mode (tests).
     adapters: the rows' LoRA slots (`dense`), or None: their updates join the kernel's
       f32 partial sums.
+    parts_norm: None, or an RMS norm (of `norm`'s kind and epsilon) of the projection
+      before the add, in the same kernel.
 
   Returns:
     (x [..., N] in the stream's dtype, norm(x)).
   """
-  if _reduce_axis(proj) is not None:  # tensor parallel: the sum first, then the norm
-    x = (residual.astype(jnp.float32) + _row_parallel(proj, h, interpret, adapters)).astype(
-        residual.dtype)
+  if _reduce_axis(proj) is not None:  # tensor parallel: the sum first, then the norms
+    y = _row_parallel(proj, h, interpret, adapters)
+    if parts_norm is not None:
+      y = parts_norm(y.astype(residual.dtype)).astype(jnp.float32)
+    x = (residual.astype(jnp.float32) + y).astype(residual.dtype)
     return x, norm(x)
   h_c, kernel, quant = _operands(proj, h)
   mode = triton_backend.kernel_mode(interpret, supported=linear.takes(h_c, kernel))
   if mode is None:
-    x = residual + projection(proj, h, adapters=adapters)
+    y = projection(proj, h, adapters=adapters)
+    x = residual + (y if parts_norm is None else parts_norm(y))
     return x, norm(x)
   parts = linear.linear_partials(h_c, kernel, interpret=mode, **quant,
                                  low_rank=lora.low_rank(proj, h, adapters))
-  return norm.add(residual, parts, None if proj.bias is None else proj.bias[...], mode)
+  bias = None if proj.bias is None else proj.bias[...]
+  if parts_norm is None:
+    return norm.add(residual, parts, bias, mode)
+  return norm.add(residual, parts, bias, mode, parts_norm=parts_norm)
 
 
 def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,

@@ -201,15 +201,15 @@ class DecoderLayer(nnx.Module):
                adapters: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, pool_lib.KVPool]:
     """As `models.llama.DecoderLayer`'s: x the residual stream, h = input_layernorm(x) ->
-    (the new stream, its `next_norm`, the pool). Each residual add is fused with the norm
-    after it (`RMSNorm.add`)."""
+    (the new stream, its `next_norm`, the pool). Each projection's post-norm, residual
+    add and the next norm are one kernel after it (`project_add_norm`'s `parts_norm`)."""
     a, kv = attend(self.self_attn, h, kv, layer)
-    y = self.post_attention_layernorm(
-        paged_nn.projection(self.self_attn.out, a, adapters=adapters))
-    x, h = self.pre_feedforward_layernorm.add(x, y[None], None, None)
-    y = self.post_feedforward_layernorm(
-        paged_nn.projection(self.mlp.down, self.mlp.hidden(h, adapters), adapters=adapters))
-    x, h = next_norm.add(x, y[None], None, None)
+    x, h = paged_nn.project_add_norm(self.self_attn.out, a, x, self.pre_feedforward_layernorm,
+                                     adapters=adapters,
+                                     parts_norm=self.post_attention_layernorm)
+    x, h = paged_nn.project_add_norm(self.mlp.down, self.mlp.hidden(h, adapters), x,
+                                     next_norm, adapters=adapters,
+                                     parts_norm=self.post_feedforward_layernorm)
     return x, h, kv
 
 

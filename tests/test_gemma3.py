@@ -162,3 +162,28 @@ def test_cli_finds_gemma3_by_model_type(saved, capsys):
   out = capsys.readouterr().out
   assert status == 0
   assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+
+
+def test_kernels_in_interpret_mode_match_hf(saved, monkeypatch):
+  """Every Pallas kernel in interpret mode (the GPU's path: split-K projections into the
+  fused post-norm + add + norm, Gemma's norm kernels, paged attention): HF's logits over
+  a prefill and decode steps."""
+  from jax_paged.kernels import triton_backend
+  original = triton_backend.kernel_mode
+  monkeypatch.setattr(triton_backend, "kernel_mode", lambda interpret, *, supported=True:
+                      original(True if interpret is None else interpret,
+                               supported=supported))
+  hf, path = saved
+  model = gemma3.from_pretrained(path, decode_impl="reference")
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(7)
+  seqs = _prompts(rng, [4, 9])
+  kv = model.spec.create_pool(num_pages=8, page_size=PAGE, max_seqs=2, max_pages_per_seq=4)
+  seq_ids = np.array([1, 0], np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(3):
+    np.testing.assert_allclose(logits, _hf_last_logits(hf, seqs), atol=1e-4, rtol=1e-4,
+                               err_msg=f"step {step}")
+    nxt = rng.integers(1, VOCAB, len(seqs))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)

@@ -229,6 +229,43 @@ def test_gemma_rms_norm_matches_hugging_face(shape, dtype, weight_dtype, monkeyp
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_rms_norm_of_a_normalised_sum(dtype, monkeypatch):
+  """`parts_weight` (Gemma's post-norm before the residual add): the kernel in interpret
+  mode and plain XLA against transformers' Gemma3RMSNorm applied to the parts' sum, added
+  to x, then normalised again."""
+  import torch
+  from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+  monkeypatch.setattr(ln.triton_backend, "sm_count", lambda: 4)
+  x, w2, _ = _inputs((6, 96), dtype, seed=21)
+  rng = np.random.default_rng(21)
+  parts = jnp.asarray(rng.standard_normal((3, 6, 96)) * 4, jnp.float32)
+  w1 = jnp.asarray(rng.standard_normal(96), dtype)
+  w2 = (w2 - 1.0).astype(dtype)
+  torch_dtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+  norms = []
+  for w in (w1, w2):
+    norms.append(Gemma3RMSNorm(96, eps=1e-6).to(torch_dtype))
+    with torch.no_grad():
+      norms[-1].weight.copy_(torch.tensor(np.asarray(w, np.float32)))
+  with torch.no_grad():
+    y = torch.tensor(np.asarray(parts, np.float64).sum(0), dtype=torch.float32)
+    y = norms[0](y).to(torch_dtype)  # (Gemma's norm keeps its input's f32; then x's dtype)
+    total = torch.tensor(np.asarray(x, np.float32)).to(torch_dtype) + y
+    want = norms[1](total)
+  tol = _TOL[jnp.dtype(dtype).type]
+  for interpret in (True, None):
+    got_total, got = ln.add_rms_norm(x, parts, w2, parts_weight=w1, unit_offset=True,
+                                     interpret=interpret)
+    assert got.dtype == dtype and got_total.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got_total, np.float64),
+                               total.float().numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want.float().numpy(),
+                               rtol=tol, atol=tol)
+  with pytest.raises(ValueError, match=r"parts_weight must have shape \(96,\)"):
+    ln.add_rms_norm(x, parts, w2, parts_weight=w1[:8])
+
+
 def test_add_norm_past_the_partial_values_limit_takes_xla(monkeypatch):
   """More than 16384 partial values per row (8 parts of 4096): plain XLA (there faster than
   the kernel's one program per row), even in interpret mode; 4 parts: the kernel."""

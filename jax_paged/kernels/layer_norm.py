@@ -99,26 +99,48 @@ def add_layer_norm_reference(x: jax.Array, parts: jax.Array, scale: jax.Array,
 
 def add_rms_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
                            parts_bias: jax.Array | None = None, epsilon: float,
-                           out_dtype=None, unit_offset: bool = False
+                           out_dtype=None, unit_offset: bool = False,
+                           parts_weight: jax.Array | None = None
                            ) -> tuple[jax.Array, jax.Array]:
   """Plain-XLA `add_rms_norm`."""
-  total = _residual_sum(x, parts, parts_bias)
+  if parts_weight is None:
+    total = _residual_sum(x, parts, parts_bias)
+  else:  # the parts' sum normalised (in x's dtype) before the add
+    y = _residual_sum(jnp.zeros(x.shape, jnp.float32), parts, parts_bias)
+    y = rms_norm_reference(y, parts_weight, epsilon=epsilon, out_dtype=x.dtype,
+                           unit_offset=unit_offset)
+    total = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
   return total, rms_norm_reference(total, weight, epsilon=epsilon, out_dtype=out_dtype,
                                    unit_offset=unit_offset)
 
 
+def _rms(x: jax.Array, weight: jax.Array, *, features: int, epsilon: float,
+         unit_offset: bool, dtype) -> jax.Array:
+  """Inside a kernel: f32 rows x (masked columns 0) RMS-normalised and scaled by weight
+  (f32 [features]) as LlamaRMSNorm (rounded to `dtype` first) or GemmaRMSNorm
+  (`unit_offset`: by 1 + weight, rounded by the caller) do."""
+  y = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1) / features + epsilon)[:, None]
+  if unit_offset:
+    return y * (1.0 + weight[None, :])
+  return y.astype(dtype).astype(jnp.float32) * weight[None, :]
+
+
 def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f: int,
                        epsilon: float, num_parts: int, has_parts_bias: bool, rms: bool,
-                       unit_offset: bool):
-  """Refs: x [rows, features]; with num_parts > 0, parts [num_parts, rows, features] and
-  (has_parts_bias) parts_bias [features]; scale [features] (`unit_offset`: the RMS norm
-  multiplies by 1 + scale) and (not `rms`) bias [features]; outputs: with num_parts > 0,
-  the sum [rows, features]; the normalised rows [rows, features]."""
+                       unit_offset: bool, has_parts_weight: bool):
+  """Refs: x [rows, features]; with num_parts > 0, parts [num_parts, rows, features],
+  (has_parts_bias) parts_bias [features] and (has_parts_weight) parts_weight [features]
+  (the parts' sum RMS-normalised by it, rounded to x's dtype, before the add); scale
+  [features] (`unit_offset`: the RMS norm multiplies by 1 + scale) and (not `rms`) bias
+  [features]; outputs: with num_parts > 0, the sum [rows, features]; the normalised rows
+  [rows, features]."""
   x_ref, *refs = refs
   if num_parts:
     parts_ref, *refs = refs
     if has_parts_bias:
       parts_bias_ref, *refs = refs
+    if has_parts_weight:
+      parts_weight_ref, *refs = refs
   scale_ref, *refs = refs
   bias_ref, *out_refs = (None, *refs) if rms else refs
   r = pl.program_id(0) * block_rows + jnp.arange(block_rows)
@@ -131,14 +153,22 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
   scale = plgpu.load(scale_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
   if not rms:
     bias = plgpu.load(bias_ref.at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
+  if num_parts and has_parts_weight:
+    parts_weight = plgpu.load(parts_weight_ref.at[cols], mask=col_mask, other=0.0).astype(
+        jnp.float32)
   x = plgpu.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
   if num_parts:
     sum_ref, o_ref = out_refs
+    y = jnp.zeros_like(x)
     for part in range(num_parts):  # few (split-K splits): unrolled
-      x += plgpu.load(parts_ref.at[(part,) + idx], mask=mask, other=0.0).astype(jnp.float32)
+      y += plgpu.load(parts_ref.at[(part,) + idx], mask=mask, other=0.0).astype(jnp.float32)
     if has_parts_bias:
-      x += plgpu.load(parts_bias_ref.at[cols], mask=col_mask, other=0.0).astype(
+      y += plgpu.load(parts_bias_ref.at[cols], mask=col_mask, other=0.0).astype(
           jnp.float32)[None, :]
+    if has_parts_weight:  # (Gemma's post-norms: the projection normalised, then added)
+      y = _rms(y, parts_weight, features=features, epsilon=epsilon, unit_offset=unit_offset,
+               dtype=x_ref.dtype).astype(x_ref.dtype).astype(jnp.float32)
+    x += y
     # Normalise the stream as stored (rounded to its dtype), as an unfused add would.
     total = x.astype(sum_ref.dtype)
     plgpu.store(sum_ref.at[idx], total, mask=mask)
@@ -146,11 +176,8 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
   else:
     o_ref, = out_refs
   if rms:  # (masked columns are 0)
-    y = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1) / features + epsilon)[:, None]
-    if unit_offset:  # GemmaRMSNorm: times 1 + weight in f32, rounded once
-      y = y * (1.0 + scale[None, :])
-    else:  # rounded to the stream's dtype before the weight multiplies it (LlamaRMSNorm)
-      y = y.astype(x_ref.dtype).astype(jnp.float32) * scale[None, :]
+    y = _rms(x, scale, features=features, epsilon=epsilon, unit_offset=unit_offset,
+             dtype=x_ref.dtype)
     plgpu.store(o_ref.at[idx], y.astype(o_ref.dtype), mask=mask)
     return
   mean = jnp.sum(x, axis=1) / features
@@ -162,10 +189,11 @@ def _layer_norm_kernel(*refs, rows: int, features: int, block_rows: int, block_f
 
 @functools.partial(jax.jit, static_argnames=["epsilon", "out_dtype", "interpret",
                                              "unit_offset"])
-def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: float,
-                       out_dtype, interpret: bool, unit_offset: bool = False):
+def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, parts_weight=None, *,
+                       epsilon: float, out_dtype, interpret: bool, unit_offset: bool = False):
   """The kernel over x's rows (bias None: the RMS norm, by 1 + scale with `unit_offset`);
-  with `parts`, (sum, normalised sum) of `add_layer_norm` / `add_rms_norm`."""
+  with `parts`, (sum, normalised sum) of `add_layer_norm` / `add_rms_norm` (the parts'
+  sum normalised by `parts_weight` first unless it is None)."""
   features = x.shape[-1]
   x2 = x.reshape(-1, features)
   rows = x2.shape[0]
@@ -181,7 +209,8 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
   kernel = functools.partial(_layer_norm_kernel, rows=rows, features=features,
                              block_rows=block_rows, block_f=block_f, epsilon=epsilon,
                              num_parts=num_parts, has_parts_bias=parts_bias is not None,
-                             rms=bias is None, unit_offset=unit_offset)
+                             rms=bias is None, unit_offset=unit_offset,
+                             has_parts_weight=parts_weight is not None)
   out_shape = jax.ShapeDtypeStruct((rows, features), out_dtype)
   inputs = [x2]
   if num_parts:
@@ -189,6 +218,8 @@ def _layer_norm_pallas(x, scale, bias, parts=None, parts_bias=None, *, epsilon: 
     inputs.append(parts.reshape(num_parts, rows, features))
     if parts_bias is not None:
       inputs.append(parts_bias)
+    if parts_weight is not None:
+      inputs.append(parts_weight)
   out = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(rows, block_rows),),
@@ -291,8 +322,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, epsilon: float = 1e-6, out_dtyp
 
 def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
                  parts_bias: jax.Array | None = None, epsilon: float = 1e-6,
-                 out_dtype=None, interpret: bool | None = None, unit_offset: bool = False
-                 ) -> tuple[jax.Array, jax.Array]:
+                 out_dtype=None, interpret: bool | None = None, unit_offset: bool = False,
+                 parts_weight: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """`add_layer_norm` with the RMS norm (`rms_norm`): vLLM's fused_add_rms_norm, with the
   split-K partials of the projection being added summed in the same kernel.
 
@@ -300,19 +331,26 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *,
     x, parts, parts_bias: as `add_layer_norm`'s.
     weight, epsilon, out_dtype, unit_offset: as `rms_norm`'s.
     interpret: as `add_layer_norm`.
+    parts_weight: None, or [F]: the sum of the parts (and parts_bias) is first
+      RMS-normalised by it (as by `weight`, rounded to x's dtype), then added to x:
+      Gemma's post-norm of a projection before its residual add.
 
   Returns:
     (total [..., F] in x's dtype, rms_norm(total) [..., F] in `out_dtype`).
   """
   _check_norm_args(x, weight)
   _check_parts(x, parts, parts_bias)
+  if parts_weight is not None:
+    _check_norm_args(x, parts_weight, what="parts_weight")
   out_dtype = _rms_out_dtype(x, weight, out_dtype, unit_offset)
   mode = triton_backend.kernel_mode(interpret, supported=_takes(x, parts))
   if mode is None:
     return add_rms_norm_reference(x, parts, weight, parts_bias=parts_bias, epsilon=epsilon,
-                                  out_dtype=out_dtype, unit_offset=unit_offset)
-  return _layer_norm_pallas(x, weight, None, parts, parts_bias, epsilon=float(epsilon),
-                            out_dtype=out_dtype, interpret=mode, unit_offset=unit_offset)
+                                  out_dtype=out_dtype, unit_offset=unit_offset,
+                                  parts_weight=parts_weight)
+  return _layer_norm_pallas(x, weight, None, parts, parts_bias, parts_weight,
+                            epsilon=float(epsilon), out_dtype=out_dtype, interpret=mode,
+                            unit_offset=unit_offset)
 
 
 def _takes(x: jax.Array, parts: jax.Array | None = None) -> bool:
@@ -322,12 +360,14 @@ def _takes(x: jax.Array, parts: jax.Array | None = None) -> bool:
       parts is None or parts.shape[0] * x.shape[-1] <= _MAX_PART_VALUES)
 
 
-def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None) -> None:
-  """Raises ValueError naming a bad argument (bias None: an RMS norm's, which has none)."""
+def _check_norm_args(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *,
+                     what: str = "weight") -> None:
+  """Raises ValueError naming a bad argument (bias None: an RMS norm's `what`, which has
+  no bias)."""
   if x.ndim < 1 or x.shape[-1] < 1:
     raise ValueError(f"x must have a non-empty last (feature) axis, got shape {x.shape}")
   if bias is None and scale.shape != x.shape[-1:]:
-    raise ValueError(f"weight must have shape {x.shape[-1:]} (x's last axis), got "
+    raise ValueError(f"{what} must have shape {x.shape[-1:]} (x's last axis), got "
                      f"{scale.shape}")
   if bias is not None and (scale.shape != x.shape[-1:] or bias.shape != x.shape[-1:]):
     raise ValueError(f"scale and bias must have shape {x.shape[-1:]} (x's last axis), got "
