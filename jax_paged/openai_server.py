@@ -1259,10 +1259,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
           self._finished(answer, received)
           return
     except Exception as e:  # the engine failed (its run aborted) or closed
+      self._finished(answer, received)
       self._send_error(APIError(500, f"generation failed: {e}", kind="server_error"))
     else:
+      # Counted before the answer is sent: a client that has it finds it in /metrics.
+      self._finished(answer, received)
       self._send_json(200, answer.whole())
-    self._finished(answer, received)
 
   def _take(self, answer: Answer, events: list[TokenEvent], ids: list[int],
             received: float) -> set[int]:
@@ -1292,7 +1294,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def _stream(self, sub: Submission, ids: list[int], answer: Answer,
               received: float) -> None:
     """Server-sent events, one per device call that brought text, then `[DONE]`; the
-    requests are aborted if the client goes."""
+    requests are aborted if the client goes. The answer is counted in the metrics before
+    `[DONE]` (a client that has read it finds it there), or when the client went."""
+    counted = []
 
     def chunks() -> Iterator[dict | None]:
       try:
@@ -1302,9 +1306,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
           yield answer.usage_chunk()
       except Exception as e:  # the engine failed: said in the stream, as vLLM does
         yield APIError(500, f"generation failed: {e}", kind="server_error").body()
+      self._finished(answer, received)
+      counted.append(True)
 
     self._send_events(chunks(), gone=sub.cancel)
-    self._finished(answer, received)
+    if not counted:  # the client went before the end
+      self._finished(answer, received)
 
   def _send_events(self, chunks: Iterator[dict | None], gone: Callable[[], None]) -> None:
     """A 200 of server-sent events (chunked transfer): each chunk (None: skipped), then
