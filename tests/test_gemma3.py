@@ -6,21 +6,22 @@ identity, which would hide a norm applied wrongly or not at all). Tolerance as
 test_llama's: 1e-4 on the logits.
 """
 
+import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 
 import jax_paged
 from jax_paged import cli
 from jax_paged.serving.runner import ModelRunner
 from models import gemma3
-from tests.test_llama import PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts
+from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
+                              assert_bf16_tracks_hf,
+                              assert_kernels_give_references_and_hfs_tokens)
 
 # Layers 0 and 1 windowed to 5 positions with the local RoPE base, layer 2 global with
 # linear scaling; GQA 4 q heads over 2 kv heads of 32 (128 wide, hidden 48); scores scaled
@@ -124,13 +125,7 @@ def test_config_reads_hf_layouts_and_refuses_what_it_lacks(saved):
 def test_bf16_tracks_hf(saved):
   """bf16 weights and compute against HF in f32: within bf16's error."""
   hf, path = saved
-  half = gemma3.from_pretrained(path, dtype=jnp.bfloat16)
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(half)))
-  prompt = _prompts(np.random.default_rng(4), [9])[0]
-  kv = half.spec.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
-  logits, _ = ModelRunner(half).prefill(kv, *_padded([prompt]), np.array([0], np.int32))
-  want = _hf_last_logits(hf, [prompt])[0]
-  np.testing.assert_allclose(logits[0], want, atol=0.1 * np.abs(want).max())
+  assert_bf16_tracks_hf(hf, gemma3.from_pretrained(path, dtype=jnp.bfloat16))
 
 
 @pytest.mark.gpu
@@ -139,14 +134,8 @@ def test_triton_kernels_match_reference_and_hf_on_gpu(tmp_path):
   the norm kernels give the reference path's and HF's greedy tokens."""
   hf = _hf_model(head_dim=256)
   hf.save_pretrained(tmp_path)
-  prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
-  with jax.default_matmul_precision("highest"):
-    kernel = jax_paged.generate(gemma3.from_pretrained(tmp_path, decode_impl="kernel"),
-                                prompts, 24, page_size=16)
-    ref = jax_paged.generate(gemma3.from_pretrained(tmp_path, decode_impl="reference"),
-                             prompts, 24, page_size=16)
-  assert kernel == ref
-  assert kernel == [_hf_generate(hf, p, 24) for p in prompts]
+  assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
+      gemma3.from_pretrained, tmp_path))
 
 
 def test_cli_finds_gemma3_by_model_type(saved, capsys):

@@ -11,6 +11,7 @@ and differ only in summation order (fused q/k/v, paged vs contiguous keys); a wr
 rotation, window, mask or page gives errors of the order of the logits themselves (~1).
 """
 
+import functools
 import json
 
 import jax
@@ -350,7 +351,11 @@ def test_from_pretrained_takes_generation_configs_eos_ids(saved, tmp_path):
 
 def test_from_pretrained_bf16(saved):
   _, hf, path = saved("llama")
-  half = llama.from_pretrained(path, dtype=jnp.bfloat16)
+  assert_bf16_tracks_hf(hf, llama.from_pretrained(path, dtype=jnp.bfloat16))
+
+
+def assert_bf16_tracks_hf(hf, half) -> None:
+  """`half`, loaded in bf16, against HF's f32 logits of a prompt: within bf16's error."""
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(half)))
   prompt = _prompts(np.random.default_rng(4), [9])[0]
   kv = half.spec.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
@@ -367,12 +372,17 @@ def test_triton_decode_matches_reference_and_hf_on_gpu(name, head_dim, tmp_path)
   behind RoPE give the reference path's and HF's greedy tokens."""
   hf = _hf_model(name, head_dim=head_dim)
   hf.save_pretrained(tmp_path)
+  assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
+      llama.from_pretrained, tmp_path))
+
+
+def assert_kernels_give_references_and_hfs_tokens(hf, load) -> None:
+  """Greedy tokens of `load(decode_impl=...)`'s model, f32 at the highest precision: the
+  kernel path's equal the reference path's and HF's."""
   prompts = _prompts(np.random.default_rng(8), [1, 8, 23, 40])
   with jax.default_matmul_precision("highest"):
-    kernel = jax_paged.generate(llama.from_pretrained(tmp_path, decode_impl="kernel"),
-                                prompts, 24, page_size=16)
-    ref = jax_paged.generate(llama.from_pretrained(tmp_path, decode_impl="reference"),
-                             prompts, 24, page_size=16)
+    kernel = jax_paged.generate(load(decode_impl="kernel"), prompts, 24, page_size=16)
+    ref = jax_paged.generate(load(decode_impl="reference"), prompts, 24, page_size=16)
   assert kernel == ref
   assert kernel == [_hf_generate(hf, p, 24) for p in prompts]
 
