@@ -378,6 +378,10 @@ def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
   Returns:
     (x [..., N] in the stream's dtype, norm(x)).
   """
+  if parts_norm is not None and not (isinstance(norm, RMSNorm)
+                                     and isinstance(parts_norm, RMSNorm)):
+    raise ValueError(f"parts_norm goes with RMS norms (norm and parts_norm both RMSNorm), "
+                     f"got {type(norm).__name__} and {type(parts_norm).__name__}")
   if _reduce_axis(proj) is not None:  # tensor parallel: the sum first, then the norms
     y = _row_parallel(proj, h, interpret, adapters)
     if parts_norm is not None:

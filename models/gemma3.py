@@ -92,12 +92,7 @@ class Gemma3Config:
         or any(t not in _LAYER_TYPES for t in self.layer_types)):
       raise ValueError(f"layer_types must list one of {_LAYER_TYPES} per layer "
                        f"({self.num_hidden_layers}), got {self.layer_types}")
-    if self.model_type not in MODEL_TYPES:
-      raise ValueError(f"model_type {self.model_type!r} is not supported; use one of "
-                       f"{MODEL_TYPES}")
-    if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                       f"of num_key_value_heads ({self.num_key_value_heads})")
+    llama.check_type_and_heads(self, MODEL_TYPES)
     if self.hidden_activation != "gelu_pytorch_tanh":
       raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported; "
                        "Gemma 3's MLP is GeGLU ('gelu_pytorch_tanh')")

@@ -71,6 +71,17 @@ def rotary(head_dim: int, theta: float, scaling: Any,
       **{k: v for k, v in scaling.items() if k in known and v is not None})
 
 
+def check_type_and_heads(config, model_types: tuple[str, ...]) -> None:
+  """Raises ValueError unless `config.model_type` is one of `model_types` and its q heads
+  are a multiple of its kv heads."""
+  if config.model_type not in model_types:
+    raise ValueError(f"model_type {config.model_type!r} is not supported; use one of "
+                     f"{model_types}")
+  if config.num_attention_heads % config.num_key_value_heads:
+    raise ValueError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple "
+                     f"of num_key_value_heads ({config.num_key_value_heads})")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
@@ -126,12 +137,7 @@ class LlamaConfig:
       set_("eos_token_id", tuple(self.eos_token_id))
     if self.layer_types is not None:
       set_("layer_types", tuple(self.layer_types))
-    if self.model_type not in MODEL_TYPES:
-      raise ValueError(f"model_type {self.model_type!r} is not supported; use one of "
-                       f"{MODEL_TYPES}")
-    if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                       f"of num_key_value_heads ({self.num_key_value_heads})")
+    check_type_and_heads(self, MODEL_TYPES)
     if self.hidden_act != "silu":
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Llama's MLP is "
                        "SwiGLU ('silu')")
@@ -229,9 +235,9 @@ class MLP(nnx.Module):
   def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     self.activation = config.activation
     init = nnx.initializers.normal(config.initializer_range)
-    self.gate_up = nnx.Linear(config.hidden_size, 2 * config.intermediate_size, use_bias=config.mlp_bias,
-                              kernel_init=init, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs)
+    self.gate_up = nnx.Linear(config.hidden_size, 2 * config.intermediate_size,
+                              use_bias=config.mlp_bias, kernel_init=init, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
     self.down = nnx.Linear(config.intermediate_size, config.hidden_size, use_bias=config.mlp_bias,
                            kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 

@@ -280,6 +280,31 @@ def test_project_add_norm_matches_unfused(rows, dtype, norm_kind, monkeypatch):
 
 
 @pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
+def test_project_add_norm_with_a_post_norm(rows, dtype, monkeypatch):
+  """`parts_norm` (Gemma's): x = residual + post(proj(h)), one kernel after the split-K
+  GEMM up to 256 rows, the plain modules past them; refused with a LayerNorm."""
+  fused_calls = _record_calls(monkeypatch, nn.layer_norm, "add_rms_norm", 1)
+  rng = np.random.default_rng(rows + 1)
+  proj, h = _random_linear(192, rows, dtype, rng)
+  post, norm = (nn.RMSNorm(E, epsilon=1e-6, param_dtype=dtype, unit_offset=True)
+                for _ in range(2))
+  for n in (post, norm):
+    n.weight[...] = jnp.asarray(rng.standard_normal(E) * 0.5, dtype)
+  residual = jnp.asarray(rng.standard_normal((rows, E)) * 2 + 1, dtype)
+  x, y = nn.project_add_norm(proj, h, residual, norm, interpret=True, parts_norm=post)
+  assert fused_calls == ([] if rows > 256 else [(4, rows, E)])
+  want_x = residual + post(proj(h))
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  assert x.dtype == y.dtype == dtype
+  np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(want_x, np.float64),
+                             rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(norm(x), np.float64),
+                             rtol=tol, atol=tol)
+  with pytest.raises(ValueError, match="parts_norm goes with RMS norms"):
+    nn.project_add_norm(proj, h, residual, nn.LayerNorm(E), parts_norm=post)
+
+
+@pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
 def test_project_add_matches_unfused(rows, dtype, monkeypatch):
   # 5 and 7 rows take the split-K kernel (interpret mode) with XLA's sum; 300 rows are over
   # the kernel's limit and take the plain module.
