@@ -155,16 +155,14 @@ class Gemma3Config:
         raise ValueError(f"rope_parameters must hold a dict for each of {_LAYER_TYPES}, "
                          f"got {rope!r}")
       local, full = dict(rope["sliding_attention"]), dict(rope["full_attention"])
-      if local.get("rope_type", "default") != "default":
+      if llama.hf_rope_scaling({"rope_type": "default", **local}) is not None:
         raise ValueError(f"the sliding layers' rope_type {local['rope_type']!r} is not "
                          "supported; use default")
       config["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
       config["rope_theta"] = full.get("rope_theta", 1_000_000.0)
       config["rope_scaling"] = full
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, Mapping) and scaling.get(
-        "rope_type", scaling.get("type")) == "default":
-      config["rope_scaling"] = None
+    config["rope_scaling"] = llama.hf_rope_scaling(config.get("rope_scaling"),
+                                                   config.get("partial_rotary_factor"))
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})
 

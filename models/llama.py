@@ -71,6 +71,22 @@ def rotary(head_dim: int, theta: float, scaling: Any,
       **{k: v for k, v in scaling.items() if k in known and v is not None})
 
 
+def hf_rope_scaling(scaling: Any, partial_rotary_factor: Any = None) -> Any:
+  """A config.json's RoPE scaling dict as `rotary` takes it: None for HF's "default" type
+  (no scaling). ValueError for a partial_rotary_factor other than 1, given beside the
+  scaling (transformers 4: `partial_rotary_factor`, as Phi-4-mini's 0.75) or in it (5),
+  which a "default" dict dropped here would otherwise hide."""
+  if isinstance(scaling, Mapping):
+    partial_rotary_factor = scaling.get("partial_rotary_factor", partial_rotary_factor)
+  if partial_rotary_factor not in (None, 1, 1.0):
+    raise ValueError(f"partial_rotary_factor {partial_rotary_factor} (RoPE on part of each "
+                     "head) is not supported")
+  if isinstance(scaling, Mapping) and scaling.get("rope_type",
+                                                  scaling.get("type")) == "default":
+    return None
+  return scaling
+
+
 def check_type_and_heads(config, model_types: tuple[str, ...]) -> None:
   """Raises ValueError unless `config.model_type` is one of `model_types` and its q heads
   are a multiple of its kv heads."""
@@ -195,17 +211,8 @@ class LlamaConfig:
                          f"supported), got {rope!r}")
       config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
       config["rope_scaling"] = rope
-    scaling = config.get("rope_scaling")
-    # transformers 4 keeps it beside the scaling (Phi-4-mini: 0.75), 5 inside it.
-    partial = config.pop("partial_rotary_factor", None)
-    if isinstance(scaling, Mapping):
-      partial = scaling.get("partial_rotary_factor", partial)
-    if partial not in (None, 1, 1.0):
-      raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head) is "
-                       "not supported")
-    if isinstance(scaling, Mapping) and scaling.get("rope_type",
-                                                    scaling.get("type")) == "default":
-      config["rope_scaling"] = None
+    config["rope_scaling"] = hf_rope_scaling(config.get("rope_scaling"),
+                                             config.get("partial_rotary_factor"))
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
     if model_type == "llama":  # HF's Llama has no window

@@ -112,7 +112,10 @@ def test_config_reads_hf_layouts_and_refuses_what_it_lacks(saved):
   for bad, message in (({"final_logit_softcapping": 30.0}, "soft-capping"),
                        ({"use_bidirectional_attention": True}, "bidirectional"),
                        ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
-                       ({"model_type": "gemma3"}, "model_type 'gemma3' is not supported")):
+                       ({"model_type": "gemma3"}, "model_type 'gemma3' is not supported"),
+                       ({"rope_parameters": {**config["rope_parameters"], "full_attention": {
+                           "rope_type": "default", "partial_rotary_factor": 0.5}}},
+                        "partial_rotary_factor 0.5")):
     with pytest.raises(ValueError, match=message):
       gemma3.Gemma3Config.from_dict({**config, **bad})
   (path.parent / "bad").mkdir(exist_ok=True)
