@@ -382,6 +382,12 @@ def project_add_norm(proj: Linear, h: jax.Array, residual: jax.Array,
                                      and isinstance(parts_norm, RMSNorm)):
     raise ValueError(f"parts_norm goes with RMS norms (norm and parts_norm both RMSNorm), "
                      f"got {type(norm).__name__} and {type(parts_norm).__name__}")
+  # (The fused kernel applies norm's epsilon and offset to both.)
+  if parts_norm is not None and (parts_norm.epsilon, parts_norm.unit_offset) != (
+      norm.epsilon, norm.unit_offset):
+    raise ValueError(f"parts_norm must have norm's epsilon and unit_offset "
+                     f"({norm.epsilon}, {norm.unit_offset}), got ({parts_norm.epsilon}, "
+                     f"{parts_norm.unit_offset})")
   if _reduce_axis(proj) is not None:  # tensor parallel: the sum first, then the norms
     y = _row_parallel(proj, h, interpret, adapters)
     if parts_norm is not None:

@@ -302,6 +302,9 @@ def test_project_add_norm_with_a_post_norm(rows, dtype, monkeypatch):
                              rtol=tol, atol=tol)
   with pytest.raises(ValueError, match="parts_norm goes with RMS norms"):
     nn.project_add_norm(proj, h, residual, nn.LayerNorm(E), parts_norm=post)
+  with pytest.raises(ValueError, match="parts_norm must have norm's epsilon and unit_offset"):
+    nn.project_add_norm(proj, h, residual, norm,
+                        parts_norm=nn.RMSNorm(E, epsilon=1e-5, unit_offset=True))
 
 
 @pytest.mark.parametrize("rows,dtype", [(5, jnp.float32), (7, jnp.bfloat16), (300, jnp.float32)])
