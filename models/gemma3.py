@@ -1,7 +1,10 @@
 """Gemma 3 (text) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
 
 Hugging Face's `Gemma3ForCausalLM` (`model_type` "gemma3_text": Gemma 3 1B, and text-only
-exports of the larger ones) is Llama's decoder (`models.llama`: GQA through
+exports of the larger ones), also the language model of an image-text
+`Gemma3ForConditionalGeneration` checkpoint (`model_type` "gemma3": Gemma 3 4B, 12B and
+27B; its `text_config`, decoding text only: the vision tower is not loaded), is Llama's
+decoder (`models.llama`: GQA through
 `jax_paged.nn.PagedAttention`, a gated MLP, the same checkpoint names and loader) with
 Gemma's differences:
 
@@ -18,8 +21,7 @@ Gemma's differences:
 * a GeGLU MLP (tanh-approximated gelu), embeddings scaled by sqrt(hidden_size) (rounded
   to the weights' dtype), a head tied to the embedding by default.
 
-Gemma 2's logit soft-capping and the image-text checkpoints (`model_type` "gemma3") are
-not supported: their configs are refused by name.
+Gemma 2's logit soft-capping is not supported: its configs are refused by name.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from jax_paged import pool as pool_lib
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
-MODEL_TYPES = ("gemma3_text",)
+MODEL_TYPES = ("gemma3_text", "gemma3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -51,6 +53,7 @@ class Gemma3Config:
       "linear", "factor": 8.0}) or None, kept as sorted (key, value) pairs (hashable).
     layer_types: "sliding_attention" / "full_attention" per layer; None: every
       sliding_window_pattern-th layer full, the others sliding (HF's default).
+    model_type: "gemma3_text", or "gemma3" for an image-text checkpoint's language model.
   """
 
   vocab_size: int = 262208
@@ -135,12 +138,21 @@ class Gemma3Config:
   def from_dict(cls, config: dict[str, Any]) -> "Gemma3Config":
     """From a Hugging Face config dict (transformers 4's rope_theta / rope_local_base_freq
     / rope_scaling or 5's rope_parameters per layer type); fields this model does not use
-    are ignored, settings it does not support refused by name."""
+    are ignored, settings it does not support refused by name. An image-text config
+    ("gemma3") gives its text_config's model, with the top level's eos / bos ids and
+    tie_word_embeddings where it has them (HF's generate and weight tying read those)."""
     config = dict(config)
     model_type = config.get("model_type", "gemma3_text")
     if model_type not in MODEL_TYPES:
       raise ValueError(f"model_type {model_type!r} is not supported; use one of "
                        f"{MODEL_TYPES}")
+    if model_type == "gemma3":
+      text = config.get("text_config", {})  # HF's Gemma3Config: all defaults when absent
+      if not isinstance(text, Mapping):
+        raise ValueError(f"text_config must be a dict, got {text!r}")
+      top = {k: config[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+             if k in config}
+      config = {**text, **top, "model_type": "gemma3"}
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
       if config.get(name) is not None:
         raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported")

@@ -506,8 +506,12 @@ class _Checkpoint:
         raise ValueError(f"{index} places {name!r} in {file}, which does not hold it")
 
   def get(self, name: str) -> jax.Array:
-    """The tensor `name` ("model." prefixes are optional: base-model checkpoints omit it)."""
-    for key in (name, name.removeprefix("model.")):
+    """The tensor `name` ("model.layers.0....", "lm_head.weight"), as a causal LM's
+    checkpoint names it, a base model's (without "model.") or an image-text model's
+    language model's ("language_model.model.layers.0...." as transformers saves it,
+    "model.language_model.layers.0...." as its modules name it)."""
+    rest = name.removeprefix("model.")
+    for key in (name, rest, f"language_model.{name}", f"model.language_model.{rest}"):
       if key in self.where:
         file = self.where[key]
         try:

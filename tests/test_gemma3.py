@@ -112,7 +112,7 @@ def test_config_reads_hf_layouts_and_refuses_what_it_lacks(saved):
   for bad, message in (({"final_logit_softcapping": 30.0}, "soft-capping"),
                        ({"use_bidirectional_attention": True}, "bidirectional"),
                        ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
-                       ({"model_type": "gemma3"}, "model_type 'gemma3' is not supported"),
+                       ({"model_type": "gemma4"}, "model_type 'gemma4' is not supported"),
                        ({"rope_parameters": {**config["rope_parameters"], "full_attention": {
                            "rope_type": "default", "partial_rotary_factor": 0.5}}},
                         "partial_rotary_factor 0.5")):
@@ -154,6 +154,60 @@ def test_cli_finds_gemma3_by_model_type(saved, capsys):
   out = capsys.readouterr().out
   assert status == 0
   assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+
+
+def test_image_text_checkpoints_language_model_matches_hf(tmp_path, capsys):
+  """An image-text Gemma3ForConditionalGeneration checkpoint (model_type gemma3: the
+  language model's config in text_config, its tensors under language_model.model.):
+  on text, HF's logits and greedy tokens, the CLI finding it by model_type; the top
+  level's eos ids win over text_config's."""
+  torch.manual_seed(1)
+  text = {k: v for k, v in CONFIG.items() if k != "attn_implementation"}
+  vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=14)
+  hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+      text_config=text, vision_config=vision, mm_tokens_per_image=4,
+      image_token_index=VOCAB, boi_token_index=VOCAB + 1, eoi_token_index=VOCAB + 2,
+      attn_implementation="eager")).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name and "language_model" in name:
+        p.normal_(0.0, 0.5)
+  hf.save_pretrained(tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["model_type"] == "gemma3"
+  model = gemma3.from_pretrained(tmp_path)
+  assert model.config.model_type == "gemma3"
+  assert model.config.query_pre_attn_scalar == 20
+  rng = np.random.default_rng(8)
+  seqs = _prompts(rng, [3, 11])
+  runner = ModelRunner(model)
+  kv = model.spec.create_pool(num_pages=8, page_size=PAGE, max_seqs=2, max_pages_per_seq=4)
+  seq_ids = np.array([1, 0], np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(4):
+    want = _hf_last_logits(hf, seqs)
+    assert np.abs(want).max(axis=1).min() > 0.5
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
+    nxt = rng.integers(1, VOCAB, len(seqs))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+
+  prompt = _prompts(rng, [6])[0]
+  families = cli.model_families()
+  status = cli.run(cli.parse_args(["--checkpoint", str(tmp_path), "--prompt-ids",
+                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
+                                   "--no-progress"], families), families)
+  assert status == 0
+  out = capsys.readouterr().out
+  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+
+  c = gemma3.Gemma3Config.from_dict({**config, "eos_token_id": [1, 106]})
+  assert c.eos_token_id == (1, 106) and c.num_hidden_layers == 3
+  assert gemma3.Gemma3Config.from_dict({"model_type": "gemma3"}) == gemma3.Gemma3Config(
+      model_type="gemma3")  # no text_config: HF's Gemma3TextConfig defaults
+  with pytest.raises(ValueError, match="text_config must be a dict"):
+    gemma3.Gemma3Config.from_dict({**config, "text_config": [1]})
 
 
 def test_kernels_in_interpret_mode_match_hf(saved, monkeypatch):
