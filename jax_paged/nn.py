@@ -460,6 +460,8 @@ class PagedAttention(nnx.Module):
       None (`head_norm` None).
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
+    logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the
+      softmax (Gemma 2's soft-capping), at prefill and decode; None = no cap.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
       XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
       kernel where it supports the head dim and page size, else the reference).
@@ -469,6 +471,7 @@ class PagedAttention(nnx.Module):
                num_kv_heads: int | None = None, scale: float | None = None,
                qkv_bias: bool = True, out_bias: bool = True,
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
+               logits_soft_cap: float | None = None,
                head_norm: Callable[[int], RMSNorm] | None = None,
                decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
@@ -487,12 +490,18 @@ class PagedAttention(nnx.Module):
         isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
         and sliding_window > 0):
       raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not (
+        isinstance(logits_soft_cap, (int, float)) and not isinstance(logits_soft_cap, bool)
+        and logits_soft_cap > 0):
+      raise ValueError(f"logits_soft_cap must be a positive float or None, got "
+                       f"{logits_soft_cap!r}")
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
     self.scale = head_dim ** -0.5 if scale is None else scale
     self.rope = rope
     self.sliding_window = sliding_window
+    self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
     self.decode_impl = decode_impl
     self.q_norm = None if head_norm is None else head_norm(head_dim)
     self.k_norm = None if head_norm is None else head_norm(head_dim)
@@ -545,7 +554,8 @@ class PagedAttention(nnx.Module):
       slots: int32 [B, T] from `reserve`; -1 at padding, which is never written.
       lengths: int32 [B], real new tokens per row (the rest is padding).
       start: None for fresh sequences (attention over the new tokens only: cuDNN's flash
-        attention on a GPU); or int32 [B], tokens each sequence already holds in its
+        attention on a GPU; with a soft cap, the paged prefill kernel over the pages they
+        were just written to); or int32 [B], tokens each sequence already holds in its
         pages, which the new ones (at positions start + t) attend to along with
         themselves, read from the pages.
       page_table: int32 [B, max_pages_per_seq], the rows of `kv.page_table` of the batch
@@ -564,18 +574,27 @@ class PagedAttention(nnx.Module):
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     if kv.quantized:
       k, v = kv_quant.fake_quantize(k, kv.dtype), kv_quant.fake_quantize(v, kv.dtype)
-    if start is None:
+    if start is None and self.logits_soft_cap is None:
       y = prompt_attention(q, k, v, lengths, scale=self.scale,
                            sliding_window=self.sliding_window)
     else:
-      if page_table is None:
+      if start is None:
+        # Neither cuDNN's nor XLA's fused attention caps logits: fresh prompts attend to
+        # themselves through the pages just written, whose ids their slots give (token t
+        # at slot page * page_size + t % page_size). A row not written (slots -1: no
+        # room in the pool) attends to nothing and gives 0.
+        start = jnp.zeros_like(lengths)
+        page_table = jnp.maximum(slots[:, ::kv.page_size], 0) // kv.page_size
+        lengths = jnp.where(slots[:, 0] >= 0, lengths, 0)
+      elif page_table is None:
         raise ValueError("prefill with start needs the batch's page_table rows")
       # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place
       # (a quantized pool's narrow pages dequantized in registers, q in the compute dtype).
       y = paged_prefill.paged_prefill_attention(
           q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages, page_table,
           start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
-          scale=self.scale, sliding_window=self.sliding_window).astype(q.dtype)
+          scale=self.scale, logits_soft_cap=self.logits_soft_cap,
+          sliding_window=self.sliding_window).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (projection(self.out, y, adapters=adapters) if project else y), kv
 
@@ -625,6 +644,7 @@ class PagedAttention(nnx.Module):
     q = q.reshape(b, -1, d)
     y = attend(q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages,
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
-               scale=self.scale, sliding_window=self.sliding_window)
+               scale=self.scale, logits_soft_cap=self.logits_soft_cap,
+               sliding_window=self.sliding_window)
     y = y.reshape(b, -1).astype(x.dtype)
     return (projection(self.out, y, adapters=adapters) if project else y), kv

@@ -21,14 +21,16 @@ Gemma's differences:
 * a GeGLU MLP (tanh-approximated gelu), embeddings scaled by sqrt(hidden_size) (rounded
   to the weights' dtype), a head tied to the embedding by default.
 
-Gemma 2's logit soft-capping is not supported: its configs are refused by name.
+`Gemma3Config`'s soft caps (`attn_logit_softcapping`, `final_logit_softcapping`) are
+Gemma 2's (`models.gemma2`, on these modules); a Gemma 3 config setting them is refused
+by name, as HF's Gemma 3 checkpoints never do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,9 @@ class Gemma3Config:
     layer_types: "sliding_attention" / "full_attention" per layer; None: every
       sliding_window_pattern-th layer full, the others sliding (HF's default).
     model_type: "gemma3_text", or "gemma3" for an image-text checkpoint's language model.
+
+  Class attributes (Gemma 2's config, a subclass, sets them otherwise): `model_types`, the
+  model_type values the config takes; `qk_norm`, whether q and k are each head normalised.
   """
 
   vocab_size: int = 262208
@@ -76,9 +81,14 @@ class Gemma3Config:
   tie_word_embeddings: bool = True
   attention_bias: bool = False
   initializer_range: float = 0.02
+  attn_logit_softcapping: float | None = None
+  final_logit_softcapping: float | None = None
   bos_token_id: int | None = 2
   eos_token_id: int | tuple[int, ...] | None = 1
   model_type: str = "gemma3_text"
+
+  model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+  qk_norm: ClassVar[bool] = True
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -95,7 +105,11 @@ class Gemma3Config:
         or any(t not in _LAYER_TYPES for t in self.layer_types)):
       raise ValueError(f"layer_types must list one of {_LAYER_TYPES} per layer "
                        f"({self.num_hidden_layers}), got {self.layer_types}")
-    llama.check_type_and_heads(self, MODEL_TYPES)
+    llama.check_type_and_heads(self, self.model_types)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+      cap = getattr(self, name)
+      if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+        raise ValueError(f"{name} must be a positive number or None, got {cap!r}")
     if self.hidden_activation != "gelu_pytorch_tanh":
       raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported; "
                        "Gemma 3's MLP is GeGLU ('gelu_pytorch_tanh')")
@@ -141,12 +155,8 @@ class Gemma3Config:
     are ignored, settings it does not support refused by name. An image-text config
     ("gemma3") gives its text_config's model, with the top level's eos / bos ids and
     tie_word_embeddings where it has them (HF's generate and weight tying read those)."""
-    config = dict(config)
-    model_type = config.get("model_type", "gemma3_text")
-    if model_type not in MODEL_TYPES:
-      raise ValueError(f"model_type {model_type!r} is not supported; use one of "
-                       f"{MODEL_TYPES}")
-    if model_type == "gemma3":
+    config = cls._hf_common(config)
+    if config["model_type"] == "gemma3":
       text = config.get("text_config", {})  # HF's Gemma3Config: all defaults when absent
       if not isinstance(text, Mapping):
         raise ValueError(f"text_config must be a dict, got {text!r}")
@@ -155,11 +165,7 @@ class Gemma3Config:
       config = {**text, **top, "model_type": "gemma3"}
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
       if config.get(name) is not None:
-        raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported")
-    if config.get("use_bidirectional_attention"):
-      raise ValueError("use_bidirectional_attention is not supported (decoding is causal)")
-    if "hidden_activation" not in config and "hidden_act" in config:
-      config["hidden_activation"] = config["hidden_act"]
+        raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported in Gemma 3")
     rope = config.pop("rope_parameters", None)
     if rope is not None:  # transformers 5: one dict per layer type
       if not (isinstance(rope, Mapping) and all(
@@ -173,6 +179,27 @@ class Gemma3Config:
       config["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
       config["rope_theta"] = full.get("rope_theta", 1_000_000.0)
       config["rope_scaling"] = full
+    return cls._from_hf_fields(config)
+
+  @classmethod
+  def _hf_common(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of an HF config dict with its model_type checked (default: this class's),
+    bidirectional attention refused and hidden_act read as hidden_activation."""
+    config = dict(config)
+    config.setdefault("model_type", cls.model_type)
+    if config["model_type"] not in cls.model_types:
+      raise ValueError(f"model_type {config['model_type']!r} is not supported; use one of "
+                       f"{cls.model_types}")
+    if config.get("use_bidirectional_attention"):
+      raise ValueError("use_bidirectional_attention is not supported (decoding is causal)")
+    if "hidden_activation" not in config and "hidden_act" in config:
+      config["hidden_activation"] = config["hidden_act"]
+    return config
+
+  @classmethod
+  def _from_hf_fields(cls, config: dict[str, Any]) -> "Gemma3Config":
+    """The config of an HF dict's fields (RoPE scaling read by `llama.hf_rope_scaling`,
+    other fields ignored)."""
     config["rope_scaling"] = llama.hf_rope_scaling(config.get("rope_scaling"),
                                                    config.get("partial_rotary_factor"))
     names = {f.name for f in dataclasses.fields(cls)}
@@ -180,7 +207,7 @@ class Gemma3Config:
 
 
 class DecoderLayer(nnx.Module):
-  """A Gemma 3 block: Llama's attention and MLP, each output normalised before its
+  """A Gemma 3 (or 2) block: Llama's attention and MLP, each output normalised before its
   residual add."""
 
   def __init__(self, config: Gemma3Config, layer: int, *, dtype, param_dtype,
@@ -193,7 +220,8 @@ class DecoderLayer(nnx.Module):
         config.hidden_size, config.num_attention_heads, config.head_dim,
         num_kv_heads=config.num_key_value_heads, scale=config.query_pre_attn_scalar ** -0.5,
         qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.rope(layer),
-        sliding_window=config.window(layer), head_norm=norm_of, decode_impl=decode_impl,
+        sliding_window=config.window(layer), logits_soft_cap=config.attn_logit_softcapping,
+        head_norm=norm_of if config.qk_norm else None, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
@@ -220,7 +248,8 @@ class DecoderLayer(nnx.Module):
 
 class Gemma3ForCausalLM(llama.LlamaForCausalLM):
   """Gemma 3 (text) with an LM head, attending through a `KVPool`: `LlamaForCausalLM`'s
-  forwards, pool and adapters over Gemma's blocks (its Args)."""
+  forwards, pool and adapters over Gemma's blocks (its Args); logits soft-capped by a
+  config's final_logit_softcapping (Gemma 2's)."""
 
   decoder_layer = DecoderLayer
   unit_offset_norm = True
@@ -231,6 +260,14 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
     scale = jnp.asarray(self.config.hidden_size ** 0.5,
                         self.embed_tokens.embedding[...].dtype)
     return x * scale.astype(x.dtype)
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """float32 logits [..., vocab] of final hidden states h [..., hidden_size], capped to
+    C * tanh(logits / C) with final_logit_softcapping C (the greedy argmax, `_greedy`,
+    needs no cap: tanh is increasing)."""
+    logits = super().logits(h)
+    cap = self.config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,

@@ -297,7 +297,8 @@ def test_quantized_kernels_lower_for_cuda():
           (s((8, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
            s((8,), jnp.int32), s((), jnp.int32), scales, scales))
          for heads, q_dtype in ((hkv, jnp.bfloat16), (4 * hkv, jnp.float16))
-    ] + [(functools.partial(pp._paged_prefill_pallas, scale=0.125, sliding_window=None,
+    ] + [(functools.partial(pp._paged_prefill_pallas, scale=0.125, logits_soft_cap=None,
+                            sliding_window=None,
                             interpret=False, block_q=16, block_n=32, num_warps=4,
                             num_stages=2),
           (s((8, 16, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
@@ -379,7 +380,8 @@ def _check_prefill(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
   out = jax_paged.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
                                           k_scales=ks, v_scales=vs, interpret=interpret,
                                           **kwargs)
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "sliding_window") if k in kwargs}
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window")
+                if k in kwargs}
   want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
                                            k_scales=ks, v_scales=vs, **ref_kwargs)
   dense = reference.paged_prefill_attention(
@@ -401,7 +403,8 @@ _BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 _PREFILL_CASES = [
     (4, 4, 64, 8, jnp.float32, INT8, dict(block_q=16, block_n=16), _F32_TOL),
     (8, 2, 128, 16, jnp.float32, FP8, dict(block_q=4, block_n=16, scale=0.3), _F32_TOL),
-    (6, 2, 80, 8, jnp.float32, INT8, dict(block_q=4, block_n=32, sliding_window=13), _F32_TOL),
+    (6, 2, 80, 8, jnp.float32, INT8, dict(block_q=4, block_n=32, sliding_window=13,
+                                          logits_soft_cap=2.0), _F32_TOL),
     (4, 4, 64, 8, jnp.bfloat16, FP8, dict(block_q=16, block_n=16, sliding_window=5), _BF16_TOL),
     (8, 2, 64, 16, jnp.float16, INT8, dict(block_q=8, block_n=16), dict(atol=4e-3, rtol=4e-3)),
     # The defaults with pages wider than their block (128 keys over 16 query tokens).

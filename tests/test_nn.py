@@ -19,13 +19,16 @@ E, H, HKV, D, PAGE = 96, 4, 2, 64, 8
 
 
 def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                  window: int | None = None) -> np.ndarray:
+                  window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
   """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64; with a
-  window W, query i sees keys (i - W, i] (Hugging Face Mistral's mask)."""
+  window W, query i sees keys (i - W, i] (Hugging Face Mistral's mask); with a soft cap C,
+  logits are C * tanh(logits / C) (Gemma 2's)."""
   t, h, d = q.shape
   group = h // k.shape[1]
   k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
   logits = np.einsum("qhd,shd->hqs", q, k) * scale
+  if soft_cap is not None:
+    logits = soft_cap * np.tanh(logits / soft_cap)
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
   visible = (j <= i) & (j > i - (t if window is None else window))
   logits = np.where(visible, logits, -np.inf)
@@ -57,17 +60,21 @@ def _dense_attention(layer: nn.PagedAttention, x: np.ndarray) -> np.ndarray:
   q, k, v = q.reshape(t, H, D), k.reshape(t, HKV, D), v.reshape(t, HKV, D)
   if layer.rope is not None:
     q, k = _rotate(q, layer.rope), _rotate(k, layer.rope)
-  y = _dense_causal(q, k, v, layer.scale, layer.sliding_window).reshape(t, H * D)
+  y = _dense_causal(q, k, v, layer.scale, layer.sliding_window,
+                    layer.logits_soft_cap).reshape(t, H * D)
   return y @ np.asarray(layer.out.kernel[...], np.float64) + _bias(layer.out)
 
 
 # A Llama-style layer: RoPE, a window shorter than the sequences, q/k/v bias but none on out.
 _ROPE_WINDOW = dict(rope=nn.RotaryEmbedding(D, theta=500.0), sliding_window=6, out_bias=False)
+# Gemma 2's: logits soft-capped (1.0 bites: the logits here are of order 1), which sends a
+# fresh prompt's attention through the paged prefill path.
+_ROPE_WINDOW_CAP = dict(_ROPE_WINDOW, logits_soft_cap=1.0)
 
 
 @pytest.mark.parametrize("decode_impl,options", [
     ("auto", {}), ("kernel", {}), ("reference", {}), ("kernel", _ROPE_WINDOW),
-    ("reference", _ROPE_WINDOW)])
+    ("reference", _ROPE_WINDOW), ("kernel", _ROPE_WINDOW_CAP)])
 def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
   rng = np.random.default_rng(0)
   layer = nn.PagedAttention(E, H, D, num_kv_heads=HKV, decode_impl=decode_impl,
@@ -88,6 +95,12 @@ def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
                                                    jnp.asarray(lengths, jnp.int32))
   for i, s in enumerate(seqs):
     np.testing.assert_allclose(y[i, :len(s)], _dense_attention(layer, s), atol=1e-4)
+  if layer.logits_soft_cap is not None:  # the cap bites
+    uncapped = nn.PagedAttention(E, H, D, num_kv_heads=HKV, rngs=nnx.Rngs(0),
+                                 **{**options, "logits_soft_cap": None})
+    nnx.update(uncapped, nnx.state(layer))
+    assert np.abs(_dense_attention(uncapped, seqs[2])
+                  - _dense_attention(layer, seqs[2])).max() > 1e-2
   # Padding was never written: only the real tokens' slots are non-zero in this layer.
   written = np.abs(np.asarray(kv.k_pages[layer_idx])).sum(axis=(0, 3)).reshape(-1) > 0
   assert written.sum() == lengths.sum()
@@ -158,6 +171,9 @@ def test_rejects_bad_arguments():
     nn.PagedAttention(E, 4, D, decode_impl="triton", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="sliding_window must be a positive int or None, got 0"):
     nn.PagedAttention(E, 4, D, sliding_window=0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="logits_soft_cap must be a positive float or None, "
+                                       "got 0.0"):
+    nn.PagedAttention(E, 4, D, logits_soft_cap=0.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):
     nn.PagedAttention(E, 4, D, rope=nn.RotaryEmbedding(32), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rope_type must be 'default', 'linear' or 'llama3', "

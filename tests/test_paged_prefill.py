@@ -25,7 +25,7 @@ _TOL = {jnp.float32: dict(atol=2e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, r
 _SEED = iter(range(10**6))
 # Jitted (compiled once per shape): run eagerly, each of its ops would compile on its own.
 _reference = jax.jit(reference.paged_prefill_attention,
-                     static_argnames=["scale", "sliding_window"])
+                     static_argnames=["scale", "logits_soft_cap", "sliding_window"])
 
 
 def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, q_start,
@@ -74,7 +74,8 @@ def check_output(out, want, q_lengths, dtype):
 
 
 def check_against_reference(args, *, interpret=True, **kwargs):
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "sliding_window", "layer") if k in kwargs}
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window", "layer")
+                if k in kwargs}
   out = jax_paged.paged_prefill_attention(*args, interpret=interpret, **kwargs)
   want = _reference(*args, **ref_kwargs)
   check_output(out, want, args[5], args[0].dtype.type)
@@ -115,6 +116,17 @@ def test_sliding_window_interpret(sliding_window, num_heads, num_kv_heads, block
   check_against_reference(args, block_q=block_q, block_n=16, sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("kwargs", [dict(logits_soft_cap=1.5),
+                                    dict(logits_soft_cap=2.0, sliding_window=9, scale=0.4)])
+def test_soft_cap_interpret(kwargs):
+  """Logits capped to C * tanh(logits / C) (Gemma 2) in masked and unmasked blocks, with
+  and without a window: the reference's output, which the cap changes."""
+  args = make_inputs(20, 8, 2, 64, 8, jnp.float32, [0, 37, 9], [20, 19, 6])
+  out = check_against_reference(args, block_q=4, block_n=16, **kwargs)
+  uncapped = _reference(*args, **{k: v for k, v in kwargs.items() if k != "logits_soft_cap"})
+  assert np.abs(np.asarray(out) - np.asarray(uncapped))[:, :6].max() > 1e-2
+
+
 @pytest.mark.parametrize("kwargs", [dict(scale=0.3), dict(block_n=32), dict()])
 def test_knobs_and_defaults_interpret(kwargs):
   args = make_inputs(12, 8, 2, 64, 16, jnp.float32, [0, 30, 64], [12, 12, 1],
@@ -153,16 +165,18 @@ def test_layer_of_pool_interpret():
       check_output(got, want, q_lengths, jnp.float32)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window", [(4, 4, None), (8, 2, None),
-                                                                   (8, 2, 6)])
-def test_one_token_equals_decode_interpret(num_heads, num_kv_heads, sliding_window):
+@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap", [
+    (4, 4, None, None), (8, 2, None, None), (8, 2, 6, None), (8, 2, 6, 1.5)])
+def test_one_token_equals_decode_interpret(num_heads, num_kv_heads, sliding_window, soft_cap):
   """T = 1 at position q_start is a decode step over lengths = q_start + 1."""
   q, k_pages, v_pages, table, q_start, q_lengths = make_inputs(
       1, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 7, 8, 30], [1, 1, 1, 1])
   out = jax_paged.paged_prefill_attention(q, k_pages, v_pages, table, q_start, q_lengths,
-                                          sliding_window=sliding_window, interpret=True)
+                                          sliding_window=sliding_window,
+                                          logits_soft_cap=soft_cap, interpret=True)
   decode = jax_paged.paged_decode_attention(q[:, 0], k_pages, v_pages, table, q_start + 1,
-                                            sliding_window=sliding_window, interpret=True,
+                                            sliding_window=sliding_window,
+                                            logits_soft_cap=soft_cap, interpret=True,
                                             block_n=16)
   chex.assert_trees_all_close(out[:, 0], decode, **_TOL[jnp.float32])
 
@@ -249,6 +263,7 @@ def _valid_kwargs():
     (dict(page_table=jnp.array([[0, 1], [5, 3]], jnp.int32)),
      r"page ids in \[0, num_pages=5\).*got 5 at \[1, 0\]"),
     (dict(sliding_window=0), "sliding_window"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive float"),
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_q=4), r"block_q x the q heads .* must be >= 16"),
     (dict(block_n=8), "block_n must be >= 16"),
@@ -297,7 +312,8 @@ _GPU_GRID = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", _GPU_GRID)
-@pytest.mark.parametrize("kwargs", [dict(), dict(sliding_window=100)])
+@pytest.mark.parametrize("kwargs", [dict(), dict(sliding_window=100),
+                                    dict(logits_soft_cap=2.0, sliding_window=100)])
 def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dtype, kwargs):
   rng = np.random.default_rng(next(_SEED))
   q_start = rng.integers(0, 700, size=6)

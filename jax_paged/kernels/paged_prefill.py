@@ -71,7 +71,8 @@ def default_config(group: int, head_dim: int, num_tokens: int, itemsize: int, *,
 
 
 def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
-                    *refs, scale: float, sliding_window: int | None, num_tokens: int,
+                    *refs, scale: float, logits_soft_cap: float | None,
+                    sliding_window: int | None, num_tokens: int,
                     num_heads: int, num_kv_heads: int, num_pages: int, max_pages: int,
                     page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                     block_q: int, block_n: int, num_q_blocks: int, quantized: bool,
@@ -128,7 +129,9 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     full_lo = jnp.clip(full_lo, start, end)
   full_hi = jnp.clip((first_pos + 1) // block_n, full_lo, end)
 
-  qk_scale = scale * triton_backend.LOG2_E  # exp2 below: the softmax runs in base 2
+  # exp2 below: the softmax runs in base 2, so the logits are scaled by log2(e) (with a
+  # soft cap: after it).
+  qk_scale = scale if logits_soft_cap is not None else scale * triton_backend.LOG2_E
   # Quantized pages convert to q's dtype: float8 with a bf16 q does not dot in f16 as in
   # the decode kernel (per-row scales on the logits spilled: 2.1-2.5x the bf16 kernel's
   # time at 32/8 heads of 128, LOG.md).
@@ -158,6 +161,9 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
       key_scale = qk_scale * k_scales[None, :]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32) * key_scale
+    if logits_soft_cap is not None:  # capped in natural units, then to base 2
+      cap = logits_soft_cap
+      s = (cap * triton_backend.LOG2_E) * jnp.tanh(s / cap)
     if masked:
       visible = key[None, :] <= pos[:, None]
       if sliding_window is not None:
@@ -209,9 +215,11 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
 
 
 @functools.partial(jax.jit, static_argnames=[
-    "scale", "sliding_window", "interpret", "block_q", "block_n", "num_warps", "num_stages"])
+    "scale", "logits_soft_cap", "sliding_window", "interpret", "block_q", "block_n",
+    "num_warps", "num_stages"])
 def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, layer,
-                          k_scales, v_scales, *, scale: float, sliding_window: int | None,
+                          k_scales, v_scales, *, scale: float,
+                          logits_soft_cap: float | None, sliding_window: int | None,
                           interpret: bool, block_q: int, block_n: int, num_warps: int,
                           num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
@@ -233,7 +241,8 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
   scale_refs = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
   num_q_blocks = pl.cdiv(num_tokens, block_q)
   kernel = functools.partial(
-      _prefill_kernel, scale=scale, sliding_window=sliding_window, num_tokens=num_tokens,
+      _prefill_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
+      sliding_window=sliding_window, num_tokens=num_tokens,
       num_heads=num_heads, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group,
@@ -252,7 +261,8 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
 
 
 _paged_prefill_reference = jax.jit(reference.paged_prefill_attention,
-                                   static_argnames=["scale", "sliding_window"])
+                                   static_argnames=["scale", "logits_soft_cap",
+                                                    "sliding_window"])
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -260,7 +270,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             *, layer: int | jax.Array | None = None,
                             k_scales: jax.Array | None = None,
                             v_scales: jax.Array | None = None,
-                            scale: float | None = None, sliding_window: int | None = None,
+                            scale: float | None = None, logits_soft_cap: float | None = None,
+                            sliding_window: int | None = None,
                             interpret: bool | None = None, block_q: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None) -> jax.Array:
@@ -295,6 +306,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       k_pages.shape[:-1] (`KVPool.k_scales` / `v_scales`); None for float pages. float8
       kernels need compute capability >= 8.9.
     scale: logits = scale * q.k; defaults to D ** -0.5.
+    logits_soft_cap: if set, logits = cap * tanh(logits / cap) before the softmax (Gemma
+      2's attention soft-capping).
     sliding_window: W > 0 limits the query at position p to keys [p - W + 1, p] (decode's
       convention: a sequence of length L = p + 1 sees [L - W, L)).
     interpret: None = Triton kernel on GPU, plain XLA elsewhere; True = Pallas interpret
@@ -310,8 +323,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   """
   k_layer = validation.check_prefill_call(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
-      sliding_window=sliding_window, strict_kernel_shapes=False, k_scales=k_scales,
-      v_scales=v_scales)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
   for name, knob in (("block_q", block_q), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
     if knob is not None and not (isinstance(knob, int) and knob > 0):
@@ -336,7 +349,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   if mode is None:
     return _paged_prefill_reference(q, k_pages, v_pages, page_table, q_start, q_lengths,
                                     layer=layer, k_scales=k_scales, v_scales=v_scales,
-                                    scale=scale, sliding_window=sliding_window)
+                                    scale=scale, logits_soft_cap=logits_soft_cap,
+                                    sliding_window=sliding_window)
   if not mode:
     kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
@@ -350,7 +364,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       min_block_n=1 if k_scales is None else page_size)
   return _paged_prefill_pallas(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer, k_scales, v_scales,
-      scale=scale,
+      scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, interpret=mode, block_q=block_q or d_q,
       block_n=block_n or d_n, num_warps=num_warps or d_warps,
       num_stages=num_stages or d_stages)

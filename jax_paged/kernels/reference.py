@@ -130,6 +130,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             page_table: jax.Array, q_start: jax.Array, q_lengths: jax.Array,
                             *, layer: int | jax.Array | None = None,
                             scale: float | None = None,
+                            logits_soft_cap: float | None = None,
                             sliding_window: int | None = None,
                             k_scales: jax.Array | None = None,
                             v_scales: jax.Array | None = None) -> jax.Array:
@@ -154,6 +155,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     layer: None, or the pools' layer to attend to (an int, or an integer scalar array,
       clamped into [0, num_layers)).
     scale: logits = scale * q.k; defaults to D ** -0.5.
+    logits_soft_cap: if set, logits = cap * tanh(logits / cap) before the softmax (Gemma
+      2's attention soft-capping).
     sliding_window: W > 0 limits the query at position p to keys [p - W + 1, p].
     k_scales, v_scales: for int8 / float8 pages, their scales (as `paged_decode_attention`
       takes them: the pages it gathers are dequantized in f32); else None.
@@ -163,8 +166,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   """
   k_layer = validation.check_prefill_call(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
-      sliding_window=sliding_window, strict_kernel_shapes=False, k_scales=k_scales,
-      v_scales=v_scales)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
@@ -180,6 +183,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   qg = q.astype(jnp.float32).reshape(b, t, hkv, h // hkv, d)
   logits = jnp.einsum("btkgd,bksd->bkgts", qg, k,
                       precision=jax.lax.Precision.HIGHEST) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   pos = q_start[:, None] + jnp.arange(t)[None, :]  # [B, T]
   mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
   if sliding_window is not None:

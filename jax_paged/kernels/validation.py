@@ -267,10 +267,10 @@ def clamp_lengths(lengths, capacity: int):
 
 
 def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
-                       sliding_window, strict_kernel_shapes: bool, k_scales=None,
-                       v_scales=None):
+                       logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
+                       k_scales=None, v_scales=None):
   """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
-  k_pages. q is [B, T, H, D]; the pools, scales, page table, scale and window are checked
+  k_pages. q is [B, T, H, D]; the pools, scales, page table, scale, cap and window are checked
   as `paged_decode_attention` checks them (`check_layer`, `check_scales`,
   `check_decode_args` on one token's q), q_start / q_lengths here and, where concrete, by
   `check_prefill_values`."""
@@ -286,7 +286,8 @@ def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, l
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
       raise ValueError(f"{name} dtype must be int32, got {x.dtype}")
   check_decode_args(jax.ShapeDtypeStruct((b, h, d), q.dtype), k_layer, v_layer, page_table,
-                    q_start, scale=scale, logits_soft_cap=None, sliding_window=sliding_window,
+                    q_start, scale=scale, logits_soft_cap=logits_soft_cap,
+                    sliding_window=sliding_window,
                     strict_kernel_shapes=strict_kernel_shapes)
   check_prefill_values(page_table, q_start, q_lengths, num_tokens=t,
                        num_pages=k_layer.shape[1], page_size=k_layer.shape[2])

@@ -1,9 +1,11 @@
-"""Gemma 3 (text) on the paged pool against Hugging Face transformers' Gemma3ForCausalLM
-(CPU, f32), loaded from its `save_pretrained` directory.
+"""Gemma 3 (text) and Gemma 2 on the paged pool against Hugging Face transformers'
+Gemma3ForCausalLM and Gemma2ForCausalLM (CPU, f32), loaded from their `save_pretrained`
+directories; Gemma 3's image-text checkpoints against Gemma3ForConditionalGeneration.
 
-The HF model is random, its norms' weights too (HF initialises them to 0, Gemma's
-identity, which would hide a norm applied wrongly or not at all). Tolerance as
-test_llama's: 1e-4 on the logits.
+The HF models are random, their norms' weights too (HF initialises them to 0, Gemma's
+identity, which would hide a norm applied wrongly or not at all); Gemma 2's soft caps are
+small enough to change the logits (checked). Tolerance as test_llama's: 1e-4 on the
+logits.
 """
 
 import functools
@@ -18,30 +20,38 @@ import transformers
 import jax_paged
 from jax_paged import cli
 from jax_paged.serving.runner import ModelRunner
+from models import gemma2
 from models import gemma3
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
                               assert_bf16_tracks_hf,
                               assert_kernels_give_references_and_hfs_tokens)
 
-# Layers 0 and 1 windowed to 5 positions with the local RoPE base, layer 2 global with
-# linear scaling; GQA 4 q heads over 2 kv heads of 32 (128 wide, hidden 48); scores scaled
-# by query_pre_attn_scalar 20, not the head dim.
+# Layers 0 and 1 windowed to 5 positions, layer 2 global; GQA 4 q heads over 2 kv heads
+# of 32 (128 wide, hidden 48); scores scaled by query_pre_attn_scalar 20, not the head dim.
+# Gemma 3: the sliding layers with the local RoPE base, the global one with linear
+# scaling. Gemma 2: one RoPE with linear scaling, no q / k norms, logits soft-capped.
 CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               max_position_embeddings=64, query_pre_attn_scalar=20, sliding_window=5,
               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-              rope_parameters={"sliding_attention": {"rope_type": "default",
-                                                     "rope_theta": 100.0},
-                               "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                  "rope_theta": 1000.0}},
               initializer_range=0.1, bos_token_id=None, eos_token_id=None,
               pad_token_id=None, attn_implementation="eager")
+# family -> (HF model class, HF config class, our module, the family's CONFIG fields)
+VARIANTS = {
+    "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, gemma3, dict(
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1000.0}})),
+    "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config, gemma2, dict(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+        attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
+}
 
 
-def _hf_model(**overrides):
+def _hf_model(family: str, **overrides):
+  model_class, config_class, _, fields = VARIANTS[family]
   torch.manual_seed(0)
-  hf = transformers.Gemma3ForCausalLM(
-      transformers.Gemma3TextConfig(**{**CONFIG, **overrides})).eval()
+  hf = model_class(config_class(**{**CONFIG, **fields, **overrides})).eval()
   with torch.no_grad():
     for name, p in hf.named_parameters():
       if "norm" in name:
@@ -49,18 +59,28 @@ def _hf_model(**overrides):
   return hf
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-  """(HF model, its save_pretrained directory)."""
-  hf = _hf_model()
-  path = tmp_path_factory.mktemp("gemma3")
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def saved(request, tmp_path_factory):
+  """(HF model, its save_pretrained directory, our module) of each family."""
+  hf = _hf_model(request.param)
+  path = tmp_path_factory.mktemp(request.param)
   hf.save_pretrained(path)
-  return hf, path
+  return hf, path, VARIANTS[request.param][2]
+
+
+def test_gemma2_soft_caps_change_the_logits():
+  """The caps of VARIANTS bite: without them HF's logits move by far more than the
+  tolerance (so matching HF checks that both are applied)."""
+  prompt = _prompts(np.random.default_rng(9), [12])
+  capped = _hf_last_logits(_hf_model("gemma2"), prompt)
+  for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+    uncapped = _hf_last_logits(_hf_model("gemma2", **{name: None}), prompt)
+    assert np.abs(capped - uncapped).max() > 1e-2, name
 
 
 def test_prefill_and_decode_logits_match_hf(saved):
-  hf, path = saved
-  model = gemma3.from_pretrained(path)
+  hf, path, module = saved
+  model = module.from_pretrained(path)
   assert isinstance(model, jax_paged.PagedModel)
   assert [b.self_attn.sliding_window for b in model.layers] == [5, 5, None]
   runner = ModelRunner(model)
@@ -81,8 +101,8 @@ def test_prefill_and_decode_logits_match_hf(saved):
 def test_greedy_tokens_match_hf_with_a_cached_prefix_and_chunks(saved):
   """generate, and an engine whose prompts share a cached prefix and whose long prompt is
   prefilled in chunks: HF's greedy tokens."""
-  hf, path = saved
-  model = gemma3.from_pretrained(path)
+  hf, path, module = saved
+  model = module.from_pretrained(path)
   rng = np.random.default_rng(2)
   prompts = _prompts(rng, [1, 5, 9, 17])
   assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == [
@@ -96,8 +116,9 @@ def test_greedy_tokens_match_hf_with_a_cached_prefix_and_chunks(saved):
   assert report.cached_prompt_tokens >= 2 * PAGE
 
 
-def test_config_reads_hf_layouts_and_refuses_what_it_lacks(saved):
-  _, path = saved
+def test_gemma3_config_reads_hf_layouts_and_refuses_what_it_lacks(tmp_path):
+  path = tmp_path / "gemma3"
+  _hf_model("gemma3").save_pretrained(path)
   config = json.loads((path / "config.json").read_text())
   c = gemma3.Gemma3Config.from_dict(config)
   assert (c.rope_local_base_freq, c.rope_theta) == (100.0, 1000.0)
@@ -125,29 +146,56 @@ def test_config_reads_hf_layouts_and_refuses_what_it_lacks(saved):
     gemma3.from_pretrained(bad)
 
 
+def test_gemma2_config_reads_hf_layouts_and_refuses_what_it_lacks(tmp_path):
+  _hf_model("gemma2").save_pretrained(tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  c = gemma2.Gemma2Config.from_dict(config)
+  assert (c.rope_theta, dict(c.rope_scaling)["factor"]) == (1000.0, 2.0)
+  assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (0.5, 2.0)
+  assert c.rope(0) == c.rope(2) and not c.qk_norm
+  # transformers 4's layout: flat RoPE fields, no layer_types (HF's alternation: layer 0
+  # sliding); HF's defaults: Gemma 2 2B's caps.
+  v4 = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+  c = gemma2.Gemma2Config.from_dict({**v4, "rope_theta": 1e4})
+  assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+  assert c.rope(1).theta == 1e4 and c.rope_scaling is None
+  assert gemma2.Gemma2Config.from_dict({}) == gemma2.Gemma2Config()
+  assert (gemma2.Gemma2Config().attn_logit_softcapping,
+          gemma2.Gemma2Config().final_logit_softcapping) == (50.0, 30.0)
+  for bad, message in (({"use_bidirectional_attention": True}, "bidirectional"),
+                       ({"model_type": "gemma3_text"}, "model_type 'gemma3_text'"),
+                       ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be"),
+                       ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+                       ({"rope_parameters": [10000.0]}, "rope_parameters must be a dict")):
+    with pytest.raises(ValueError, match=message):
+      gemma2.Gemma2Config.from_dict({**config, **bad})
+
+
 def test_bf16_tracks_hf(saved):
   """bf16 weights and compute against HF in f32: within bf16's error."""
-  hf, path = saved
-  assert_bf16_tracks_hf(hf, gemma3.from_pretrained(path, dtype=jnp.bfloat16))
+  hf, path, module = saved
+  assert_bf16_tracks_hf(hf, module.from_pretrained(path, dtype=jnp.bfloat16))
 
 
 @pytest.mark.gpu
-def test_triton_kernels_match_reference_and_hf_on_gpu(tmp_path):
-  """f32, Gemma 3 1B's head dim 256: the decode attention kernel (windowed and not) and
-  the norm kernels give the reference path's and HF's greedy tokens."""
-  hf = _hf_model(head_dim=256)
+@pytest.mark.parametrize("family", list(VARIANTS))
+def test_triton_kernels_match_reference_and_hf_on_gpu(family, tmp_path):
+  """f32, Gemma's head dim 256: the decode and prefill attention kernels (windowed and
+  not, Gemma 2's soft-capped) and the norm kernels give the reference path's and HF's
+  greedy tokens."""
+  hf = _hf_model(family, head_dim=256)
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
-      gemma3.from_pretrained, tmp_path))
+      VARIANTS[family][2].from_pretrained, tmp_path))
 
 
-def test_cli_finds_gemma3_by_model_type(saved, capsys):
-  """jax-paged-generate on the checkpoint, through the installed families (the gemma3
-  entry point): HF's greedy tokens."""
-  hf, path = saved
+def test_cli_finds_gemma_by_model_type(saved, capsys):
+  """jax-paged-generate on the checkpoint, through the installed families (the gemma2 and
+  gemma3 entry points): HF's greedy tokens."""
+  hf, path, module = saved
   prompt = _prompts(np.random.default_rng(6), [7])[0]
   families = cli.model_families()
-  assert "gemma3_text" in [t for f in families for t in f.model_types]
+  assert set(module.MODEL_TYPES) <= {t for f in families for t in f.model_types}
   status = cli.run(cli.parse_args(["--checkpoint", str(path), "--prompt-ids",
                                    ",".join(map(str, prompt)), "--max-new-tokens", "8",
                                    "--no-progress"], families), families)
@@ -162,7 +210,8 @@ def test_image_text_checkpoints_language_model_matches_hf(tmp_path, capsys):
   on text, HF's logits and greedy tokens, the CLI finding it by model_type; the top
   level's eos ids win over text_config's."""
   torch.manual_seed(1)
-  text = {k: v for k, v in CONFIG.items() if k != "attn_implementation"}
+  text = {**{k: v for k, v in CONFIG.items() if k != "attn_implementation"},
+          **VARIANTS["gemma3"][3]}
   vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                 num_attention_heads=2, image_size=28, patch_size=14)
   hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
@@ -219,8 +268,8 @@ def test_kernels_in_interpret_mode_match_hf(saved, monkeypatch):
   monkeypatch.setattr(triton_backend, "kernel_mode", lambda interpret, *, supported=True:
                       original(True if interpret is None else interpret,
                                supported=supported))
-  hf, path = saved
-  model = gemma3.from_pretrained(path, decode_impl="reference")
+  hf, path, module = saved
+  model = module.from_pretrained(path, decode_impl="reference")
   runner = ModelRunner(model)
   rng = np.random.default_rng(7)
   seqs = _prompts(rng, [4, 9])
