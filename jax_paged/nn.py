@@ -554,8 +554,9 @@ class PagedAttention(nnx.Module):
       slots: int32 [B, T] from `reserve`; -1 at padding, which is never written.
       lengths: int32 [B], real new tokens per row (the rest is padding).
       start: None for fresh sequences (attention over the new tokens only: cuDNN's flash
-        attention on a GPU; with a soft cap, the paged prefill kernel over the pages they
-        were just written to); or int32 [B], tokens each sequence already holds in its
+        attention on a GPU; with a soft cap, or on a GPU where cuDNN does not take q, the
+        paged prefill kernel over the pages they were just written to:
+        `_prompt_through_pages`); or int32 [B], tokens each sequence already holds in its
         pages, which the new ones (at positions start + t) attend to along with
         themselves, read from the pages.
       page_table: int32 [B, max_pages_per_seq], the rows of `kv.page_table` of the batch
@@ -574,15 +575,14 @@ class PagedAttention(nnx.Module):
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     if kv.quantized:
       k, v = kv_quant.fake_quantize(k, kv.dtype), kv_quant.fake_quantize(v, kv.dtype)
-    if start is None and self.logits_soft_cap is None:
+    if start is None and not self._prompt_through_pages(q, kv):
       y = prompt_attention(q, k, v, lengths, scale=self.scale,
                            sliding_window=self.sliding_window)
     else:
       if start is None:
-        # Neither cuDNN's nor XLA's fused attention caps logits: fresh prompts attend to
-        # themselves through the pages just written, whose ids their slots give (token t
-        # at slot page * page_size + t % page_size). A row not written (slots -1: no
-        # room in the pool) attends to nothing and gives 0.
+        # Fresh prompts attend to themselves through the pages just written, whose ids
+        # their slots give (token t at slot page * page_size + t % page_size). A row not
+        # written (slots -1: no room in the pool) attends to nothing and gives 0.
         start = jnp.zeros_like(lengths)
         page_table = jnp.maximum(slots[:, ::kv.page_size], 0) // kv.page_size
         lengths = jnp.where(slots[:, 0] >= 0, lengths, 0)
@@ -597,6 +597,16 @@ class PagedAttention(nnx.Module):
           sliding_window=self.sliding_window).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (projection(self.out, y, adapters=adapters) if project else y), kv
+
+  def _prompt_through_pages(self, q: jax.Array, kv: pool_lib.KVPool) -> bool:
+    """Whether fresh prompts (q [B, T, H, D]) attend through the paged prefill kernel
+    over the pages just written rather than `prompt_attention`: with a soft cap, which
+    neither cuDNN's nor XLA's fused attention applies; and on a GPU where cuDNN does not
+    take q (head dims past 128, f32) but the kernel does, rather than XLA's attention,
+    which writes [B, H, T, T] f32 logits."""
+    return self.logits_soft_cap is not None or (
+        jax.default_backend() == "gpu" and not _cudnn_supports(q)
+        and validation.kernel_supports(self.head_dim, kv.page_size))
 
   def decode(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
              page_table: jax.Array, lengths: jax.Array, *, project: bool = True,

@@ -120,6 +120,25 @@ def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
   np.testing.assert_array_equal(kv.lengths[ids], [13, 8, 27])
 
 
+def test_which_fresh_prompts_attend_through_the_pages(monkeypatch):
+  """The paged prefill kernel takes fresh prompts with a soft cap anywhere, and on a GPU
+  those cuDNN does not take (head dims past 128, f32) where the kernel does (not head dim
+  48); cuDNN the rest."""
+  kv = jax_paged.KVPool.create(num_layers=1, num_kv_heads=1, head_dim=D, num_pages=2,
+                               page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
+
+  def routed(head_dim, dtype, **options):
+    layer = nn.PagedAttention(E, 2, head_dim, rngs=nnx.Rngs(0), **options)
+    return layer._prompt_through_pages(jnp.zeros((1, 4, 2, head_dim), dtype), kv)
+
+  assert routed(D, jnp.float32, logits_soft_cap=5.0)
+  assert not routed(256, jnp.bfloat16) and not routed(D, jnp.float32)  # on the CPU: XLA
+  monkeypatch.setattr(nn.jax, "default_backend", lambda: "gpu")
+  assert routed(256, jnp.bfloat16) and routed(D, jnp.float32)
+  assert not routed(D, jnp.bfloat16) and not routed(128, jnp.float16)
+  assert not routed(48, jnp.float32)
+
+
 def test_reference_path_warns_only_on_a_gpu(monkeypatch):
   def warned(head_dim, page_size):
     with warnings.catch_warnings(record=True) as caught:
