@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +113,9 @@ class LlamaConfig:
     rope_scaling: HF's dict ({"rope_type": "linear" | "llama3", "factor": ..., ...}) or
       None, kept as a sorted tuple of (key, value) pairs so that the config is hashable
       (a model's static structure).
+
+  Class attribute `model_types`: the model_type values the config takes (a subclass's
+  own: `models.mixtral`).
   """
 
   vocab_size: int = 32000
@@ -137,6 +140,8 @@ class LlamaConfig:
   bos_token_id: int | None = 1
   eos_token_id: int | tuple[int, ...] | None = 2
 
+  model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
     if self.num_key_value_heads is None:
@@ -153,7 +158,7 @@ class LlamaConfig:
       set_("eos_token_id", tuple(self.eos_token_id))
     if self.layer_types is not None:
       set_("layer_types", tuple(self.layer_types))
-    check_type_and_heads(self, MODEL_TYPES)
+    check_type_and_heads(self, self.model_types)
     if self.hidden_act != "silu":
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Llama's MLP is "
                        "SwiGLU ('silu')")
@@ -200,10 +205,10 @@ class LlamaConfig:
     rope_parameters); fields this model does not use are ignored, and each model_type's
     are read as its HF class reads them."""
     config = dict(config)
-    model_type = config.get("model_type", "llama")
-    if model_type not in MODEL_TYPES:
+    model_type = config.setdefault("model_type", cls.model_type)
+    if model_type not in cls.model_types:
       raise ValueError(f"model_type {model_type!r} is not supported; use one of "
-                       f"{MODEL_TYPES}")
+                       f"{cls.model_types}")
     rope = config.pop("rope_parameters", None)
     if rope is not None:  # transformers 5: theta and scaling in one dict
       if not isinstance(rope, Mapping) or not isinstance(rope.get("rope_type", ""), str):
@@ -218,7 +223,8 @@ class LlamaConfig:
     if model_type == "llama":  # HF's Llama has no window
       config.pop("sliding_window", None)
       config.pop("layer_types", None)
-    elif model_type in ("mistral", "phi3"):  # every layer windowed (if any); no biases
+    elif model_type in ("mistral", "phi3", "mixtral"):  # every layer windowed (if any); no
+      # biases
       config.pop("layer_types", None)
       config.pop("attention_bias", None)
     else:  # qwen2 / 3: a window only with use_sliding_window, from a layer on
@@ -264,6 +270,11 @@ Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
 
 
 class DecoderLayer(nnx.Module):
+  """A pre-norm block: attention, then `mlp_class` (a subclass's own: `models.mixtral`'s
+  experts), each added to the residual stream."""
+
+  mlp_class = MLP
+
   def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
     norm_of = functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
@@ -278,7 +289,7 @@ class DecoderLayer(nnx.Module):
         decode_impl=decode_impl, kernel_init=nnx.initializers.normal(config.initializer_range),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
-    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = self.mlp_class(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
                attend: Attend, next_norm: paged_nn.RMSNorm,
@@ -291,9 +302,14 @@ class DecoderLayer(nnx.Module):
     a, kv = attend(self.self_attn, h, kv, layer)
     x, h = paged_nn.project_add_norm(self.self_attn.out, a, x, self.post_attention_layernorm,
                                      adapters=adapters)
-    x, h = paged_nn.project_add_norm(self.mlp.down, self.mlp.hidden(h, adapters), x,
-                                     next_norm, adapters=adapters)
+    x, h = self._mlp_add_norm(x, h, next_norm, adapters)
     return x, h, kv
+
+  def _mlp_add_norm(self, x: jax.Array, h: jax.Array, next_norm: paged_nn.RMSNorm,
+                    adapters: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(x + mlp(h), its next_norm), `down`'s reduction, the add and the norm fused."""
+    return paged_nn.project_add_norm(self.mlp.down, self.mlp.hidden(h, adapters), x,
+                                     next_norm, adapters=adapters)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -343,8 +359,9 @@ class LlamaForCausalLM(nnx.Module):
   def tensor_parallel_splits(self) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
     """The MLP's gate_up column-parallel (gate and up each split, so that a device gets
     the matching columns of both) and down row-parallel (`jax_paged.PagedModel`; the
-    attention is split by head by `jax_paged.tensor_parallel` itself)."""
-    return [split for layer in self.layers
+    attention is split by head by `jax_paged.tensor_parallel` itself). Layers whose MLP is
+    not an `MLP` (Mixtral's experts) keep it whole on every device."""
+    return [split for layer in self.layers if isinstance(layer.mlp, MLP)
             for split in ((layer.mlp.gate_up, tensor_parallel.Split(
                 "column", (self.config.intermediate_size,) * 2)),
                           (layer.mlp.down, tensor_parallel.ROW))]
@@ -353,24 +370,26 @@ class LlamaForCausalLM(nnx.Module):
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
     q_proj, k_proj and v_proj in our fused qkv's columns, gate_proj and up_proj in
     gate_up's (Phi-3's qkv_proj and gate_up_proj: all of them), o_proj and down_proj
-    whole."""
+    whole; the attention's only where the MLP is not an `MLP` (Mixtral's experts)."""
     c = self.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     targets = {}
     for i, layer in enumerate(self.layers):
       attn, mlp = layer.self_attn, layer.mlp
       if c.model_type == "phi3":
-        fused = (("self_attn.qkv_proj", lora.Target(attn.qkv)),
-                 ("mlp.gate_up_proj", lora.Target(mlp.gate_up)))
+        found = [("self_attn.qkv_proj", lora.Target(attn.qkv))]
       else:
-        fused = (("self_attn.q_proj", lora.Target(attn.qkv, 0, q)),
+        found = [("self_attn.q_proj", lora.Target(attn.qkv, 0, q)),
                  ("self_attn.k_proj", lora.Target(attn.qkv, q, kv)),
-                 ("self_attn.v_proj", lora.Target(attn.qkv, q + kv, kv)),
-                 ("mlp.gate_proj", lora.Target(mlp.gate_up, 0, c.intermediate_size)),
-                 ("mlp.up_proj", lora.Target(mlp.gate_up, c.intermediate_size,
-                                             c.intermediate_size)))
-      for name, target in fused + (("self_attn.o_proj", lora.Target(attn.out)),
-                                   ("mlp.down_proj", lora.Target(mlp.down))):
+                 ("self_attn.v_proj", lora.Target(attn.qkv, q + kv, kv))]
+      found.append(("self_attn.o_proj", lora.Target(attn.out)))
+      if isinstance(mlp, MLP):
+        width = c.intermediate_size
+        found += ([("mlp.gate_up_proj", lora.Target(mlp.gate_up))] if c.model_type == "phi3"
+                  else [("mlp.gate_proj", lora.Target(mlp.gate_up, 0, width)),
+                        ("mlp.up_proj", lora.Target(mlp.gate_up, width, width))])
+        found.append(("mlp.down_proj", lora.Target(mlp.down)))
+      for name, target in found:
         targets[f"model.layers.{i}.{name}"] = target
     return targets
 
@@ -531,23 +550,42 @@ _PHI3_FUSED = {**_FUSED, "self_attn.qkv": ("self_attn.qkv_proj",),
                "mlp.gate_up": ("mlp.gate_up_proj",)}
 
 
-def _hf_sources(path: tuple[str, ...], model_type: str) -> tuple[list[str], bool]:
-  """An nnx state path -> (the HF tensor names it is made of, whether they are torch
-  Linear weights [out, in] to concatenate along out and transpose)."""
+# Sources(nnx state path, config) -> (the HF tensor names a parameter is made of, the
+# function making it of those tensors, in order).
+Sources = Callable[[tuple[str, ...], Any],
+                   tuple[list[str], Callable[[list[jax.Array]], jax.Array]]]
+
+
+def linear_rows(parts: list[jax.Array]) -> jax.Array:
+  """torch Linear weights [out, in] concatenated along out, as a kernel [in, sum(out)]."""
+  return jnp.concatenate(parts, axis=0).T
+
+
+def _whole(parts: list[jax.Array]) -> jax.Array:
+  (part,) = parts
+  return part
+
+
+def hf_sources(path: tuple[str, ...], config: Any
+               ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+  """This module's `Sources`: a parameter's HF tensors (our fused projections are
+  their modules' weights concatenated)."""
   if path == ("embed_tokens", "embedding"):
-    return ["model.embed_tokens.weight"], False
+    return ["model.embed_tokens.weight"], _whole
   if path == ("lm_head", "embedding"):
-    return ["lm_head.weight"], False
+    return ["lm_head.weight"], _whole
   if path == ("norm", "weight"):
-    return ["model.norm.weight"], False
+    return ["model.norm.weight"], _whole
   _, layer, *module, param = path  # ("layers", i, ..., "kernel" | "bias" | "weight")
   prefix = f"model.layers.{layer}."
   module = ".".join(module)
-  fused = _PHI3_FUSED if model_type == "phi3" else _FUSED
+  fused = _PHI3_FUSED if config.model_type == "phi3" else _FUSED
   if module not in fused:  # the norms
-    return [f"{prefix}{module}.{param}"], False
-  kind = "weight" if param == "kernel" else "bias"
-  return [f"{prefix}{hf}.{kind}" for hf in fused[module]], param == "kernel"
+    return [f"{prefix}{module}.{param}"], _whole
+  if param == "kernel":
+    return [f"{prefix}{hf}.weight" for hf in fused[module]], linear_rows
+  return ([f"{prefix}{hf}.bias" for hf in fused[module]],
+          functools.partial(jnp.concatenate, axis=0))
 
 
 def _read_json(file: str) -> dict[str, Any]:
@@ -576,7 +614,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
 
 def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
-                    model_of: Callable[..., nnx.Module]) -> nnx.Module:
+                    model_of: Callable[..., nnx.Module],
+                    sources: Sources = hf_sources) -> nnx.Module:
   """Loads a Hugging Face checkpoint directory of this module's layout (Llama's tensor
   names, our fused projections; a model of models/ built on it, as Gemma 3's).
 
@@ -587,6 +626,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     config_of: config.json's dict -> the model's config (ValueError if unsupported); it
       has a `model_type`.
     model_of: (config, rngs=) -> the model, whose parameters the checkpoint fills.
+    sources: where each parameter comes from (`hf_sources`: Llama's names; a model with
+      other parameters, as Mixtral's experts, passes its own).
 
   Raises:
     FileNotFoundError: the directory's config.json, its weights or a listed shard is
@@ -616,9 +657,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
   graphdef, state = nnx.split(abstract)
 
   def load(key_path, spec: jax.ShapeDtypeStruct) -> jax.Array:
-    names, linear_weight = _hf_sources(tuple(str(k.key) for k in key_path
-                                             if isinstance(k, jax.tree_util.DictKey)),
-                                       config.model_type)
+    names, assemble = sources(tuple(str(k.key) for k in key_path
+                                    if isinstance(k, jax.tree_util.DictKey)), config)
     parts = []
     for name in names:
       try:
@@ -626,8 +666,7 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
       except KeyError:
         raise ValueError(f"{path}: weight {name!r} is missing from the checkpoint (needed "
                          f"for a parameter of shape {spec.shape})") from None
-    value = jnp.concatenate(parts, axis=0)
-    value = value.T if linear_weight else value
+    value = assemble(parts)
     if value.shape != spec.shape:
       which = " + ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
       raise ValueError(f"{path}: weight {which} gives shape {value.shape}, expected "

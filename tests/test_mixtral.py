@@ -1,0 +1,190 @@
+"""Mixtral on the paged pool against Hugging Face transformers' MixtralForCausalLM (CPU,
+f32), loaded from its `save_pretrained` directory (each expert's w1 / w2 / w3 tensors).
+
+The HF model is random (norms too); 4 experts, 2 per token, so that tokens of one batch
+take different experts. Tolerance as test_llama's: 1e-4 on the logits.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import jax_paged
+from jax_paged import cli
+from jax_paged import weight_quant
+from jax_paged.serving.runner import ModelRunner
+from models import mixtral
+from tests.test_engine import assert_pages_back
+from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
+                              assert_bf16_tracks_hf,
+                              assert_kernels_give_references_and_hfs_tokens)
+
+# GQA 8 q heads over 2 kv heads of 8; 4 experts of width 48, 2 per token.
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
+              num_experts_per_tok=2, max_position_embeddings=64, rope_theta=1000.0,
+              initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+              attn_implementation="eager")
+
+
+def _hf_model(**overrides):
+  torch.manual_seed(0)
+  hf = transformers.MixtralForCausalLM(
+      transformers.MixtralConfig(**{**CONFIG, **overrides})).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name:
+        p.uniform_(0.5, 1.5)
+  return hf
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """(HF model, its save_pretrained directory)."""
+  hf = _hf_model()
+  path = tmp_path_factory.mktemp("mixtral")
+  hf.save_pretrained(path)
+  return hf, path
+
+
+def test_prefill_and_decode_logits_match_hf(saved):
+  """Logits over a prefill and decode steps; the batch's tokens use every expert."""
+  hf, path = saved
+  model = mixtral.from_pretrained(path)
+  assert isinstance(model, jax_paged.PagedModel)
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(1)
+  seqs = _prompts(rng, [3, 8, 13])
+  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
+  seq_ids = np.array([2, 0, 3], np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(8):  # to lengths 10, 15, 20: across pages
+    want = _hf_last_logits(hf, seqs)
+    assert np.abs(want).max(axis=1).min() > 0.5
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
+    nxt = rng.integers(1, VOCAB, len(seqs))
+    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  block = hf.model.layers[0].mlp
+  with torch.no_grad():
+    _, _, chosen = block.gate(hf.model.embed_tokens(torch.tensor(seqs[2])))
+  assert set(chosen.flatten().tolist()) == set(range(4))
+
+
+def test_generate_and_engine_give_hfs_tokens(saved):
+  """generate; an engine whose prompts share a cached prefix and whose long prompt is
+  prefilled in chunks; an engine preempting in a tiny pool: HF's greedy tokens."""
+  hf, path = saved
+  model = mixtral.from_pretrained(path)
+  rng = np.random.default_rng(2)
+  prompts = _prompts(rng, [1, 7, 9, 15])
+  want = [_hf_generate(hf, p, 12) for p in prompts]
+  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
+  eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
+  outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
+  assert outputs == want and report.preemptions > 0
+  assert_pages_back(eng)
+  system = _prompts(rng, [2 * PAGE + 3])[0]
+  prompts = [system + p for p in _prompts(rng, [4, 9])] + _prompts(rng, [40])
+  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
+                         max_prefill_tokens=16)
+  outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
+  assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
+  assert report.cached_prompt_tokens >= 2 * PAGE
+
+
+def test_config_reads_hf_and_refuses_what_it_lacks(saved):
+  _, path = saved
+  config = json.loads((path / "config.json").read_text())
+  c = mixtral.MixtralConfig.from_dict(config)
+  assert (c.num_local_experts, c.num_experts_per_tok, c.rope_theta) == (4, 2, 1000.0)
+  d = mixtral.MixtralConfig.from_dict({})  # HF's defaults: Mixtral 8x7B
+  assert (d.num_local_experts, d.num_experts_per_tok, d.intermediate_size,
+          d.num_key_value_heads, d.rms_norm_eps) == (8, 2, 14336, 8, 1e-5)
+  for bad, message in (({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) must be <="),
+                       ({"num_local_experts": 0}, "num_local_experts must be a positive"),
+                       ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+                       ({"hidden_act": "gelu"}, "hidden_act 'gelu'")):
+    with pytest.raises(ValueError, match=message):
+      mixtral.MixtralConfig.from_dict({**config, **bad})
+
+
+def test_missing_expert_is_named(saved, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  _, path = saved
+  tensors = load_file(path / "model.safetensors")
+  del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+  save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+  (tmp_path / "config.json").write_text((path / "config.json").read_text())
+  with pytest.raises(ValueError, match=r"experts\.3\.w3\.weight' is missing"):
+    mixtral.from_pretrained(tmp_path)
+
+
+def test_bf16_tracks_hf(saved):
+  hf, path = saved
+  assert_bf16_tracks_hf(hf, mixtral.from_pretrained(path, dtype=jnp.bfloat16))
+
+
+def test_experts_stay_whole_under_quantization_lora_and_tensor_parallel(saved):
+  """int8 weights quantize the attention only; LoRA targets the attention's projections;
+  tensor parallelism splits none of the experts."""
+  _, path = saved
+  model = mixtral.from_pretrained(path)
+  assert weight_quant.quantize_weights(model) == 2 * 2  # qkv and o per layer
+  assert model.layers[0].mlp.gate_up[...].dtype == jnp.float32
+  names = {k.split(".", 3)[-1] for k in model.lora_targets()}
+  assert names == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                   "self_attn.o_proj"}
+  assert model.tensor_parallel_splits() == []
+
+
+def test_cli_finds_mixtral_by_model_type(saved, capsys):
+  hf, path = saved
+  prompt = _prompts(np.random.default_rng(6), [7])[0]
+  families = cli.model_families()
+  status = cli.run(cli.parse_args(["--checkpoint", str(path), "--prompt-ids",
+                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
+                                   "--no-progress"], families), families)
+  assert status == 0
+  out = capsys.readouterr().out
+  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+
+
+def test_experts_match_a_dense_loop():
+  """`SparseMoE` against every token's chosen experts run one by one (float64 numpy)."""
+  config = mixtral.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=5,
+                                 num_experts_per_tok=3, num_attention_heads=4,
+                                 num_key_value_heads=2, initializer_range=0.2)
+  moe = mixtral.SparseMoE(config, dtype=jnp.float32, param_dtype=jnp.float32,
+                          rngs=nnx.Rngs(3))
+  x = np.random.default_rng(0).standard_normal((2, 7, 32)).astype(np.float32)
+  got = np.asarray(jax.jit(moe)(jnp.asarray(x))).reshape(-1, 32)
+  r, gu, dn = (np.asarray(p[...], np.float64) for p in (moe.router, moe.gate_up, moe.down))
+  silu = lambda v: v / (1 + np.exp(-v))
+  used = set()
+  for row, out in zip(x.reshape(-1, 32).astype(np.float64), got):
+    scores = np.exp(row @ r)
+    scores /= scores.sum()
+    top = np.argsort(-scores)[:3]
+    used.update(top.tolist())
+    want = sum(scores[e] / scores[top].sum()
+               * (silu(row @ gu[e, :, :24]) * (row @ gu[e, :, 24:])) @ dn[e] for e in top)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+  assert used == set(range(5))
+
+
+@pytest.mark.gpu
+def test_triton_kernels_match_reference_and_hf_on_gpu(tmp_path):
+  """f32 at head dim 64: the attention kernels, and XLA's grouped matmuls for the experts,
+  give the reference path's and HF's greedy tokens."""
+  hf = _hf_model(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+  hf.save_pretrained(tmp_path)
+  assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
+      mixtral.from_pretrained, tmp_path))
