@@ -16,8 +16,9 @@ them in; the layer never allocates.
 
 Position information, where a model has it in attention, comes from a `RotaryEmbedding`
 (RoPE: default, "linear" and "llama3" frequencies) applied by the layer to q and k before
-K is cached; a `sliding_window` limits every token to the last W positions (prompt and
-decode alike).
+K is cached; a `sliding_window` limits every token to the last W positions, and a
+`logits_soft_cap` C caps the attention logits to C * tanh(logits / C) (Gemma 2's), prompt
+and decode alike.
 
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's

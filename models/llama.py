@@ -115,7 +115,7 @@ class LlamaConfig:
       (a model's static structure).
 
   Class attribute `model_types`: the model_type values the config takes (a subclass's
-  own: `models.mixtral`).
+  own: `models.moe`).
   """
 
   vocab_size: int = 32000
@@ -187,7 +187,7 @@ class LlamaConfig:
 
   @property
   def out_bias(self) -> bool:
-    return self.attention_bias and self.model_type in ("llama", "qwen3")
+    return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
   @property
   def activation(self) -> Callable[[jax.Array], jax.Array]:
@@ -197,7 +197,7 @@ class LlamaConfig:
   @property
   def qk_norm(self) -> bool:
     """Whether each head of q and k is RMS-normalised before RoPE (Qwen3)."""
-    return self.model_type == "qwen3"
+    return self.model_type in ("qwen3", "qwen3_moe")
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "LlamaConfig":
@@ -220,22 +220,24 @@ class LlamaConfig:
                                              config.get("partial_rotary_factor"))
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
-    if model_type == "llama":  # HF's Llama has no window
+    # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any);
+    # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on; Qwen3-MoE one
+    # with use_sliding_window, on every layer.
+    if model_type == "llama":
       config.pop("sliding_window", None)
+    if (model_type in ("qwen2", "qwen3", "qwen3_moe")
+        and not config.get("use_sliding_window", False)):
+      config["sliding_window"] = None
+    if model_type not in ("qwen2", "qwen3"):
       config.pop("layer_types", None)
-    elif model_type in ("mistral", "phi3", "mixtral"):  # every layer windowed (if any); no
-      # biases
-      config.pop("layer_types", None)
+    elif config.get("layer_types") is None and config.get("sliding_window") is not None:
+      first = config.get("max_window_layers", 28)
+      config["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
+                               for i in range(config.get("num_hidden_layers", 32))]
+    # Biases: Mistral, Phi-3 and Mixtral have none; Qwen2 always q/k/v's, never o's
+    # (`qkv_bias`, `out_bias`); the others attention_bias's.
+    if model_type in ("mistral", "phi3", "mixtral", "qwen2"):
       config.pop("attention_bias", None)
-    else:  # qwen2 / 3: a window only with use_sliding_window, from a layer on
-      if model_type == "qwen2":  # always q/k/v biases, never o's
-        config.pop("attention_bias", None)
-      if not config.get("use_sliding_window", False):
-        config["sliding_window"] = None
-      if config.get("layer_types") is None and config.get("sliding_window") is not None:
-        first = config.get("max_window_layers", 28)
-        config["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
-                                 for i in range(config.get("num_hidden_layers", 32))]
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})
 
@@ -270,10 +272,8 @@ Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
 
 
 class DecoderLayer(nnx.Module):
-  """A pre-norm block: attention, then `mlp_class` (a subclass's own: `models.mixtral`'s
-  experts), each added to the residual stream."""
-
-  mlp_class = MLP
+  """A pre-norm block: attention, then an MLP (`_make_mlp`'s: a subclass's own, as
+`models.moe`'s experts), each added to the residual stream."""
 
   def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
@@ -289,7 +289,13 @@ class DecoderLayer(nnx.Module):
         decode_impl=decode_impl, kernel_init=nnx.initializers.normal(config.initializer_range),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
-    self.mlp = self.mlp_class(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+
+  def _make_mlp(self, config: LlamaConfig, layer: int, **kwargs) -> nnx.Module:
+    """Layer `layer`'s MLP (`MLP`; kwargs: dtype, param_dtype, rngs)."""
+    del layer
+    return MLP(config, **kwargs)
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
                attend: Attend, next_norm: paged_nn.RMSNorm,
@@ -360,7 +366,7 @@ class LlamaForCausalLM(nnx.Module):
     """The MLP's gate_up column-parallel (gate and up each split, so that a device gets
     the matching columns of both) and down row-parallel (`jax_paged.PagedModel`; the
     attention is split by head by `jax_paged.tensor_parallel` itself). Layers whose MLP is
-    not an `MLP` (Mixtral's experts) keep it whole on every device."""
+    not an `MLP` (`models.moe`'s experts) keep it whole on every device."""
     return [split for layer in self.layers if isinstance(layer.mlp, MLP)
             for split in ((layer.mlp.gate_up, tensor_parallel.Split(
                 "column", (self.config.intermediate_size,) * 2)),
@@ -370,7 +376,7 @@ class LlamaForCausalLM(nnx.Module):
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
     q_proj, k_proj and v_proj in our fused qkv's columns, gate_proj and up_proj in
     gate_up's (Phi-3's qkv_proj and gate_up_proj: all of them), o_proj and down_proj
-    whole; the attention's only where the MLP is not an `MLP` (Mixtral's experts)."""
+    whole; the attention's only where the MLP is not an `MLP` (`models.moe`'s experts)."""
     c = self.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     targets = {}

@@ -182,10 +182,11 @@ def test_two_gpus_match_one_gpu():
     assert len({s["device"] for s in res["shards"]["2"]}) == 2 and res["replicated"]["2"]
 
 
-def test_mixtral_with_whole_experts_matches_one_device():
-  """Mixtral's experts stay whole on every device (each computes them on the same
-  all-reduced input): TP 2's and 4's tokens are one device's."""
-  tokens = _run_case("mixtral")
+def test_moe_with_whole_experts_matches_one_device():
+  """A Qwen3-MoE's experts stay whole on every device (each computes them on the same
+  all-reduced input), its dense layer's MLP split as Llama's: TP 2's and 4's tokens are
+  one device's."""
+  tokens = _run_case("moe")
   assert tokens["2"] == tokens["1"] and tokens["4"] == tokens["1"]
   assert len({t for seq in tokens["1"] for t in seq}) > 3  # not one repeated token
 
@@ -520,19 +521,19 @@ def case_cli() -> dict:
   return result
 
 
-def case_mixtral() -> dict:
-  """Mixtral (experts whole on every device, attention split), TP 1 / 2 / 4: the engine's
-  greedy tokens (f32, highest precision)."""
+def case_moe() -> dict:
+  """A Qwen3-MoE (experts whole on every device on layer 0, layer 1 dense; attention
+  split), TP 1 / 2 / 4: the engine's greedy tokens (f32, highest precision)."""
   import jax
   from flax import nnx
   from jax_paged import Engine, Request, tensor_parallel
-  from models import mixtral
-  config = mixtral.MixtralConfig(vocab_size=97, hidden_size=64, intermediate_size=48,
-                                 num_hidden_layers=2, num_attention_heads=8,
-                                 num_key_value_heads=4, num_local_experts=4,
-                                 max_position_embeddings=64, initializer_range=0.1,
-                                 eos_token_id=None)
-  model = mixtral.MixtralForCausalLM(config, rngs=nnx.Rngs(0))
+  from models import moe
+  config = moe.MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=48,
+                         moe_intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
+                         mlp_only_layers=(1,), max_position_embeddings=64,
+                         initializer_range=0.1, eos_token_id=None, model_type="qwen3_moe")
+  model = moe.MoeForCausalLM(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   requests = [Request(rng.integers(1, 97, n).tolist(), 8) for n in (3, 9, 14)]
   tokens = {}

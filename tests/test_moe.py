@@ -1,7 +1,8 @@
-"""Mixtral on the paged pool against Hugging Face transformers' MixtralForCausalLM (CPU,
-f32), loaded from its `save_pretrained` directory (each expert's w1 / w2 / w3 tensors).
+"""Mixtral and Qwen3-MoE on the paged pool against Hugging Face transformers'
+MixtralForCausalLM and Qwen3MoeForCausalLM (CPU, f32), loaded from their `save_pretrained`
+directories (each expert's tensors).
 
-The HF model is random (norms too); 4 experts, 2 per token, so that tokens of one batch
+The HF models are random (norms too); 4 experts, 2 per token, so that tokens of one batch
 take different experts. Tolerance as test_llama's: 1e-4 on the logits.
 """
 
@@ -20,36 +21,48 @@ import jax_paged
 from jax_paged import cli
 from jax_paged import weight_quant
 from jax_paged.serving.runner import ModelRunner
-from models import mixtral
+from models import llama
+from models import moe
 from tests.test_engine import assert_pages_back
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
                               assert_bf16_tracks_hf,
                               assert_kernels_give_references_and_hfs_tokens)
 
-# GQA 8 q heads over 2 kv heads of 8; 4 experts of width 48, 2 per token.
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
-              num_experts_per_tok=2, max_position_embeddings=64, rope_theta=1000.0,
-              initializer_range=0.1, bos_token_id=None, eos_token_id=None,
-              attn_implementation="eager")
+# GQA 8 q heads over 2 kv heads; 4 experts, 2 per token.
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64,
+              rope_theta=1000.0, initializer_range=0.1, bos_token_id=None,
+              eos_token_id=None, attn_implementation="eager")
+# model_type -> (HF model class, HF config class, the family's CONFIG fields): Mixtral's
+# experts 48 wide, renormalised; Qwen3-MoE's 24 wide, not renormalised (norm_topk_prob
+# False), layer 1 a dense MLP 40 wide (mlp_only_layers), q / k norms, biases on q/k/v/o.
+VARIANTS = {
+    "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig, dict(
+        intermediate_size=48, num_local_experts=4)),
+    "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, dict(
+        intermediate_size=40, moe_intermediate_size=24, num_experts=4, head_dim=16,
+        norm_topk_prob=False, mlp_only_layers=[1], attention_bias=True)),
+}
 
 
-def _hf_model(**overrides):
+def _hf_model(model_type: str, **overrides):
+  model_class, config_class, fields = VARIANTS[model_type]
   torch.manual_seed(0)
-  hf = transformers.MixtralForCausalLM(
-      transformers.MixtralConfig(**{**CONFIG, **overrides})).eval()
+  hf = model_class(config_class(**{**CONFIG, **fields, **overrides})).eval()
   with torch.no_grad():
     for name, p in hf.named_parameters():
       if "norm" in name:
         p.uniform_(0.5, 1.5)
+      elif name.endswith("bias"):
+        p.normal_(0.0, 0.5)
   return hf
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-  """(HF model, its save_pretrained directory)."""
-  hf = _hf_model()
-  path = tmp_path_factory.mktemp("mixtral")
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def saved(request, tmp_path_factory):
+  """(HF model, its save_pretrained directory) of each model type."""
+  hf = _hf_model(request.param)
+  path = tmp_path_factory.mktemp(request.param)
   hf.save_pretrained(path)
   return hf, path
 
@@ -57,8 +70,11 @@ def saved(tmp_path_factory):
 def test_prefill_and_decode_logits_match_hf(saved):
   """Logits over a prefill and decode steps; the batch's tokens use every expert."""
   hf, path = saved
-  model = mixtral.from_pretrained(path)
+  model = moe.from_pretrained(path)
   assert isinstance(model, jax_paged.PagedModel)
+  if model.config.model_type == "qwen3_moe":  # layer 1 dense, q / k norms
+    assert isinstance(model.layers[1].mlp, llama.MLP)
+    assert model.layers[0].self_attn.q_norm is not None
   runner = ModelRunner(model)
   rng = np.random.default_rng(1)
   seqs = _prompts(rng, [3, 8, 13])
@@ -82,7 +98,7 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   """generate; an engine whose prompts share a cached prefix and whose long prompt is
   prefilled in chunks; an engine preempting in a tiny pool: HF's greedy tokens."""
   hf, path = saved
-  model = mixtral.from_pretrained(path)
+  model = moe.from_pretrained(path)
   rng = np.random.default_rng(2)
   prompts = _prompts(rng, [1, 7, 9, 15])
   want = [_hf_generate(hf, p, 12) for p in prompts]
@@ -103,9 +119,18 @@ def test_generate_and_engine_give_hfs_tokens(saved):
 def test_config_reads_hf_and_refuses_what_it_lacks(saved):
   _, path = saved
   config = json.loads((path / "config.json").read_text())
-  c = mixtral.MixtralConfig.from_dict(config)
+  c = moe.MoeConfig.from_dict(config)
   assert (c.num_local_experts, c.num_experts_per_tok, c.rope_theta) == (4, 2, 1000.0)
-  d = mixtral.MixtralConfig.from_dict({})  # HF's defaults: Mixtral 8x7B
+  if c.model_type == "mixtral":
+    assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (48, True, True)
+  else:
+    assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (24, False, False)
+    # transformers 4's name for the experts' count; HF's default: no renormalisation.
+    v4 = {k: v for k, v in config.items() if k not in ("num_local_experts",
+                                                        "norm_topk_prob")}
+    c = moe.MoeConfig.from_dict({**v4, "num_experts": 4})
+    assert (c.num_local_experts, c.norm_topk_prob) == (4, False)
+  d = moe.MoeConfig.from_dict({})  # HF's defaults: Mixtral 8x7B
   assert (d.num_local_experts, d.num_experts_per_tok, d.intermediate_size,
           d.num_key_value_heads, d.rms_norm_eps) == (8, 2, 14336, 8, 1e-5)
   for bad, message in (({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) must be <="),
@@ -113,39 +138,50 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
                        ({"model_type": "llama"}, "model_type 'llama' is not supported"),
                        ({"hidden_act": "gelu"}, "hidden_act 'gelu'")):
     with pytest.raises(ValueError, match=message):
-      mixtral.MixtralConfig.from_dict({**config, **bad})
+      moe.MoeConfig.from_dict({**config, **bad})
 
 
 def test_missing_expert_is_named(saved, tmp_path):
   from safetensors.numpy import load_file, save_file
   _, path = saved
   tensors = load_file(path / "model.safetensors")
-  del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+  up = [k for k in tensors if k.startswith("model.layers.0.")
+        and k.endswith(("experts.3.w3.weight", "experts.3.up_proj.weight"))]
+  assert len(up) == 1
+  del tensors[up[0]]
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
   (tmp_path / "config.json").write_text((path / "config.json").read_text())
-  with pytest.raises(ValueError, match=r"experts\.3\.w3\.weight' is missing"):
-    mixtral.from_pretrained(tmp_path)
+  with pytest.raises(ValueError, match=f"weight '{up[0]}' is missing"):
+    moe.from_pretrained(tmp_path)
 
 
 def test_bf16_tracks_hf(saved):
   hf, path = saved
-  assert_bf16_tracks_hf(hf, mixtral.from_pretrained(path, dtype=jnp.bfloat16))
+  assert_bf16_tracks_hf(hf, moe.from_pretrained(path, dtype=jnp.bfloat16))
 
 
 def test_experts_stay_whole_under_quantization_lora_and_tensor_parallel(saved):
-  """int8 weights quantize the attention only; LoRA targets the attention's projections;
-  tensor parallelism splits none of the experts."""
+  """int8 weights quantize the attention and dense MLPs only; LoRA targets their
+  projections; tensor parallelism splits none of the experts (a dense MLP as Llama's)."""
   _, path = saved
-  model = mixtral.from_pretrained(path)
-  assert weight_quant.quantize_weights(model) == 2 * 2  # qkv and o per layer
+  model = moe.from_pretrained(path)
+  dense = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, llama.MLP)]
+  assert dense == ([] if model.config.model_type == "mixtral" else [1])
+  assert weight_quant.quantize_weights(model) == 2 * 2 + 2 * len(dense)
   assert model.layers[0].mlp.gate_up[...].dtype == jnp.float32
-  names = {k.split(".", 3)[-1] for k in model.lora_targets()}
-  assert names == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                   "self_attn.o_proj"}
-  assert model.tensor_parallel_splits() == []
+  attention = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+               "self_attn.o_proj"}
+  for i in range(2):
+    names = {k.split(".", 3)[-1] for k in model.lora_targets() if k.split(".")[2] == str(i)}
+    assert names == attention | ({"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+                                 if i in dense else set())
+  splits = model.tensor_parallel_splits()
+  assert [proj for proj, _ in splits] == [m for i in dense
+                                          for m in (model.layers[i].mlp.gate_up,
+                                                    model.layers[i].mlp.down)]
 
 
-def test_cli_finds_mixtral_by_model_type(saved, capsys):
+def test_cli_finds_the_model_type(saved, capsys):
   hf, path = saved
   prompt = _prompts(np.random.default_rng(6), [7])[0]
   families = cli.model_families()
@@ -158,15 +194,23 @@ def test_cli_finds_mixtral_by_model_type(saved, capsys):
 
 
 def test_experts_match_a_dense_loop():
-  """`SparseMoE` against every token's chosen experts run one by one (float64 numpy)."""
-  config = mixtral.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=5,
-                                 num_experts_per_tok=3, num_attention_heads=4,
-                                 num_key_value_heads=2, initializer_range=0.2)
-  moe = mixtral.SparseMoE(config, dtype=jnp.float32, param_dtype=jnp.float32,
+  """`SparseMoE` against every token's chosen experts run one by one (float64 numpy),
+  with and without renormalised scores."""
+  for normalize in (True, False):
+    _check_experts_against_a_loop(normalize)
+
+
+def _check_experts_against_a_loop(normalize: bool):
+  config = moe.MoeConfig(hidden_size=32, intermediate_size=24, num_local_experts=5,
+                         num_experts_per_tok=3, num_attention_heads=4,
+                         num_key_value_heads=2, initializer_range=0.2,
+                         norm_topk_prob=normalize)
+  experts = moe.SparseMoE(config, dtype=jnp.float32, param_dtype=jnp.float32,
                           rngs=nnx.Rngs(3))
   x = np.random.default_rng(0).standard_normal((2, 7, 32)).astype(np.float32)
-  got = np.asarray(jax.jit(moe)(jnp.asarray(x))).reshape(-1, 32)
-  r, gu, dn = (np.asarray(p[...], np.float64) for p in (moe.router, moe.gate_up, moe.down))
+  got = np.asarray(jax.jit(experts)(jnp.asarray(x))).reshape(-1, 32)
+  r, gu, dn = (np.asarray(p[...], np.float64)
+               for p in (experts.router, experts.gate_up, experts.down))
   silu = lambda v: v / (1 + np.exp(-v))
   used = set()
   for row, out in zip(x.reshape(-1, 32).astype(np.float64), got):
@@ -174,17 +218,19 @@ def test_experts_match_a_dense_loop():
     scores /= scores.sum()
     top = np.argsort(-scores)[:3]
     used.update(top.tolist())
-    want = sum(scores[e] / scores[top].sum()
+    total = scores[top].sum() if normalize else 1.0
+    want = sum(scores[e] / total
                * (silu(row @ gu[e, :, :24]) * (row @ gu[e, :, 24:])) @ dn[e] for e in top)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
   assert used == set(range(5))
 
 
 @pytest.mark.gpu
-def test_triton_kernels_match_reference_and_hf_on_gpu(tmp_path):
+@pytest.mark.parametrize("model_type", list(VARIANTS))
+def test_triton_kernels_match_reference_and_hf_on_gpu(model_type, tmp_path):
   """f32 at head dim 64: the attention kernels, and XLA's grouped matmuls for the experts,
   give the reference path's and HF's greedy tokens."""
-  hf = _hf_model(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+  hf = _hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
-      mixtral.from_pretrained, tmp_path))
+      moe.from_pretrained, tmp_path))

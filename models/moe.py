@@ -1,0 +1,225 @@
+"""Mixture-of-experts decoders in Flax NNX, decoding from a paged KV cache
+(`jax_paged.KVPool`): Mixtral and Qwen3-MoE.
+
+Hugging Face's `MixtralForCausalLM` (`model_type` "mixtral": Mixtral 8x7B, 8x22B) is
+Mistral's decoder (`models.llama`), and `Qwen3MoeForCausalLM` ("qwen3_moe": Qwen3-30B-A3B,
+Qwen3-235B-A22B) Qwen3's (per-head q / k norms), whose MLP is a sparse mixture of SwiGLU
+experts (Qwen3-MoE's: on the layers decoder_sparse_step and mlp_only_layers leave it, a
+dense MLP on the others): a router scores the experts for each token (softmax in f32), the
+num_experts_per_tok best run on it, and its output is their sum weighted by those scores
+(renormalised over the chosen ones: always for Mixtral, with norm_topk_prob for
+Qwen3-MoE).
+
+The experts run as two grouped matmuls (`jax.lax.ragged_dot`) over the token-expert
+pairs sorted by expert, so each expert's weights are read once per step whatever the
+batch (XLA reads every expert's, chosen or not: benchmarks/RESULTS.md). They are kept
+whole on every device under tensor parallelism (the attention and dense MLPs are split),
+stay in the compute dtype under `weight_quant.quantize_weights` (only `nnx.Linear`s are
+quantized), and are not LoRA targets (the attention's and dense MLPs' projections are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, ClassVar
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_paged import nn as paged_nn
+from jax_paged.paged_model import ModelFamily
+from models import llama
+
+MODEL_TYPES = ("mixtral", "qwen3_moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig(llama.LlamaConfig):
+  """Mixtral / Qwen3-MoE hyperparameters under Hugging Face's field names
+  (`llama.LlamaConfig`'s and the experts'; defaults: Mixtral 8x7B's, HF's MixtralConfig).
+
+  Attributes beyond LlamaConfig's:
+    num_local_experts: experts per sparse layer (Qwen3-MoE's num_experts).
+    num_experts_per_tok: experts run per token.
+    moe_intermediate_size: each expert's width; None: intermediate_size (Mixtral's).
+    norm_topk_prob: whether the chosen experts' scores are renormalised to sum to 1.
+    decoder_sparse_step, mlp_only_layers: layer i is sparse unless i is in
+      mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen3-MoE's), dense (an
+      MLP of intermediate_size) otherwise.
+  """
+
+  intermediate_size: int = 14336
+  num_key_value_heads: int | None = 8
+  max_position_embeddings: int = 4096 * 32
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 1e6
+  num_local_experts: int = 8
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int | None = None
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  model_type: str = "mixtral"
+
+  model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+
+  def __post_init__(self):
+    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+    super().__post_init__()
+    for name in ("num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
+                 "expert_width"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value > 0):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if self.num_experts_per_tok > self.num_local_experts:
+      raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                       f"num_local_experts ({self.num_local_experts})")
+
+  @property
+  def expert_width(self) -> int:
+    """Each expert's intermediate width."""
+    return self.intermediate_size if self.moe_intermediate_size is None else (
+        self.moe_intermediate_size)
+
+  def sparse(self, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is the experts (else a dense `llama.MLP`)."""
+    return (layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0)
+
+  @classmethod
+  def from_dict(cls, config: dict) -> "MoeConfig":
+    """`llama.LlamaConfig.from_dict`, with Qwen3-MoE's num_experts read as
+    num_local_experts and its norm_topk_prob defaulting to HF's False (Mixtral always
+    renormalises)."""
+    config = dict(config)
+    if config.get("model_type") == "qwen3_moe":
+      if "num_experts" in config:
+        config["num_local_experts"] = config["num_experts"]
+      config.setdefault("norm_topk_prob", False)
+    else:
+      for name in ("norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step",
+                   "mlp_only_layers"):
+        config.pop(name, None)
+    return super().from_dict(config)
+
+
+class SparseMoE(nnx.Module):
+  """Top-k routed SwiGLU experts (HF's MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock).
+
+  Parameters: `router` [hidden, experts]; `gate_up` [experts, hidden, 2 *
+  intermediate] (each expert's gate columns, then up's); `down` [experts, intermediate,
+  hidden]; in `param_dtype`, computed in `dtype`.
+  """
+
+  def __init__(self, config: MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    e, d, f = config.num_local_experts, config.hidden_size, config.expert_width
+    init = nnx.initializers.normal(config.initializer_range)
+    self.router = nnx.Param(init(rngs.params(), (d, e), param_dtype))
+    self.gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), param_dtype))
+    self.down = nnx.Param(init(rngs.params(), (e, f, d), param_dtype))
+    self.top_k = config.num_experts_per_tok
+    self.normalize = config.norm_topk_prob
+    self.activation = config.activation
+    self.dtype = dtype
+
+  def __call__(self, h: jax.Array) -> jax.Array:
+    """h [..., hidden] -> float32 [..., hidden], the weighted sum of each token's experts'
+    outputs (every row routed, padding too: its output is ignored downstream)."""
+    lead, d = h.shape[:-1], h.shape[-1]
+    dtype = self.dtype or h.dtype
+    x = h.reshape(-1, d).astype(dtype)
+    num_experts = self.gate_up.shape[0]
+    # HF: the router's logits in the compute dtype, their softmax in f32.
+    scores = jax.nn.softmax((x @ self.router[...].astype(dtype)).astype(jnp.float32), axis=-1)
+    weights, experts = lax.top_k(scores, self.top_k)  # [tokens, k]
+    if self.normalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    # The token-expert pairs grouped by expert, for the grouped matmuls.
+    order = jnp.argsort(experts.reshape(-1), stable=True)
+    rows = order // self.top_k  # each sorted pair's token
+    sizes = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+    gate_up = lax.ragged_dot(x[rows], self.gate_up[...].astype(dtype), sizes,
+                             preferred_element_type=jnp.float32)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    y = lax.ragged_dot((self.activation(gate) * up).astype(dtype),
+                       self.down[...].astype(dtype), sizes,
+                       preferred_element_type=jnp.float32)
+    y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((x.shape[0], d), jnp.float32).at[rows].add(y)
+    return out.reshape(lead + (d,))
+
+
+class DecoderLayer(llama.DecoderLayer):
+  """Mistral's or Qwen3's block with `SparseMoE` for its MLP where the config's
+  `sparse(layer)` says so."""
+
+  def _make_mlp(self, config: MoeConfig, layer: int, **kwargs) -> nnx.Module:
+    if config.sparse(layer):
+      return SparseMoE(config, **kwargs)
+    return super()._make_mlp(config, layer, **kwargs)
+
+  def _mlp_add_norm(self, x: jax.Array, h: jax.Array, next_norm: paged_nn.RMSNorm,
+                    adapters: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(x + mlp(h), its next_norm): for the experts, the residual add and the norm in one
+    kernel after them."""
+    if isinstance(self.mlp, llama.MLP):
+      return super()._mlp_add_norm(x, h, next_norm, adapters)
+    return next_norm.add(x, self.mlp(h)[None], None, None)  # (experts: no LoRA)
+
+
+class MoeForCausalLM(llama.LlamaForCausalLM):
+  """Mixtral / Qwen3-MoE with an LM head: `LlamaForCausalLM` over these blocks (its
+  Args)."""
+
+  decoder_layer = DecoderLayer
+
+
+# model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
+# down projections)
+_HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+               "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def hf_sources(path: tuple[str, ...], config: MoeConfig
+               ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+  """`llama.Sources` of these models: the experts' HF tensors (the router's and each
+  expert's gate, up and down torch Linear weights, `_HF_EXPERTS`) stacked by expert, the
+  rest (a dense layer's MLP too) as `llama.hf_sources`."""
+  if path[2:3] != ("mlp",) or len(path) != 4:  # not a SparseMoE parameter
+    return llama.hf_sources(path, config)
+  block, router, (gate, up, down) = _HF_EXPERTS[config.model_type]
+  prefix = f"model.layers.{path[1]}.{block}."
+  experts = range(config.num_local_experts)
+  if path[3] == "router":
+    return [f"{prefix}{router}.weight"], llama.linear_rows
+  if path[3] == "gate_up":
+    names = [f"{prefix}experts.{e}.{w}.weight" for e in experts for w in (gate, up)]
+    return names, lambda parts: jnp.stack([llama.linear_rows(parts[2 * e:2 * e + 2])
+                                           for e in experts])
+  names = [f"{prefix}experts.{e}.{down}.weight" for e in experts]
+  return names, lambda parts: jnp.stack([p.T for p in parts])
+
+
+def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
+                    decode_impl: paged_nn.DecodeImpl = "auto") -> MoeForCausalLM:
+  """Loads a Hugging Face Mixtral or Qwen3-MoE checkpoint directory (`models.llama`'s
+  `load_pretrained`: its files, errors and eos ids).
+
+  Args:
+    path: as `models.llama.load_pretrained`'s.
+    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
+  """
+  return llama.load_pretrained(path, MoeConfig.from_dict, functools.partial(
+      MoeForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
+      hf_sources)
+
+
+FAMILY = ModelFamily(
+    name="moe",
+    model_types=MODEL_TYPES,
+    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    presets={},
+)
