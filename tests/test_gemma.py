@@ -19,12 +19,12 @@ import transformers
 
 import jax_paged
 from jax_paged import cli
-from jax_paged.serving.runner import ModelRunner
 from models import gemma2
 from models import gemma3
-from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
+from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _prompts,
                               assert_bf16_tracks_hf,
-                              assert_kernels_give_references_and_hfs_tokens)
+                              assert_kernels_give_references_and_hfs_tokens,
+                              assert_logits_track_hf)
 
 # Layers 0 and 1 windowed to 5 positions, layer 2 global; GQA 4 q heads over 2 kv heads
 # of 32 (128 wide, hidden 48); scores scaled by query_pre_attn_scalar 20, not the head dim.
@@ -83,19 +83,7 @@ def test_prefill_and_decode_logits_match_hf(saved):
   model = module.from_pretrained(path)
   assert isinstance(model, jax_paged.PagedModel)
   assert [b.self_attn.sliding_window for b in model.layers] == [5, 5, None]
-  runner = ModelRunner(model)
-  rng = np.random.default_rng(1)
-  seqs = _prompts(rng, [3, 8, 13])
-  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
-  seq_ids = np.array([2, 0, 3], np.int32)
-  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
-  for step in range(11):  # to lengths 13, 18, 23: across pages, past the window
-    want = _hf_last_logits(hf, seqs)
-    assert np.abs(want).max(axis=1).min() > 0.5
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
-    nxt = rng.integers(1, VOCAB, len(seqs))
-    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  assert_logits_track_hf(hf, model, [3, 8, 13], 10)  # across pages, past the window
 
 
 def test_greedy_tokens_match_hf_with_a_cached_prefix_and_chunks(saved):
@@ -228,21 +216,9 @@ def test_image_text_checkpoints_language_model_matches_hf(tmp_path, capsys):
   model = gemma3.from_pretrained(tmp_path)
   assert model.config.model_type == "gemma3"
   assert model.config.query_pre_attn_scalar == 20
-  rng = np.random.default_rng(8)
-  seqs = _prompts(rng, [3, 11])
-  runner = ModelRunner(model)
-  kv = model.spec.create_pool(num_pages=8, page_size=PAGE, max_seqs=2, max_pages_per_seq=4)
-  seq_ids = np.array([1, 0], np.int32)
-  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
-  for step in range(4):
-    want = _hf_last_logits(hf, seqs)
-    assert np.abs(want).max(axis=1).min() > 0.5
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
-    nxt = rng.integers(1, VOCAB, len(seqs))
-    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  assert_logits_track_hf(hf, model, [3, 11], 3, seed=8)
 
-  prompt = _prompts(rng, [6])[0]
+  prompt = _prompts(np.random.default_rng(8), [6])[0]
   families = cli.model_families()
   status = cli.run(cli.parse_args(["--checkpoint", str(tmp_path), "--prompt-ids",
                                    ",".join(map(str, prompt)), "--max-new-tokens", "8",
@@ -270,15 +246,4 @@ def test_kernels_in_interpret_mode_match_hf(saved, monkeypatch):
                                supported=supported))
   hf, path, module = saved
   model = module.from_pretrained(path, decode_impl="reference")
-  runner = ModelRunner(model)
-  rng = np.random.default_rng(7)
-  seqs = _prompts(rng, [4, 9])
-  kv = model.spec.create_pool(num_pages=8, page_size=PAGE, max_seqs=2, max_pages_per_seq=4)
-  seq_ids = np.array([1, 0], np.int32)
-  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
-  for step in range(3):
-    np.testing.assert_allclose(logits, _hf_last_logits(hf, seqs), atol=1e-4, rtol=1e-4,
-                               err_msg=f"step {step}")
-    nxt = rng.integers(1, VOCAB, len(seqs))
-    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  assert_logits_track_hf(hf, model, [4, 9], 2, seed=7)

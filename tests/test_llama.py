@@ -155,6 +155,33 @@ def test_rotary_embedding_matches_hf():
                                rtol=1e-4, atol=1e-4)
 
 
+def assert_logits_track_hf(hf, model, lengths: list[int], steps: int,
+                           seed: int = 1) -> list[list[int]]:
+  """Prompts of `lengths` random tokens prefilled into a fresh pool (at pool sequence ids
+  len(lengths) .. 1), then `steps` decode steps of random tokens (not argmax: every step
+  sees fresh inputs): after the prefill and each step the runner's logits are HF's for
+  every sequence so far (f32: 1e-4; HF's large enough to show an error), and the pool
+  holds every token. Returns the sequences."""
+  runner = ModelRunner(model)
+  rng = np.random.default_rng(seed)
+  seqs = _prompts(rng, lengths)
+  pages = -(-(max(lengths) + steps) // PAGE)
+  kv = model.spec.create_pool(num_pages=len(lengths) * pages, page_size=PAGE,
+                              max_seqs=len(lengths) + 1, max_pages_per_seq=pages)
+  seq_ids = np.arange(len(lengths), 0, -1, dtype=np.int32)
+  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
+  for step in range(steps + 1):
+    want = _hf_last_logits(hf, seqs)
+    assert np.abs(want).max(axis=1).min() > 0.5
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
+    if step < steps:
+      nxt = rng.integers(1, VOCAB, len(seqs))
+      seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+      logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  np.testing.assert_array_equal(kv.lengths[seq_ids], [len(s) for s in seqs])
+  return seqs
+
+
 def test_prefill_and_decode_logits_match_hf(checkpoint):
   name, hf, path = checkpoint
   model = llama.from_pretrained(path)
@@ -162,22 +189,9 @@ def test_prefill_and_decode_logits_match_hf(checkpoint):
   if name == "qwen2":  # loaded from shards, and windowed on its upper layer only
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
     assert [b.self_attn.sliding_window for b in model.layers] == [None, 6]
-  runner = ModelRunner(model)
-  rng = np.random.default_rng(1)
-  seqs = _prompts(rng, [3, 8, 13])  # ends inside, at and past a page boundary
-  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
-  seq_ids = np.array([2, 0, 3], np.int32)
-  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
-  for step in range(11):  # to lengths 13, 18, 23: across pages 2 and 3
-    want = _hf_last_logits(hf, seqs)
-    assert np.abs(want).max(axis=1).min() > 0.5  # logits large enough to show an error
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4,
-                               err_msg=f"{name} step {step}")
-    # Random next tokens, not argmax: every step sees fresh inputs.
-    nxt = rng.integers(1, VOCAB, len(seqs))
-    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
-  np.testing.assert_array_equal(kv.lengths[seq_ids], [len(s) for s in seqs])
+  # Prompts ending inside, at and past a page boundary, to lengths 13, 18, 23: across
+  # pages 2 and 3.
+  assert_logits_track_hf(hf, model, [3, 8, 13], 10)
 
 
 def test_greedy_generate_matches_hf(checkpoint):

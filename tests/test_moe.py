@@ -20,13 +20,12 @@ from flax import nnx
 import jax_paged
 from jax_paged import cli
 from jax_paged import weight_quant
-from jax_paged.serving.runner import ModelRunner
 from models import llama
 from models import moe
 from tests.test_engine import assert_pages_back
-from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
-                              assert_bf16_tracks_hf,
-                              assert_kernels_give_references_and_hfs_tokens)
+from tests.test_llama import (PAGE, VOCAB, _hf_generate, _prompts, assert_bf16_tracks_hf,
+                              assert_kernels_give_references_and_hfs_tokens,
+                              assert_logits_track_hf)
 
 # GQA 8 q heads over 2 kv heads; 4 experts, 2 per token.
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -75,19 +74,7 @@ def test_prefill_and_decode_logits_match_hf(saved):
   if model.config.model_type == "qwen3_moe":  # layer 1 dense, q / k norms
     assert isinstance(model.layers[1].mlp, llama.MLP)
     assert model.layers[0].self_attn.q_norm is not None
-  runner = ModelRunner(model)
-  rng = np.random.default_rng(1)
-  seqs = _prompts(rng, [3, 8, 13])
-  kv = model.spec.create_pool(num_pages=16, page_size=PAGE, max_seqs=4, max_pages_per_seq=4)
-  seq_ids = np.array([2, 0, 3], np.int32)
-  logits, kv = runner.prefill(kv, *_padded(seqs), seq_ids)
-  for step in range(8):  # to lengths 10, 15, 20: across pages
-    want = _hf_last_logits(hf, seqs)
-    assert np.abs(want).max(axis=1).min() > 0.5
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4, err_msg=f"step {step}")
-    nxt = rng.integers(1, VOCAB, len(seqs))
-    seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
-    logits, kv = runner.decode(kv, jnp.asarray(nxt, jnp.int32), seq_ids)
+  seqs = assert_logits_track_hf(hf, model, [3, 8, 13], 7)  # to lengths 10, 15, 20
   block = hf.model.layers[0].mlp
   with torch.no_grad():
     _, _, chosen = block.gate(hf.model.embed_tokens(torch.tensor(seqs[2])))
