@@ -24,7 +24,7 @@ from models import gemma3
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _prompts,
                               assert_bf16_tracks_hf,
                               assert_kernels_give_references_and_hfs_tokens,
-                              assert_logits_track_hf)
+                              assert_installed_cli_gives_hfs_tokens, assert_logits_track_hf)
 
 # Layers 0 and 1 windowed to 5 positions, layer 2 global; GQA 4 q heads over 2 kv heads
 # of 32 (128 wide, hidden 48); scores scaled by query_pre_attn_scalar 20, not the head dim.
@@ -181,15 +181,8 @@ def test_cli_finds_gemma_by_model_type(saved, capsys):
   """jax-paged-generate on the checkpoint, through the installed families (the gemma2 and
   gemma3 entry points): HF's greedy tokens."""
   hf, path, module = saved
-  prompt = _prompts(np.random.default_rng(6), [7])[0]
-  families = cli.model_families()
-  assert set(module.MODEL_TYPES) <= {t for f in families for t in f.model_types}
-  status = cli.run(cli.parse_args(["--checkpoint", str(path), "--prompt-ids",
-                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
-                                   "--no-progress"], families), families)
-  out = capsys.readouterr().out
-  assert status == 0
-  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+  assert set(module.MODEL_TYPES) <= {t for f in cli.model_families() for t in f.model_types}
+  assert_installed_cli_gives_hfs_tokens(hf, path, capsys, seed=6)
 
 
 def test_image_text_checkpoints_language_model_matches_hf(tmp_path, capsys):
@@ -218,14 +211,7 @@ def test_image_text_checkpoints_language_model_matches_hf(tmp_path, capsys):
   assert model.config.query_pre_attn_scalar == 20
   assert_logits_track_hf(hf, model, [3, 11], 3, seed=8)
 
-  prompt = _prompts(np.random.default_rng(8), [6])[0]
-  families = cli.model_families()
-  status = cli.run(cli.parse_args(["--checkpoint", str(tmp_path), "--prompt-ids",
-                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
-                                   "--no-progress"], families), families)
-  assert status == 0
-  out = capsys.readouterr().out
-  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+  assert_installed_cli_gives_hfs_tokens(hf, tmp_path, capsys, seed=8)
 
   c = gemma3.Gemma3Config.from_dict({**config, "eos_token_id": [1, 106]})
   assert c.eos_token_id == (1, 106) and c.num_hidden_layers == 3

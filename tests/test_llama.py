@@ -427,6 +427,20 @@ def test_bf16_logits_close_to_hf_on_gpu(tmp_path):
 FAMILIES = [gpt2.FAMILY, llama.FAMILY]
 
 
+def assert_installed_cli_gives_hfs_tokens(hf, path, capsys, seed: int) -> None:
+  """jax-paged-generate on the checkpoint `path` through the installed families (entry
+  points: the `model_type` must find its family): HF's greedy tokens for a random
+  prompt."""
+  prompt = _prompts(np.random.default_rng(seed), [7])[0]
+  families = cli.model_families()
+  status = cli.run(cli.parse_args(["--checkpoint", str(path), "--prompt-ids",
+                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
+                                   "--no-progress"], families), families)
+  out = capsys.readouterr().out
+  assert status == 0
+  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+
+
 def _cli(capsys, *args) -> tuple[int, str, str]:
   """`jax-paged-generate ARGS` in this process with the gpt2 and llama families (the
   installed entry points may predate the llama one): (exit status, stdout, stderr)."""

@@ -18,14 +18,13 @@ import transformers
 from flax import nnx
 
 import jax_paged
-from jax_paged import cli
 from jax_paged import weight_quant
 from models import llama
 from models import moe
 from tests.test_engine import assert_pages_back
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _prompts, assert_bf16_tracks_hf,
                               assert_kernels_give_references_and_hfs_tokens,
-                              assert_logits_track_hf)
+                              assert_installed_cli_gives_hfs_tokens, assert_logits_track_hf)
 
 # GQA 8 q heads over 2 kv heads; 4 experts, 2 per token.
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -170,14 +169,7 @@ def test_experts_stay_whole_under_quantization_lora_and_tensor_parallel(saved):
 
 def test_cli_finds_the_model_type(saved, capsys):
   hf, path = saved
-  prompt = _prompts(np.random.default_rng(6), [7])[0]
-  families = cli.model_families()
-  status = cli.run(cli.parse_args(["--checkpoint", str(path), "--prompt-ids",
-                                   ",".join(map(str, prompt)), "--max-new-tokens", "8",
-                                   "--no-progress"], families), families)
-  assert status == 0
-  out = capsys.readouterr().out
-  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 8)
+  assert_installed_cli_gives_hfs_tokens(hf, path, capsys, seed=6)
 
 
 def test_experts_match_a_dense_loop():
