@@ -162,7 +162,7 @@ class Gemma3Config:
         raise ValueError(f"text_config must be a dict, got {text!r}")
       top = {k: config[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
              if k in config}
-      config = {**text, **top, "model_type": "gemma3"}
+      config = cls._hf_common({**text, **top, "model_type": "gemma3"})
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
       if config.get(name) is not None:
         raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported in Gemma 3")

@@ -672,9 +672,13 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
       except KeyError:
         raise ValueError(f"{path}: weight {name!r} is missing from the checkpoint (needed "
                          f"for a parameter of shape {spec.shape})") from None
-    value = assemble(parts)
+    which = " + ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+    try:
+      value = assemble(parts)
+    except (TypeError, ValueError) as e:  # parts whose shapes do not fit together
+      raise ValueError(f"{path}: weight {which} cannot make a parameter of shape "
+                       f"{spec.shape} ({e})") from None
     if value.shape != spec.shape:
-      which = " + ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
       raise ValueError(f"{path}: weight {which} gives shape {value.shape}, expected "
                        f"{spec.shape} for config.json's hyperparameters")
     return value.astype(spec.dtype)

@@ -219,6 +219,9 @@ def test_image_text_checkpoints_language_model_matches_hf(tmp_path, capsys):
       model_type="gemma3")  # no text_config: HF's Gemma3TextConfig defaults
   with pytest.raises(ValueError, match="text_config must be a dict"):
     gemma3.Gemma3Config.from_dict({**config, "text_config": [1]})
+  with pytest.raises(ValueError, match="use_bidirectional_attention is not supported"):
+    gemma3.Gemma3Config.from_dict({**config, "text_config": {
+        **config["text_config"], "use_bidirectional_attention": True}})
 
 
 def test_kernels_in_interpret_mode_match_hf(saved, monkeypatch):

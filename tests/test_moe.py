@@ -127,7 +127,7 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
       moe.MoeConfig.from_dict({**config, **bad})
 
 
-def test_missing_expert_is_named(saved, tmp_path):
+def test_missing_or_misshapen_expert_is_named(saved, tmp_path):
   from safetensors.numpy import load_file, save_file
   _, path = saved
   tensors = load_file(path / "model.safetensors")
@@ -138,6 +138,11 @@ def test_missing_expert_is_named(saved, tmp_path):
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
   (tmp_path / "config.json").write_text((path / "config.json").read_text())
   with pytest.raises(ValueError, match=f"weight '{up[0]}' is missing"):
+    moe.from_pretrained(tmp_path)
+  # An expert's up projection of another width: named, with the shapes.
+  tensors[up[0]] = tensors[up[0].replace(".3.", ".2.")][:5]
+  save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=f"{up[0]} \\(5, 64\\).*cannot make a parameter"):
     moe.from_pretrained(tmp_path)
 
 
