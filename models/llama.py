@@ -221,14 +221,14 @@ class LlamaConfig:
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
     # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any);
-    # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on; Qwen3-MoE one
-    # with use_sliding_window, on every layer.
+    # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
+    # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
     if model_type == "llama":
       config.pop("sliding_window", None)
-    if (model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
-    if model_type not in ("qwen2", "qwen3"):
+    if model_type not in ("qwen2", "qwen2_moe", "qwen3"):
       config.pop("layer_types", None)
     elif config.get("layer_types") is None and config.get("sliding_window") is not None:
       first = config.get("max_window_layers", 28)

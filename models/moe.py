@@ -1,14 +1,16 @@
 """Mixture-of-experts decoders in Flax NNX, decoding from a paged KV cache
-(`jax_paged.KVPool`): Mixtral and Qwen3-MoE.
+(`jax_paged.KVPool`): Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Hugging Face's `MixtralForCausalLM` (`model_type` "mixtral": Mixtral 8x7B, 8x22B) is
-Mistral's decoder (`models.llama`), and `Qwen3MoeForCausalLM` ("qwen3_moe": Qwen3-30B-A3B,
-Qwen3-235B-A22B) Qwen3's (per-head q / k norms), whose MLP is a sparse mixture of SwiGLU
-experts (Qwen3-MoE's: on the layers decoder_sparse_step and mlp_only_layers leave it, a
-dense MLP on the others): a router scores the experts for each token (softmax in f32), the
-num_experts_per_tok best run on it, and its output is their sum weighted by those scores
-(renormalised over the chosen ones: always for Mixtral, with norm_topk_prob for
-Qwen3-MoE).
+Mistral's decoder (`models.llama`), `Qwen2MoeForCausalLM` ("qwen2_moe": Qwen1.5-MoE-A2.7B,
+Qwen2-57B-A14B) Qwen2's (q/k/v biases) and `Qwen3MoeForCausalLM` ("qwen3_moe":
+Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms), whose MLP is a sparse
+mixture of SwiGLU experts (the Qwens': on the layers decoder_sparse_step and
+mlp_only_layers leave it, a dense MLP on the others): a router scores the experts for each
+token (softmax in f32), the num_experts_per_tok best run on it, and its output is their
+sum weighted by those scores (renormalised over the chosen ones: always for Mixtral, with
+norm_topk_prob for the Qwens), plus for Qwen2-MoE a shared expert's output gated by
+sigmoid(shared_expert_gate(x)).
 
 The experts run as two grouped matmuls (`jax.lax.ragged_dot`) over the token-expert
 pairs sorted by expert, so each expert's weights are read once per step whatever the
@@ -33,12 +35,12 @@ from jax_paged import nn as paged_nn
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
-MODEL_TYPES = ("mixtral", "qwen3_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig(llama.LlamaConfig):
-  """Mixtral / Qwen3-MoE hyperparameters under Hugging Face's field names
+  """Mixtral / Qwen2-MoE / Qwen3-MoE hyperparameters under Hugging Face's field names
   (`llama.LlamaConfig`'s and the experts'; defaults: Mixtral 8x7B's, HF's MixtralConfig).
 
   Attributes beyond LlamaConfig's:
@@ -46,6 +48,8 @@ class MoeConfig(llama.LlamaConfig):
     num_experts_per_tok: experts run per token.
     moe_intermediate_size: each expert's width; None: intermediate_size (Mixtral's).
     norm_topk_prob: whether the chosen experts' scores are renormalised to sum to 1.
+    shared_expert_intermediate_size: the width of a shared expert every token runs
+      (Qwen2-MoE's), or None: none.
     decoder_sparse_step, mlp_only_layers: layer i is sparse unless i is in
       mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen3-MoE's), dense (an
       MLP of intermediate_size) otherwise.
@@ -60,6 +64,7 @@ class MoeConfig(llama.LlamaConfig):
   num_experts_per_tok: int = 2
   moe_intermediate_size: int | None = None
   norm_topk_prob: bool = True
+  shared_expert_intermediate_size: int | None = None
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   model_type: str = "mixtral"
@@ -74,6 +79,10 @@ class MoeConfig(llama.LlamaConfig):
       value = getattr(self, name)
       if not (isinstance(value, int) and value > 0):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    shared = self.shared_expert_intermediate_size
+    if shared is not None and not (isinstance(shared, int) and shared > 0):
+      raise ValueError(f"shared_expert_intermediate_size must be a positive int or None, "
+                       f"got {shared!r}")
     if self.num_experts_per_tok > self.num_local_experts:
       raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                        f"num_local_experts ({self.num_local_experts})")
@@ -91,27 +100,43 @@ class MoeConfig(llama.LlamaConfig):
 
   @classmethod
   def from_dict(cls, config: dict) -> "MoeConfig":
-    """`llama.LlamaConfig.from_dict`, with Qwen3-MoE's num_experts read as
-    num_local_experts and its norm_topk_prob defaulting to HF's False (Mixtral always
-    renormalises)."""
+    """`llama.LlamaConfig.from_dict`, with the Qwens' num_experts read as
+    num_local_experts and norm_topk_prob defaulting to HF's False (Mixtral always
+    renormalises); Qwen2-MoE's q/k/v biases from qkv_bias (transformers 5; always in 4),
+    its shared expert (HF's default width 5632) and, without layer_types, its windows as
+    transformers 5 places them (with use_sliding_window: even layers below
+    max_window_layers)."""
     config = dict(config)
-    if config.get("model_type") == "qwen3_moe":
-      if "num_experts" in config:
-        config["num_local_experts"] = config["num_experts"]
+    model_type = config.get("model_type")
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+      if "num_experts" in config:  # transformers 4's name (and 5's for Qwen2-MoE)
+        config.setdefault("num_local_experts", config["num_experts"])
       config.setdefault("norm_topk_prob", False)
     else:
       for name in ("norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step",
                    "mlp_only_layers"):
         config.pop(name, None)
+    if model_type == "qwen2_moe":
+      config["attention_bias"] = config.get("qkv_bias", True)
+      config.setdefault("shared_expert_intermediate_size", 5632)
+      if config.get("layer_types") is None and config.get("use_sliding_window", False):
+        below = config.get("max_window_layers", 28)
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 and i < below
+                                 else "full_attention"
+                                 for i in range(config.get("num_hidden_layers", 24))]
+    else:
+      config.pop("shared_expert_intermediate_size", None)
     return super().from_dict(config)
 
 
 class SparseMoE(nnx.Module):
-  """Top-k routed SwiGLU experts (HF's MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock).
+  """Top-k routed SwiGLU experts (HF's MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock,
+  Qwen3MoeSparseMoeBlock).
 
   Parameters: `router` [hidden, experts]; `gate_up` [experts, hidden, 2 *
   intermediate] (each expert's gate columns, then up's); `down` [experts, intermediate,
-  hidden]; in `param_dtype`, computed in `dtype`.
+  hidden]; with a shared expert, `shared` (a `llama.MLP`) and `shared_gate` [hidden, 1];
+  in `param_dtype`, computed in `dtype`.
   """
 
   def __init__(self, config: MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -120,6 +145,12 @@ class SparseMoE(nnx.Module):
     self.router = nnx.Param(init(rngs.params(), (d, e), param_dtype))
     self.gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), param_dtype))
     self.down = nnx.Param(init(rngs.params(), (e, f, d), param_dtype))
+    shared = config.shared_expert_intermediate_size
+    self.shared = None if shared is None else llama.MLP(
+        dataclasses.replace(config, intermediate_size=shared), dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
+    self.shared_gate = None if shared is None else nnx.Param(
+        init(rngs.params(), (d, 1), param_dtype))
     self.top_k = config.num_experts_per_tok
     self.normalize = config.norm_topk_prob
     self.activation = config.activation
@@ -149,6 +180,10 @@ class SparseMoE(nnx.Module):
                        preferred_element_type=jnp.float32)
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((x.shape[0], d), jnp.float32).at[rows].add(y)
+    if self.shared is not None:
+      shared = paged_nn.projection(self.shared.down, self.shared.hidden(x))
+      gate = jax.nn.sigmoid(x @ self.shared_gate[...].astype(dtype))
+      out += (gate * shared).astype(jnp.float32)
     return out.reshape(lead + (d,))
 
 
@@ -179,15 +214,20 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 
 # model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
 # down projections)
+_QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
-               "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
+               "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS}
 
 
 def hf_sources(path: tuple[str, ...], config: MoeConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.Sources` of these models: the experts' HF tensors (the router's and each
   expert's gate, up and down torch Linear weights, `_HF_EXPERTS`) stacked by expert, the
-  rest (a dense layer's MLP too) as `llama.hf_sources`."""
+  rest (a dense layer's MLP, Qwen2-MoE's shared expert as the MLP shared_expert) as
+  `llama.hf_sources`."""
+  if path[2:4] == ("mlp", "shared"):  # ("layers", i, "mlp", "shared", module, param)
+    names, assemble = llama.hf_sources(path[:3] + path[4:], config)  # a dense MLP's
+    return [n.replace(".mlp.", ".mlp.shared_expert.") for n in names], assemble
   if path[2:3] != ("mlp",) or len(path) != 4:  # not a SparseMoE parameter
     return llama.hf_sources(path, config)
   block, router, (gate, up, down) = _HF_EXPERTS[config.model_type]
@@ -195,6 +235,8 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig
   experts = range(config.num_local_experts)
   if path[3] == "router":
     return [f"{prefix}{router}.weight"], llama.linear_rows
+  if path[3] == "shared_gate":
+    return [f"{prefix}shared_expert_gate.weight"], llama.linear_rows
   if path[3] == "gate_up":
     names = [f"{prefix}experts.{e}.{w}.weight" for e in experts for w in (gate, up)]
     return names, lambda parts: jnp.stack([llama.linear_rows(parts[2 * e:2 * e + 2])

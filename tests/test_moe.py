@@ -37,6 +37,12 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attenti
 VARIANTS = {
     "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig, dict(
         intermediate_size=48, num_local_experts=4)),
+    # Qwen2-MoE: 24-wide experts renormalised, a shared expert 36 wide, q/k/v biases,
+    # layer 0 windowed to 5 positions (HF's use_sliding_window below max_window_layers).
+    "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig, dict(
+        intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=36,
+        num_experts=4, norm_topk_prob=True, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1)),
     "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, dict(
         intermediate_size=40, moe_intermediate_size=24, num_experts=4, head_dim=16,
         norm_topk_prob=False, mlp_only_layers=[1], attention_bias=True)),
@@ -109,8 +115,17 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
   assert (c.num_local_experts, c.num_experts_per_tok, c.rope_theta) == (4, 2, 1000.0)
   if c.model_type == "mixtral":
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (48, True, True)
+  elif c.model_type == "qwen2_moe":
+    assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (24, True, True)
+    assert (c.shared_expert_intermediate_size, c.qkv_bias, c.out_bias) == (36, True, False)
+    assert [c.window(i) for i in range(2)] == [5, None]  # HF's: even layers below 1
+    # transformers 4: no qkv_bias field (q/k/v biases always), no layer_types.
+    v4 = moe.MoeConfig.from_dict({k: v for k, v in config.items()
+                                  if k not in ("qkv_bias", "layer_types")})
+    assert v4.qkv_bias and [v4.window(i) for i in range(2)] == [5, None]
   else:
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (24, False, False)
+  if c.model_type != "mixtral":
     # transformers 4's name for the experts' count; HF's default: no renormalisation.
     v4 = {k: v for k, v in config.items() if k not in ("num_local_experts",
                                                         "norm_topk_prob")}
@@ -157,8 +172,12 @@ def test_experts_stay_whole_under_quantization_lora_and_tensor_parallel(saved):
   _, path = saved
   model = moe.from_pretrained(path)
   dense = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, llama.MLP)]
-  assert dense == ([] if model.config.model_type == "mixtral" else [1])
-  assert weight_quant.quantize_weights(model) == 2 * 2 + 2 * len(dense)
+  assert dense == ([1] if model.config.model_type == "qwen3_moe" else [])
+  shared = [i for i, layer in enumerate(model.layers)
+            if not isinstance(layer.mlp, llama.MLP) and layer.mlp.shared is not None]
+  assert shared == ([0, 1] if model.config.model_type == "qwen2_moe" else [])
+  # qkv and o per layer, gate_up and down per dense MLP or shared expert.
+  assert weight_quant.quantize_weights(model) == 2 * 2 + 2 * len(dense) + 2 * len(shared)
   assert model.layers[0].mlp.gate_up[...].dtype == jnp.float32
   attention = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                "self_attn.o_proj"}
