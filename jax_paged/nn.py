@@ -487,22 +487,14 @@ class PagedAttention(nnx.Module):
     if rope is not None and (not isinstance(rope, RotaryEmbedding) or rope.head_dim != head_dim):
       raise ValueError(f"rope must be a RotaryEmbedding of head_dim={head_dim} or None, got "
                        f"{rope!r}")
-    if sliding_window is not None and not (
-        isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
-        and sliding_window > 0):
-      raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if logits_soft_cap is not None and not (
-        isinstance(logits_soft_cap, (int, float)) and not isinstance(logits_soft_cap, bool)
-        and logits_soft_cap > 0):
-      raise ValueError(f"logits_soft_cap must be a positive float or None, got "
-                       f"{logits_soft_cap!r}")
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
     self.scale = head_dim ** -0.5 if scale is None else scale
     self.rope = rope
-    self.sliding_window = sliding_window
-    self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    self.sliding_window = validation.check_positive_int("sliding_window", sliding_window,
+                                                        optional=True)
+    self.logits_soft_cap = validation.check_soft_cap("logits_soft_cap", logits_soft_cap)
     self.decode_impl = decode_impl
     self.q_norm = None if head_norm is None else head_norm(head_dim)
     self.k_norm = None if head_norm is None else head_norm(head_dim)

@@ -38,6 +38,7 @@ from flax import nnx
 
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
+from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
@@ -107,16 +108,12 @@ class Gemma3Config:
                        f"({self.num_hidden_layers}), got {self.layer_types}")
     llama.check_type_and_heads(self, self.model_types)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-      cap = getattr(self, name)
-      if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
-        raise ValueError(f"{name} must be a positive number or None, got {cap!r}")
+      validation.check_soft_cap(name, getattr(self, name))
     if self.hidden_activation != "gelu_pytorch_tanh":
       raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported; "
                        "Gemma 3's MLP is GeGLU ('gelu_pytorch_tanh')")
-    if "sliding_attention" in self.layer_types and not (
-        isinstance(self.sliding_window, int) and self.sliding_window > 0):
-      raise ValueError(f"sliding_window must be a positive int for sliding layers, got "
-                       f"{self.sliding_window!r}")
+    if "sliding_attention" in self.layer_types:
+      validation.check_positive_int("sliding_window (of sliding layers)", self.sliding_window)
     for layer in range(self.num_hidden_layers):
       self.rope(layer)  # validates rope_theta and rope_scaling
 

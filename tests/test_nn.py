@@ -190,7 +190,7 @@ def test_rejects_bad_arguments():
     nn.PagedAttention(E, 4, D, decode_impl="triton", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="sliding_window must be a positive int or None, got 0"):
     nn.PagedAttention(E, 4, D, sliding_window=0, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="logits_soft_cap must be a positive float or None, "
+  with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number or None, "
                                        "got 0.0"):
     nn.PagedAttention(E, 4, D, logits_soft_cap=0.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):

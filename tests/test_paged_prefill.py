@@ -263,7 +263,7 @@ def _valid_kwargs():
     (dict(page_table=jnp.array([[0, 1], [5, 3]], jnp.int32)),
      r"page ids in \[0, num_pages=5\).*got 5 at \[1, 0\]"),
     (dict(sliding_window=0), "sliding_window"),
-    (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive float"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive finite number"),
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_q=4), r"block_q x the q heads .* must be >= 16"),
     (dict(block_n=8), "block_n must be >= 16"),

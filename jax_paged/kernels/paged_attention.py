@@ -426,8 +426,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales)
   for name, knob in (("num_splits", num_splits), ("block_n", block_n),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
-    if knob is not None and not (isinstance(knob, int) and knob > 0):
-      raise ValueError(f"{name} must be a positive int or None, got {knob!r}")
+    validation.check_positive_int(name, knob, optional=True)
   if block_n is not None and block_n & (block_n - 1):
     raise ValueError(f"block_n must be a power of two, got {block_n}")
   validation.check_quantized_block_n(block_n, k_pages, k_scales)

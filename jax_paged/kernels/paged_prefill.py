@@ -327,8 +327,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
   for name, knob in (("block_q", block_q), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
-    if knob is not None and not (isinstance(knob, int) and knob > 0):
-      raise ValueError(f"{name} must be a positive int or None, got {knob!r}")
+    validation.check_positive_int(name, knob, optional=True)
   for name, knob in (("block_q", block_q), ("block_n", block_n)):
     if knob is not None and knob & (knob - 1):
       raise ValueError(f"{name} must be a power of two, got {knob}")

@@ -33,11 +33,26 @@ def _v_shape(k_pages) -> tuple[int, ...]:
   return kv_quant.v_pages_shape(_shape(k_pages), getattr(k_pages, "dtype", jnp.float32))
 
 
-def check_positive_int(name: str, value) -> int:
-  """value as an int; ValueError naming `name` unless it is a (non-bool) integer >= 1."""
+def check_positive_int(name: str, value, *, optional: bool = False) -> int | None:
+  """value as an int; ValueError naming `name` unless it is a (non-bool) integer >= 1, or
+  None where `optional`."""
+  if optional and value is None:
+    return None
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
+    raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, "
+                     f"got {value!r}")
   return int(value)
+
+
+def check_soft_cap(name: str, value) -> float | None:
+  """value as a float (None stays None); ValueError naming `name` unless it is a positive
+  (non-bool) number. A soft cap C maps logits to C * tanh(logits / C)."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+      or not value > 0 or not np.isfinite(value):
+    raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+  return float(value)
 
 
 def check_cache_dtype(name: str, dtype) -> jnp.dtype:
@@ -181,11 +196,8 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
       raise ValueError(f"{name} dtype must be int32, got {x.dtype}")
   if scale is not None and not isinstance(scale, (int, float)):
     raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
-  if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
-                                          and logits_soft_cap > 0):
-    raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
-  if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window > 0):
-    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  check_soft_cap("logits_soft_cap", logits_soft_cap)
+  check_positive_int("sliding_window", sliding_window, optional=True)
   if strict_kernel_shapes:
     if d not in SUPPORTED_HEAD_DIMS:
       raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
