@@ -3,8 +3,8 @@
 Layers, each using only those before it:
   kernels   Pallas kernels (lowered through Triton on a GPU; plain XLA on CPU) with their
             references: paged_decode_attention, paged_prefill_attention,
-            merge_attention_states(_n); ground truth
-            in plain jax.numpy in `jax_paged.reference`
+            merge_attention_states(_n), grouped_matmul (mixture-of-experts); ground
+            truth in plain jax.numpy in `jax_paged.reference`
   pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
             release, ...)
   weight_quant   int8 weights (weight-only, per output column): Int8Linear, quantize_weights
@@ -36,6 +36,7 @@ from jax_paged import nn
 from jax_paged.kernels.paged_attention import paged_decode_attention
 from jax_paged.kernels.paged_prefill import paged_prefill_attention
 from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
+from jax_paged.kernels.grouped_matmul import grouped_matmul
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
 from jax_paged import guided
 from jax_paged.guided import Guide, Vocabulary
@@ -50,7 +51,7 @@ from jax_paged.serving.beam_search import Beam, beam_search
 __all__ = [
     "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "LoraAdapter",
     "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report",
-    "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "guided", "lora",
-    "merge_attention_states", "merge_attention_states_n", "nn", "paged_decode_attention",
-    "paged_prefill_attention", "pool", "reference", "weight_quant",
+    "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "grouped_matmul", "guided",
+    "lora", "merge_attention_states", "merge_attention_states_n", "nn",
+    "paged_decode_attention", "paged_prefill_attention", "pool", "reference", "weight_quant",
 ]

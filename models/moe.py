@@ -12,9 +12,10 @@ sum weighted by those scores (renormalised over the chosen ones: always for Mixt
 norm_topk_prob for the Qwens), plus for Qwen2-MoE a shared expert's output gated by
 sigmoid(shared_expert_gate(x)).
 
-The experts run as two grouped matmuls (`jax.lax.ragged_dot`) over the token-expert
-pairs sorted by expert, so each expert's weights are read once per step whatever the
-batch (XLA reads every expert's, chosen or not: benchmarks/RESULTS.md). They are kept
+The experts run as two grouped matmuls over the token-expert pairs sorted by expert
+(`jax_paged.kernels.grouped_matmul`: on a GPU a Pallas-Triton kernel that reads only the
+experts some token chose, once per step whatever the batch; `lax.ragged_dot` elsewhere,
+which on a GPU reads every expert's: benchmarks/RESULTS.md). They are kept
 whole on every device under tensor parallelism (the attention and dense MLPs are split),
 stay in the compute dtype under `weight_quant.quantize_weights` (only `nnx.Linear`s are
 quantized), and are not LoRA targets (the attention's and dense MLPs' projections are).
@@ -32,6 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_paged import nn as paged_nn
+from jax_paged.kernels import validation
+from jax_paged.kernels.grouped_matmul import grouped_matmul
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
@@ -76,13 +79,9 @@ class MoeConfig(llama.LlamaConfig):
     super().__post_init__()
     for name in ("num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
                  "expert_width"):
-      value = getattr(self, name)
-      if not (isinstance(value, int) and value > 0):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    shared = self.shared_expert_intermediate_size
-    if shared is not None and not (isinstance(shared, int) and shared > 0):
-      raise ValueError(f"shared_expert_intermediate_size must be a positive int or None, "
-                       f"got {shared!r}")
+      validation.check_positive_int(name, getattr(self, name))
+    validation.check_positive_int("shared_expert_intermediate_size",
+                                  self.shared_expert_intermediate_size, optional=True)
     if self.num_experts_per_tok > self.num_local_experts:
       raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                        f"num_local_experts ({self.num_local_experts})")
@@ -156,9 +155,11 @@ class SparseMoE(nnx.Module):
     self.activation = config.activation
     self.dtype = dtype
 
-  def __call__(self, h: jax.Array) -> jax.Array:
+  def __call__(self, h: jax.Array, *, interpret: bool | None = None) -> jax.Array:
     """h [..., hidden] -> float32 [..., hidden], the weighted sum of each token's experts'
-    outputs (every row routed, padding too: its output is ignored downstream)."""
+    outputs (every row routed, padding too: its output is ignored downstream). The grouped
+    matmuls run `grouped_matmul`'s kernel on a GPU (only the experts hit are read), XLA's
+    `lax.ragged_dot` elsewhere; `interpret` True runs the kernel in interpret mode."""
     lead, d = h.shape[:-1], h.shape[-1]
     dtype = self.dtype or h.dtype
     x = h.reshape(-1, d).astype(dtype)
@@ -172,12 +173,11 @@ class SparseMoE(nnx.Module):
     order = jnp.argsort(experts.reshape(-1), stable=True)
     rows = order // self.top_k  # each sorted pair's token
     sizes = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
-    gate_up = lax.ragged_dot(x[rows], self.gate_up[...].astype(dtype), sizes,
-                             preferred_element_type=jnp.float32)
+    gate_up = grouped_matmul(x[rows], self.gate_up[...].astype(dtype), sizes,
+                             interpret=interpret)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    y = lax.ragged_dot((self.activation(gate) * up).astype(dtype),
-                       self.down[...].astype(dtype), sizes,
-                       preferred_element_type=jnp.float32)
+    y = grouped_matmul((self.activation(gate) * up).astype(dtype),
+                       self.down[...].astype(dtype), sizes, interpret=interpret)
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((x.shape[0], d), jnp.float32).at[rows].add(y)
     if self.shared is not None:

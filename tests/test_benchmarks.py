@@ -136,3 +136,14 @@ def test_weight_quant_benchmark_tiny(monkeypatch, capsys):
   rows = [line for line in out if line.startswith("| tiny |")]
   assert len(rows) == 3  # two batch sizes, one agreement row
   assert rows[-1].split("|")[3].strip().endswith(" of 16")  # leading tokens shared
+
+
+def test_moe_benchmark_tiny(monkeypatch, tmp_path):
+  from benchmarks import bench_moe
+  monkeypatch.setenv("OUT", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["bench_moe.py", "--tiny"])
+  bench_moe.main()
+  rows = [line for line in (tmp_path / "bench_moe.md").read_text().splitlines()
+          if line.startswith("| tiny |")]
+  assert len(rows) == 2 and all(row.count("|") == 10 for row in rows)
+  assert all(float(row.split("|")[9]) < 1e-2 for row in rows)  # routes agree

@@ -9,7 +9,6 @@ take different experts. Tolerance as test_llama's: 1e-4 on the logits.
 import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,9 +200,10 @@ def test_experts_match_a_dense_loop():
   with and without renormalised scores."""
   for normalize in (True, False):
     _check_experts_against_a_loop(normalize)
+  _check_experts_against_a_loop(True, interpret=True)  # the grouped matmul kernel's
 
 
-def _check_experts_against_a_loop(normalize: bool):
+def _check_experts_against_a_loop(normalize: bool, interpret: bool | None = None):
   config = moe.MoeConfig(hidden_size=32, intermediate_size=24, num_local_experts=5,
                          num_experts_per_tok=3, num_attention_heads=4,
                          num_key_value_heads=2, initializer_range=0.2,
@@ -211,7 +211,8 @@ def _check_experts_against_a_loop(normalize: bool):
   experts = moe.SparseMoE(config, dtype=jnp.float32, param_dtype=jnp.float32,
                           rngs=nnx.Rngs(3))
   x = np.random.default_rng(0).standard_normal((2, 7, 32)).astype(np.float32)
-  got = np.asarray(jax.jit(experts)(jnp.asarray(x))).reshape(-1, 32)
+  got = np.asarray(nnx.jit(lambda m, x: m(x, interpret=interpret))(
+      experts, jnp.asarray(x))).reshape(-1, 32)
   r, gu, dn = (np.asarray(p[...], np.float64)
                for p in (experts.router, experts.gate_up, experts.down))
   silu = lambda v: v / (1 + np.exp(-v))
@@ -231,7 +232,7 @@ def _check_experts_against_a_loop(normalize: bool):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", list(VARIANTS))
 def test_triton_kernels_match_reference_and_hf_on_gpu(model_type, tmp_path):
-  """f32 at head dim 64: the attention kernels, and XLA's grouped matmuls for the experts,
+  """f32 at head dim 64: the attention kernels and the experts' grouped matmul kernel
   give the reference path's and HF's greedy tokens."""
   hf = _hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
   hf.save_pretrained(tmp_path)

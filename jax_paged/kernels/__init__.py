@@ -10,6 +10,8 @@ the compiled kernel (GPU), interpret mode (`interpret=True`, tests) or plain XLA
   merge_attention   merging attention states by their log-sum-exp
   reference         the plain-jnp ground truth of those three
   linear            GEMMs with fused epilogues at decode's few rows; a tied LM head's argmax
+  grouped_matmul    rows sorted by group times each group's weights (mixture-of-experts),
+                    reading only the groups that have rows
   layer_norm        layer and RMS norms, and the residual add + norm of a pre-norm block
   cache_write       K/V into the pool's pages (and the q/k/v projection that stores them)
   kv_quant          int8 / float8 cache dtypes: per-token scales, quantize / dequantize

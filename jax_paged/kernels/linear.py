@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from jax_paged.kernels import triton_backend
+from jax_paged.kernels import validation
 
 # Rows the kernel takes; more (a prompt) go to XLA, whose GEMMs are then compute-bound.
 MAX_ROWS = 256
@@ -152,12 +153,23 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
   """Inside a kernel: f32 [block_m, block_n] = x[rows of block m, K range] @ kernel[K range,
   columns of block n], for K range `split` (k_split wide); with `transposed` the kernel is
   stored [cols, depth] (an embedding table used as a tied LM head). Rows, columns and K
-  masked where they do not fill a block; the kernel's weights streamed (evict_first), an
-  int8 kernel converted to x's dtype after its load (its scales are the caller's)."""
+  masked where they do not fill a block (`matmul_rows`)."""
   r, c, row_mask, col_mask = tile_indices(m, n, rows=rows, cols=cols, block_m=block_m,
                                           block_n=block_n)
+  return matmul_rows(x_ref, w_ref, r, row_mask, c, col_mask, split=split, depth=depth,
+                     block_k=block_k, k_split=k_split, transposed=transposed)
+
+
+def matmul_rows(x_ref, w_ref, r, row_mask, c, col_mask, *, split, depth: int, block_k: int,
+                k_split: int, transposed: bool = False, group=None) -> jax.Array:
+  """Inside a kernel: f32 [R, C] = x[r, K range] @ kernel[K range, c] for rows r [R] and
+  columns c [C] (masks: None where all are in range), K range `split` (k_split wide); the
+  kernel [depth, cols] (`transposed`: [cols, depth]), or with `group` (a scalar) that
+  group's of a stack [groups, ...] of them. The kernel's weights streamed (evict_first), an
+  int8 kernel converted to x's dtype after its load (its scales are the caller's)."""
   lo = split * k_split
   hi = jnp.minimum(lo + k_split, depth)
+  prefix = () if group is None else (group,)
 
   def body(i, acc):
     k = lo + i * block_k + jnp.arange(block_k)
@@ -170,14 +182,15 @@ def matmul_tile(x_ref, w_ref, *, m, n, split, rows: int, cols: int, depth: int, 
     xb = plgpu.load(x_ref.at[r[:, None], k[None, :]], mask=x_mask,
                     other=None if x_mask is None else 0.0)
     # Weights are read once per step: stream them, keep L2 for the activations.
-    wb = plgpu.load(w_ref.at[w_idx], mask=w_mask, other=None if w_mask is None else 0,
+    wb = plgpu.load(w_ref.at[prefix + w_idx], mask=w_mask,
+                    other=None if w_mask is None else 0,
                     eviction_policy="evict_first").astype(xb.dtype)  # (int8 weights)
     return acc + lax.dot_general(xb, wb, (((1,), (1 if transposed else 0,)), ((), ())),
                                  precision=lax.Precision.HIGHEST,
                                  preferred_element_type=jnp.float32)
 
   return lax.fori_loop(0, pl.cdiv(k_split, block_k), body,
-                       jnp.zeros((block_m, block_n), jnp.float32))
+                       jnp.zeros((r.shape[0], c.shape[0]), jnp.float32))
 
 
 def _linear_kernel(*refs, rows: int, cols: int, depth: int, block_m: int, block_n: int,
@@ -543,8 +556,7 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   rows = math.prod(x.shape[:-1])
   int8_transposed = transposed and kernel.dtype == jnp.int8
   splits = default_splits(depth, cols, rows, int8_transposed) if splits is None else splits
-  if not (isinstance(splits, int) and splits > 0):
-    raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+  validation.check_positive_int("splits", splits)
   tiles, _ = _partials_tiles(rows, depth, cols, x.dtype.itemsize, int8_transposed)
   block_k = tiles.block_k
   while block_k > 16 and (depth // splits) % block_k:  # 768 / 4 = 192: 3 steps of 64

@@ -1,0 +1,104 @@
+"""Mixture-of-experts layers (`models.moe.SparseMoE`): the experts' grouped matmuls through
+`jax_paged.grouped_matmul`'s kernel vs XLA's `lax.ragged_dot`, in the same run.
+
+Per shape (`--shapes`; random bf16 weights, two weight sets alternated so no call finds its
+experts in L2) and token count (`--tokens`): the whole layer's GPU kernel time (router, top-k,
+sort, both grouped matmuls, activation, weighting and the scatter-add back to the tokens;
+`common.kernel_seconds`, median over the weight sets) of each route, against the floor: the
+weights of the experts the tokens hit (router included), read once at the HBM read ceiling.
+At a few tokens a layer is bound by those bytes; at thousands (prefill) by the tensor cores,
+so the rows also give the kernel's TF/s. The largest |difference| of the two routes' outputs
+says they compute the same thing (bf16 rounding).
+
+    PYTHONPATH=. python benchmarks/bench_moe.py          # on the GPU
+    PYTHONPATH=. python benchmarks/bench_moe.py --tiny   # smoke test on CPU (interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import common
+from jax_paged.kernels import grouped_matmul as gm
+from models import moe
+
+# (hidden, experts' intermediate width, experts, experts per token)
+SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
+          "tiny": (64, 96, 8, 2)}
+
+
+def layer_routes(config: moe.MoeConfig, interpret: bool | None):
+  """(the layer's states over two weight sets, {route: jitted (state, x) -> y})."""
+  layers = [moe.SparseMoE(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                          rngs=nnx.Rngs(i)) for i in range(2)]
+  graph, _ = nnx.split(layers[0])
+  states = [nnx.split(layer)[1] for layer in layers]
+  kernel = jax.jit(lambda state, x: nnx.merge(graph, state)(x, interpret=interpret))
+
+  def xla(state, x):
+    with mock.patch.object(moe, "grouped_matmul",
+                           lambda x, w, sizes, **_: gm.grouped_matmul_reference(x, w, sizes)):
+      return nnx.merge(graph, state)(x)
+
+  return states, {"kernel": kernel, "ragged_dot": jax.jit(xla)}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"],
+                 choices=sorted(SHAPES))
+  p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 4096])
+  p.add_argument("--tiny", action="store_true", help="a tiny layer on CPU, interpret mode")
+  args = p.parse_args()
+  interpret = None
+  seconds = common.kernel_seconds
+  ceiling = None
+  if args.tiny:
+    args.shapes, args.tokens, interpret = ["tiny"], [1, 8], True
+    seconds = lambda fn, *a: common.time_fn(fn, *a, calls=1, reps=1)
+    ceiling = 1e12  # nominal: no GPU to measure
+  ceiling = ceiling or common.read_ceiling_gbs(kernel=True) * 1e9
+  lines = []
+  emit = common.emitter(lines)
+  emit(f"# bench_moe: {common.header()}; read ceiling {ceiling / 1e9:,.0f} GB/s", "",
+       "| shape | tokens | experts hit | floor µs | kernel µs (x floor) | kernel TF/s "
+       "| ragged_dot µs (x floor) | **ragged_dot / kernel** | max abs Δ |",
+       "|---|---|---|---|---|---|---|---|---|")
+  for name in args.shapes:
+    hidden, width, experts, top_k = SHAPES[name]
+    config = moe.MoeConfig(hidden_size=hidden, intermediate_size=width,
+                           moe_intermediate_size=width, num_local_experts=experts,
+                           num_experts_per_tok=top_k, num_attention_heads=32,
+                           norm_topk_prob=True)
+    states, routes = layer_routes(config, interpret)
+    expert_bytes = 3 * hidden * width * 2
+    for tokens in args.tokens:
+      x = jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16)
+      times, outs = {}, {}
+      for route, fn in routes.items():
+        times[route] = float(np.median([seconds(fn, state, x) for state in states]))
+        outs[route] = np.asarray(fn(states[0], x), np.float32)
+      router = np.asarray(x.astype(jnp.float32)
+                          @ states[0]["router"][...].astype(jnp.float32))
+      hit = len(set(np.argsort(-router, axis=1)[:, :top_k].reshape(-1).tolist()))
+      floor = (hit * expert_bytes + hidden * experts * 2) / ceiling
+      kernel, xla = times["kernel"], times["ragged_dot"]
+      flops = 2 * tokens * top_k * 3 * hidden * width
+      emit(f"| {name} | {tokens} | {hit} | {floor * 1e6:,.1f} | {kernel * 1e6:,.1f} "
+           f"({kernel / floor:.2f}x) | {flops / kernel / 1e12:,.0f} | {xla * 1e6:,.1f} "
+           f"({xla / floor:.2f}x) | **{xla / kernel:.2f}** "
+           f"| {np.abs(outs['kernel'] - outs['ragged_dot']).max():.1e} |")
+    del states, routes
+  with open(os.path.join(common.out_dir(), "bench_moe.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()

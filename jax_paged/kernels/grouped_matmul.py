@@ -1,0 +1,223 @@
+"""Grouped matmul: rows sorted by group, each group's rows times its own weight matrix.
+
+A mixture-of-experts layer (`models.moe`) sends each token to a few of its experts: with the
+token-expert pairs sorted by expert, the experts' products are one grouped matmul, x [M,
+K] times weights [G, K, N] with group g's rows the g-th run of `group_sizes`. At decode
+there are few rows and the product is bound by reading the weights of the experts hit; XLA's
+`lax.ragged_dot` on a GPU reads every expert's weights whatever the rows (Mixtral-8x7B's
+experts layer, 1 token on an H200: 4.2x the bytes of the two experts it needs) and past a
+few hundred rows computes every group densely (benchmarks/LOG.md, "thirty-first").
+
+This kernel's programs each own one row tile of one group and `block_n` output columns:
+a group's rows are split into tiles of `block_m` from its first row, so a tile never mixes
+groups, and tiles past the last one exit at once, so an expert no row chose is never read.
+The tiles' (group, first row, end row) come from `group_sizes` in plain jnp before the
+kernel; rows past the groups' total come out zero (as `lax.ragged_dot`'s). Few rows give
+few tiles: the K range is then split over more programs, whose f32 partials XLA sums.
+
+Grid (tiles, N / block_n, K splits); f32 accumulation, the weights streamed from HBM
+(`linear.matmul_rows`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+from jax_paged.kernels import linear
+from jax_paged.kernels import triton_backend
+from jax_paged.kernels import validation
+
+# Tiles, tuned on an H200 at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes
+# (benchmarks/LOG.md, "thirty-second"). Few rows per group (decode): 16-row tiles (the
+# smallest tensor-core tile) or 32 / 64 as groups grow, 128 columns, 64-deep K steps, 4
+# warps, 4 stages (within 1-3% of the best of 5 tiles x 4 splits swept at 1 and 4 tokens).
+# Groups of 128 rows and more (prefill): 128 x 256 tiles, 8 warps, 3 stages (Mixtral's
+# gate/up at 2048 tokens 1,747 us vs 2,370 with 64 x 128 tiles; Qwen3's 395 vs 485).
+_BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 128, 64, 4, 4
+_MIN_BLOCK_M, _MAX_BLOCK_M = 16, 128
+_LARGE_BLOCK_N, _LARGE_NUM_WARPS, _LARGE_NUM_STAGES = 256, 8, 3
+# Programs per streaming multiprocessor to aim for when K splits are chosen.
+_PROGRAMS_PER_SM = 4
+
+
+class Tiles(NamedTuple):
+  """The kernel's program shape: rows, columns and K depth per step, warps, stages."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+def tiles_for(rows: int, groups: int, depth: int, cols: int, itemsize: int) -> Tiles:
+  """The tiles for `rows` rows in `groups` groups, K = depth, N = cols, inputs of
+  `itemsize` bytes: row tiles of the mean group's rows as a power of two in 16..128, and
+  at 128 (2-byte inputs) the wide columns of prefill's compute-bound products."""
+  block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, pl.next_power_of_2(pl.cdiv(rows, groups))))
+  block_k = min(_BLOCK_K, max(16, pl.next_power_of_2(depth)))
+  if block_m == _MAX_BLOCK_M and itemsize <= 2:
+    block_n, num_warps, num_stages = _LARGE_BLOCK_N, _LARGE_NUM_WARPS, _LARGE_NUM_STAGES
+  else:
+    block_m = min(block_m, _MAX_BLOCK_M // 2)
+    block_n, num_warps, num_stages = _BLOCK_N, _NUM_WARPS, _NUM_STAGES
+  return Tiles(block_m, min(block_n, max(16, pl.next_power_of_2(cols))), block_k, num_warps,
+               num_stages)
+
+
+def _check_args(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> None:
+  if len(getattr(x, "shape", ())) != 2:
+    raise ValueError(f"x must have shape [rows, K], got shape {getattr(x, 'shape', ())}")
+  if len(getattr(weights, "shape", ())) != 3 or weights.shape[1] != x.shape[1]:
+    raise ValueError(f"weights must have shape [groups, K={x.shape[1]}, N], got shape "
+                     f"{getattr(weights, 'shape', ())}")
+  if jnp.dtype(x.dtype) not in validation.SUPPORTED_DTYPES:
+    raise ValueError(f"x dtype must be float32, bfloat16 or float16, got {x.dtype}")
+  if jnp.dtype(weights.dtype) != jnp.dtype(x.dtype):
+    raise ValueError(f"weights dtype must be x's ({x.dtype}), got {weights.dtype}")
+  if (getattr(group_sizes, "shape", None) != (weights.shape[0],)
+      or jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32)):
+    raise ValueError(f"group_sizes must be int32 of shape [groups={weights.shape[0]}], got "
+                     f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)} of shape "
+                     f"{getattr(group_sizes, 'shape', ())}")
+  if not isinstance(group_sizes, jax.core.Tracer):
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any() or sizes.sum() > x.shape[0]:
+      raise ValueError(f"group_sizes must be >= 0 and sum to at most rows={x.shape[0]}, got "
+                       f"{sizes.tolist()}")
+
+
+def max_tiles(rows: int, groups: int, block_m: int) -> int:
+  """How many row tiles `rows` rows in `groups` groups (and the rows past them) can make:
+  every whole tile, plus one partial tile per non-empty group, plus the tail's."""
+  return rows // block_m + min(groups, rows) + 1
+
+
+def _row_tiles(group_sizes: jax.Array, rows: int, block_m: int, num_tiles: int):
+  """int32 [num_tiles] (group, first row, end row) of each row tile: group g's rows
+  [start_g, end_g) in tiles of block_m from start_g, then the rows past the groups as
+  group `groups` (no weights: zero rows), then empty tiles (first = end = 0). Negative
+  sizes count as 0 and groups are cut at `rows` (traced sizes cannot be checked)."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+  ends = jnp.append(ends, rows)  # the tail: rows past the groups
+  starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+  tiles = pl.cdiv(ends - starts, block_m)
+  last_tile = jnp.cumsum(tiles)
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  group = jnp.searchsorted(last_tile, t, side="right").astype(jnp.int32)
+  live = group < ends.shape[0]
+  g = jnp.minimum(group, ends.shape[0] - 1)
+  first = starts[g] + (t - (last_tile[g] - tiles[g])) * block_m
+  return (jnp.where(live, group, 0), jnp.where(live, first, 0).astype(jnp.int32),
+          jnp.where(live, ends[g], 0).astype(jnp.int32))
+
+
+def _grouped_matmul_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *,
+                           groups: int, cols: int, depth: int, block_m: int, block_n: int,
+                           block_k: int, k_split: int):
+  """Refs: the tiles' group / first row / end row int32 [tiles], x [rows, depth], weights
+  [groups, depth, cols]; output f32 partials [splits, rows, cols]."""
+  t, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  group, first, end = group_ref[t], first_ref[t], end_ref[t]
+  r = first + jnp.arange(block_m)
+  row_mask = r < end
+  c = n * block_n + jnp.arange(block_n)
+  col_mask = c < cols if cols % block_n else None
+  mask = triton_backend.and_masks(row_mask, col_mask)
+
+  @pl.when((first < end) & (group < groups))
+  def _():
+    acc = linear.matmul_rows(x_ref, w_ref, r, row_mask, c, col_mask, split=split,
+                             depth=depth, block_k=block_k, k_split=k_split, group=group)
+    plgpu.store(o_ref.at[split, r[:, None], c[None, :]], acc, mask=mask)
+
+  @pl.when((first < end) & (group == groups))  # rows past the groups: zeros
+  def _():
+    plgpu.store(o_ref.at[split, r[:, None], c[None, :]],
+                jnp.zeros((block_m, block_n), jnp.float32), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=["tiles", "splits", "interpret"])
+def _grouped_matmul_pallas(x, weights, group_sizes, *, tiles: Tiles, splits: int,
+                           interpret: bool) -> jax.Array:
+  block_m, block_n, block_k, num_warps, num_stages = tiles
+  rows, depth = x.shape
+  groups, _, cols = weights.shape
+  k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+  splits = pl.cdiv(depth, k_split)
+  num_tiles = max_tiles(rows, groups, block_m)
+  row_tiles = _row_tiles(group_sizes, rows, block_m, num_tiles)
+  kernel = functools.partial(_grouped_matmul_kernel, groups=groups, cols=cols, depth=depth,
+                             block_m=block_m, block_n=block_n, block_k=block_k,
+                             k_split=k_split)
+  parts = pl.pallas_call(
+      kernel,
+      grid=(num_tiles, pl.cdiv(cols, block_n), splits),
+      out_shape=jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),
+      compiler_params=triton_backend.compiler_params(num_warps=num_warps,
+                                                     num_stages=num_stages),
+      interpret=interpret,
+      name="grouped_matmul",
+  )(*row_tiles, x, weights)
+  return parts[0] if splits == 1 else jnp.sum(parts, axis=0)
+
+
+def default_splits(rows: int, groups: int, depth: int, cols: int, tiles: Tiles) -> int:
+  """K splits for ~_PROGRAMS_PER_SM programs per SM: the tiles expected live (one per group
+  hit while rows are few; rows / block_m past that) times the column blocks, times splits
+  (powers of two, each split at least 4 K steps)."""
+  block_m, block_n, block_k = tiles.block_m, tiles.block_n, tiles.block_k
+  live = pl.cdiv(rows, block_m) if rows > groups * block_m else min(rows, groups)
+  programs = live * pl.cdiv(cols, block_n)
+  splits = 1
+  while (programs * splits < _PROGRAMS_PER_SM * triton_backend.sm_count()
+         and depth // (2 * splits) >= 4 * block_k):
+    splits *= 2
+  return splits
+
+
+def grouped_matmul_reference(x: jax.Array, weights: jax.Array,
+                             group_sizes: jax.Array) -> jax.Array:
+  """Plain XLA (`lax.ragged_dot`): f32 [rows, N], row i times the weights of its group."""
+  return lax.ragged_dot(x, weights, group_sizes, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+
+
+def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
+                   splits: int | None = None, interpret: bool | None = None) -> jax.Array:
+  """Each group's rows of x times that group's weights (`lax.ragged_dot`'s product).
+
+  Args:
+    x: [rows, K] f32 / bf16 / f16, sorted by group: group 0's rows first, then group 1's...
+    weights: [groups, K, N], x's dtype.
+    group_sizes: int32 [groups], >= 0, summing to at most rows (checked where concrete;
+      traced, negative sizes count as 0 and the groups are cut at `rows`).
+    splits: K splits (each a whole number of K steps; f32 partials summed by XLA); None =
+      `default_splits`.
+    interpret: None = the Triton kernel on a GPU, `lax.ragged_dot` elsewhere; True = the
+      kernel in Pallas interpret mode (tests); False = the kernel.
+
+  Returns:
+    f32 [rows, N]: row i of group g is x[i] @ weights[g]; rows past the groups' total are
+    zero. A group with no rows reads none of its weights.
+  """
+  _check_args(x, weights, group_sizes)
+  validation.check_positive_int("splits", splits, optional=True)
+  rows, depth = x.shape
+  groups, _, cols = weights.shape
+  mode = triton_backend.kernel_mode(interpret, supported=x.size > 0 and cols > 0)
+  if mode is None:
+    return grouped_matmul_reference(x, weights, group_sizes)
+  tiles = tiles_for(rows, groups, depth, cols, x.dtype.itemsize)
+  if splits is None:
+    splits = default_splits(rows, groups, depth, cols, tiles)
+  return _grouped_matmul_pallas(x, weights, group_sizes, tiles=tiles, splits=splits,
+                                interpret=mode)
