@@ -8,7 +8,9 @@ sort, both grouped matmuls, activation, weighting and the scatter-add back to th
 weights of the experts the tokens hit (router included), read once at the HBM read ceiling.
 At a few tokens a layer is bound by those bytes; at thousands (prefill) by the tensor cores,
 so the rows also give the kernel's TF/s. The largest |difference| of the two routes' outputs
-says they compute the same thing (bf16 rounding).
+says they compute the same thing (bf16 rounding). A second table: the same layers with
+int8 experts (`weight_quant.quantize_weights`: per expert and column) through the kernel,
+against their own floor (half the bytes, scales included) and the bf16 kernel's time.
 
     PYTHONPATH=. python benchmarks/bench_moe.py          # on the GPU
     PYTHONPATH=. python benchmarks/bench_moe.py --tiny   # smoke test on CPU (interpret mode)
@@ -26,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
+from jax_paged import weight_quant
 from jax_paged.kernels import grouped_matmul as gm
 from models import moe
 
@@ -35,19 +38,32 @@ SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128,
 
 
 def layer_routes(config: moe.MoeConfig, interpret: bool | None):
-  """(the layer's states over two weight sets, {route: jitted (state, x) -> y})."""
-  layers = [moe.SparseMoE(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                          rngs=nnx.Rngs(i)) for i in range(2)]
-  graph, _ = nnx.split(layers[0])
-  states = [nnx.split(layer)[1] for layer in layers]
-  kernel = jax.jit(lambda state, x: nnx.merge(graph, state)(x, interpret=interpret))
+  """{route: (the layer's states over two weight sets, jitted (state, x) -> y)}: the
+  kernel, XLA's ragged_dot, and int8 experts through the kernel."""
+  def build(i, int8):
+    layer = moe.SparseMoE(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                          rngs=nnx.Rngs(i))
+    if int8:
+      weight_quant.quantize_weights(layer)
+    return nnx.split(layer)
 
-  def xla(state, x):
-    with mock.patch.object(moe, "grouped_matmul",
-                           lambda x, w, sizes, **_: gm.grouped_matmul_reference(x, w, sizes)):
-      return nnx.merge(graph, state)(x)
+  def run(graph):
+    return jax.jit(lambda state, x: nnx.merge(graph, state)(x, interpret=interpret))
 
-  return states, {"kernel": kernel, "ragged_dot": jax.jit(xla)}
+  def xla(graph):
+    reference = lambda x, w, sizes, **_: gm.grouped_matmul_reference(x, w, sizes)
+
+    def fn(state, x):
+      with mock.patch.object(gm, "grouped_matmul", reference):
+        return nnx.merge(graph, state)(x)
+    return jax.jit(fn)
+
+  routes = {}
+  for route, int8, make in (("kernel", False, run), ("ragged_dot", False, xla),
+                            ("int8", True, run)):
+    graph, state = build(0, int8)
+    routes[route] = ([state, build(1, int8)[1]], make(graph))
+  return routes
 
 
 def main():
@@ -65,7 +81,7 @@ def main():
     seconds = lambda fn, *a: common.time_fn(fn, *a, calls=1, reps=1)
     ceiling = 1e12  # nominal: no GPU to measure
   ceiling = ceiling or common.read_ceiling_gbs(kernel=True) * 1e9
-  lines = []
+  lines, int8_rows = [], []
   emit = common.emitter(lines)
   emit(f"# bench_moe: {common.header()}; read ceiling {ceiling / 1e9:,.0f} GB/s", "",
        "| shape | tokens | experts hit | floor µs | kernel µs (x floor) | kernel TF/s "
@@ -77,25 +93,37 @@ def main():
                            moe_intermediate_size=width, num_local_experts=experts,
                            num_experts_per_tok=top_k, num_attention_heads=32,
                            norm_topk_prob=True)
-    states, routes = layer_routes(config, interpret)
+    routes = layer_routes(config, interpret)
+    router_bytes = hidden * experts * 2
     expert_bytes = 3 * hidden * width * 2
+    int8_expert_bytes = 3 * hidden * width + (2 * 2 * width + hidden) * 4  # + scales
     for tokens in args.tokens:
       x = jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16)
       times, outs = {}, {}
-      for route, fn in routes.items():
+      for route, (states, fn) in routes.items():
         times[route] = float(np.median([seconds(fn, state, x) for state in states]))
         outs[route] = np.asarray(fn(states[0], x), np.float32)
+      states = routes["kernel"][0]
       router = np.asarray(x.astype(jnp.float32)
                           @ states[0]["router"][...].astype(jnp.float32))
       hit = len(set(np.argsort(-router, axis=1)[:, :top_k].reshape(-1).tolist()))
-      floor = (hit * expert_bytes + hidden * experts * 2) / ceiling
-      kernel, xla = times["kernel"], times["ragged_dot"]
+      floor = (hit * expert_bytes + router_bytes) / ceiling
+      int8_floor = (hit * int8_expert_bytes + router_bytes) / ceiling
+      kernel, xla, int8 = times["kernel"], times["ragged_dot"], times["int8"]
       flops = 2 * tokens * top_k * 3 * hidden * width
       emit(f"| {name} | {tokens} | {hit} | {floor * 1e6:,.1f} | {kernel * 1e6:,.1f} "
            f"({kernel / floor:.2f}x) | {flops / kernel / 1e12:,.0f} | {xla * 1e6:,.1f} "
            f"({xla / floor:.2f}x) | **{xla / kernel:.2f}** "
            f"| {np.abs(outs['kernel'] - outs['ragged_dot']).max():.1e} |")
-    del states, routes
+      scale = np.abs(outs["kernel"]).max()
+      int8_rows.append(
+          f"| {name} | {tokens} | {int8_floor * 1e6:,.1f} | {int8 * 1e6:,.1f} "
+          f"({int8 / int8_floor:.2f}x) | **{int8 / kernel:.2f}** "
+          f"| {np.abs(outs['int8'] - outs['kernel']).max() / scale:.1e} |")
+    del routes
+  emit("", "int8 experts (per expert and output column) through the kernel:", "",
+       "| shape | tokens | int8 floor µs | int8 µs (x floor) | **int8 / bf16 kernel** "
+       "| max abs Δ / max abs (vs bf16) |", "|---|---|---|---|---|---|", *int8_rows)
   with open(os.path.join(common.out_dir(), "bench_moe.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 

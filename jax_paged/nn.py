@@ -29,6 +29,10 @@ few rows (the attention layer's `project=False` leaves its output projection to 
 (`jax_paged.kernels.linear`). Each of them, and the attention layer, takes an int8
 `weight_quant.Int8Linear` as well as an `nnx.Linear`, and the rows' LoRA slots
 (`adapters`) for a projection with slots (`jax_paged.lora`).
+
+`GroupedLinear` is a stack of linears applied to rows sorted by group (a mixture's
+experts), through `jax_paged.grouped_matmul`; `jax_paged.tensor_parallel` splits it like a
+linear (column- or row-parallel, every group alike).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged.kernels import grouped_matmul
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import layer_norm
 from jax_paged.kernels import linear
@@ -444,6 +449,62 @@ def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,
   if proj.bias is not None:
     y += proj.bias[...].astype(jnp.float32)
   return (residual.astype(jnp.float32) + y).astype(residual.dtype)
+
+
+class GroupedLinear(nnx.Module):
+  """Linear maps without bias, one per group, over rows sorted by group: a mixture of
+  experts' projections (`models.moe`).
+
+  Attributes:
+    kernel: [groups, in_features, out_features] in `param_dtype`; after `quantize_int8`
+      int8 [groups, out_features, in_features] (`transposed`).
+    kernel_scale: None, or for int8 weights f32 [groups, out_features] (each group's
+      column steps, as `weight_quant.Int8Linear`'s).
+    dtype: the compute dtype (None: the inputs').
+    reduce_axis: None, or under tensor parallelism the mesh axis a row-parallel stack's
+      partial outputs are summed over (set by `jax_paged.tensor_parallel`; the caller sums,
+      after combining the rows, where it is cheapest).
+  """
+
+  reduce_axis: str | None = None
+  kernel_scale: nnx.Param | None = None
+  transposed: bool = False
+
+  def __init__(self, groups: int, in_features: int, out_features: int, *,
+               kernel_init=nnx.initializers.lecun_normal(), dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    for name, value in (("groups", groups), ("in_features", in_features),
+                        ("out_features", out_features)):
+      validation.check_positive_int(name, value)
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (groups, in_features, out_features),
+                                        param_dtype))
+    self.in_features, self.out_features = in_features, out_features
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array, group_sizes: jax.Array, *,
+               interpret: bool | None = None) -> jax.Array:
+    """x [rows, in_features] sorted by group, group_sizes int32 [groups] -> float32 [rows,
+    out_features]: each group's rows times its kernel (`grouped_matmul`: on a GPU only
+    the groups with rows are read); rows past the groups' total are zero."""
+    dtype = self.dtype or x.dtype
+    kernel = self.kernel[...]
+    if self.kernel_scale is None:
+      return grouped_matmul.grouped_matmul(x.astype(dtype), kernel.astype(dtype), group_sizes,
+                                           interpret=interpret)
+    return grouped_matmul.grouped_matmul(x.astype(dtype), kernel, group_sizes,
+                                         scale=self.kernel_scale[...],
+                                         transposed=self.transposed, interpret=interpret)
+
+  def quantize_int8(self) -> bool:
+    """Makes the weights int8, in place: per group and output column (`weight_quant`'s
+    scheme), stored [groups, out_features, in_features]. False if they already were."""
+    if self.kernel_scale is not None:
+      return False
+    q, scale = jax.vmap(weight_quant.quantize)(self.kernel[...])
+    self.kernel = nnx.Param(jnp.swapaxes(q, 1, 2))
+    self.kernel_scale = nnx.Param(scale)
+    self.transposed = True
+    return True
 
 
 class PagedAttention(nnx.Module):

@@ -10,7 +10,8 @@ A model is split over a 1-D mesh axis (`AXIS`, "tp") of N devices:
   stack and reference counts are replicated: one scheduler and one bookkeeping on the
   host, whose plans every device executes identically;
 * the MLP: its first projection column-parallel, its second row-parallel (one
-  all-reduce);
+  all-reduce); a mixture of experts' the same way, each device holding its share of
+  every expert's intermediate columns (`nn.GroupedLinear`);
 * embeddings and the LM head replicated. A vocabulary-sharded head would read 1 / N of
   the head per device, but sampling needs whole rows of logits (an all-gather of [B,
   vocab] f32 per step) and the embedding a masked lookup plus an all-reduce. Measured on
@@ -51,6 +52,7 @@ import dataclasses
 from typing import Literal, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -58,7 +60,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
-from jax_paged import weight_quant
 from jax_paged.kernels import kv_quant
 
 AXIS = "tp"
@@ -66,7 +67,8 @@ AXIS = "tp"
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """How one `nnx.Linear` (kernel [K, N], bias [N]) is split over the mesh axis.
+  """How one `nnx.Linear` (kernel [K, N], bias [N]) is split over the mesh axis; or one
+  `nn.GroupedLinear` (kernel [groups, K, N]), every group's kernel alike.
 
   Attributes:
     kind: "column": the output columns (and bias) split, each device computing its own
@@ -167,6 +169,11 @@ class ShardedModel:
   column_orders: dict = dataclasses.field(default_factory=dict)
 
 
+def _spec(rank: int, axis: int) -> P:
+  """A PartitionSpec of `rank` axes splitting `axis` over the mesh axis."""
+  return P(*(AXIS if i == axis else None for i in range(rank)))
+
+
 def _path(key_path) -> tuple:
   return tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
 
@@ -218,8 +225,14 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
     path = ids[id(linear)]
     where = "/".join(map(str, path))
     k, width = linear.in_features, linear.out_features
-    # An int8 linear's kernel may be stored [N, K] (`weight_quant.Int8Linear.transposed`).
-    transposed = isinstance(linear, weight_quant.Int8Linear) and linear.transposed
+    # The kernel's axes: [..., K, N], or stored [..., N, K] (`transposed`: int8 weights,
+    # `weight_quant.Int8Linear` and a quantized `nn.GroupedLinear`); a grouped linear's
+    # leading groups' axis (and its kernel_scale's) stays whole on every device.
+    kernel = linear.kernel[...]
+    last, second = kernel.ndim - 1, kernel.ndim - 2
+    col_axis, row_axis = (second, last) if getattr(linear, "transposed", False) else (
+        last, second)
+    scaled = getattr(linear, "kernel_scale", None) is not None
     if split.kind == "column":
       sections = split.sections or (width,)
       if sum(sections) != width or any(s % n for s in sections):
@@ -227,25 +240,27 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
                          f"(of {width} columns); each must be a multiple of {n}")
       if n > 1 and len(sections) > 1:
         order = orders[path] = _column_order(width, sections, n)
-        kernel = linear.kernel[...]
-        linear.kernel[...] = kernel[order] if transposed else kernel[:, order]
-        if linear.bias is not None:
+        linear.kernel[...] = jnp.take(kernel, order, axis=col_axis)
+        if getattr(linear, "bias", None) is not None:
           linear.bias[...] = linear.bias[...][order]
-        if isinstance(linear, weight_quant.Int8Linear):
-          linear.kernel_scale[...] = linear.kernel_scale[...][order]
+        if scaled:
+          linear.kernel_scale[...] = linear.kernel_scale[...][..., order]
         if lora.attached(linear):
           linear.lora_b[...] = linear.lora_b[...][:, order]
-      specs[path + ("kernel",)] = P(AXIS, None) if transposed else P(None, AXIS)
+      specs[path + ("kernel",)] = _spec(kernel.ndim, col_axis)
       specs[path + ("bias",)] = P(AXIS)
-      specs[path + ("kernel_scale",)] = P(AXIS)  # (int8 weights: a row's scales whole)
+      if scaled:  # (a row's scales whole)
+        specs[path + ("kernel_scale",)] = _spec(kernel.ndim - 1, kernel.ndim - 2)
       specs[path + ("lora_b",)] = P(None, AXIS)  # (LoRA's A replicated: x A is whole)
     elif split.kind == "row":
       if k % n:
         raise ValueError(f"tensor parallel {n}: {where} has {k} input rows, not a "
                          f"multiple of {n}")
-      specs[path + ("kernel",)] = P(None, AXIS) if transposed else P(AXIS, None)
+      specs[path + ("kernel",)] = _spec(kernel.ndim, row_axis)
       specs[path + ("lora_a",)] = P(AXIS, None)  # (each device's partial x A, summed)
-      linear.reduce_axis = AXIS  # read by nn.projection / project_add / project_add_norm
+      # Read by nn.projection / project_add / project_add_norm (a grouped linear's by its
+      # caller, which sums where it has combined the rows).
+      linear.reduce_axis = AXIS
     else:
       raise ValueError(f"Split.kind must be 'column' or 'row', got {split.kind!r}")
   graphdef, state = nnx.split(local)

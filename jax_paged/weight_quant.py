@@ -9,6 +9,9 @@ norms, biases and the KV cache keep their dtypes. Measured (H200, benchmarks/RES
 "Int8 weights"): 0.57-0.66x the weight bytes, and at batch 1-16 1.35-1.47x bf16's
 decoding throughput for the Llama-3.1-8B shape (1.14-1.16x Llama-3.2-1B, 1.00-1.03x GPT-2).
 
+A mixture's experts (`jax_paged.nn.GroupedLinear`) quantize themselves the same way, one
+scale per expert and column, read by `jax_paged.grouped_matmul`'s kernel.
+
 `jax_paged.kernels.linear` reads the int8 tiles and scales the f32 accumulator in its
 epilogue (decode's few rows); elsewhere (prompts, CPU) XLA converts the weights and
 scales the product (`linear.scaled_product`). Kernels are stored transposed, [N, K]:
@@ -126,8 +129,10 @@ def _child(node, key):
 
 def quantize_weights(model: nnx.Module) -> int:
   """Replaces, in place, every `nnx.Linear` reachable in `model` by its `Int8Linear`
-  (a linear held in two places becomes one quantized module in both). Embeddings
-  (`nnx.Embed`, tied or separate LM heads included) are not linears and stay as they are.
+  (a linear held in two places becomes one quantized module in both), and quantizes
+  every module that knows its own int8 form (a `quantize_int8()` method returning whether
+  it changed: `jax_paged.nn.GroupedLinear`, a mixture's experts). Embeddings (`nnx.Embed`,
+  tied or separate LM heads included) are not linears and stay as they are.
 
   Returns:
     how many linears were quantized (0 if there were none, or they already were).
@@ -143,6 +148,9 @@ def quantize_weights(model: nnx.Module) -> int:
         raise ValueError(f"{'/'.join(map(str, path))} has LoRA slots: quantize the weights "
                          "before attaching adapters (Engine(max_loras=...) attaches them)")
       found.setdefault(id(node), (node, []))[1].append(path)
+  own = {id(node): node for _, node in nnx.iter_graph(model)
+         if callable(getattr(node, "quantize_int8", None))}
+  count = sum(node.quantize_int8() for node in own.values())
   for proj, paths in found.values():
     quantized = quantize_linear(proj)
     for path in paths:
@@ -153,4 +161,4 @@ def quantize_weights(model: nnx.Module) -> int:
         parent[path[-1]] = quantized
       else:
         setattr(parent, path[-1], quantized)
-  return len(found)
+  return len(found) + count

@@ -318,6 +318,13 @@ class DecoderLayer(nnx.Module):
                                      next_norm, adapters=adapters)
 
 
+def mlp_splits(mlp: MLP) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
+  """A SwiGLU MLP's tensor parallel splits: gate_up column-parallel with gate and up each
+  split (a device gets the matching columns of both), down row-parallel."""
+  return [(mlp.gate_up, tensor_parallel.Split("column", (mlp.down.in_features,) * 2)),
+          (mlp.down, tensor_parallel.ROW)]
+
+
 class LlamaForCausalLM(nnx.Module):
   """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 with an LM head, attending through a `KVPool`.
 
@@ -368,9 +375,7 @@ class LlamaForCausalLM(nnx.Module):
     attention is split by head by `jax_paged.tensor_parallel` itself). Layers whose MLP is
     not an `MLP` (`models.moe`'s experts) keep it whole on every device."""
     return [split for layer in self.layers if isinstance(layer.mlp, MLP)
-            for split in ((layer.mlp.gate_up, tensor_parallel.Split(
-                "column", (self.config.intermediate_size,) * 2)),
-                          (layer.mlp.down, tensor_parallel.ROW))]
+            for split in mlp_splits(layer.mlp)]
 
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):

@@ -15,10 +15,13 @@ sigmoid(shared_expert_gate(x)).
 The experts run as two grouped matmuls over the token-expert pairs sorted by expert
 (`jax_paged.kernels.grouped_matmul`: on a GPU a Pallas-Triton kernel that reads only the
 experts some token chose, once per step whatever the batch; `lax.ragged_dot` elsewhere,
-which on a GPU reads every expert's: benchmarks/RESULTS.md). They are kept
-whole on every device under tensor parallelism (the attention and dense MLPs are split),
-stay in the compute dtype under `weight_quant.quantize_weights` (only `nnx.Linear`s are
-quantized), and are not LoRA targets (the attention's and dense MLPs' projections are).
+which on a GPU reads every expert's: benchmarks/RESULTS.md), each a
+`jax_paged.nn.GroupedLinear`. Under tensor parallelism they are split like a dense MLP:
+every device holds its share of every expert's intermediate columns (gate_up by column,
+down by row, one all-reduce of the combined output per layer);
+`weight_quant.quantize_weights` makes them int8 with a scale per expert and output column
+(`GroupedLinear.quantize_int8`). They are not LoRA targets (the attention's and dense
+MLPs' projections are).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_paged import nn as paged_nn
+from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
-from jax_paged.kernels.grouped_matmul import grouped_matmul
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
@@ -132,18 +135,23 @@ class SparseMoE(nnx.Module):
   """Top-k routed SwiGLU experts (HF's MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock,
   Qwen3MoeSparseMoeBlock).
 
-  Parameters: `router` [hidden, experts]; `gate_up` [experts, hidden, 2 *
-  intermediate] (each expert's gate columns, then up's); `down` [experts, intermediate,
-  hidden]; with a shared expert, `shared` (a `llama.MLP`) and `shared_gate` [hidden, 1];
-  in `param_dtype`, computed in `dtype`.
+  Parameters: `router` [hidden, experts]; `gate_up`, a `jax_paged.nn.GroupedLinear`
+  [experts, hidden, 2 * intermediate] (each expert's gate columns, then up's); `down`, one
+  [experts, intermediate, hidden]; with a shared expert, `shared` (a `llama.MLP`) and
+  `shared_gate` [hidden, 1]; in `param_dtype`, computed in `dtype`. Under tensor
+  parallelism gate_up is column-parallel (gate and up each split) and down row-parallel:
+  each device holds every expert's share of the intermediate columns
+  (`MoeForCausalLM.tensor_parallel_splits`).
   """
 
   def __init__(self, config: MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, d, f = config.num_local_experts, config.hidden_size, config.expert_width
     init = nnx.initializers.normal(config.initializer_range)
     self.router = nnx.Param(init(rngs.params(), (d, e), param_dtype))
-    self.gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), param_dtype))
-    self.down = nnx.Param(init(rngs.params(), (e, f, d), param_dtype))
+    self.gate_up = paged_nn.GroupedLinear(e, d, 2 * f, kernel_init=init, dtype=dtype,
+                                          param_dtype=param_dtype, rngs=rngs)
+    self.down = paged_nn.GroupedLinear(e, f, d, kernel_init=init, dtype=dtype,
+                                       param_dtype=param_dtype, rngs=rngs)
     shared = config.shared_expert_intermediate_size
     self.shared = None if shared is None else llama.MLP(
         dataclasses.replace(config, intermediate_size=shared), dtype=dtype,
@@ -163,7 +171,7 @@ class SparseMoE(nnx.Module):
     lead, d = h.shape[:-1], h.shape[-1]
     dtype = self.dtype or h.dtype
     x = h.reshape(-1, d).astype(dtype)
-    num_experts = self.gate_up.shape[0]
+    num_experts = self.router.shape[1]
     # HF: the router's logits in the compute dtype, their softmax in f32.
     scores = jax.nn.softmax((x @ self.router[...].astype(dtype)).astype(jnp.float32), axis=-1)
     weights, experts = lax.top_k(scores, self.top_k)  # [tokens, k]
@@ -173,13 +181,13 @@ class SparseMoE(nnx.Module):
     order = jnp.argsort(experts.reshape(-1), stable=True)
     rows = order // self.top_k  # each sorted pair's token
     sizes = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
-    gate_up = grouped_matmul(x[rows], self.gate_up[...].astype(dtype), sizes,
-                             interpret=interpret)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    y = grouped_matmul((self.activation(gate) * up).astype(dtype),
-                       self.down[...].astype(dtype), sizes, interpret=interpret)
+    gate, up = jnp.split(self.gate_up(x[rows], sizes, interpret=interpret), 2, axis=-1)
+    y = self.down((self.activation(gate) * up).astype(dtype), sizes, interpret=interpret)
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((x.shape[0], d), jnp.float32).at[rows].add(y)
+    if self.down.reduce_axis is not None:  # tensor parallel: each device's intermediate
+      # columns' share, summed once per layer in the compute dtype (as nn's projections)
+      out = lax.psum(out.astype(dtype), self.down.reduce_axis).astype(jnp.float32)
     if self.shared is not None:
       shared = paged_nn.projection(self.shared.down, self.shared.hidden(x))
       gate = jax.nn.sigmoid(x @ self.shared_gate[...].astype(dtype))
@@ -211,6 +219,21 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 
   decoder_layer = DecoderLayer
 
+  def tensor_parallel_splits(self) -> list[tuple[nnx.Module, tensor_parallel.Split]]:
+    """The dense MLPs' splits (`LlamaForCausalLM`'s), and the experts': gate_up
+    column-parallel with gate and up each split, down row-parallel (every expert alike),
+    and a shared expert's like a dense MLP's."""
+    splits = super().tensor_parallel_splits()
+    for layer in self.layers:
+      mlp = layer.mlp
+      if isinstance(mlp, SparseMoE):
+        width = mlp.down.in_features
+        splits += [(mlp.gate_up, tensor_parallel.Split("column", (width, width))),
+                   (mlp.down, tensor_parallel.ROW)]
+        if mlp.shared is not None:
+          splits += llama.mlp_splits(mlp.shared)
+    return splits
+
 
 # model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
 # down projections)
@@ -228,7 +251,7 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig
   if path[2:4] == ("mlp", "shared"):  # ("layers", i, "mlp", "shared", module, param)
     names, assemble = llama.hf_sources(path[:3] + path[4:], config)  # a dense MLP's
     return [n.replace(".mlp.", ".mlp.shared_expert.") for n in names], assemble
-  if path[2:3] != ("mlp",) or len(path) != 4:  # not a SparseMoE parameter
+  if path[2:3] != ("mlp",) or not config.sparse(int(path[1])):  # not a SparseMoE's
     return llama.hf_sources(path, config)
   block, router, (gate, up, down) = _HF_EXPERTS[config.model_type]
   prefix = f"model.layers.{path[1]}.{block}."

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_paged import weight_quant
 from jax_paged.kernels import grouped_matmul as gm
 
 _TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -54,6 +55,32 @@ def test_matches_numpy_and_ragged_dot(sizes, depth, cols, dtype, tail):
     assert (y64[sum(sizes):] == 0).all()
 
 
+def _int8(w):
+  """Per group and column int8 weights [G, K, N] and f32 scales [G, N] of w."""
+  q, s = zip(*(weight_quant.quantize(g) for g in w))
+  return jnp.stack(q), jnp.stack(s)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("sizes,depth,cols,dtype,tail", [
+    ((0, 3, 0, 9, 1), 96, 80, jnp.float32, 0), ((2, 0, 5), 300, 40, jnp.bfloat16, 4),
+    ((40, 1), 64, 48, jnp.float16, 0)])
+def test_int8_weights_match_their_dequantized_product(sizes, depth, cols, dtype, tail,
+                                                      transposed):
+  rows = sum(sizes) + tail
+  x, w, group_sizes = _inputs(rows, depth, cols, sizes, dtype, rows)
+  q, scale = _int8(w)
+  stored = jnp.swapaxes(q, 1, 2) if transposed else q
+  want = _numpy_grouped(x, np.asarray(q, np.float64) * np.asarray(scale)[:, None, :], sizes)
+  for interpret in (True, None):  # the kernel, and on CPU the reference
+    y = gm.grouped_matmul(x, stored, group_sizes, scale=scale, transposed=transposed,
+                          interpret=interpret)
+    y64 = np.asarray(y, np.float64)
+    assert not np.isnan(y64).any()
+    np.testing.assert_allclose(y64, want, **_TOL[dtype])
+    assert (y64[sum(sizes):] == 0).all()
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 def test_k_splits_sum_to_the_product(splits):
   sizes = (3, 0, 5)
@@ -87,6 +114,7 @@ def test_tiles_and_default_splits():
   assert many == gm.Tiles(128, 256, 64, 8, 3)
   assert gm.default_splits(8192, 8, 14336, 4096, many) == 1
   assert gm.tiles_for(4096, 8, 512, 48, 4) == gm.Tiles(64, 64, 64, 4, 4)
+  assert gm.tiles_for(2, 8, 14336, 4096, 2, int8=True) == gm.Tiles(16, 64, 128, 4, 4)
 
 
 def test_max_tiles_bounds_every_split_of_the_rows():
@@ -115,6 +143,15 @@ def test_errors_name_the_argument():
     gm.grouped_matmul(x, w, jnp.asarray([-1, 4], jnp.int32))
   with pytest.raises(ValueError, match="splits must be a positive int or None, got 0"):
     gm.grouped_matmul(x, w, sizes, splits=0)
+  q, scale = _int8(w)
+  with pytest.raises(ValueError, match="scale goes with int8 weights"):
+    gm.grouped_matmul(x, q, sizes)
+  with pytest.raises(ValueError, match="scale goes with int8 weights"):
+    gm.grouped_matmul(x, w, sizes, scale=scale)
+  with pytest.raises(ValueError, match=r"scale must be float32 \[groups=2, N=16\]"):
+    gm.grouped_matmul(x, q, sizes, scale=scale[:, :8])
+  with pytest.raises(ValueError, match=r"weights must have shape \[groups, N, K=32\]"):
+    gm.grouped_matmul(x, q, sizes, scale=scale, transposed=True)
 
 
 @pytest.mark.gpu
@@ -132,3 +169,9 @@ def test_compiled_matches_numpy_gpu(sizes, depth, cols, dtype):
     y = np.asarray(gm.grouped_matmul(x, w, group_sizes, splits=splits), np.float64)
     np.testing.assert_allclose(y, _numpy_grouped(x, w, sizes), **_TOL[dtype])
     assert (y[sum(sizes):] == 0).all()
+  q, scale = _int8(w)
+  want = _numpy_grouped(x, np.asarray(q, np.float64) * np.asarray(scale)[:, None, :], sizes)
+  for transposed in (False, True):
+    y = gm.grouped_matmul(x, jnp.swapaxes(q, 1, 2) if transposed else q, group_sizes,
+                          scale=scale, transposed=transposed)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, **_TOL[dtype])

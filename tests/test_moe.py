@@ -17,6 +17,7 @@ import transformers
 from flax import nnx
 
 import jax_paged
+from jax_paged import tensor_parallel
 from jax_paged import weight_quant
 from models import llama
 from models import moe
@@ -165,9 +166,10 @@ def test_bf16_tracks_hf(saved):
   assert_bf16_tracks_hf(hf, moe.from_pretrained(path, dtype=jnp.bfloat16))
 
 
-def test_experts_stay_whole_under_quantization_lora_and_tensor_parallel(saved):
-  """int8 weights quantize the attention and dense MLPs only; LoRA targets their
-  projections; tensor parallelism splits none of the experts (a dense MLP as Llama's)."""
+def test_experts_under_quantization_lora_and_tensor_parallel(saved):
+  """int8 weights quantize the attention, dense MLPs and experts (per expert and column);
+  LoRA targets the attention's and dense MLPs' projections; tensor parallelism splits the
+  experts like a dense MLP (gate_up by column, gate and up each; down by row)."""
   _, path = saved
   model = moe.from_pretrained(path)
   dense = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, llama.MLP)]
@@ -175,19 +177,27 @@ def test_experts_stay_whole_under_quantization_lora_and_tensor_parallel(saved):
   shared = [i for i, layer in enumerate(model.layers)
             if not isinstance(layer.mlp, llama.MLP) and layer.mlp.shared is not None]
   assert shared == ([0, 1] if model.config.model_type == "qwen2_moe" else [])
-  # qkv and o per layer, gate_up and down per dense MLP or shared expert.
-  assert weight_quant.quantize_weights(model) == 2 * 2 + 2 * len(dense) + 2 * len(shared)
-  assert model.layers[0].mlp.gate_up[...].dtype == jnp.float32
+  # qkv and o per layer, gate_up and down per MLP: dense, shared expert or the experts'.
+  assert weight_quant.quantize_weights(model) == 2 * 2 + 2 * 2 + 2 * len(shared)
+  experts = model.layers[0].mlp.gate_up
+  assert experts.kernel[...].dtype == jnp.int8 and experts.transposed
+  assert experts.kernel_scale[...].shape == (model.config.num_local_experts,
+                                              experts.out_features)
+  assert weight_quant.quantize_weights(model) == 0
   attention = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                "self_attn.o_proj"}
   for i in range(2):
     names = {k.split(".", 3)[-1] for k in model.lora_targets() if k.split(".")[2] == str(i)}
     assert names == attention | ({"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
                                  if i in dense else set())
+  mlps = [model.layers[i].mlp for i in dense]
+  mlps += [mlp for layer in model.layers if isinstance(layer.mlp, moe.SparseMoE)
+           for mlp in (layer.mlp, layer.mlp.shared) if mlp is not None]
   splits = model.tensor_parallel_splits()
-  assert [proj for proj, _ in splits] == [m for i in dense
-                                          for m in (model.layers[i].mlp.gate_up,
-                                                    model.layers[i].mlp.down)]
+  assert [proj for proj, _ in splits] == [m for mlp in mlps for m in (mlp.gate_up, mlp.down)]
+  width = model.config.expert_width
+  assert [split for proj, split in splits if proj is mlps[len(dense)].gate_up] == [
+      tensor_parallel.Split("column", (width, width))]
 
 
 def test_cli_finds_the_model_type(saved, capsys):
@@ -214,7 +224,7 @@ def _check_experts_against_a_loop(normalize: bool, interpret: bool | None = None
   got = np.asarray(nnx.jit(lambda m, x: m(x, interpret=interpret))(
       experts, jnp.asarray(x))).reshape(-1, 32)
   r, gu, dn = (np.asarray(p[...], np.float64)
-               for p in (experts.router, experts.gate_up, experts.down))
+               for p in (experts.router, experts.gate_up.kernel, experts.down.kernel))
   silu = lambda v: v / (1 + np.exp(-v))
   used = set()
   for row, out in zip(x.reshape(-1, 32).astype(np.float64), got):

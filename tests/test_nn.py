@@ -376,3 +376,36 @@ def test_row_parallel_all_reduce_carries_the_compute_dtype(dtype, jaxpr_name):
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(proj(h), np.float64),
                              rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("interpret", [True, None])  # the kernel; plain XLA on CPU
+def test_grouped_linear_float_and_int8(interpret):
+  """Each group's rows through its kernel (float64 loop); `quantize_int8` makes the weights
+  int8 [groups, out, in] with per-group column scales, and the layer then computes with
+  exactly the dequantized weights (f32)."""
+  layer = nn.GroupedLinear(3, 40, 24, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((11, 40)), jnp.float32)
+  sizes = jnp.asarray([4, 0, 6], jnp.int32)  # and one row past the groups
+
+  def loop(weights):
+    y, start = np.zeros((11, 24)), 0
+    for g, size in enumerate(np.asarray(sizes)):
+      y[start:start + size] = np.asarray(x, np.float64)[start:start + size] @ weights[g]
+      start += size
+    return y
+
+  np.testing.assert_allclose(layer(x, sizes, interpret=interpret),
+                             loop(np.asarray(layer.kernel[...], np.float64)),
+                             rtol=1e-5, atol=1e-5)
+  float_kernel = np.asarray(layer.kernel[...], np.float64)
+  assert layer.quantize_int8() and not layer.quantize_int8()
+  assert layer.kernel[...].dtype == jnp.int8 and layer.kernel[...].shape == (3, 24, 40)
+  dequantized = (np.swapaxes(np.asarray(layer.kernel[...], np.float64), 1, 2)
+                 * np.asarray(layer.kernel_scale[...])[:, None, :])
+  assert np.abs(dequantized - float_kernel).max() <= np.asarray(
+      layer.kernel_scale[...]).max() / 2 + 1e-7  # half a step at most
+  np.testing.assert_allclose(layer(x, sizes, interpret=interpret), loop(dequantized),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="out_features must be a positive int, got 0"):
+    nn.GroupedLinear(3, 40, 0, rngs=nnx.Rngs(0))

@@ -182,13 +182,36 @@ def test_two_gpus_match_one_gpu():
     assert len({s["device"] for s in res["shards"]["2"]}) == 2 and res["replicated"]["2"]
 
 
-def test_moe_with_whole_experts_matches_one_device():
-  """A Qwen3-MoE's experts stay whole on every device (each computes them on the same
-  all-reduced input), its dense layer's MLP split as Llama's: TP 2's and 4's tokens are
-  one device's."""
-  tokens = _run_case("moe")
+def test_moe_with_split_experts_matches_one_device():
+  """A Qwen2-MoE's experts split by intermediate column (every expert on every device, a
+  quarter of its columns each at TP 4), its shared expert and dense layer's MLP as
+  Llama's: TP 2's and 4's tokens are one device's."""
+  result = _run_case("moe")
+  tokens = result["tokens"]
   assert tokens["2"] == tokens["1"] and tokens["4"] == tokens["1"]
   assert len({t for seq in tokens["1"] for t in seq}) > 3  # not one repeated token
+  # int8 weights, the experts' stored [experts, N, K] with [experts, N] scales: TP 2 is
+  # TP 1's (which the rounding may move from the float model's).
+  assert tokens["int8 2"] == tokens["int8 1"]
+  assert result["shards"] == {
+      "gate_up/kernel": [4, 12, 64], "gate_up/kernel_scale": [4, 12],
+      "down/kernel": [4, 64, 6], "down/kernel_scale": [4, 64],
+      "shared/gate_up/kernel": [16, 64], "shared/gate_up/kernel_scale": [16],
+      "shared/down/kernel": [64, 8], "shared/down/kernel_scale": [64]}
+
+
+@pytest.mark.gpu
+def test_two_gpus_split_experts_match_one_gpu():
+  """On two GPUs (skipped with fewer): the Qwen2-MoE of `case_moe` at heads of 64, the
+  grouped matmul and attention kernels per GPU on its share of every expert: TP 2's
+  greedy tokens are one GPU's."""
+  import jax
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two GPUs")
+  result = case_moe(sizes=(1, 2), head_dim=64)
+  assert result["tokens"]["2"] == result["tokens"]["1"]
+  assert result["tokens"]["int8 2"] == result["tokens"]["int8 1"]
+  assert result["shards"]["gate_up/kernel"] == [4, 24, 64]
 
 
 def test_make_mesh_needs_the_devices():
@@ -521,28 +544,42 @@ def case_cli() -> dict:
   return result
 
 
-def case_moe() -> dict:
-  """A Qwen3-MoE (experts whole on every device on layer 0, layer 1 dense; attention
-  split), TP 1 / 2 / 4: the engine's greedy tokens (f32, highest precision)."""
+def case_moe(sizes=(1, 2, 4), head_dim=None) -> dict:
+  """A Qwen2-MoE (experts and a shared expert on layer 0, layer 1 dense; everything
+  split), TP `sizes`: the engine's greedy tokens (f32, highest precision), and the shapes
+  of one device's blocks of layer 0's experts at the largest TP."""
   import jax
   from flax import nnx
-  from jax_paged import Engine, Request, tensor_parallel
+  from jax_paged import Engine, Request, tensor_parallel, weight_quant
   from models import moe
   config = moe.MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=48,
                          moe_intermediate_size=24, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
                          mlp_only_layers=(1,), max_position_embeddings=64,
-                         initializer_range=0.1, eos_token_id=None, model_type="qwen3_moe")
+                         initializer_range=0.1, eos_token_id=None, model_type="qwen2_moe",
+                         shared_expert_intermediate_size=32, attention_bias=True,
+                         head_dim=head_dim)
   model = moe.MoeForCausalLM(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   requests = [Request(rng.integers(1, 97, n).tolist(), 8) for n in (3, 9, 14)]
   tokens = {}
   with jax.default_matmul_precision("highest"):
-    for n in (1, 2, 4):
+    for n in sizes:
       mesh = None if n == 1 else tensor_parallel.make_mesh(n)
       tokens[str(n)], _ = Engine(model, max_batch=3, num_pages=16, page_size=8,
                                  mesh=mesh).generate(requests)
-  return tokens
+    # int8 weights (experts per expert and column, stored [experts, N, K]): TP 1 / 2.
+    weight_quant.quantize_weights(model)
+    for n in sizes[:2]:
+      mesh = None if n == 1 else tensor_parallel.make_mesh(n)
+      tokens[f"int8 {n}"], _ = Engine(model, max_batch=3, num_pages=16, page_size=8,
+                                      mesh=mesh).generate(requests)
+  sharded = tensor_parallel.shard_model(model, tensor_parallel.make_mesh(max(sizes)))
+  prefix = ("layers", 0, "mlp")
+  shards = {"/".join(path[3:]): list(leaf.addressable_shards[0].data.shape)
+            for path, leaf in zip(map(tensor_parallel._path, sharded.paths), sharded.leaves)
+            if path[:3] == prefix and path[-1] in ("kernel", "kernel_scale")}
+  return {"tokens": tokens, "shards": shards}
 
 
 def case_sizing() -> dict:
