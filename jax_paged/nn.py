@@ -519,7 +519,10 @@ class PagedAttention(nnx.Module):
       with learned or no positions).
     q_norm, k_norm: norms of [head_dim] applied to each head of q and of k before RoPE
       (Qwen3's, Gemma 3's; K is cached normalised), made by `head_norm(head_dim)`, or
-      None (`head_norm` None).
+      None (`head_norm` None); with `qk_norm_all_heads`, norms of all of q's heads
+      together ([num_heads * head_dim]) and of all of k's ([num_kv_heads * head_dim]):
+      OLMo's. (A norm across heads cannot run on a tensor parallel device's heads alone:
+      `jax_paged.tensor_parallel` refuses such a layer.)
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
     logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the
@@ -535,7 +538,7 @@ class PagedAttention(nnx.Module):
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
                logits_soft_cap: float | None = None,
                head_norm: Callable[[int], RMSNorm] | None = None,
-               decode_impl: DecodeImpl = "auto",
+               qk_norm_all_heads: bool = False, decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -557,8 +560,13 @@ class PagedAttention(nnx.Module):
                                                         optional=True)
     self.logits_soft_cap = validation.check_soft_cap("logits_soft_cap", logits_soft_cap)
     self.decode_impl = decode_impl
-    self.q_norm = None if head_norm is None else head_norm(head_dim)
-    self.k_norm = None if head_norm is None else head_norm(head_dim)
+    self.qk_norm_all_heads = bool(qk_norm_all_heads)
+    if self.qk_norm_all_heads and head_norm is None:
+      raise ValueError("qk_norm_all_heads needs a head_norm to make the norms")
+    q_width, k_width = ((num_heads * head_dim, num_kv_heads * head_dim)
+                        if self.qk_norm_all_heads else (head_dim, head_dim))
+    self.q_norm = None if head_norm is None else head_norm(q_width)
+    self.k_norm = None if head_norm is None else head_norm(k_width)
     self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim,
                           use_bias=qkv_bias, kernel_init=kernel_init, dtype=dtype,
                           param_dtype=param_dtype, rngs=rngs)
@@ -570,14 +578,17 @@ class PagedAttention(nnx.Module):
                adapters: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k each
-    head normalised when the layer has `q_norm` / `k_norm`, then rotated to `positions`
+    head (or all heads together: `qk_norm_all_heads`) normalised when the layer has
+    `q_norm` / `k_norm`, then rotated to `positions`
     (int [...], required with a `rope`) when it has a `rope`, and the rows' LoRA updates
     (`adapters`, see `dense`)."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d), adapters=adapters)
     lead = x.shape[:-1]
+    if self.qk_norm_all_heads:
+      q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     q, k, v = q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d))
-    if self.q_norm is not None:
+    if self.q_norm is not None and not self.qk_norm_all_heads:
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     if self.rope is not None:
       if positions is None:

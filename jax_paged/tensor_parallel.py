@@ -217,6 +217,10 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
         raise ValueError(f"tensor parallel {n}: attention {where} has num_heads="
                          f"{node.num_heads}, not a multiple of {n}")
       check_kv_heads(node.num_kv_heads, n)
+      if n > 1 and node.qk_norm_all_heads:
+        raise ValueError(f"tensor parallel {n}: attention {where} normalises q and k over "
+                         "all heads together (OLMo's q/k norms), which a device holding "
+                         "some of the heads cannot compute; run it on one device")
       node.num_heads //= n
       node.num_kv_heads //= n
   ids = {id(node): path for path, node in nnx.iter_graph(local)}

@@ -187,7 +187,7 @@ class LlamaConfig:
 
   @property
   def out_bias(self) -> bool:
-    return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
+    return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe")
 
   @property
   def activation(self) -> Callable[[jax.Array], jax.Array]:
@@ -196,8 +196,14 @@ class LlamaConfig:
 
   @property
   def qk_norm(self) -> bool:
-    """Whether each head of q and k is RMS-normalised before RoPE (Qwen3)."""
-    return self.model_type in ("qwen3", "qwen3_moe")
+    """Whether q and k are RMS-normalised before RoPE: each head (Qwen3), or all heads
+    together (`qk_norm_all_heads`: OLMoE)."""
+    return self.model_type in ("qwen3", "qwen3_moe", "olmoe")
+
+  @property
+  def qk_norm_all_heads(self) -> bool:
+    """Whether the q / k norms span all heads together (OLMoE's) rather than each head."""
+    return self.model_type == "olmoe"
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "LlamaConfig":
@@ -286,8 +292,8 @@ class DecoderLayer(nnx.Module):
         num_kv_heads=config.num_key_value_heads, qkv_bias=config.qkv_bias,
         out_bias=config.out_bias, rope=config.rope, sliding_window=config.window(layer),
         head_norm=norm_of if config.qk_norm else None,
-        decode_impl=decode_impl, kernel_init=nnx.initializers.normal(config.initializer_range),
-        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
+        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)

@@ -1,16 +1,18 @@
 """Mixture-of-experts decoders in Flax NNX, decoding from a paged KV cache
-(`jax_paged.KVPool`): Mixtral, Qwen2-MoE and Qwen3-MoE.
+(`jax_paged.KVPool`): Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 Hugging Face's `MixtralForCausalLM` (`model_type` "mixtral": Mixtral 8x7B, 8x22B) is
 Mistral's decoder (`models.llama`), `Qwen2MoeForCausalLM` ("qwen2_moe": Qwen1.5-MoE-A2.7B,
-Qwen2-57B-A14B) Qwen2's (q/k/v biases) and `Qwen3MoeForCausalLM` ("qwen3_moe":
-Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms), whose MLP is a sparse
+Qwen2-57B-A14B) Qwen2's (q/k/v biases), `Qwen3MoeForCausalLM` ("qwen3_moe":
+Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms) and `OlmoeForCausalLM`
+("olmoe": OLMoE-1B-7B) Llama's with q and k each RMS-normalised over all heads together
+(`nn.PagedAttention(qk_norm_all_heads=True)`; no tensor parallelism), whose MLP is a sparse
 mixture of SwiGLU experts (the Qwens': on the layers decoder_sparse_step and
 mlp_only_layers leave it, a dense MLP on the others): a router scores the experts for each
 token (softmax in f32), the num_experts_per_tok best run on it, and its output is their
 sum weighted by those scores (renormalised over the chosen ones: always for Mixtral, with
-norm_topk_prob for the Qwens), plus for Qwen2-MoE a shared expert's output gated by
-sigmoid(shared_expert_gate(x)).
+norm_topk_prob for the Qwens and OLMoE), plus for Qwen2-MoE a shared expert's output
+gated by sigmoid(shared_expert_gate(x)).
 
 The experts run as two grouped matmuls over the token-expert pairs sorted by expert
 (`jax_paged.kernels.grouped_matmul`: on a GPU a Pallas-Triton kernel that reads only the
@@ -41,7 +43,7 @@ from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +104,19 @@ class MoeConfig(llama.LlamaConfig):
 
   @classmethod
   def from_dict(cls, config: dict) -> "MoeConfig":
-    """`llama.LlamaConfig.from_dict`, with the Qwens' num_experts read as
+    """`llama.LlamaConfig.from_dict`, with the Qwens' and OLMoE's num_experts read as
     num_local_experts and norm_topk_prob defaulting to HF's False (Mixtral always
-    renormalises); Qwen2-MoE's q/k/v biases from qkv_bias (transformers 5; always in 4),
+    renormalises); OLMoE's clip_qkv refused unless null; Qwen2-MoE's q/k/v biases from qkv_bias (transformers 5; always in 4),
     its shared expert (HF's default width 5632) and, without layer_types, its windows as
     transformers 5 places them (with use_sliding_window: even layers below
     max_window_layers)."""
     config = dict(config)
     model_type = config.get("model_type")
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-      if "num_experts" in config:  # transformers 4's name (and 5's for Qwen2-MoE)
+    if model_type == "olmoe" and config.get("clip_qkv") is not None:
+      raise ValueError(f"clip_qkv {config['clip_qkv']!r} is not supported (OLMoE's q/k/v "
+                       "clamp); only null")
+    if model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
+      if "num_experts" in config:  # transformers 4's name (and 5's for Qwen2-MoE, OLMoE)
         config.setdefault("num_local_experts", config["num_experts"])
       config.setdefault("norm_topk_prob", False)
     else:
@@ -239,7 +244,7 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 # down projections)
 _QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
-               "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS}
+               "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS, "olmoe": _QWEN_EXPERTS}
 
 
 def hf_sources(path: tuple[str, ...], config: MoeConfig

@@ -46,6 +46,9 @@ VARIANTS = {
     "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, dict(
         intermediate_size=40, moe_intermediate_size=24, num_experts=4, head_dim=16,
         norm_topk_prob=False, mlp_only_layers=[1], attention_bias=True)),
+    # OLMoE: 32-wide experts not renormalised, q and k each normalised over all heads.
+    "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig, dict(
+        intermediate_size=32, num_experts=4, norm_topk_prob=False)),
 }
 
 
@@ -123,8 +126,14 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
     v4 = moe.MoeConfig.from_dict({k: v for k, v in config.items()
                                   if k not in ("qkv_bias", "layer_types")})
     assert v4.qkv_bias and [v4.window(i) for i in range(2)] == [5, None]
+  elif c.model_type == "olmoe":
+    assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (32, False, True)
+    assert c.qk_norm and c.qk_norm_all_heads
+    with pytest.raises(ValueError, match="clip_qkv 8.0 is not supported"):
+      moe.MoeConfig.from_dict({**config, "clip_qkv": 8.0})
   else:
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (24, False, False)
+    assert c.qk_norm and not c.qk_norm_all_heads
   if c.model_type != "mixtral":
     # transformers 4's name for the experts' count; HF's default: no renormalisation.
     v4 = {k: v for k, v in config.items() if k not in ("num_local_experts",
@@ -244,7 +253,9 @@ def _check_experts_against_a_loop(normalize: bool, interpret: bool | None = None
 def test_triton_kernels_match_reference_and_hf_on_gpu(model_type, tmp_path):
   """f32 at head dim 64: the attention kernels and the experts' grouped matmul kernel
   give the reference path's and HF's greedy tokens."""
-  hf = _hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+  # (OLMoE's q norm spans hidden_size: its heads of 64 from a wider model, not head_dim.)
+  heads = dict(hidden_size=256) if model_type == "olmoe" else dict(head_dim=64)
+  hf = _hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, **heads)
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
       moe.from_pretrained, tmp_path))

@@ -134,6 +134,7 @@ def test_errors_name_the_numbers():
   assert "tensor_parallel=8" in errors["devices"] and "4 cpu device" in errors["devices"]
   assert "tensor_parallel_splits" in errors["no_splits"]
   assert "'tp'" in errors["axis"]
+  assert "normalises q and k over all heads together" in errors["olmoe"]
 
 
 def test_cli_tensor_parallel():
@@ -460,7 +461,7 @@ def case_errors() -> dict:
   from flax import nnx
   from jax.sharding import Mesh
   from jax_paged import Engine, tensor_parallel
-  from models import gpt2, llama
+  from models import gpt2, llama, moe
 
   def message(fn) -> str:
     try:
@@ -506,6 +507,10 @@ def case_errors() -> dict:
       "no_splits": message(lambda: engine(NoSplits(small_llama()))),
       "axis": message(lambda: engine(small_llama(),
                                      Mesh(np.asarray(jax.devices()[:2]), ("x",)))),
+      "olmoe": message(lambda: engine(moe.MoeForCausalLM(moe.MoeConfig(
+          model_type="olmoe", vocab_size=256, hidden_size=48, intermediate_size=16,
+          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+          num_local_experts=2, max_position_embeddings=64), rngs=nnx.Rngs(0)))),
   }
 
 
