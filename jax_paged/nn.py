@@ -460,6 +460,7 @@ class GroupedLinear(nnx.Module):
       int8 [groups, out_features, in_features] (`transposed`).
     kernel_scale: None, or for int8 weights f32 [groups, out_features] (each group's
       column steps, as `weight_quant.Int8Linear`'s).
+    transposed: whether the kernel is stored [groups, out_features, in_features] (int8).
     dtype: the compute dtype (None: the inputs').
     reduce_axis: None, or under tensor parallelism the mesh axis a row-parallel stack's
       partial outputs are summed over (set by `jax_paged.tensor_parallel`; the caller sums,

@@ -135,7 +135,8 @@ def quantize_weights(model: nnx.Module) -> int:
   tied or separate LM heads included) are not linears and stay as they are.
 
   Returns:
-    how many linears were quantized (0 if there were none, or they already were).
+    how many linears and self-quantizing modules were quantized (0 if there were none, or
+    they already were).
 
   Raises:
     ValueError: a linear already has LoRA slots (`jax_paged.lora.attach`): quantize

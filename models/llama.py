@@ -293,7 +293,8 @@ class DecoderLayer(nnx.Module):
         out_bias=config.out_bias, rope=config.rope, sliding_window=config.window(layer),
         head_norm=norm_of if config.qk_norm else None,
         qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
-        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)

@@ -106,10 +106,10 @@ class MoeConfig(llama.LlamaConfig):
   def from_dict(cls, config: dict) -> "MoeConfig":
     """`llama.LlamaConfig.from_dict`, with the Qwens' and OLMoE's num_experts read as
     num_local_experts and norm_topk_prob defaulting to HF's False (Mixtral always
-    renormalises); OLMoE's clip_qkv refused unless null; Qwen2-MoE's q/k/v biases from qkv_bias (transformers 5; always in 4),
-    its shared expert (HF's default width 5632) and, without layer_types, its windows as
-    transformers 5 places them (with use_sliding_window: even layers below
-    max_window_layers)."""
+    renormalises); OLMoE's clip_qkv refused unless null; Qwen2-MoE's q/k/v biases from
+    qkv_bias (transformers 5; always in 4), its shared expert (HF's default width 5632)
+    and, without layer_types, its windows as transformers 5 places them (with
+    use_sliding_window: even layers below max_window_layers)."""
     config = dict(config)
     model_type = config.get("model_type")
     if model_type == "olmoe" and config.get("clip_qkv") is not None:
