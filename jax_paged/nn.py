@@ -488,12 +488,9 @@ class GroupedLinear(nnx.Module):
     out_features]: each group's rows times its kernel (`grouped_matmul`: on a GPU only
     the groups with rows are read); rows past the groups' total are zero."""
     dtype = self.dtype or x.dtype
-    kernel = self.kernel[...]
-    if self.kernel_scale is None:
-      return grouped_matmul.grouped_matmul(x.astype(dtype), kernel.astype(dtype), group_sizes,
-                                           interpret=interpret)
-    return grouped_matmul.grouped_matmul(x.astype(dtype), kernel, group_sizes,
-                                         scale=self.kernel_scale[...],
+    scale = None if self.kernel_scale is None else self.kernel_scale[...]
+    kernel = self.kernel[...] if scale is not None else self.kernel[...].astype(dtype)
+    return grouped_matmul.grouped_matmul(x.astype(dtype), kernel, group_sizes, scale=scale,
                                          transposed=self.transposed, interpret=interpret)
 
   def quantize_int8(self) -> bool:

@@ -143,14 +143,15 @@ def quantize_weights(model: nnx.Module) -> int:
       first, then attach.
   """
   found: dict[int, tuple[nnx.Linear, list[tuple]]] = {}
+  own: dict[int, nnx.Module] = {}  # modules that quantize themselves
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Linear):
+    if callable(getattr(node, "quantize_int8", None)):
+      own[id(node)] = node
+    elif isinstance(node, nnx.Linear):
       if getattr(node, "lora_a", None) is not None:
         raise ValueError(f"{'/'.join(map(str, path))} has LoRA slots: quantize the weights "
                          "before attaching adapters (Engine(max_loras=...) attaches them)")
       found.setdefault(id(node), (node, []))[1].append(path)
-  own = {id(node): node for _, node in nnx.iter_graph(model)
-         if callable(getattr(node, "quantize_int8", None))}
   count = sum(node.quantize_int8() for node in own.values())
   for proj, paths in found.values():
     quantized = quantize_linear(proj)

@@ -380,7 +380,7 @@ class LlamaForCausalLM(nnx.Module):
     """The MLP's gate_up column-parallel (gate and up each split, so that a device gets
     the matching columns of both) and down row-parallel (`jax_paged.PagedModel`; the
     attention is split by head by `jax_paged.tensor_parallel` itself). Layers whose MLP is
-    not an `MLP` (`models.moe`'s experts) keep it whole on every device."""
+    not an `MLP` are a subclass's to add (`models.moe` adds its experts')."""
     return [split for layer in self.layers if isinstance(layer.mlp, MLP)
             for split in mlp_splits(layer.mlp)]
 

@@ -138,7 +138,7 @@ class MoeConfig(llama.LlamaConfig):
 
 class SparseMoE(nnx.Module):
   """Top-k routed SwiGLU experts (HF's MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock,
-  Qwen3MoeSparseMoeBlock).
+  Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock).
 
   Parameters: `router` [hidden, experts]; `gate_up`, a `jax_paged.nn.GroupedLinear`
   [experts, hidden, 2 * intermediate] (each expert's gate columns, then up's); `down`, one
