@@ -93,8 +93,10 @@ def decode_chunk(loop: Callable, leaves, kv, batch: int, steps: int):
   """
   active, budget = np.ones((batch,), bool), np.full((batch,), 1 << 30, np.int32)
   stop_ids = np.full((batch, 1), -1, np.int32)
+  # A different token per row, so rows stay distinct (a mixture of experts then routes
+  # them as real traffic would, not all to the same experts).
   packed, layout = runner_lib.pack_arrays(
-      num_steps=np.int32(steps), tokens=np.zeros((batch,), np.int32), active=active,
+      num_steps=np.int32(steps), tokens=np.arange(batch, dtype=np.int32), active=active,
       index=np.zeros((batch,), np.int32), budget=budget, stop_ids=stop_ids,
       seeds=np.zeros((batch,), np.uint32), temperature=np.zeros((batch,), np.float32),
       top_k=np.zeros((batch,), np.int32), top_p=np.ones((batch,), np.float32),

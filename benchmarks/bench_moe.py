@@ -32,9 +32,20 @@ from jax_paged import weight_quant
 from jax_paged.kernels import grouped_matmul as gm
 from models import moe
 
+# Whole models' shapes (HF's config.json; `benchmarks/profile_decode_step.py` steps them).
+MIXTRAL_8X7B = moe.MoeConfig(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6,
+    num_local_experts=8, num_experts_per_tok=2, model_type="mixtral")
+QWEN3_30B_A3B = moe.MoeConfig(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, num_local_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, model_type="qwen3_moe")
 # (hidden, experts' intermediate width, experts, experts per token)
-SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
-          "tiny": (64, 96, 8, 2)}
+SHAPES = {name: (c.hidden_size, c.expert_width, c.num_local_experts, c.num_experts_per_tok)
+          for name, c in (("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B))}
+SHAPES["tiny"] = (64, 96, 8, 2)
 
 
 def layer_routes(config: moe.MoeConfig, interpret: bool | None):

@@ -1,6 +1,6 @@
-"""Where a decode step's GPU time goes (GPT-2 124M, the Llama-3.2-1B shape of bench_llama
-or the Llama-3.1-8B shape of bench_tensor_parallel; bf16 or int8 weights): a per-kernel
-breakdown from a profiler trace.
+"""Where a decode step's GPU time goes (GPT-2 124M, the Llama-3.2-1B shape of bench_llama,
+the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B and
+Qwen3-30B-A3B shapes; bf16 or int8 weights): a per-kernel breakdown from a profiler trace.
 
 Runs the engine's on-device decode loop (`steps` decode steps in one jitted call, as in
 `jax_paged.Engine`) at a fixed batch and context under `jax.profiler`, then reads the
@@ -11,14 +11,16 @@ in launch order with their mean durations over the layers (its GEMMs apart, wher
 by-name table sums every "linear").
 
     PYTHONPATH=. python benchmarks/profile_decode_step.py
-        [--model gpt2 | llama-3.2-1b | llama-3.1-8b] [--quantization int8] [--batch 128]
-        [--context 512] [--steps 32] [--top 40] [--layer]
+        [--model gpt2 | llama-3.2-1b | llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b]
+        [--layers N] [--quantization int8] [--batch 128] [--context 512] [--steps 32]
+        [--top 40] [--layer]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import tempfile
 import time
 
@@ -29,6 +31,7 @@ from flax import nnx
 
 from benchmarks import bench_decode_step
 from benchmarks import bench_llama
+from benchmarks import bench_moe
 from benchmarks import bench_tensor_parallel
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
@@ -36,12 +39,20 @@ from jax_paged import weight_quant
 from jax_paged.serving import runner as runner_lib
 from models import gpt2
 from models import llama
+from models import moe
+
+LLAMAS = {"llama-3.2-1b": bench_llama.LLAMA_3_2_1B,
+          "llama-3.1-8b": bench_tensor_parallel.LLAMA_3_1_8B,
+          "mixtral-8x7b": bench_moe.MIXTRAL_8X7B, "qwen3-30b-a3b": bench_moe.QWEN3_30B_A3B}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model", choices=("gpt2", "llama-3.2-1b", "llama-3.1-8b"),
-                      default="gpt2", help="random bf16 weights of this shape")
+  parser.add_argument("--model", choices=("gpt2", *LLAMAS), default="gpt2",
+                      help="random bf16 weights of this shape")
+  parser.add_argument("--layers", type=int,
+                      help="this many decoder layers instead of the model's (a Llama or MoE "
+                           "shape: the per-layer figures are the same, the init shorter)")
   parser.add_argument("--quantization", choices=("none", "int8"), default="none",
                       help="int8: the linears' weights int8 (`weight_quant.quantize_weights`)")
   parser.add_argument("--batch", type=int, default=128)
@@ -56,12 +67,18 @@ def main():
   args = parser.parse_args()
   bench_decode_step.check_steps_per_call(parser, "--steps", args.steps)
 
+  if args.layers is not None and (args.model == "gpt2" or args.layers < 1):
+    parser.error(f"--layers must be a positive count for a Llama or MoE shape, got "
+                 f"{args.layers} for {args.model}")
   if args.model == "gpt2":
     model = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   else:
-    config = {"llama-3.2-1b": bench_llama.LLAMA_3_2_1B,
-              "llama-3.1-8b": bench_tensor_parallel.LLAMA_3_1_8B}[args.model]
-    model = llama.LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    config = LLAMAS[args.model]
+    if args.layers is not None:
+      config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    model_class = (moe.MoeForCausalLM if isinstance(config, moe.MoeConfig)
+                   else llama.LlamaForCausalLM)
+    model = model_class(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   if args.quantization == "int8":
     weight_quant.quantize_weights(model)
   ps = bench_decode_step.PAGE_SIZE
@@ -112,7 +129,8 @@ def main():
   idle = sum(v[2] for v in by_name.values()) / steps
   span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps
 
-  print(f"# {args.model} ({args.quantization} weights) decode step profile: batch "
+  layers = "" if args.layers is None else f", {args.layers} layers"
+  print(f"# {args.model} ({args.quantization} weights{layers}) decode step profile: batch "
         f"{args.batch}, context {args.context} to "
         f"{args.context + args.calls * args.steps}, {args.steps} steps per call, "
         f"{common.header()}")

@@ -11,8 +11,9 @@ few hundred rows computes every group densely (benchmarks/LOG.md, "thirty-first"
 This kernel's programs each own one row tile of one group and `block_n` output columns:
 a group's rows are split into tiles of `block_m` from its first row, so a tile never mixes
 groups, and tiles past the last one exit at once, so an expert no row chose is never read.
-The tiles' (group, first row, end row) come from `group_sizes` in plain jnp before the
-kernel; rows past the groups' total come out zero (as `lax.ragged_dot`'s). Few rows give
+Each program finds its tile's (group, first row, end row) from `group_sizes` itself (two
+cumulative sums over the groups, in registers); rows past the groups' total come out zero
+(as `lax.ragged_dot`'s). Few rows give
 few tiles: the K range is then split over more programs, whose f32 partials XLA sums.
 
 Weights may be int8 with one f32 scale per group and output column (weight-only, as
@@ -130,34 +131,36 @@ def max_tiles(rows: int, groups: int, block_m: int) -> int:
   return rows // block_m + min(groups, rows) + 1
 
 
-def _row_tiles(group_sizes: jax.Array, rows: int, block_m: int, num_tiles: int):
-  """int32 [num_tiles] (group, first row, end row) of each row tile: group g's rows
-  [start_g, end_g) in tiles of block_m from start_g, then the rows past the groups as
-  group `groups` (no weights: zero rows), then empty tiles (first = end = 0). Negative
-  sizes count as 0 and groups are cut at `rows` (traced sizes cannot be checked)."""
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
-  ends = jnp.append(ends, rows)  # the tail: rows past the groups
-  starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-  tiles = pl.cdiv(ends - starts, block_m)
+def _row_tile(sizes_ref, t, *, groups: int, rows: int, block_m: int):
+  """Inside the kernel: (group, first row, end row) of row tile t, from group_sizes int32
+  [groups]: group g's rows [start_g, end_g) in tiles of block_m from start_g, then the rows
+  past the groups as group `groups` (no weights: zero rows); past the last tile, first =
+  end. Negative sizes count as 0 and groups are cut at `rows` (traced sizes cannot be
+  checked). Every program scans the (few hundred) sizes itself: as XLA ops before the
+  kernel, the cumulative sums and the search were ~5 small kernels, ~9 µs of a Qwen3-MoE
+  decode layer's ~100 (benchmarks/LOG.md, "thirty-third")."""
+  g = jnp.arange(pl.next_power_of_2(groups + 1))
+  sizes = jnp.maximum(plgpu.load(sizes_ref.at[g], mask=g < groups, other=0), 0)
+  total = jnp.cumsum(sizes)
+  starts = jnp.minimum(total - sizes, rows)
+  ends = jnp.where(g < groups, jnp.minimum(total, rows), jnp.where(g == groups, rows, starts))
+  tiles = (ends - starts + block_m - 1) // block_m
   last_tile = jnp.cumsum(tiles)
-  t = jnp.arange(num_tiles, dtype=jnp.int32)
-  group = jnp.searchsorted(last_tile, t, side="right").astype(jnp.int32)
-  live = group < ends.shape[0]
-  g = jnp.minimum(group, ends.shape[0] - 1)
-  first = starts[g] + (t - (last_tile[g] - tiles[g])) * block_m
-  return (jnp.where(live, group, 0), jnp.where(live, first, 0).astype(jnp.int32),
-          jnp.where(live, ends[g], 0).astype(jnp.int32))
+  group = jnp.sum((last_tile <= t).astype(jnp.int32))
+  pick = lambda v: jnp.sum(jnp.where(g == group, v, 0))  # v[group]; 0 past the table
+  first = pick(starts) + (t - pick(last_tile - tiles)) * block_m
+  return group, first, pick(ends)
 
 
-def _grouped_matmul_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs,
-                           groups: int, cols: int, depth: int, block_m: int, block_n: int,
-                           block_k: int, k_split: int, transposed: bool):
-  """Refs: the tiles' group / first row / end row int32 [tiles], x [rows, depth], weights
-  [groups, depth, cols] (`transposed`: [groups, cols, depth]), for int8 weights their
-  scales f32 [groups, cols]; output f32 partials [splits, rows, cols]."""
+def _grouped_matmul_kernel(sizes_ref, x_ref, w_ref, *refs, groups: int, rows: int, cols: int,
+                           depth: int, block_m: int, block_n: int, block_k: int,
+                           k_split: int, transposed: bool):
+  """Refs: group_sizes int32 [groups], x [rows, depth], weights [groups, depth, cols]
+  (`transposed`: [groups, cols, depth]), for int8 weights their scales f32 [groups, cols];
+  output f32 partials [splits, rows, cols]."""
   *scale_ref, o_ref = refs
   t, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  group, first, end = group_ref[t], first_ref[t], end_ref[t]
+  group, first, end = _row_tile(sizes_ref, t, groups=groups, rows=rows, block_m=block_m)
   r = first + jnp.arange(block_m)
   row_mask = r < end
   c = n * block_n + jnp.arange(block_n)
@@ -189,20 +192,18 @@ def _grouped_matmul_pallas(x, weights, group_sizes, scale, *, tiles: Tiles, spli
   groups, cols = weights.shape[0], weights.shape[1 if transposed else 2]
   k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
   splits = pl.cdiv(depth, k_split)
-  num_tiles = max_tiles(rows, groups, block_m)
-  row_tiles = _row_tiles(group_sizes, rows, block_m, num_tiles)
-  kernel = functools.partial(_grouped_matmul_kernel, groups=groups, cols=cols, depth=depth,
-                             block_m=block_m, block_n=block_n, block_k=block_k,
+  kernel = functools.partial(_grouped_matmul_kernel, groups=groups, rows=rows, cols=cols,
+                             depth=depth, block_m=block_m, block_n=block_n, block_k=block_k,
                              k_split=k_split, transposed=transposed)
   parts = pl.pallas_call(
       kernel,
-      grid=(num_tiles, pl.cdiv(cols, block_n), splits),
+      grid=(max_tiles(rows, groups, block_m), pl.cdiv(cols, block_n), splits),
       out_shape=jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32),
       compiler_params=triton_backend.compiler_params(num_warps=num_warps,
                                                      num_stages=num_stages),
       interpret=interpret,
       name="grouped_matmul",
-  )(*row_tiles, x, weights, *(() if scale is None else (scale,)))
+  )(group_sizes, x, weights, *(() if scale is None else (scale,)))
   return parts[0] if splits == 1 else jnp.sum(parts, axis=0)
 
 
