@@ -424,11 +424,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales)
-  for name, knob in (("num_splits", num_splits), ("block_n", block_n),
-                     ("num_warps", num_warps), ("num_stages", num_stages)):
+  validation.check_positive_int("block_n", block_n, optional=True, power_of_two=True)
+  for name, knob in (("num_splits", num_splits), ("num_warps", num_warps),
+                     ("num_stages", num_stages)):
     validation.check_positive_int(name, knob, optional=True)
-  if block_n is not None and block_n & (block_n - 1):
-    raise ValueError(f"block_n must be a power of two, got {block_n}")
   validation.check_quantized_block_n(block_n, k_pages, k_scales)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)

@@ -325,12 +325,10 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
-  for name, knob in (("block_q", block_q), ("block_n", block_n), ("num_warps", num_warps),
-                     ("num_stages", num_stages)):
-    validation.check_positive_int(name, knob, optional=True)
   for name, knob in (("block_q", block_q), ("block_n", block_n)):
-    if knob is not None and knob & (knob - 1):
-      raise ValueError(f"{name} must be a power of two, got {knob}")
+    validation.check_positive_int(name, knob, optional=True, power_of_two=True)
+  for name, knob in (("num_warps", num_warps), ("num_stages", num_stages)):
+    validation.check_positive_int(name, knob, optional=True)
   if block_n is not None and block_n < 16:
     raise ValueError(f"block_n must be >= 16 (a tensor-core dot's K), got {block_n}")
   validation.check_quantized_block_n(block_n, k_pages, k_scales)

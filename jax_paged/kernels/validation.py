@@ -33,14 +33,16 @@ def _v_shape(k_pages) -> tuple[int, ...]:
   return kv_quant.v_pages_shape(_shape(k_pages), getattr(k_pages, "dtype", jnp.float32))
 
 
-def check_positive_int(name: str, value, *, optional: bool = False) -> int | None:
-  """value as an int; ValueError naming `name` unless it is a (non-bool) integer >= 1, or
-  None where `optional`."""
+def check_positive_int(name: str, value, *, optional: bool = False,
+                       power_of_two: bool = False) -> int | None:
+  """value as an int; ValueError naming `name` unless it is a (non-bool) integer >= 1 (a
+  power of two where `power_of_two`: a kernel's block size), or None where `optional`."""
   if optional and value is None:
     return None
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, "
-                     f"got {value!r}")
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+      or (power_of_two and value & (value - 1))):
+    what = "a power of two" if power_of_two else "a positive int"
+    raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
   return int(value)
 
 
