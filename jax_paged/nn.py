@@ -556,7 +556,8 @@ class PagedAttention(nnx.Module):
     self.rope = rope
     self.sliding_window = validation.check_positive_int("sliding_window", sliding_window,
                                                         optional=True)
-    self.logits_soft_cap = validation.check_soft_cap("logits_soft_cap", logits_soft_cap)
+    self.logits_soft_cap = validation.check_positive_number("logits_soft_cap",
+                                                          logits_soft_cap, optional=True)
     self.decode_impl = decode_impl
     self.qk_norm_all_heads = bool(qk_norm_all_heads)
     if self.qk_norm_all_heads and head_norm is None:

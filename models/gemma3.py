@@ -108,7 +108,7 @@ class Gemma3Config:
                        f"({self.num_hidden_layers}), got {self.layer_types}")
     llama.check_type_and_heads(self, self.model_types)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-      validation.check_soft_cap(name, getattr(self, name))
+      validation.check_positive_number(name, getattr(self, name), optional=True)
     if self.hidden_activation != "gelu_pytorch_tanh":
       raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported; "
                        "Gemma 3's MLP is GeGLU ('gelu_pytorch_tanh')")

@@ -1,5 +1,5 @@
-"""Llama (and Mistral, Qwen2, Qwen3, Phi-3) in Flax NNX, decoding from a paged KV cache
-(`jax_paged.KVPool`).
+"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite) in Flax NNX, decoding from a paged KV
+cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
@@ -7,9 +7,11 @@ a SwiGLU MLP, and an LM head (its own matrix, or tied to the embedding). The att
 `jax_paged.nn.PagedAttention`, so the K/V cache lives in the pool's pages. Its relatives
 differ in configuration and checkpoint names: Mistral attends within a sliding window,
 Qwen2 has q/k/v biases (and optionally a sliding window on its upper layers), Qwen3
-RMS-normalises each head of q and k before RoPE (q_norm, k_norm), and Phi-3 (Phi-3-mini
+RMS-normalises each head of q and k before RoPE (q_norm, k_norm), Phi-3 (Phi-3-mini
 / medium 4k, Phi-4) stores q/k/v as one qkv_proj and gate / up as one gate_up_proj,
-optionally attending within a sliding window on every layer.
+optionally attending within a sliding window on every layer, and Granite (IBM's Granite
+3.x) scales the embeddings, the attention's scores, each residual branch and the logits
+by four multipliers of its config.
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -42,10 +44,13 @@ from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged import tensor_parallel
 from jax_paged import weight_quant
+from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+# Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
+_GRANITES = ("granite", "granitemoe")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -103,10 +108,16 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral", "qwen2", "qwen3" or "phi3", which decides the biases,
-      Qwen3's q / k norms and the checkpoint's names: Llama's and Qwen3's
-      `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
-      on o; Mistral and Phi-3 have none.
+    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3" or "granite", which decides
+      the biases, Qwen3's q / k norms and the checkpoint's names: Llama's, Qwen3's and
+      Granite's `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases
+      and none on o; Mistral and Phi-3 have none.
+    embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
+      Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
+      multiplied by embedding_multiplier, each attention and MLP output by
+      residual_multiplier before its residual add, the attention scores by
+      attention_multiplier (None: 1 / sqrt(head_dim)), and the logits divided by
+      logits_scaling.
     sliding_window: W > 0 limits each token to the last W positions (Mistral, Phi-3;
       Qwen2 / Qwen3 with use_sliding_window), on the layers `layer_types` names
       "sliding_attention" (all of them when layer_types is None).
@@ -139,6 +150,10 @@ class LlamaConfig:
   initializer_range: float = 0.02
   bos_token_id: int | None = 1
   eos_token_id: int | tuple[int, ...] | None = 2
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  attention_multiplier: float | None = None
+  logits_scaling: float = 1.0
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
 
@@ -159,6 +174,14 @@ class LlamaConfig:
     if self.layer_types is not None:
       set_("layer_types", tuple(self.layer_types))
     check_type_and_heads(self, self.model_types)
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+      set_(name, validation.check_positive_number(name, getattr(self, name)))
+    set_("attention_multiplier", validation.check_positive_number(
+        "attention_multiplier", self.attention_multiplier, optional=True))
+    if self.residual_multiplier != 1.0 and (self.attention_bias or self.mlp_bias):
+      # (The branches are scaled at the projections' inputs, which would miss a bias.)
+      raise ValueError(f"residual_multiplier {self.residual_multiplier} with attention_bias "
+                       "or mlp_bias is not supported (Granite's checkpoints have no biases)")
     if self.hidden_act != "silu":
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Llama's MLP is "
                        "SwiGLU ('silu')")
@@ -187,7 +210,8 @@ class LlamaConfig:
 
   @property
   def out_bias(self) -> bool:
-    return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe")
+    return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
+                                                       *_GRANITES)
 
   @property
   def activation(self) -> Callable[[jax.Array], jax.Array]:
@@ -229,8 +253,12 @@ class LlamaConfig:
     # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any);
     # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
     # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
-    if model_type == "llama":
+    if model_type in ("llama", *_GRANITES):
       config.pop("sliding_window", None)
+    if model_type not in _GRANITES:  # (their HF classes have no such fields)
+      for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                   "logits_scaling"):
+        config.pop(name, None)
     if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
@@ -289,8 +317,9 @@ class DecoderLayer(nnx.Module):
     self.input_layernorm = norm()
     self.self_attn = paged_nn.PagedAttention(
         config.hidden_size, config.num_attention_heads, config.head_dim,
-        num_kv_heads=config.num_key_value_heads, qkv_bias=config.qkv_bias,
-        out_bias=config.out_bias, rope=config.rope, sliding_window=config.window(layer),
+        num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
+        qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.rope,
+        sliding_window=config.window(layer),
         head_norm=norm_of if config.qk_norm else None,
         qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
@@ -298,6 +327,7 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = norm()
     self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
+    self.residual_multiplier = config.residual_multiplier
 
   def _make_mlp(self, config: LlamaConfig, layer: int, **kwargs) -> nnx.Module:
     """Layer `layer`'s MLP (`MLP`; kwargs: dtype, param_dtype, rngs)."""
@@ -313,16 +343,23 @@ class DecoderLayer(nnx.Module):
     residual add is fused with the projection before it and the norm after it
     (`project_add_norm`); `adapters`: the rows' LoRA slots, or None."""
     a, kv = attend(self.self_attn, h, kv, layer)
-    x, h = paged_nn.project_add_norm(self.self_attn.out, a, x, self.post_attention_layernorm,
-                                     adapters=adapters)
+    x, h = paged_nn.project_add_norm(self.self_attn.out, self._scaled(a), x,
+                                     self.post_attention_layernorm, adapters=adapters)
     x, h = self._mlp_add_norm(x, h, next_norm, adapters)
     return x, h, kv
 
   def _mlp_add_norm(self, x: jax.Array, h: jax.Array, next_norm: paged_nn.RMSNorm,
                     adapters: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """(x + mlp(h), its next_norm), `down`'s reduction, the add and the norm fused."""
-    return paged_nn.project_add_norm(self.mlp.down, self.mlp.hidden(h, adapters), x,
-                                     next_norm, adapters=adapters)
+    return paged_nn.project_add_norm(self.mlp.down, self._scaled(self.mlp.hidden(h, adapters)),
+                                     x, next_norm, adapters=adapters)
+
+  def _scaled(self, a: jax.Array) -> jax.Array:
+    """a times residual_multiplier (Granite's): a residual branch's output projection's
+    input, so that its output (LoRA updates included) is scaled alike, in the kernels that
+    add it to the stream."""
+    return a if self.residual_multiplier == 1.0 else a * jnp.asarray(self.residual_multiplier,
+                                                                       a.dtype)
 
 
 def mlp_splits(mlp: MLP) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
@@ -423,15 +460,20 @@ class LlamaForCausalLM(nnx.Module):
     return h, kv
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
-    return self.embed_tokens(tokens)
+    x = self.embed_tokens(tokens)
+    scale = self.config.embedding_multiplier
+    return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
   def _head(self) -> nnx.Embed:
     return self.embed_tokens if self.lm_head is None else self.lm_head
 
   def logits(self, h: jax.Array) -> jax.Array:
     """float32 logits [..., vocab] of final hidden states h [..., hidden_size]
-    (`prefill_hidden`'s)."""
-    return self._head().attend(h).astype(jnp.float32)
+    (`prefill_hidden`'s), divided by logits_scaling (the greedy argmax, `_greedy`, needs
+    no division: it is positive)."""
+    logits = self._head().attend(h).astype(jnp.float32)
+    scale = self.config.logits_scaling
+    return logits if scale == 1.0 else logits / scale
 
   def _greedy(self, h: jax.Array) -> jax.Array:
     """int32 argmax of `logits(h)` without writing the logits."""

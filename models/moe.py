@@ -1,18 +1,20 @@
 """Mixture-of-experts decoders in Flax NNX, decoding from a paged KV cache
-(`jax_paged.KVPool`): Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+(`jax_paged.KVPool`): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite-MoE.
 
 Hugging Face's `MixtralForCausalLM` (`model_type` "mixtral": Mixtral 8x7B, 8x22B) is
 Mistral's decoder (`models.llama`), `Qwen2MoeForCausalLM` ("qwen2_moe": Qwen1.5-MoE-A2.7B,
 Qwen2-57B-A14B) Qwen2's (q/k/v biases), `Qwen3MoeForCausalLM` ("qwen3_moe":
-Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms) and `OlmoeForCausalLM`
+Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms), `OlmoeForCausalLM`
 ("olmoe": OLMoE-1B-7B) Llama's with q and k each RMS-normalised over all heads together
-(`nn.PagedAttention(qk_norm_all_heads=True)`; no tensor parallelism), whose MLP is a sparse
-mixture of SwiGLU experts (the Qwens': on the layers decoder_sparse_step and
-mlp_only_layers leave it, a dense MLP on the others): a router scores the experts for each
-token (softmax in f32), the num_experts_per_tok best run on it, and its output is their
-sum weighted by those scores (renormalised over the chosen ones: always for Mixtral, with
-norm_topk_prob for the Qwens and OLMoE), plus for Qwen2-MoE a shared expert's output
-gated by sigmoid(shared_expert_gate(x)).
+(`nn.PagedAttention(qk_norm_all_heads=True)`; no tensor parallelism) and
+`GraniteMoeForCausalLM` ("granitemoe": Granite-3.x-1B-A400M / 3B-A800M) Granite's (its
+four multipliers, `llama.LlamaConfig`; every expert's weights in one tensor), whose MLP
+is a sparse mixture of SwiGLU experts (the Qwens': on the layers decoder_sparse_step and
+mlp_only_layers leave it, a dense MLP on the others): a router scores the experts for
+each token (softmax in f32), the num_experts_per_tok best run on it, and its output is
+their sum weighted by those scores (renormalised over the chosen ones: always for
+Mixtral and Granite-MoE, with norm_topk_prob for the Qwens and OLMoE), plus for Qwen2-MoE
+a shared expert's output gated by sigmoid(shared_expert_gate(x)).
 
 The experts run as two grouped matmuls over the token-expert pairs sorted by expert
 (`jax_paged.kernels.grouped_matmul`: on a GPU a Pallas-Triton kernel that reads only the
@@ -43,7 +45,7 @@ from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily
 from models import llama
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +219,7 @@ class DecoderLayer(llama.DecoderLayer):
     kernel after them."""
     if isinstance(self.mlp, llama.MLP):
       return super()._mlp_add_norm(x, h, next_norm, adapters)
-    return next_norm.add(x, self.mlp(h)[None], None, None)  # (experts: no LoRA)
+    return next_norm.add(x, self._scaled(self.mlp(h))[None], None, None)  # (no LoRA)
 
 
 class MoeForCausalLM(llama.LlamaForCausalLM):
@@ -243,10 +245,14 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 
 
 # model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
-# down projections)
+# down projections, or None: `_GRANITE_FUSED`'s tensors)
 _QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
-               "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS, "olmoe": _QWEN_EXPERTS}
+               "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS, "olmoe": _QWEN_EXPERTS,
+               # Every expert's in one tensor: input_linear [E, 2 I, H] (gate's rows, then
+               # up's), output_linear [E, H, I].
+               "granitemoe": ("block_sparse_moe", "router.layer", None)}
+_GRANITE_FUSED = {"gate_up": "input_linear", "down": "output_linear"}
 
 
 def hf_sources(path: tuple[str, ...], config: MoeConfig
@@ -260,13 +266,17 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig
     return [n.replace(".mlp.", ".mlp.shared_expert.") for n in names], assemble
   if path[2:3] != ("mlp",) or not config.sparse(int(path[1])):  # not a SparseMoE's
     return llama.hf_sources(path, config)
-  block, router, (gate, up, down) = _HF_EXPERTS[config.model_type]
+  block, router, per_expert = _HF_EXPERTS[config.model_type]
   prefix = f"model.layers.{path[1]}.{block}."
   experts = range(config.num_local_experts)
   if path[3] == "router":
     return [f"{prefix}{router}.weight"], llama.linear_rows
   if path[3] == "shared_gate":
     return [f"{prefix}shared_expert_gate.weight"], llama.linear_rows
+  if config.model_type == "granitemoe":
+    return ([f"{prefix}{_GRANITE_FUSED[path[3]]}.weight"],
+            lambda parts: jnp.swapaxes(parts[0], 1, 2))
+  gate, up, down = per_expert
   if path[3] == "gate_up":
     names = [f"{prefix}experts.{e}.{w}.weight" for e in experts for w in (gate, up)]
     return names, lambda parts: jnp.stack([llama.linear_rows(parts[2 * e:2 * e + 2])

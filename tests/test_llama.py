@@ -65,6 +65,11 @@ MODELS = {
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, dict(
         num_attention_heads=8, num_key_value_heads=2, sliding_window=7, pad_token_id=None),
         {}),
+    # Granite's four multipliers (none 1), GQA, tied head.
+    "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=6.0,
+        residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0,
+        tie_word_embeddings=True), {}),
 }
 
 
@@ -284,6 +289,23 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
                                        "partial_rotary_factor": 0.75}}):
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
       llama.LlamaConfig.from_dict({**base, "model_type": "phi3", **partial})
+  # Granite's multipliers (their HF defaults 1.0); others' configs do not have them.
+  granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                 attention_multiplier=0.0078125, logits_scaling=8)
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "granite", **granite,
+                                   "attention_bias": False, "sliding_window": 3})
+  assert (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier,
+          c.logits_scaling, c.window(0)) == (12.0, 0.22, 0.0078125, 8.0, None)
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "llama", **granite})
+  assert (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier,
+          c.logits_scaling) == (1.0, 1.0, None, 1.0)
+  for bad, message in ((dict(logits_scaling=0), "logits_scaling must be a positive finite"),
+                       (dict(embedding_multiplier=float("nan")), "embedding_multiplier must"),
+                       (dict(attention_multiplier=-1.0), "attention_multiplier must be"),
+                       (dict(attention_bias=True), "residual_multiplier 0.22 with "
+                                                   "attention_bias or mlp_bias")):
+    with pytest.raises(ValueError, match=message):
+      llama.LlamaConfig.from_dict({**base, "model_type": "granite", **granite, **bad})
   with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
     llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
   with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
@@ -379,11 +401,12 @@ def assert_bf16_tracks_hf(hf, half) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, head_dim", [("llama", 64), ("mistral", 64), ("phi3", 96)])
+@pytest.mark.parametrize("name, head_dim", [("llama", 64), ("mistral", 64), ("phi3", 96),
+                                            ("granite", 64)])
 def test_triton_decode_matches_reference_and_hf_on_gpu(name, head_dim, tmp_path):
   """f32, head dims the Triton kernels take (Phi-3-mini's 96): the decode attention kernel
-  (with Mistral's and Phi-3's windows), the q/k/v GEMM kernel and the cache-write kernel
-  behind RoPE give the reference path's and HF's greedy tokens."""
+  (with Mistral's and Phi-3's windows, Granite's score scale), the q/k/v GEMM kernel and
+  the cache-write kernel behind RoPE give the reference path's and HF's greedy tokens."""
   hf = _hf_model(name, head_dim=head_dim)
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
@@ -498,8 +521,8 @@ def test_cli_checkpoint_with_tokenizer_json_and_eos_list(capsys, tmp_path):
 def test_cli_names_unsupported_and_broken_checkpoints(capsys, tmp_path):
   (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
   status, _, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
-  assert status == 2 and ("model_type 'falcon' is not supported (supported: gpt2, llama, "
-                          "mistral, phi3, qwen2, qwen3)") in err
+  assert status == 2 and ("model_type 'falcon' is not supported (supported: gpt2, granite, "
+                          "llama, mistral, phi3, qwen2, qwen3)") in err
   _hf_model("mistral").save_pretrained(tmp_path)
   weights = tmp_path / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:100])

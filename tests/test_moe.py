@@ -1,6 +1,5 @@
-"""Mixtral and Qwen3-MoE on the paged pool against Hugging Face transformers'
-MixtralForCausalLM and Qwen3MoeForCausalLM (CPU, f32), loaded from their `save_pretrained`
-directories (each expert's tensors).
+"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite-MoE on the paged pool against Hugging
+Face transformers' models (CPU, f32), loaded from their `save_pretrained` directories.
 
 The HF models are random (norms too); 4 experts, 2 per token, so that tokens of one batch
 take different experts. Tolerance as test_llama's: 1e-4 on the logits.
@@ -49,6 +48,10 @@ VARIANTS = {
     # OLMoE: 32-wide experts not renormalised, q and k each normalised over all heads.
     "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig, dict(
         intermediate_size=32, num_experts=4, norm_topk_prob=False)),
+    # Granite-MoE: 32-wide experts in two tensors, its four multipliers (none 1).
+    "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig, dict(
+        intermediate_size=32, num_local_experts=4, embedding_multiplier=6.0,
+        residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0)),
 }
 
 
@@ -83,9 +86,11 @@ def test_prefill_and_decode_logits_match_hf(saved):
     assert isinstance(model.layers[1].mlp, llama.MLP)
     assert model.layers[0].self_attn.q_norm is not None
   seqs = assert_logits_track_hf(hf, model, [3, 8, 13], 7)  # to lengths 10, 15, 20
-  block = hf.model.layers[0].mlp
+  layer = hf.model.layers[0]
+  router = (layer.block_sparse_moe.router if hasattr(layer, "block_sparse_moe")
+            else layer.mlp.gate)
   with torch.no_grad():
-    _, _, chosen = block.gate(hf.model.embed_tokens(torch.tensor(seqs[2])))
+    _, _, chosen = router(hf.model.embed_tokens(torch.tensor(seqs[2])))
   assert set(chosen.flatten().tolist()) == set(range(4))
 
 
@@ -126,6 +131,10 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
     v4 = moe.MoeConfig.from_dict({k: v for k, v in config.items()
                                   if k not in ("qkv_bias", "layer_types")})
     assert v4.qkv_bias and [v4.window(i) for i in range(2)] == [5, None]
+  elif c.model_type == "granitemoe":
+    assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (32, True, True)
+    assert (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier,
+            c.logits_scaling) == (6.0, 0.3, 0.2, 4.0)
   elif c.model_type == "olmoe":
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (32, False, True)
     assert c.qk_norm and c.qk_norm_all_heads
@@ -134,7 +143,7 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
   else:
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (24, False, False)
     assert c.qk_norm and not c.qk_norm_all_heads
-  if c.model_type != "mixtral":
+  if c.model_type not in ("mixtral", "granitemoe"):
     # transformers 4's name for the experts' count; HF's default: no renormalisation.
     v4 = {k: v for k, v in config.items() if k not in ("num_local_experts",
                                                         "norm_topk_prob")}
@@ -156,17 +165,20 @@ def test_missing_or_misshapen_expert_is_named(saved, tmp_path):
   _, path = saved
   tensors = load_file(path / "model.safetensors")
   up = [k for k in tensors if k.startswith("model.layers.0.")
-        and k.endswith(("experts.3.w3.weight", "experts.3.up_proj.weight"))]
+        and k.endswith(("experts.3.w3.weight", "experts.3.up_proj.weight",
+                        "input_linear.weight"))]  # (Granite's: every expert's gate and up)
   assert len(up) == 1
+  whole = tensors[up[0]]
   del tensors[up[0]]
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
   (tmp_path / "config.json").write_text((path / "config.json").read_text())
   with pytest.raises(ValueError, match=f"weight '{up[0]}' is missing"):
     moe.from_pretrained(tmp_path)
   # An expert's up projection of another width: named, with the shapes.
-  tensors[up[0]] = tensors[up[0].replace(".3.", ".2.")][:5]
+  tensors[up[0]] = whole[..., :5, :]
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-  with pytest.raises(ValueError, match=f"{up[0]} \\(5, 64\\).*cannot make a parameter"):
+  shape = ", ".join(map(str, tensors[up[0]].shape))
+  with pytest.raises(ValueError, match=f"{up[0]} \\({shape}\\).*(cannot make|gives shape)"):
     moe.from_pretrained(tmp_path)
 
 

@@ -46,14 +46,16 @@ def check_positive_int(name: str, value, *, optional: bool = False,
   return int(value)
 
 
-def check_soft_cap(name: str, value) -> float | None:
-  """value as a float (None stays None); ValueError naming `name` unless it is a positive
-  (non-bool) number. A soft cap C maps logits to C * tanh(logits / C)."""
-  if value is None:
+def check_positive_number(name: str, value, *, optional: bool = False) -> float | None:
+  """value as a float; ValueError naming `name` unless it is a positive finite (non-bool)
+  number, or None where `optional` (a soft cap C, mapping logits to C * tanh(logits / C);
+  a model's scale factors)."""
+  if optional and value is None:
     return None
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
       or not value > 0 or not np.isfinite(value):
-    raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+    raise ValueError(f"{name} must be a positive finite number{' or None' if optional else ''}"
+                     f", got {value!r}")
   return float(value)
 
 
@@ -198,7 +200,7 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
       raise ValueError(f"{name} dtype must be int32, got {x.dtype}")
   if scale is not None and not isinstance(scale, (int, float)):
     raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
-  check_soft_cap("logits_soft_cap", logits_soft_cap)
+  check_positive_number("logits_soft_cap", logits_soft_cap, optional=True)
   check_positive_int("sliding_window", sliding_window, optional=True)
   if strict_kernel_shapes:
     if d not in SUPPORTED_HEAD_DIMS:
