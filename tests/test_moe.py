@@ -103,6 +103,8 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   prompts = _prompts(rng, [1, 7, 9, 15])
   want = [_hf_generate(hf, p, 12) for p in prompts]
   assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
+  if model.config.model_type == "granitemoe":
+    return  # (Mixtral's attention and experts, scaled: the engine's paths are Mixtral's)
   eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0
