@@ -472,7 +472,8 @@ class LlamaForCausalLM(nnx.Module):
     (`prefill_hidden`'s), divided by logits_scaling (the greedy argmax, `_greedy`, needs
     no division: it is positive)."""
     logits = self._head().attend(h).astype(jnp.float32)
-    scale = self.config.logits_scaling
+    # (Gemma's config, on these blocks, has no logits_scaling.)
+    scale = getattr(self.config, "logits_scaling", 1.0)
     return logits if scale == 1.0 else logits / scale
 
   def _greedy(self, h: jax.Array) -> jax.Array:
