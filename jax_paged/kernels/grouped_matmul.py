@@ -13,8 +13,8 @@ a group's rows are split into tiles of `block_m` from its first row, so a tile n
 groups, and tiles past the last one exit at once, so an expert no row chose is never read.
 Each program finds its tile's (group, first row, end row) from `group_sizes` itself (two
 cumulative sums over the groups, in registers); rows past the groups' total come out zero
-(as `lax.ragged_dot`'s). Few rows give
-few tiles: the K range is then split over more programs, whose f32 partials XLA sums.
+(as `lax.ragged_dot`'s). Few rows give few tiles: the K range is then split over more
+programs, whose f32 partials XLA sums.
 
 Weights may be int8 with one f32 scale per group and output column (weight-only, as
 `jax_paged.weight_quant`'s linears): the kernel converts each int8 tile to x's dtype after
