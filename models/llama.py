@@ -358,8 +358,12 @@ class DecoderLayer(nnx.Module):
     """a times residual_multiplier (Granite's): a residual branch's output projection's
     input, so that its output (LoRA updates included) is scaled alike, in the kernels that
     add it to the stream."""
-    return a if self.residual_multiplier == 1.0 else a * jnp.asarray(self.residual_multiplier,
-                                                                       a.dtype)
+    return _times(a, self.residual_multiplier)
+
+
+def _times(x: jax.Array, factor: float) -> jax.Array:
+  """x * factor in x's dtype (Granite's multipliers; x itself where the factor is 1)."""
+  return x if factor == 1.0 else x * jnp.asarray(factor, x.dtype)
 
 
 def mlp_splits(mlp: MLP) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
@@ -460,9 +464,7 @@ class LlamaForCausalLM(nnx.Module):
     return h, kv
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
-    x = self.embed_tokens(tokens)
-    scale = self.config.embedding_multiplier
-    return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
+    return _times(self.embed_tokens(tokens), self.config.embedding_multiplier)
 
   def _head(self) -> nnx.Embed:
     return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -273,7 +273,7 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig
     return [f"{prefix}{router}.weight"], llama.linear_rows
   if path[3] == "shared_gate":
     return [f"{prefix}shared_expert_gate.weight"], llama.linear_rows
-  if config.model_type == "granitemoe":
+  if per_expert is None:  # every expert's in one tensor
     return ([f"{prefix}{_GRANITE_FUSED[path[3]]}.weight"],
             lambda parts: jnp.swapaxes(parts[0], 1, 2))
   gate, up, down = per_expert
