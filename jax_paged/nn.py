@@ -107,7 +107,8 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   return jnp.where(real[:, :, None, None], y, 0).astype(q.dtype)
 
 
-RopeType = Literal["default", "linear", "llama3"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +122,14 @@ class RotaryEmbedding:
     "linear": divided by `factor` (positions interpolated `factor` times);
     "llama3": Llama 3.1's: wavelengths above original_max_position_embeddings /
       low_freq_factor divided by `factor`, below original_max_position_embeddings /
-      high_freq_factor kept, and smoothly interpolated between.
+      high_freq_factor kept, and smoothly interpolated between;
+    "yarn": YaRN's (Qwen's and DeepSeek's long contexts): the pairs turning fewer than
+      `beta_slow` times over original_max_position_embeddings divided by `factor`, those
+      turning more than `beta_fast` times kept, a linear ramp between (over pair indices,
+      its ends rounded outwards with `truncate`).
   They are computed in float32 in Hugging Face's order of operations (`inv_freq`), so
-  float32 models reproduce its angles.
+  float32 models reproduce its angles. The rotated values are multiplied by
+  `attention_factor` (YaRN's cos / sin scaling, so q.k by its square; 1 elsewhere).
 
   Frozen and hashable: a layer holds it as static configuration, not as parameters.
   """
@@ -135,17 +141,28 @@ class RotaryEmbedding:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 1.0
 
   def __post_init__(self):
     if not (isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0):
       raise ValueError(f"head_dim must be a positive even int, got {self.head_dim!r}")
     if not self.theta > 0:
       raise ValueError(f"theta must be > 0, got {self.theta!r}")
-    if self.rope_type not in ("default", "linear", "llama3"):
-      raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3', got "
-                       f"{self.rope_type!r}")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
     if not self.factor > 0:
       raise ValueError(f"factor must be > 0, got {self.factor!r}")
+    if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
+      raise ValueError(f"attention_factor must be a positive finite number, got "
+                       f"{self.attention_factor!r}")
+    if self.rope_type == "yarn" and not (0 < self.beta_slow < self.beta_fast
+                                         and self.original_max_position_embeddings > 0):
+      raise ValueError("yarn rope needs 0 < beta_slow < beta_fast and "
+                       f"original_max_position_embeddings > 0, got {self.beta_slow}, "
+                       f"{self.beta_fast}, {self.original_max_position_embeddings}")
     if self.rope_type == "llama3" and not (
         0 < self.low_freq_factor < self.high_freq_factor
         and self.original_max_position_embeddings > 0):
@@ -176,6 +193,22 @@ class RotaryEmbedding:
       smoothed = (1 - smooth) * scaled / f32(self.factor) + smooth * scaled
       medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
       inv_freq = np.where(medium, smoothed, scaled)
+    elif self.rope_type == "yarn":
+      # The pair index at which a frequency turns `rotations` times over the original
+      # context (YaRN's correction dims), in float64 as HF's Python math.
+      def pair(rotations):
+        old = self.original_max_position_embeddings
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+      low, high = pair(self.beta_fast), pair(self.beta_slow)
+      if self.truncate:
+        low, high = math.floor(low), math.ceil(high)
+      low, high = max(low, 0), min(high, d - 1)
+      if low == high:
+        high += 0.001  # (HF's guard against a zero-width ramp)
+      ramp = np.clip((np.arange(d // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1)
+      keep = f32(1) - ramp.astype(f32)  # 1: the original frequency, 0: interpolated
+      interpolated = f32(1.0) / (f32(self.factor) * power)
+      inv_freq = interpolated * (f32(1) - keep) + inv_freq * keep
     return inv_freq.astype(f32)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -185,6 +218,8 @@ class RotaryEmbedding:
       raise ValueError(f"x must end in head_dim={self.head_dim}, got shape {x.shape}")
     angles = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(self.inv_freq())
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [..., 1, D/2]
+    if self.attention_factor != 1.0:
+      cos, sin = cos * self.attention_factor, sin * self.attention_factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return y.astype(x.dtype)

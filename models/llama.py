@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -60,20 +61,47 @@ def rotary(head_dim: int, theta: float, scaling: Any,
   items; None: none); ValueError for a type or setting it does not support."""
   scaling = dict(scaling or ())
   rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-  if rope_type not in ("default", "linear", "llama3"):
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use default, "
-                     "linear or llama3")
+  if rope_type not in paged_nn.ROPE_TYPES:
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use one of "
+                     f"{paged_nn.ROPE_TYPES}")
   if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
     raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not "
                      "supported")
   scaling.pop("rope_theta", None)  # v5 configs repeat it here; `theta` holds it
-  if rope_type == "llama3":
+  if rope_type in ("llama3", "yarn"):
     scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+  if rope_type == "yarn":
+    scaling.update(yarn_scaling(scaling, max_position_embeddings))
   known = {"factor", "low_freq_factor", "high_freq_factor",
-           "original_max_position_embeddings"}
+           "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+           "attention_factor"}
   return paged_nn.RotaryEmbedding(
       head_dim, theta=float(theta), rope_type=rope_type,
       **{k: v for k, v in scaling.items() if k in known and v is not None})
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude scaling for a context `factor` (1 at or below 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_scaling(scaling: Mapping[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+  """HF's YaRN settings resolved as HF resolves them: `factor` (when None, the ratio of
+  max_position_embeddings to original_max_position_embeddings: DeepSeek-V3's) and
+  `attention_factor` (when None, from factor and DeepSeek's mscale / mscale_all_dim, or
+  from factor alone); beta_fast / beta_slow of 0 or None are YaRN's 32 / 1."""
+  factor = scaling.get("factor")
+  if factor is None:
+    factor = max_position_embeddings / scaling["original_max_position_embeddings"]
+  attention_factor = scaling.get("attention_factor")
+  if attention_factor is None:
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                        if mscale and mscale_all_dim else yarn_mscale(factor))
+  return dict(factor=float(factor), attention_factor=float(attention_factor),
+              beta_fast=float(scaling.get("beta_fast") or 32),
+              beta_slow=float(scaling.get("beta_slow") or 1),
+              truncate=bool(scaling.get("truncate", True)))
 
 
 def hf_rope_scaling(scaling: Any, partial_rotary_factor: Any = None) -> Any:
@@ -121,7 +149,7 @@ class LlamaConfig:
     sliding_window: W > 0 limits each token to the last W positions (Mistral, Phi-3;
       Qwen2 / Qwen3 with use_sliding_window), on the layers `layer_types` names
       "sliding_attention" (all of them when layer_types is None).
-    rope_scaling: HF's dict ({"rope_type": "linear" | "llama3", "factor": ..., ...}) or
+    rope_scaling: HF's dict ({"rope_type": "linear" | "llama3" | "yarn", "factor": ...}) or
       None, kept as a sorted tuple of (key, value) pairs so that the config is hashable
       (a model's static structure).
 

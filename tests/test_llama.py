@@ -57,10 +57,13 @@ MODELS = {
         sliding_window=6, max_window_layers=1, tie_word_embeddings=True),
         dict(max_shard_size="40KB")),
     # q / k norms per head (head_dim 16: q is 128 wide, hidden 64), biases on q/k/v/o,
-    # layer 1 windowed to 5 positions.
+    # layer 1 windowed to 5 positions, YaRN RoPE (of its 8 pairs 0-1 kept, 2-4 on the
+    # ramp, 5-7 interpolated; cos / sin x1.14).
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
-        use_sliding_window=True, sliding_window=5, max_window_layers=1), {}),
+        use_sliding_window=True, sliding_window=5, max_window_layers=1,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 1024}), {}),
     # One qkv_proj and one gate_up_proj per layer; every layer windowed to 7 positions.
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, dict(
         num_attention_heads=8, num_key_value_heads=2, sliding_window=7, pad_token_id=None),
@@ -138,18 +141,25 @@ def _prompts(rng, lengths) -> list[list[int]]:
 
 def test_rotary_embedding_matches_hf():
   """Our frequencies and rotation against HF's LlamaRotaryEmbedding + apply_rotary_pos_emb,
-  for each RoPE type at Llama 3.1 8B's settings, up to position 131071."""
+  for each RoPE type at Llama 3.1 8B's settings, up to position 131071: YaRN as Qwen3's
+  long-context configs set it, and with DeepSeek's mscales (its cos / sin scaled)."""
   from transformers.models.llama import modeling_llama
   rng = np.random.default_rng(0)
   for rope_scaling in (None, {"rope_type": "linear", "factor": 4.0},
                        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}):
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                       {"rope_type": "yarn", "factor": 4.0,
+                        "original_max_position_embeddings": 32768},
+                       {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                        "mscale": 1.0, "mscale_all_dim": 0.8,
+                        "original_max_position_embeddings": 4096}):
     hf_config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
                                          rope_theta=500000.0, rope_scaling=rope_scaling,
                                          max_position_embeddings=131072)
     ours = llama.LlamaConfig.from_dict(hf_config.to_dict()).rope
     hf_rope = modeling_llama.LlamaRotaryEmbedding(hf_config)
     np.testing.assert_allclose(ours.inv_freq(), hf_rope.inv_freq.numpy(), rtol=1e-6)
+    assert ours.attention_factor == pytest.approx(hf_rope.attention_scaling, rel=1e-12)
     positions = np.array([0, 1, 7, 4095, 8191, 65537, 131071])
     q = rng.standard_normal((1, 2, len(positions), 128)).astype(np.float32)  # [B, H, T, D]
     cos, sin = hf_rope(torch.from_numpy(q), torch.from_numpy(positions)[None])
@@ -278,8 +288,12 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
   c = llama.LlamaConfig.from_dict({**base, "model_type": "phi3", "sliding_window": 4,
                                    "attention_bias": True, "layer_types": ["x"]})
   assert [c.window(i) for i in range(3)] == [4, 4, 4] and not c.qkv_bias and not c.out_bias
-  with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-    llama.LlamaConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+  with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
+    llama.LlamaConfig.from_dict({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4}})
+  c = llama.LlamaConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+  assert (c.rope.rope_type, c.rope.factor, c.rope.original_max_position_embeddings) == (
+      "yarn", 4.0, c.max_position_embeddings)
+  assert c.rope.attention_factor == pytest.approx(1 + 0.1 * np.log(4))
   with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
     llama.LlamaConfig.from_dict({**base, "model_type": "phi3", "rope_scaling": {
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})

@@ -195,9 +195,13 @@ def test_rejects_bad_arguments():
     nn.PagedAttention(E, 4, D, logits_soft_cap=0.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):
     nn.PagedAttention(E, 4, D, rope=nn.RotaryEmbedding(32), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="rope_type must be 'default', 'linear' or 'llama3', "
-                                       "got 'yarn'"):
-    nn.RotaryEmbedding(D, rope_type="yarn")
+  with pytest.raises(ValueError, match=r"rope_type must be one of \('default', 'linear', "
+                                       r"'llama3', 'yarn'\), got 'dynamic'"):
+    nn.RotaryEmbedding(D, rope_type="dynamic")
+  with pytest.raises(ValueError, match="attention_factor must be a positive finite number"):
+    nn.RotaryEmbedding(D, rope_type="yarn", attention_factor=0.0)
+  with pytest.raises(ValueError, match="yarn rope needs 0 < beta_slow < beta_fast"):
+    nn.RotaryEmbedding(D, rope_type="yarn", beta_fast=1.0, beta_slow=32.0)
   with pytest.raises(ValueError, match="head_dim must be a positive even int"):
     nn.RotaryEmbedding(7)
   with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
