@@ -30,6 +30,7 @@ from flax import nnx
 from benchmarks import common
 from jax_paged import weight_quant
 from jax_paged.kernels import grouped_matmul as gm
+from models import deepseek
 from models import moe
 
 # Whole models' shapes (HF's config.json; `benchmarks/profile_decode_step.py` steps them).
@@ -42,6 +43,16 @@ QWEN3_30B_A3B = moe.MoeConfig(
     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, num_local_experts=128,
     num_experts_per_tok=8, norm_topk_prob=True, model_type="qwen3_moe")
+# DeepSeek-V2-Lite (HF's config.json): MLA over a 512 + 64 latent, 2 shared and 64 routed
+# experts (6 per token), layer 0 dense, YaRN RoPE.
+DEEPSEEK_V2_LITE = deepseek.DeepseekConfig(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_local_experts=64, num_experts_per_tok=6,
+    shared_expert_intermediate_size=2 * 1408, first_k_dense_replace=1, kv_lora_rank=512,
+    q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    max_position_embeddings=163840, rope_scaling={
+        "rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
 # (hidden, experts' intermediate width, experts, experts per token)
 SHAPES = {name: (c.hidden_size, c.expert_width, c.num_local_experts, c.num_experts_per_tok)
           for name, c in (("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B))}

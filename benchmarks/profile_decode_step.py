@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes (GPT-2 124M, the Llama-3.2-1B shape of bench_llama,
-the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B and
-Qwen3-30B-A3B shapes; bf16 or int8 weights): a per-kernel breakdown from a profiler trace.
+the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B,
+Qwen3-30B-A3B and DeepSeek-V2-Lite shapes; bf16 or int8 weights): a per-kernel breakdown
+from a profiler trace.
 
 Runs the engine's on-device decode loop (`steps` decode steps in one jitted call, as in
 `jax_paged.Engine`) at a fixed batch and context under `jax.profiler`, then reads the
@@ -11,7 +12,8 @@ in launch order with their mean durations over the layers (its GEMMs apart, wher
 by-name table sums every "linear").
 
     PYTHONPATH=. python benchmarks/profile_decode_step.py
-        [--model gpt2 | llama-3.2-1b | llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b]
+        [--model gpt2 | llama-3.2-1b | llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b |
+                 deepseek-v2-lite]
         [--layers N] [--quantization int8] [--batch 128] [--context 512] [--steps 32]
         [--top 40] [--layer]
 """
@@ -37,13 +39,15 @@ from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
 from jax_paged import weight_quant
 from jax_paged.serving import runner as runner_lib
+from models import deepseek
 from models import gpt2
 from models import llama
 from models import moe
 
 LLAMAS = {"llama-3.2-1b": bench_llama.LLAMA_3_2_1B,
           "llama-3.1-8b": bench_tensor_parallel.LLAMA_3_1_8B,
-          "mixtral-8x7b": bench_moe.MIXTRAL_8X7B, "qwen3-30b-a3b": bench_moe.QWEN3_30B_A3B}
+          "mixtral-8x7b": bench_moe.MIXTRAL_8X7B, "qwen3-30b-a3b": bench_moe.QWEN3_30B_A3B,
+          "deepseek-v2-lite": bench_moe.DEEPSEEK_V2_LITE}
 
 
 def main():
@@ -76,7 +80,8 @@ def main():
     config = LLAMAS[args.model]
     if args.layers is not None:
       config = dataclasses.replace(config, num_hidden_layers=args.layers)
-    model_class = (moe.MoeForCausalLM if isinstance(config, moe.MoeConfig)
+    model_class = (deepseek.DeepseekForCausalLM if isinstance(config, deepseek.DeepseekConfig)
+                   else moe.MoeForCausalLM if isinstance(config, moe.MoeConfig)
                    else llama.LlamaForCausalLM)
     model = model_class(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   if args.quantization == "int8":

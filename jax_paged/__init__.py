@@ -3,8 +3,9 @@
 Layers, each using only those before it:
   kernels   Pallas kernels (lowered through Triton on a GPU; plain XLA on CPU) with their
             references: paged_decode_attention, paged_prefill_attention,
-            merge_attention_states(_n), grouped_matmul (mixture-of-experts); ground
-            truth in plain jax.numpy in `jax_paged.reference`
+            paged_latent_decode_attention (MLA), merge_attention_states(_n),
+            grouped_matmul (mixture-of-experts); ground truth in plain jax.numpy in
+            `jax_paged.reference`
   pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
             release, ...)
   weight_quant   int8 weights (weight-only, per output column): Int8Linear, quantize_weights
@@ -12,6 +13,8 @@ Layers, each using only those before it:
             the slots a model's linears hold and their per-row updates
   nn        Flax NNX layers over the pool: PagedAttention, LayerNorm, RMSNorm,
             project_add_norm, dense
+  latent_attention   LatentAttention, DeepSeek's multi-head latent attention (MLA): one
+            latent vector per token in the pool
   PagedModel / ModelSpec / ModelFamily   what a model gives the serving layer
   guided    structured output: Guide (a regular expression, JSON schema or choice of
             texts over a Vocabulary's tokens), Request(guide=...)
@@ -33,8 +36,10 @@ from jax_paged import weight_quant
 from jax_paged import lora
 from jax_paged.lora import LoraAdapter
 from jax_paged import nn
+from jax_paged import latent_attention
 from jax_paged.kernels.paged_attention import paged_decode_attention
 from jax_paged.kernels.paged_prefill import paged_prefill_attention
+from jax_paged.kernels.paged_latent_attention import paged_latent_decode_attention
 from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
 from jax_paged.kernels.grouped_matmul import grouped_matmul
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
@@ -52,6 +57,7 @@ __all__ = [
     "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "LoraAdapter",
     "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report",
     "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "grouped_matmul", "guided",
-    "lora", "merge_attention_states", "merge_attention_states_n", "nn",
-    "paged_decode_attention", "paged_prefill_attention", "pool", "reference", "weight_quant",
+    "latent_attention", "lora", "merge_attention_states", "merge_attention_states_n", "nn",
+    "paged_decode_attention", "paged_latent_decode_attention", "paged_prefill_attention",
+    "pool", "reference", "weight_quant",
 ]

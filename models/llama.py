@@ -339,23 +339,30 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
-    norm_of = functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
-                                param_dtype=param_dtype)
-    norm = functools.partial(norm_of, config.hidden_size)
+    norm = functools.partial(paged_nn.RMSNorm, config.hidden_size,
+                             epsilon=config.rms_norm_eps, param_dtype=param_dtype)
     self.input_layernorm = norm()
-    self.self_attn = paged_nn.PagedAttention(
-        config.hidden_size, config.num_attention_heads, config.head_dim,
-        num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
-        qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.rope,
-        sliding_window=config.window(layer),
-        head_norm=norm_of if config.qk_norm else None,
-        qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
-        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
-        param_dtype=param_dtype, rngs=rngs)
+    self.self_attn = self._make_attention(config, layer, decode_impl=decode_impl,
+                                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
     self.residual_multiplier = config.residual_multiplier
+
+  def _make_attention(self, config: LlamaConfig, layer: int, *, decode_impl, param_dtype,
+                      **kwargs) -> nnx.Module:
+    """Layer `layer`'s attention (`nn.PagedAttention`; a subclass's own takes its
+    `prefill` / `decode` and has an `out` projection; kwargs: dtype, rngs)."""
+    return paged_nn.PagedAttention(
+        config.hidden_size, config.num_attention_heads, config.head_dim,
+        num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
+        qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.rope,
+        sliding_window=config.window(layer),
+        head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
+                                     param_dtype=param_dtype) if config.qk_norm else None),
+        qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
+        kernel_init=nnx.initializers.normal(config.initializer_range),
+        param_dtype=param_dtype, **kwargs)
 
   def _make_mlp(self, config: LlamaConfig, layer: int, **kwargs) -> nnx.Module:
     """Layer `layer`'s MLP (`MLP`; kwargs: dtype, param_dtype, rngs)."""

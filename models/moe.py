@@ -144,12 +144,15 @@ class SparseMoE(nnx.Module):
 
   Parameters: `router` [hidden, experts]; `gate_up`, a `jax_paged.nn.GroupedLinear`
   [experts, hidden, 2 * intermediate] (each expert's gate columns, then up's); `down`, one
-  [experts, intermediate, hidden]; with a shared expert, `shared` (a `llama.MLP`) and
-  `shared_gate` [hidden, 1]; in `param_dtype`, computed in `dtype`. Under tensor
-  parallelism gate_up is column-parallel (gate and up each split) and down row-parallel:
-  each device holds every expert's share of the intermediate columns
+  [experts, intermediate, hidden]; with a shared expert, `shared` (a `llama.MLP`) and, if
+  `gated_shared_expert`, `shared_gate` [hidden, 1]; in `param_dtype`, computed in `dtype`.
+  Under tensor parallelism gate_up is column-parallel (gate and up each split) and down
+  row-parallel: each device holds every expert's share of the intermediate columns
   (`MoeForCausalLM.tensor_parallel_splits`).
   """
+
+  # Whether a shared expert's output is scaled by a sigmoid gate (Qwen2-MoE's).
+  gated_shared_expert: ClassVar[bool] = True
 
   def __init__(self, config: MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, d, f = config.num_local_experts, config.hidden_size, config.expert_width
@@ -163,7 +166,7 @@ class SparseMoE(nnx.Module):
     self.shared = None if shared is None else llama.MLP(
         dataclasses.replace(config, intermediate_size=shared), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
-    self.shared_gate = None if shared is None else nnx.Param(
+    self.shared_gate = None if shared is None or not self.gated_shared_expert else nnx.Param(
         init(rngs.params(), (d, 1), param_dtype))
     self.top_k = config.num_experts_per_tok
     self.normalize = config.norm_topk_prob
@@ -179,11 +182,7 @@ class SparseMoE(nnx.Module):
     dtype = self.dtype or h.dtype
     x = h.reshape(-1, d).astype(dtype)
     num_experts = self.router.shape[1]
-    # HF: the router's logits in the compute dtype, their softmax in f32.
-    scores = jax.nn.softmax((x @ self.router[...].astype(dtype)).astype(jnp.float32), axis=-1)
-    weights, experts = lax.top_k(scores, self.top_k)  # [tokens, k]
-    if self.normalize:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights, experts = self.route(x)
     # The token-expert pairs grouped by expert, for the grouped matmuls.
     order = jnp.argsort(experts.reshape(-1), stable=True)
     rows = order // self.top_k  # each sorted pair's token
@@ -198,10 +197,28 @@ class SparseMoE(nnx.Module):
       # columns' share, summed once per layer in the compute dtype (as nn's projections)
       out = lax.psum(out.astype(dtype), self.down.reduce_axis).astype(jnp.float32)
     if self.shared is not None:
-      shared = paged_nn.projection(self.shared.down, self.shared.hidden(x))
-      gate = jax.nn.sigmoid(x @ self.shared_gate[...].astype(dtype))
-      out += (gate * shared).astype(jnp.float32)
+      hidden = self.shared.hidden(x)
+      # Row-parallel under tensor parallelism (summed over the devices), else the linear
+      # kernel at decode's few rows: XLA runs a one-row product as a multiply and a
+      # reduction (DeepSeek-V2-Lite's shared down at batch 1: 21 µs per layer, H200).
+      shared = (paged_nn.projection(self.shared.down, hidden)
+                if self.down.reduce_axis is not None
+                else paged_nn.dense(self.shared.down, hidden))
+      if self.shared_gate is not None:
+        shared = jax.nn.sigmoid(x @ self.shared_gate[...].astype(dtype)) * shared
+      out += shared.astype(jnp.float32)
     return out.reshape(lead + (d,))
+
+  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Tokens x [tokens, hidden] in the compute dtype -> (float32 weights, int32 experts),
+    each [tokens, top_k]: the softmax of the router's logits (computed in x's dtype, as
+    HF's), its top k, renormalised with norm_topk_prob."""
+    scores = jax.nn.softmax((x @ self.router[...].astype(x.dtype)).astype(jnp.float32),
+                            axis=-1)
+    weights, experts = lax.top_k(scores, self.top_k)
+    if self.normalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
 
 
 class DecoderLayer(llama.DecoderLayer):
@@ -246,27 +263,28 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 
 # model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
 # down projections, or None: `_GRANITE_FUSED`'s tensors)
-_QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
-               "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS, "olmoe": _QWEN_EXPERTS,
+               "qwen2_moe": QWEN_EXPERTS, "qwen3_moe": QWEN_EXPERTS, "olmoe": QWEN_EXPERTS,
                # Every expert's in one tensor: input_linear [E, 2 I, H] (gate's rows, then
                # up's), output_linear [E, H, I].
                "granitemoe": ("block_sparse_moe", "router.layer", None)}
 _GRANITE_FUSED = {"gate_up": "input_linear", "down": "output_linear"}
 
 
-def hf_sources(path: tuple[str, ...], config: MoeConfig
+def hf_sources(path: tuple[str, ...], config: MoeConfig,
+               experts_names: tuple[str, str, tuple[str, str, str] | None] | None = None
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.Sources` of these models: the experts' HF tensors (the router's and each
-  expert's gate, up and down torch Linear weights, `_HF_EXPERTS`) stacked by expert, the
-  rest (a dense layer's MLP, Qwen2-MoE's shared expert as the MLP shared_expert) as
-  `llama.hf_sources`."""
+  expert's gate, up and down torch Linear weights, `_HF_EXPERTS` of the model type, or
+  `experts_names` of that form) stacked by expert, the rest (a dense layer's MLP,
+  Qwen2-MoE's shared expert as the MLP shared_expert) as `llama.hf_sources`."""
   if path[2:4] == ("mlp", "shared"):  # ("layers", i, "mlp", "shared", module, param)
     names, assemble = llama.hf_sources(path[:3] + path[4:], config)  # a dense MLP's
     return [n.replace(".mlp.", ".mlp.shared_expert.") for n in names], assemble
   if path[2:3] != ("mlp",) or not config.sparse(int(path[1])):  # not a SparseMoE's
     return llama.hf_sources(path, config)
-  block, router, per_expert = _HF_EXPERTS[config.model_type]
+  block, router, per_expert = experts_names or _HF_EXPERTS[config.model_type]
   prefix = f"model.layers.{path[1]}.{block}."
   experts = range(config.num_local_experts)
   if path[3] == "router":

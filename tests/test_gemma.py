@@ -153,7 +153,7 @@ def test_gemma2_config_reads_hf_layouts_and_refuses_what_it_lacks(tmp_path):
   for bad, message in (({"use_bidirectional_attention": True}, "bidirectional"),
                        ({"model_type": "gemma3_text"}, "model_type 'gemma3_text'"),
                        ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be"),
-                       ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+                       ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
                        ({"rope_parameters": [10000.0]}, "rope_parameters must be a dict")):
     with pytest.raises(ValueError, match=message):
       gemma2.Gemma2Config.from_dict({**config, **bad})

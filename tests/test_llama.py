@@ -404,9 +404,12 @@ def test_from_pretrained_bf16(saved):
   assert_bf16_tracks_hf(hf, llama.from_pretrained(path, dtype=jnp.bfloat16))
 
 
-def assert_bf16_tracks_hf(hf, half) -> None:
-  """`half`, loaded in bf16, against HF's f32 logits of a prompt: within bf16's error."""
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(half)))
+def assert_bf16_tracks_hf(hf, half, f32_params: tuple[str, ...] = ()) -> None:
+  """`half`, loaded in bf16 (but for the parameters named by `f32_params`, kept in f32 as
+  HF keeps them), against HF's f32 logits of a prompt: within bf16's error."""
+  for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(half)):
+    f32 = any(name in jax.tree_util.keystr(path) for name in f32_params)
+    assert x.dtype == (jnp.float32 if f32 else jnp.bfloat16), path
   prompt = _prompts(np.random.default_rng(4), [9])[0]
   kv = half.spec.create_pool(num_pages=2, page_size=PAGE, max_seqs=1, max_pages_per_seq=2)
   logits, _ = ModelRunner(half).prefill(kv, *_padded([prompt]), np.array([0], np.int32))

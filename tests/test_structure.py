@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_paged")
 
 # Each layer may import only itself and the layers listed for it (arrows point down:
-# kernels <- pool, weight_quant <- lora <- nn <- paged_model, tensor_parallel, guided <-
+# kernels <- pool, weight_quant <- lora <- nn <- latent_attention, paged_model,
+# tensor_parallel, guided <-
 # serving <- cli, server_metrics <- openai_server <- openai_batch; tool_calls, reasoning
 # <- openai_server).
 ALLOWED = {
@@ -20,6 +21,7 @@ ALLOWED = {
     "weight_quant": {"kernels", "weight_quant"},
     "lora": {"weight_quant", "lora"},
     "nn": {"kernels", "weight_quant", "lora", "pool", "nn"},
+    "latent_attention": {"kernels", "pool", "nn", "latent_attention"},
     "sampling": {"sampling"},
     "guided": {"guided"},
     "paged_model": {"pool", "paged_model"},

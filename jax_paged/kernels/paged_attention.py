@@ -347,19 +347,21 @@ _paged_decode_reference = jax.jit(
     static_argnames=["scale", "logits_soft_cap", "sliding_window", "return_lse"])
 
 
-def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int) -> int:
+def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, *,
+                    min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT) -> int:
   """Splits so that batch x kv heads x splits fills the GPU without tiny splits.
 
   Args:
     batch, num_kv_heads: the grid's other two axes.
     max_tokens: most tokens a sequence can attend to (static bound on the lengths).
     block_n: tokens per kernel step.
+    min_blocks_per_split: the fewest blocks a split should walk.
   """
   programs = batch * num_kv_heads
   if programs >= _UNSPLIT_PROGRAMS_PER_SM * triton_backend.sm_count():
     return 1
   wanted = pl.cdiv(_PROGRAMS_PER_SM * triton_backend.sm_count(), programs)
-  most = max(1, max_tokens // (_MIN_BLOCKS_PER_SPLIT * block_n))
+  most = max(1, max_tokens // (min_blocks_per_split * block_n))
   splits = max(1, min(wanted, most, _MAX_SPLITS))
   # Round down to a power of two: measured on an H200, 3 splits at B*Hkv=256 ran at 71%
   # of the read ceiling where 2 ran at 84%, and 64 beat 66 at B*Hkv=8.

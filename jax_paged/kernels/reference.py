@@ -199,6 +199,51 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+def paged_latent_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, q_positions: jax.Array,
+                           lengths: jax.Array, *, value_dim: int, scale: float,
+                           layer=None, k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None) -> jax.Array:
+  """Multi-head latent attention (DeepSeek's MLA, its up-projections absorbed into q and
+  the output) over pages that hold one latent vector per token.
+
+  Each token's latent [c; k_rope] (width 2 * D: the compressed K/V c, then the rotated
+  key shared by every head) is stored as the K (first D) and V (last D) of the pool's one
+  kv head, so that an ordinary `KVPool` (int8 / float8 ones too) holds it. Every query
+  head attends with scores scale * q . latent and sums c = latent[:value_dim].
+
+  Args:
+    q: [B, T, H, 2 * D], the queries in latent space ([q_nope W_UK; q_rope]).
+    k_pages, v_pages: [num_layers, 1, num_pages, page_size, D] with `layer` (a quantized
+      pool's v_pages token-minor), or one layer's [1, num_pages, page_size, D].
+    page_table: int32 [B, max_pages_per_seq].
+    q_positions: int32 [B, T], each query's position: it attends to the keys at
+      positions <= its own and < its row's length.
+    lengths: int32 [B], tokens in each row's pages (0: the row attends to nothing).
+    value_dim: the width of c (kv_lora_rank), <= 2 * D.
+    scale: the softmax scale.
+    k_scales, v_scales: a quantized pool's scales.
+
+  Returns:
+    float32 [B, T, H, value_dim]; 0 for a query with no key to attend to.
+  """
+  k, v = _gather_kv(k_pages, v_pages, k_scales, v_scales, layer, page_table, lengths)
+  latent = jnp.concatenate([k[:, 0], v[:, 0]], axis=-1)  # [B, S, 2 D]
+  key_positions = jnp.arange(latent.shape[1])
+  # Past a row's length the gathered values are another page's (or garbage): zeroed, so
+  # that even a non-finite one is not multiplied by its zero probability.
+  latent = jnp.where((key_positions[None, :] < lengths[:, None])[..., None], latent, 0.0)
+  scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), latent,
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  visible = ((key_positions[None, None, :] <= q_positions[:, :, None])
+             & (key_positions[None, None, :] < lengths[:, None, None]))[:, :, None, :]
+  scores = jnp.where(visible, scores, -jnp.inf)
+  p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True, initial=-1e30))
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  return jnp.einsum("bths,bsd->bthd", p, latent[..., :value_dim],
+                    precision=jax.lax.Precision.HIGHEST)
+
+
 def merge_attention_states_n(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Merges N partial attention states along the leading axis.
 

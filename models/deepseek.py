@@ -1,0 +1,328 @@
+"""DeepSeek-V2 / V3 (Hugging Face's DeepseekV2ForCausalLM, DeepseekV3ForCausalLM) on the
+paged pool: multi-head latent attention (`jax_paged.latent_attention`: one latent vector
+per token cached) and routed experts with always-on shared experts.
+
+The blocks are `models.moe`'s (pre-norm RMSNorm, a SwiGLU MLP on the first
+first_k_dense_replace layers, experts after) with `LatentAttention` for attention. The
+routers: V2's softmax over the experts, top-k among all of them ("greedy") or among the
+topk_group groups holding the best experts ("group_limited_greedy"); V3's sigmoid with a
+per-expert correction bias that only chooses ("noaux_tc": the groups ranked by their two
+best biased scores), the chosen experts' unbiased scores weighting them. Both scale the
+weights by routed_scaling_factor (after renormalising them with norm_topk_prob).
+
+Checkpoints lay each head's rotated dims out in interleaved pairs (x0, x1), (x2, x3), ...
+(V3's with rope_interleave, the default); the loader reorders those projection rows to
+`RotaryEmbedding`'s rotate-half layout, which leaves every q.k unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jax_paged import latent_attention
+from jax_paged import nn as paged_nn
+from jax_paged.kernels import validation
+from jax_paged.paged_model import ModelFamily, ModelSpec
+from models import llama, moe
+
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekConfig(moe.MoeConfig):
+  """DeepSeek-V2 / V3 hyperparameters under Hugging Face's field names (defaults:
+  DeepSeek-V2-Lite's).
+
+  Attributes beyond `moe.MoeConfig`'s (num_local_experts is HF's n_routed_experts;
+  shared_expert_intermediate_size is moe_intermediate_size * n_shared_experts; head_dim
+  is qk_rope_head_dim, the rotary embedding's):
+    kv_lora_rank, q_lora_rank (None: q projected directly), qk_nope_head_dim,
+      qk_rope_head_dim, v_head_dim: MLA's widths.
+    first_k_dense_replace: layers below it have a dense MLP, the rest experts.
+    topk_method: "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3's sigmoid
+      router with e_score_correction_bias), over n_group groups of which topk_group are
+      kept.
+    routed_scaling_factor: the experts' weights' multiplier.
+    rope_interleave: whether the checkpoint's rotated dims are interleaved pairs (V2
+      always; V3's flag).
+  """
+
+  vocab_size: int = 102400
+  hidden_size: int = 2048
+  intermediate_size: int = 10944
+  num_hidden_layers: int = 27
+  num_attention_heads: int = 16
+  num_key_value_heads: int | None = None  # (MLA has no kv heads; HF ignores the field)
+  max_position_embeddings: int = 163840
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  num_local_experts: int = 64
+  num_experts_per_tok: int = 6
+  moe_intermediate_size: int | None = 1408
+  norm_topk_prob: bool = False
+  kv_lora_rank: int = 512
+  q_lora_rank: int | None = None
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  first_k_dense_replace: int = 1
+  topk_method: str = "greedy"
+  n_group: int | None = None
+  topk_group: int | None = None
+  routed_scaling_factor: float = 1.0
+  rope_interleave: bool = True
+  model_type: str = "deepseek_v2"
+
+  model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+
+  def __post_init__(self):
+    object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
+    super().__post_init__()
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+      validation.check_positive_int(name, getattr(self, name))
+    validation.check_positive_int("q_lora_rank", self.q_lora_rank, optional=True)
+    latent_attention.spec_head_dim(self.kv_lora_rank, self.qk_rope_head_dim)
+    validation.check_positive_number("routed_scaling_factor", self.routed_scaling_factor)
+    if self.topk_method not in _TOPK_METHODS:
+      raise ValueError(f"topk_method {self.topk_method!r} is not supported; use one of "
+                       f"{_TOPK_METHODS}")
+    if (self.model_type == "deepseek_v3") != (self.topk_method == "noaux_tc"):
+      raise ValueError(f"topk_method {self.topk_method!r} does not go with {self.model_type}"
+                       " (V3's router is noaux_tc, V2's greedy or group_limited_greedy)")
+    if self.topk_method != "greedy":
+      e = self.num_local_experts
+      if not (self.n_group and self.topk_group and e % self.n_group == 0
+              and self.topk_group <= self.n_group
+              and self.num_experts_per_tok <= self.topk_group * (e // self.n_group)):
+        raise ValueError(
+            f"{self.topk_method} needs n_group dividing the {e} experts, topk_group <= "
+            f"n_group and num_experts_per_tok ({self.num_experts_per_tok}) <= the kept "
+            f"groups' experts, got n_group={self.n_group}, topk_group={self.topk_group}")
+
+  def sparse(self, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is the experts (from first_k_dense_replace on)."""
+    return layer >= self.first_k_dense_replace
+
+  @property
+  def attention_scale(self) -> float:
+    """The softmax scale: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's
+    mscale(factor, mscale_all_dim) squared (DeepSeek's yarn_apply_mscale)."""
+    scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+    scaling = dict(self.rope_scaling or ())
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" and mscale_all_dim:
+      factor = llama.yarn_scaling(scaling, self.max_position_embeddings)["factor"]
+      scale *= llama.yarn_mscale(factor, mscale_all_dim) ** 2
+    return scale
+
+  @classmethod
+  def from_dict(cls, config: dict) -> "DeepseekConfig":
+    """From a Hugging Face config dict: n_routed_experts read as num_local_experts,
+    n_shared_experts as the shared expert's width; V2 always interleaves its RoPE pairs;
+    V3's defaults where its config omits them. Refused: attention settings other than
+    MLA's (num_key_value_heads is ignored, as HF's classes ignore it) and a hidden_act
+    other than silu (`llama.LlamaConfig.from_dict`)."""
+    config = dict(config)
+    model_type = config.setdefault("model_type", cls.model_type)
+    if "n_routed_experts" in config:
+      config["num_local_experts"] = config["n_routed_experts"]
+    shared = config.get("n_shared_experts")
+    config["shared_expert_intermediate_size"] = (
+        None if not shared else shared * config.get("moe_intermediate_size", 1408))
+    if model_type == "deepseek_v3":
+      config.setdefault("topk_method", "noaux_tc")
+      config.setdefault("first_k_dense_replace", 3)
+    else:
+      config["rope_interleave"] = True
+    for name in ("num_key_value_heads", "head_dim", "decoder_sparse_step", "mlp_only_layers",
+                 "sliding_window", "layer_types"):
+      config.pop(name, None)
+    return llama.LlamaConfig.from_dict.__func__(cls, config)
+
+
+class DeepseekMoE(moe.SparseMoE):
+  """DeepSeek's experts: `moe.SparseMoE` with DeepSeek's routers (the module docstring)
+  and ungated shared experts. V3's `correction_bias` [experts] (HF's
+  e_score_correction_bias) is a parameter; it and the router are float32 whatever the
+  param_dtype, and the router runs in float32, as HF's."""
+
+  gated_shared_expert = False
+
+  def __init__(self, config: DeepseekConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.router = nnx.Param(self.router[...].astype(jnp.float32))  # (HF keeps it f32)
+    self.method = config.topk_method
+    self.groups = (config.n_group, config.topk_group)
+    self.routed_scaling_factor = config.routed_scaling_factor
+    self.correction_bias = (nnx.Param(jnp.zeros((config.num_local_experts,), jnp.float32))
+                            if config.topk_method == "noaux_tc" else None)
+
+  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [tokens, hidden] -> (float32 weights, int32 experts), each [tokens, top_k]."""
+    logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+    if self.method == "noaux_tc":
+      scores = jax.nn.sigmoid(logits)
+      choice = scores + self.correction_bias[...]
+      # A group's rank: the sum of its two best biased scores.
+      grouped = choice.reshape(choice.shape[0], self.groups[0], -1)
+      group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)
+      choice = self._keep_groups(choice, group_scores, -jnp.inf)
+      experts = lax.top_k(choice, self.top_k)[1]
+      weights = jnp.take_along_axis(scores, experts, axis=-1)
+      if self.normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    else:
+      scores = jax.nn.softmax(logits, axis=-1)
+      if self.method == "group_limited_greedy":
+        grouped = scores.reshape(scores.shape[0], self.groups[0], -1)
+        scores = self._keep_groups(scores, jnp.max(grouped, axis=-1), 0.0)
+      weights, experts = lax.top_k(scores, self.top_k)
+      if self.normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * self.routed_scaling_factor, experts
+
+  def _keep_groups(self, scores: jax.Array, group_scores: jax.Array, fill: float
+                   ) -> jax.Array:
+    """scores [tokens, experts] with the experts outside the topk_group best groups
+    (by group_scores [tokens, n_group]) set to `fill`."""
+    n_group, topk_group = self.groups
+    kept = lax.top_k(group_scores, topk_group)[1]  # [tokens, topk_group]
+    group_kept = jnp.any(kept[:, :, None] == jnp.arange(n_group), axis=1)  # [tokens, groups]
+    expert_kept = jnp.repeat(group_kept, scores.shape[-1] // n_group, axis=-1)
+    return jnp.where(expert_kept, scores, fill)
+
+
+class DecoderLayer(moe.DecoderLayer):
+  """A DeepSeek block: `LatentAttention`, then a dense MLP or `DeepseekMoE`."""
+
+  def _make_attention(self, config: DeepseekConfig, layer: int, *, decode_impl,
+                      param_dtype, **kwargs) -> nnx.Module:
+    del layer
+    return latent_attention.LatentAttention(
+        config.hidden_size, config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, kv_lora_rank=config.kv_lora_rank,
+        q_lora_rank=config.q_lora_rank, rope=config.rope, scale=config.attention_scale,
+        bias=config.attention_bias, norm_eps=config.rms_norm_eps, decode_impl=decode_impl,
+        kernel_init=nnx.initializers.normal(config.initializer_range),
+        param_dtype=param_dtype, **kwargs)
+
+  def _make_mlp(self, config: DeepseekConfig, layer: int, **kwargs) -> nnx.Module:
+    if config.sparse(layer):
+      return DeepseekMoE(config, **kwargs)
+    return llama.MLP(config, **kwargs)
+
+
+class DeepseekForCausalLM(moe.MoeForCausalLM):
+  """DeepSeek-V2 / V3 with an LM head: `llama.LlamaForCausalLM` over these blocks (its
+  Args). Its pool has one kv head holding each token's latent (`spec`). Served without
+  LoRA adapters and tensor parallelism (refused by the engine: see
+  `tensor_parallel_splits`, `lora_targets`)."""
+
+  decoder_layer = DecoderLayer
+
+  @property
+  def spec(self) -> ModelSpec:
+    """The pool: one kv head of `latent_attention.spec_head_dim` per layer."""
+    c = self.config
+    return dataclasses.replace(
+        super().spec, num_kv_heads=1,
+        head_dim=latent_attention.spec_head_dim(c.kv_lora_rank, c.qk_rope_head_dim))
+
+  def tensor_parallel_splits(self):
+    raise ValueError("tensor parallelism is not supported for DeepSeek's latent "
+                     "attention (MLA): serve it on one device")
+
+  def lora_targets(self):
+    raise ValueError("LoRA adapters are not supported for DeepSeek models")
+
+
+# ----------------------------------------------------------------- checkpoints
+_ATTENTION = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj",
+              "q_a_norm": "q_a_layernorm", "kv_a_proj": "kv_a_proj_with_mqa",
+              "kv_a_norm": "kv_a_layernorm", "out": "o_proj"}
+
+
+def _deinterleave(rows: int, rotated: int, period: int) -> np.ndarray:
+  """The row order turning each block of `period` rows whose last `rotated` are
+  interleaved pairs (x0, x1, x2, x3, ...) into rotate-half order (x0, x2, ..., x1, x3,
+  ...); `rows` is a multiple of `period`."""
+  block = np.arange(period)
+  block[period - rotated:] = period - rotated + np.concatenate(
+      [np.arange(0, rotated, 2), np.arange(1, rotated, 2)])
+  return (np.arange(0, rows, period)[:, None] + block).reshape(-1)
+
+
+def hf_sources(path: tuple[str, ...], config: DeepseekConfig
+               ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+  """`llama.Sources` of DeepSeek's checkpoints: the latent attention's modules (with the
+  rotated rows reordered where interleaved, kv_b_proj split into w_uk and w_uv), the
+  experts (`models.moe.hf_sources`: Qwen-MoE's names, the shared experts' as
+  shared_experts, V3's correction bias), the rest as Llama's."""
+  if path[2:3] == ("self_attn",):
+    prefix = f"model.layers.{path[1]}.self_attn."
+    module, param = path[3], path[-1]
+    h, dn, dr = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+    if module in ("w_uk", "w_uv"):
+      # kv_b_proj [H * (dn + dv), R]: each head's dn key rows, then its dv value rows.
+      def split(parts):
+        w = parts[0].reshape(h, dn + config.v_head_dim, -1)
+        return w[:, :dn] if module == "w_uk" else w[:, dn:]
+      return [f"{prefix}kv_b_proj.weight"], split
+    name = f"{prefix}{_ATTENTION[module]}.{'weight' if param == 'kernel' else param}"
+    order = None
+    if config.rope_interleave and module in ("q_proj", "q_b_proj"):
+      order = _deinterleave(h * (dn + dr), dr, dn + dr)
+    elif config.rope_interleave and module == "kv_a_proj":
+      order = _deinterleave(config.kv_lora_rank + dr, dr, config.kv_lora_rank + dr)
+
+    def assemble(parts):
+      (w,) = parts
+      if order is not None:
+        w = w[order]
+      return w.T if param == "kernel" else w
+    return [name], assemble
+  if path[2:4] == ("mlp", "correction_bias"):
+    return ([f"model.layers.{path[1]}.mlp.gate.e_score_correction_bias"],
+            lambda parts: parts[0])
+  if path[2:4] == ("mlp", "shared"):
+    names, assemble = llama.hf_sources(path[:3] + path[4:], config)
+    return [n.replace(".mlp.", ".mlp.shared_experts.") for n in names], assemble
+  return moe.hf_sources(path, config, moe.QWEN_EXPERTS)
+
+
+def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
+                    decode_impl: paged_nn.DecodeImpl = "auto") -> DeepseekForCausalLM:
+  """Loads a Hugging Face DeepSeek-V2 / V3 checkpoint directory (`models.llama`'s
+  `load_pretrained`: its files, errors and eos ids).
+
+  Args:
+    path: as `models.llama.load_pretrained`'s.
+    dtype, param_dtype: as for `models.llama.LlamaForCausalLM`.
+    decode_impl: the latent attention's (`jax_paged.latent_attention.LatentAttention`).
+  """
+  return llama.load_pretrained(path, DeepseekConfig.from_dict, functools.partial(
+      DeepseekForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
+      hf_sources)
+
+
+def _family_from_pretrained(path: str, dtype: Any) -> DeepseekForCausalLM:
+  return from_pretrained(path, dtype=dtype)
+
+
+FAMILY = ModelFamily(
+    name="deepseek",
+    model_types=MODEL_TYPES,
+    from_pretrained=_family_from_pretrained,
+    presets={},
+)

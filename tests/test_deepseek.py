@@ -1,0 +1,271 @@
+"""DeepSeek-V2 / V3 (multi-head latent attention, routed and shared experts) on the paged
+pool against Hugging Face transformers' models (CPU, f32), loaded from their
+`save_pretrained` directories.
+
+The HF models are random (norms, V3's correction bias too): 8 experts in 4 groups, 2
+kept groups, 2 experts per token. V2: q projected directly, YaRN RoPE with DeepSeek's
+mscales, group-limited greedy routing scaled by 1.5; V3: q through its low-rank
+bottleneck, the sigmoid router with its correction bias, renormalised and scaled by 2.5.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jax_paged
+from jax_paged import latent_attention, reference, weight_quant
+from jax_paged.kernels import paged_latent_attention
+from jax_paged.serving.runner import ModelRunner
+from models import deepseek
+from tests.test_engine import assert_pages_back
+from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
+                              assert_bf16_tracks_hf, assert_installed_cli_gives_hfs_tokens,
+                              assert_kernels_give_references_and_hfs_tokens,
+                              assert_logits_track_hf)
+
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+              first_k_dense_replace=1, kv_lora_rank=56, qk_rope_head_dim=8,
+              qk_nope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2,
+              max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+              attn_implementation="eager")
+VARIANTS = {
+    "deepseek_v2": (transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config, dict(
+        q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                      "mscale_all_dim": 0.8, "original_max_position_embeddings": 16})),
+    "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, dict(
+        q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def saved(request, tmp_path_factory):
+  """(HF model, its save_pretrained directory) of each model type."""
+  model_class, config_class, fields = VARIANTS[request.param]
+  torch.manual_seed(0)
+  hf = model_class(config_class(**CONFIG, **fields)).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name:
+        p.uniform_(0.5, 1.5)
+      else:
+        p.normal_(0.0, 0.1)
+    for name, b in hf.named_buffers():
+      if "e_score_correction_bias" in name:
+        b.normal_(0.0, 0.1)
+  path = tmp_path_factory.mktemp(request.param)
+  hf.save_pretrained(path)
+  return hf, path
+
+
+def test_prefill_and_decode_logits_match_hf(saved):
+  """Logits over a prefill and decode steps (positions past YaRN's original context of
+  16); the pool holds one latent per token: one kv head of (56 + 8) / 2."""
+  hf, path = saved
+  model = deepseek.from_pretrained(path)
+  assert isinstance(model, jax_paged.PagedModel)
+  assert (model.spec.num_kv_heads, model.spec.head_dim) == (1, 32)
+  assert isinstance(model.layers[0].mlp, deepseek.llama.MLP)
+  assert isinstance(model.layers[1].mlp, deepseek.DeepseekMoE)
+  assert_logits_track_hf(hf, model, [3, 8, 13], 7)
+
+
+def test_generate_and_engine_give_hfs_tokens(saved):
+  """generate; an engine preempting in a tiny pool; one whose prompts share a cached
+  prefix and whose long prompt is prefilled in chunks: HF's greedy tokens (V2: the
+  engine's paths are the model's prefill and decode, which V3 shares)."""
+  hf, path = saved
+  model = deepseek.from_pretrained(path)
+  rng = np.random.default_rng(2)
+  prompts = _prompts(rng, [1, 7, 9, 15])
+  want = [_hf_generate(hf, p, 12) for p in prompts]
+  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
+  if model.config.model_type == "deepseek_v3":
+    return
+  eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
+  outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
+  assert outputs == want and report.preemptions > 0
+  assert_pages_back(eng)
+  system = _prompts(rng, [2 * PAGE + 3])[0]
+  prompts = [system + p for p in _prompts(rng, [4, 9])] + _prompts(rng, [40])
+  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
+                         max_prefill_tokens=16)
+  outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
+  assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
+  assert report.cached_prompt_tokens >= 2 * PAGE
+
+
+def test_int8_latent_cache_and_int8_weights(saved):
+  """An int8 pool holds the latent quantized per token and half (its scales): the logits
+  of a prefill and decode steps within 2% of the largest of the float pool's. int8
+  weights quantize q / kv_a / o and the MLPs (not the absorbed w_uk / w_uv)."""
+  hf, path = saved
+  model = deepseek.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(3), [5, 12])
+  seq_ids = np.array([0, 1], np.int32)
+  logits = {}
+  for dtype in (jnp.float32, jnp.int8):
+    kv = model.spec.create_pool(num_pages=8, page_size=PAGE, max_seqs=2,
+                                max_pages_per_seq=4, dtype=dtype)
+    runner = ModelRunner(model)
+    got, kv = runner.prefill(kv, *_padded(prompts), seq_ids)
+    steps = [got]
+    for token in (7, 11, 13):
+      got, kv = runner.decode(kv, jnp.full((2,), token, jnp.int32), seq_ids)
+      steps.append(got)
+    logits[dtype] = np.stack(steps)
+  assert np.abs(logits[jnp.float32][0] - _hf_last_logits(hf, prompts)).max() < 1e-4
+  error = np.abs(logits[jnp.int8] - logits[jnp.float32]).max()
+  assert 0 < error < 0.02 * np.abs(logits[jnp.float32]).max()
+  attention = model.layers[0].self_attn
+  # q (or q_a and q_b), kv_a and o per layer; gate_up and down per MLP, shared or experts'.
+  projections = 3 if model.config.q_lora_rank is None else 4
+  assert weight_quant.quantize_weights(model) == 2 * projections + 2 + 2 * 2
+  assert attention.kv_a_proj.kernel[...].dtype == jnp.int8
+  assert attention.w_uk[...].dtype == jnp.float32
+
+
+def test_latent_attention_matches_expanded_heads():
+  """`reference.paged_latent_attention` (absorbed: every head over the cached latent)
+  equals attention with each head's K = [c W_UK; k_rope] and V = c W_UV formed in full,
+  at decode and at a prefill behind a cached prefix; pages past each row's length hold
+  NaN and are never read."""
+  rng = np.random.default_rng(0)
+  b, t, h, dn, dr, r, dv, page = 2, 3, 4, 8, 4, 12, 6, 4
+  lengths = np.array([9, 6], np.int32)
+  latent = rng.standard_normal((b, 12, r + dr)).astype(np.float32)
+  w_uk = rng.standard_normal((h, dn, r)).astype(np.float32)  # (the math's layouts)
+  w_uv = rng.standard_normal((h, r, dv)).astype(np.float32)
+  q_nope = rng.standard_normal((b, t, h, dn)).astype(np.float32)
+  q_rope = rng.standard_normal((b, t, h, dr)).astype(np.float32)
+  # Pages: row 0 in pages 5, 1, 6; row 1 in pages 2, 0; everything else NaN.
+  table = np.array([[5, 1, 6], [2, 0, 3]], np.int32)
+  pages = np.full((1, 1, 8, page, (r + dr) // 2 * 2), np.nan, np.float32)
+  for row in range(b):
+    for pos in range(lengths[row]):
+      pages[0, 0, table[row, pos // page], pos % page] = latent[row, pos]
+  half = (r + dr) // 2
+  k_pages, v_pages = jnp.asarray(pages[..., :half]), jnp.asarray(pages[..., half:])
+  positions = lengths[:, None] - t + np.arange(t)  # the last t tokens of each row
+  q = np.concatenate([np.einsum("bthn,hnr->bthr", q_nope, w_uk), q_rope], axis=-1)
+  got = reference.paged_latent_attention(
+      jnp.asarray(q), k_pages, v_pages, jnp.asarray(table), jnp.asarray(positions),
+      jnp.asarray(lengths), value_dim=r, scale=0.3, layer=0)
+  got = np.einsum("bthr,hrv->bthv", np.asarray(got), w_uv)
+  for row in range(b):
+    c, k_rope = latent[row, :lengths[row], :r], latent[row, :lengths[row], r:]
+    keys = np.concatenate([np.einsum("sr,hnr->hsn", c, w_uk),
+                           np.broadcast_to(k_rope, (h,) + k_rope.shape)], axis=-1)
+    values = np.einsum("sr,hrv->hsv", c, w_uv)
+    query = np.concatenate([q_nope[row], q_rope[row]], axis=-1)  # [t, h, dn + dr]
+    scores = np.einsum("thd,hsd->ths", query, keys) * 0.3
+    scores = np.where(positions[row][:, None, None] < np.arange(lengths[row]), -np.inf, scores)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("ths,hsv->thv", p / p.sum(-1, keepdims=True), values)
+    np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, head_dim, value_dim, splits", [
+    (20, 32, 48, 1), (16, 48, 80, 3), (40, 32, 64, None)])
+def test_latent_kernel_matches_the_reference(heads, head_dim, value_dim, splits):
+  """The Triton kernel (interpret mode) against the reference on fresh random pages: head
+  blocks with masked heads (20 and 40 heads in blocks of 32), halves read in pieces (48
+  = 32 + 16), c spanning part or all of V, several splits, a row of length 0; every
+  element written (interpret mode starts the outputs as NaN)."""
+  rng = np.random.default_rng(heads)
+  layers, pages, page, batch = 2, 24, 8, 3
+  k, v = (jnp.asarray(rng.standard_normal((layers, 1, pages, page, head_dim)), jnp.float32)
+          for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((batch, heads, 2 * head_dim)), jnp.float32)
+  table = jnp.asarray(rng.permutation(pages)[:batch * 6].reshape(batch, 6), jnp.int32)
+  lengths = jnp.asarray([5, 41, 0], jnp.int32)
+  got = paged_latent_attention.paged_latent_decode_attention(
+      q, k, v, table, lengths, value_dim=value_dim, scale=0.2, layer=1, interpret=True,
+      num_splits=splits, block_n=16)
+  want = reference.paged_latent_attention(
+      q[:, None], k, v, table, jnp.maximum(lengths - 1, 0)[:, None], lengths,
+      value_dim=value_dim, scale=0.2, layer=1)[:, 0]
+  assert got.shape == (batch, heads, value_dim) and np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert not np.asarray(got[2]).any()  # length 0: zeros
+  with pytest.raises(ValueError, match="the latent kernel takes D a multiple of 16"):
+    paged_latent_attention.paged_latent_decode_attention(
+        q, k, v, table, lengths, value_dim=head_dim, scale=0.2, layer=1)
+  with pytest.raises(ValueError, match="k_pages must have q's dtype"):
+    paged_latent_attention.paged_latent_decode_attention(
+        q.astype(jnp.bfloat16), k, v, table, lengths, value_dim=value_dim, scale=0.2,
+        layer=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", list(VARIANTS))
+def test_triton_kernel_gives_the_references_and_hfs_tokens_on_gpu(model_type, tmp_path):
+  """f32 on a GPU: the latent decode kernel's greedy tokens equal the reference path's
+  and HF's (`assert_kernels_give_references_and_hfs_tokens`)."""
+  model_class, config_class, fields = VARIANTS[model_type]
+  torch.manual_seed(1)
+  hf = model_class(config_class(**CONFIG, **fields)).eval()
+  hf.save_pretrained(tmp_path)
+  assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
+      deepseek.from_pretrained, tmp_path))
+
+
+def test_config_reads_hf_and_refuses_what_it_lacks(saved):
+  hf, path = saved
+  config = json.loads((path / "config.json").read_text())
+  c = deepseek.DeepseekConfig.from_dict(config)
+  assert (c.num_local_experts, c.shared_expert_intermediate_size, c.head_dim) == (8, 32, 8)
+  assert [c.sparse(i) for i in range(2)] == [False, True]
+  # The softmax scale: HF's attention module's (with V2's YaRN mscale_all_dim).
+  assert c.attention_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-6)
+  if c.model_type == "deepseek_v2":
+    assert c.rope.rope_type == "yarn" and c.rope_interleave and c.q_lora_rank is None
+  else:
+    assert (c.topk_method, c.q_lora_rank, c.norm_topk_prob) == ("noaux_tc", 24, True)
+  d = deepseek.DeepseekConfig.from_dict({"model_type": "deepseek_v2"})  # V2-Lite's
+  assert (d.kv_lora_rank, d.qk_rope_head_dim, d.num_local_experts,
+          d.num_experts_per_tok) == (512, 64, 64, 6)
+  assert latent_attention.spec_head_dim(d.kv_lora_rank, d.qk_rope_head_dim) == 288
+  for bad, message in (
+      ({"topk_method": "random"}, "topk_method 'random' is not supported"),
+      ({"n_group": 3}, "needs n_group dividing the 8 experts"),
+      ({"topk_group": 5}, "topk_group <= n_group"),
+      ({"kv_lora_rank": 33}, "kv_lora_rank \\+ qk_rope_head_dim must be even"),
+      ({"routed_scaling_factor": 0.0}, "routed_scaling_factor must be a positive"),
+      ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+      ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported")):
+    with pytest.raises(ValueError, match=message):
+      deepseek.DeepseekConfig.from_dict({**config, **bad})
+  other = "greedy" if c.model_type == "deepseek_v3" else "noaux_tc"
+  with pytest.raises(ValueError, match=f"topk_method '{other}' does not go with"):
+    deepseek.DeepseekConfig.from_dict({**config, "topk_method": other})
+
+
+def test_engine_refuses_lora_and_tensor_parallel(saved):
+  _, path = saved
+  model = deepseek.from_pretrained(path)
+  with pytest.raises(ValueError, match="LoRA adapters are not supported for DeepSeek"):
+    jax_paged.Engine(model, max_batch=2, num_pages=8, page_size=PAGE, max_loras=1)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  with pytest.raises(ValueError, match="tensor parallelism is not supported for DeepSeek"):
+    jax_paged.Engine(model, max_batch=2, num_pages=8, page_size=PAGE, mesh=mesh)
+
+
+def test_bf16_tracks_hf(saved):
+  """bf16 weights but the router's and V3's correction bias, f32 as in HF's models."""
+  hf, path = saved
+  assert_bf16_tracks_hf(hf, deepseek.from_pretrained(path, dtype=jnp.bfloat16),
+                        f32_params=("'router'", "'correction_bias'"))
+
+
+def test_cli_finds_the_model_type(saved, capsys):
+  hf, path = saved
+  assert_installed_cli_gives_hfs_tokens(hf, path, capsys, seed=6)
