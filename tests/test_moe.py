@@ -95,16 +95,19 @@ def test_prefill_and_decode_logits_match_hf(saved):
 
 
 def test_generate_and_engine_give_hfs_tokens(saved):
-  """generate; an engine whose prompts share a cached prefix and whose long prompt is
-  prefilled in chunks; an engine preempting in a tiny pool: HF's greedy tokens."""
+  """generate; for Mixtral and Qwen2-MoE an engine whose prompts share a cached prefix and
+  whose long prompt is prefilled in chunks, and one preempting in a tiny pool: HF's greedy
+  tokens."""
   hf, path = saved
   model = moe.from_pretrained(path)
   rng = np.random.default_rng(2)
   prompts = _prompts(rng, [1, 7, 9, 15])
   want = [_hf_generate(hf, p, 12) for p in prompts]
   assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
-  if model.config.model_type == "granitemoe":
-    return  # (Mixtral's attention and experts, scaled: the engine's paths are Mixtral's)
+  if model.config.model_type not in ("mixtral", "qwen2_moe"):
+    # The engine's paths are the model's prefill and decode, which generate ran: the
+    # engine runs for Mixtral and for Qwen2-MoE (windows, a shared expert) only.
+    return
   eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0

@@ -10,7 +10,6 @@ GPUs, `test_two_gpus_match_one_gpu` runs the engine case in the main process on 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import re
@@ -77,21 +76,20 @@ def test_logits_and_pool_match_one_device(model):
   """Prefill, a decode step and a prefill over the cached tokens (start): f32 logits within
   1e-5 of one device's, and the gathered pool within 1e-6 of one device's pool (relative:
   the normalised K of Qwen3's heads is f32 rounding apart); with an int8 pool (scales
-  split by kv head) as well."""
+  split by kv head) as well, at TP 2."""
   result = _run_case("engine")[model]
-  for prefix in ("", "int8_"):
-    for n in ("2", "4"):
-      for step, err in result[prefix + "logit_errors"][n].items():
-        assert err < 1e-5, (prefix, n, step, err)
-      assert result[prefix + "pool_errors"][n] < 1e-6, (prefix, n)
-  assert result["int8_code_steps"] == {"2": 0, "4": 0}
+  for prefix, n in (("", "2"), ("", "4"), ("int8_", "2")):
+    for step, err in result[prefix + "logit_errors"][n].items():
+      assert err < 1e-5, (prefix, n, step, err)
+    assert result[prefix + "pool_errors"][n] < 1e-6, (prefix, n)
+  assert result["int8_code_steps"] == {"2": 0}
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_pool_kv_is_sharded_by_kv_head(model):
   result = _run_case("engine")[model]
   layers, hkv, rest = result["pool_shape"][0], result["pool_shape"][1], result["pool_shape"][2:]
-  for prefix, n in itertools.product(("", "int8_"), ("2", "4")):
+  for prefix, n in (("", "2"), ("", "4"), ("int8_", "2")):
     shards = result[prefix + "shards"][n]
     assert len(shards) == int(n) and len({s["device"] for s in shards}) == int(n)
     for i, s in enumerate(sorted(shards, key=lambda s: s["start"])):
@@ -337,7 +335,8 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
       # Logits of the three forwards, and the pool they leave; an int8 pool's too (its
       # scales split by kv head like its pages).
       runner = ModelRunner(model, mesh)
-      for dtype in (None, "int8"):
+      # (An int8 pool at TP 1 and 2: its scales split like its pages.)
+      for dtype in (None, "int8") if n < 4 else (None,):
         logits, kv = _forwards(runner, dtype)
         pages = jax.device_get((kv.k_pages, kv.v_pages))
         # (An int8 pool's scales with the other float / int arrays; its codes apart.)
