@@ -731,14 +731,23 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     FileNotFoundError: the directory's config.json, its weights or a listed shard is
       missing.
     ValueError: a file is unreadable, an index names a file that lacks the tensor, the
-      model_type or a setting is unsupported (each naming the file), or a weight is
-      missing from the checkpoint or has the wrong shape.
+      model_type or a setting is unsupported or the checkpoint is pre-quantized (each
+      naming the file), or a weight is missing from the checkpoint or has the wrong
+      shape.
   """
   path = os.fspath(path)
   config_file = os.path.join(path, "config.json")
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f"no config.json in {path}")
   config = _read_json(config_file)
+  quantization = config.get("quantization_config")
+  if quantization is not None:
+    # Their weights are stored narrow beside scales (or packed) under the same names: read
+    # as floats they would load without error and compute nonsense.
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ValueError(f"{config_file}: pre-quantized checkpoints (quantization_config, "
+                     f"quant_method {method!r}) are not supported; load the float "
+                     "checkpoint (int8 serving quantizes it: --quantization int8)")
   generation_file = os.path.join(path, "generation_config.json")
   if os.path.isfile(generation_file):
     eos = _read_json(generation_file).get("eos_token_id")

@@ -334,6 +334,12 @@ def test_from_pretrained_errors(saved, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
   with pytest.raises(ValueError, match=r"config.json: model_type 'gpt_neox' is not supported"):
     llama.from_pretrained(tmp_path)
+  # A pre-quantized checkpoint (Qwen3-8B-FP8's layout: fp8 weights under the same names).
+  (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {
+      "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+  with pytest.raises(ValueError, match=r"config.json: pre-quantized checkpoints .*"
+                                       r"quant_method 'fp8'\) are not supported"):
+    llama.from_pretrained(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(FileNotFoundError, match="model.safetensors or "
                                               "model.safetensors.index.json"):
