@@ -128,9 +128,9 @@ class DeepseekConfig(moe.MoeConfig):
   def from_dict(cls, config: dict) -> "DeepseekConfig":
     """From a Hugging Face config dict: n_routed_experts read as num_local_experts,
     n_shared_experts as the shared expert's width; V2 always interleaves its RoPE pairs;
-    V3's defaults where its config omits them. Refused: attention settings other than
-    MLA's (num_key_value_heads is ignored, as HF's classes ignore it) and a hidden_act
-    other than silu (`llama.LlamaConfig.from_dict`)."""
+    V3's defaults where its config omits them. num_key_value_heads and head_dim are
+    dropped (MLA has neither; HF's attention ignores them); a hidden_act other than silu
+    and the other unsupported settings are refused (`llama.LlamaConfig.from_dict`)."""
     config = dict(config)
     model_type = config.setdefault("model_type", cls.model_type)
     if "n_routed_experts" in config:
