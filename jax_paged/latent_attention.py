@@ -157,13 +157,8 @@ class LatentAttention(nnx.Module):
     positions = jnp.arange(x.shape[1])[None, :] + (0 if start is None else start[:, None])
     q, k, v = self._project(x, positions)
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
-    if start is None:
-      # Fresh prompts: their pages are the ones their slots were just written to.
-      start = jnp.zeros_like(lengths)
-      page_table = jnp.maximum(slots[:, ::kv.page_size], 0) // kv.page_size
-      lengths = jnp.where(slots[:, 0] >= 0, lengths, 0)
-    elif page_table is None:
-      raise ValueError("prefill with start needs the batch's page_table rows")
+    start, page_table, lengths = paged_nn.prefill_pages(slots, lengths, kv.page_size, start,
+                                                        page_table)
     o = reference.paged_latent_attention(
         q, kv.k_pages, kv.v_pages, page_table, positions, start + lengths,
         value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,

@@ -540,6 +540,22 @@ class GroupedLinear(nnx.Module):
     return True
 
 
+def prefill_pages(slots: jax.Array, lengths: jax.Array, page_size: int,
+                  start: jax.Array | None, page_table: jax.Array | None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(start, page_table, lengths) over which a prefill's new tokens attend through the
+  pages: as given after a cached prefix (`start` set; ValueError without the batch's
+  `page_table` rows), or for fresh prompts (start None) their own pages just written,
+  whose ids their slots give (token t at slot page * page_size + t % page_size), a row not
+  written (slots -1: no room in the pool) with length 0 (it attends to nothing)."""
+  if start is not None:
+    if page_table is None:
+      raise ValueError("prefill with start needs the batch's page_table rows")
+    return start, page_table, lengths
+  return (jnp.zeros_like(lengths), jnp.maximum(slots[:, ::page_size], 0) // page_size,
+          jnp.where(slots[:, 0] >= 0, lengths, 0))
+
+
 class PagedAttention(nnx.Module):
   """Self-attention with a paged KV cache.
 
@@ -678,15 +694,8 @@ class PagedAttention(nnx.Module):
       y = prompt_attention(q, k, v, lengths, scale=self.scale,
                            sliding_window=self.sliding_window)
     else:
-      if start is None:
-        # Fresh prompts attend to themselves through the pages just written, whose ids
-        # their slots give (token t at slot page * page_size + t % page_size). A row not
-        # written (slots -1: no room in the pool) attends to nothing and gives 0.
-        start = jnp.zeros_like(lengths)
-        page_table = jnp.maximum(slots[:, ::kv.page_size], 0) // kv.page_size
-        lengths = jnp.where(slots[:, 0] >= 0, lengths, 0)
-      elif page_table is None:
-        raise ValueError("prefill with start needs the batch's page_table rows")
+      start, page_table, lengths = prefill_pages(slots, lengths, kv.page_size, start,
+                                                 page_table)
       # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place
       # (a quantized pool's narrow pages dequantized in registers, q in the compute dtype).
       y = paged_prefill.paged_prefill_attention(

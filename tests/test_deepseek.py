@@ -23,11 +23,11 @@ from jax_paged import latent_attention, reference, weight_quant
 from jax_paged.kernels import paged_latent_attention
 from jax_paged.serving.runner import ModelRunner
 from models import deepseek
-from tests.test_engine import assert_pages_back
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
                               assert_bf16_tracks_hf, assert_installed_cli_gives_hfs_tokens,
                               assert_kernels_give_references_and_hfs_tokens,
-                              assert_logits_track_hf)
+                              assert_logits_track_hf, assert_preempting_engine_gives,
+                              assert_prefix_cache_and_chunks_give_hfs_tokens)
 
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -90,17 +90,8 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
   if model.config.model_type == "deepseek_v3":
     return
-  eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
-  outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
-  assert outputs == want and report.preemptions > 0
-  assert_pages_back(eng)
-  system = _prompts(rng, [2 * PAGE + 3])[0]
-  prompts = [system + p for p in _prompts(rng, [4, 9])] + _prompts(rng, [40])
-  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
-                         max_prefill_tokens=16)
-  outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
-  assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
-  assert report.cached_prompt_tokens >= 2 * PAGE
+  assert_preempting_engine_gives(model, prompts, want)
+  assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
 
 
 def test_int8_latent_cache_and_int8_weights(saved):

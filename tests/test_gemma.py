@@ -24,7 +24,8 @@ from models import gemma3
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _prompts,
                               assert_bf16_tracks_hf,
                               assert_kernels_give_references_and_hfs_tokens,
-                              assert_installed_cli_gives_hfs_tokens, assert_logits_track_hf)
+                              assert_installed_cli_gives_hfs_tokens, assert_logits_track_hf,
+                              assert_prefix_cache_and_chunks_give_hfs_tokens)
 
 # Layers 0 and 1 windowed to 5 positions, layer 2 global; GQA 4 q heads over 2 kv heads
 # of 32 (128 wide, hidden 48); scores scaled by query_pre_attn_scalar 20, not the head dim.
@@ -95,13 +96,7 @@ def test_greedy_tokens_match_hf_with_a_cached_prefix_and_chunks(saved):
   prompts = _prompts(rng, [1, 5, 9, 17])
   assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == [
       _hf_generate(hf, p, 12) for p in prompts]
-  system = _prompts(rng, [2 * PAGE + 3])[0]
-  prompts = [system + p for p in _prompts(rng, [4, 9])] + _prompts(rng, [40])
-  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
-                         max_prefill_tokens=16)
-  outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
-  assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
-  assert report.cached_prompt_tokens >= 2 * PAGE
+  assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
 
 
 def test_gemma3_config_reads_hf_layouts_and_refuses_what_it_lacks(tmp_path):

@@ -234,32 +234,48 @@ def test_beam_search_matches_hf(saved, name):
     np.testing.assert_allclose([b.score for b in got], [w[1] for w in want], rtol=1e-5)
 
 
-def test_engine_under_preemption_gives_generates_tokens(saved):
-  _, _, path = saved("llama")
-  model = llama.from_pretrained(path)
-  prompts = _prompts(np.random.default_rng(3), [1, 7, 9, 15])
-  want = jax_paged.generate(model, prompts, 12, page_size=PAGE)
+def assert_preempting_engine_gives(model, prompts: list[list[int]],
+                                   want: list[list[int]]) -> None:
+  """An engine of 3 slots over 7 pages (it preempts) gives `want`, 12 new tokens per
+  prompt, and every page back."""
   eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0
   assert_pages_back(eng)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_prefix_caching_and_chunked_prefill_give_hfs_tokens(saved, name):
-  """Prompts sharing a prefix (attached to cached pages, then prefilled from a rotated
-  offset) and a long one prefilled in chunks: HF's greedy tokens, also with Mistral's
-  window shorter than the prefix."""
-  _, hf, path = saved(name)
-  model = llama.from_pretrained(path)
-  rng = np.random.default_rng(5)
+def assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng,
+                                                   suffixes: list[int]) -> int:
+  """Prompts sharing a prefix of 2 pages and 3 tokens (attached to cached pages, then
+  prefilled from a rotated offset), with suffixes of these lengths, and a long one
+  prefilled in chunks of 16: HF's greedy tokens. Returns the prompt tokens read from the
+  cache."""
   system = _prompts(rng, [2 * PAGE + 3])[0]
-  prompts = [system + p for p in _prompts(rng, [4, 9, 1])] + _prompts(rng, [40])
+  prompts = [system + p for p in _prompts(rng, suffixes)] + _prompts(rng, [40])
   eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
                          max_prefill_tokens=16)
   outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
-  assert outputs == [_hf_generate(hf, p, 6) for p in prompts], name
-  assert report.cached_prompt_tokens >= 2 * 2 * PAGE
+  assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
+  return report.cached_prompt_tokens
+
+
+def test_engine_under_preemption_gives_generates_tokens(saved):
+  _, _, path = saved("llama")
+  model = llama.from_pretrained(path)
+  prompts = _prompts(np.random.default_rng(3), [1, 7, 9, 15])
+  assert_preempting_engine_gives(model, prompts,
+                                 jax_paged.generate(model, prompts, 12, page_size=PAGE))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_prefix_caching_and_chunked_prefill_give_hfs_tokens(saved, name):
+  """`assert_prefix_cache_and_chunks_give_hfs_tokens`, also with Mistral's window shorter
+  than the prefix."""
+  _, hf, path = saved(name)
+  model = llama.from_pretrained(path)
+  cached = assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, np.random.default_rng(5),
+                                                          [4, 9, 1])
+  assert cached >= 2 * 2 * PAGE
 
 
 def test_config_from_dict_reads_each_model_type_as_hf_does():
