@@ -154,6 +154,11 @@ def test_auto_num_splits(monkeypatch):
   assert pa.auto_num_splits(48, 8, 2048, 64) == 2
   # Short sequences are never split into less than a few blocks each.
   assert pa.auto_num_splits(1, 1, 128, 32) == 1
+  # The latent kernel's settings: splits of one block, for 2 programs per SM (DeepSeek's
+  # one head block at batch 1 / 16 / 64 over 74 pages of 16).
+  latent = dict(min_blocks_per_split=1, programs_per_sm=2)
+  assert [pa.auto_num_splits(b, 1, 1184, 64, **latent) for b in (1, 16, 64)] == [16, 16, 4]
+  assert pa.auto_num_splits(1, 1, 1184, 64) == 4  # (4 blocks per split)
 
 
 def test_default_config(monkeypatch):

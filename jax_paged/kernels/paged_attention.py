@@ -348,7 +348,8 @@ _paged_decode_reference = jax.jit(
 
 
 def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, *,
-                    min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT) -> int:
+                    min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
+                    programs_per_sm: float = _PROGRAMS_PER_SM) -> int:
   """Splits so that batch x kv heads x splits fills the GPU without tiny splits.
 
   Args:
@@ -356,11 +357,12 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int
     max_tokens: most tokens a sequence can attend to (static bound on the lengths).
     block_n: tokens per kernel step.
     min_blocks_per_split: the fewest blocks a split should walk.
+    programs_per_sm: the programs per SM to aim for.
   """
   programs = batch * num_kv_heads
   if programs >= _UNSPLIT_PROGRAMS_PER_SM * triton_backend.sm_count():
     return 1
-  wanted = pl.cdiv(_PROGRAMS_PER_SM * triton_backend.sm_count(), programs)
+  wanted = pl.cdiv(int(programs_per_sm * triton_backend.sm_count()), programs)
   most = max(1, max_tokens // (min_blocks_per_split * block_n))
   splits = max(1, min(wanted, most, _MAX_SPLITS))
   # Round down to a power of two: measured on an H200, 3 splits at B*Hkv=256 ran at 71%

@@ -42,6 +42,7 @@ _MAX_BLOCK_G = 32
 # stages on every shape of bench_latent_attention (H200, 2026-11-29: 32/4/2 was 2-22%
 # slower, 8 warps 10-60% slower; LOG.md).
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
+_PROGRAMS_PER_SM = 2
 
 
 def pieces(width: int) -> tuple[tuple[int, int], ...]:
@@ -240,12 +241,13 @@ def paged_latent_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax
   page_table = validation.clamp_unchecked_page_ids(page_table, k_pages.shape[2], lengths)
   batch, num_heads = q.shape[:2]
   if num_splits is None:
-    # Splits as short as one block: a program's 64-token block of dependent gathers takes
-    # microseconds, so at one sequence (one program per split) the splits' count is the
-    # speed.
+    # Splits as short as one block (a lone sequence's blocks are dependent gathers of
+    # microseconds each: 4-block splits made V2-Lite's batch-1 attention 2x slower), for 2
+    # programs per SM (4 ran V2-Lite's batch 64 at 8 splits, 14% slower than 4 with their
+    # merge; H200, LOG.md).
     num_splits = paged_attention.auto_num_splits(
         batch, head_blocks(num_heads), page_table.shape[1] * k_pages.shape[3],
-        block_n or _BLOCK_N, min_blocks_per_split=1)
+        block_n or _BLOCK_N, min_blocks_per_split=1, programs_per_sm=_PROGRAMS_PER_SM)
   return _latent_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, layer, value_dim=value_dim,
       scale=float(scale), num_splits=num_splits, interpret=mode,
