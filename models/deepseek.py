@@ -179,16 +179,14 @@ class DeepseekMoE(moe.SparseMoE):
       choice = self._keep_groups(choice, group_scores, -jnp.inf)
       experts = lax.top_k(choice, self.top_k)[1]
       weights = jnp.take_along_axis(scores, experts, axis=-1)
-      if self.normalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     else:
       scores = jax.nn.softmax(logits, axis=-1)
       if self.method == "group_limited_greedy":
         grouped = scores.reshape(scores.shape[0], self.groups[0], -1)
         scores = self._keep_groups(scores, jnp.max(grouped, axis=-1), 0.0)
       weights, experts = lax.top_k(scores, self.top_k)
-      if self.normalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if self.normalize:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * self.routed_scaling_factor, experts
 
   def _keep_groups(self, scores: jax.Array, group_scores: jax.Array, fill: float
@@ -267,8 +265,8 @@ def hf_sources(path: tuple[str, ...], config: DeepseekConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.Sources` of DeepSeek's checkpoints: the latent attention's modules (with the
   rotated rows reordered where interleaved, kv_b_proj split into w_uk and w_uv), the
-  experts (`models.moe.hf_sources`: Qwen-MoE's names, the shared experts' as
-  shared_experts, V3's correction bias), the rest as Llama's."""
+  experts and the rest (`models.moe.hf_sources`: Qwen-MoE's expert names, the shared
+  experts' module shared_experts), V3's correction bias."""
   if path[2:3] == ("self_attn",):
     prefix = f"model.layers.{path[1]}.self_attn."
     module, param = path[3], path[-1]
@@ -295,10 +293,7 @@ def hf_sources(path: tuple[str, ...], config: DeepseekConfig
   if path[2:4] == ("mlp", "correction_bias"):
     return ([f"model.layers.{path[1]}.mlp.gate.e_score_correction_bias"],
             lambda parts: parts[0])
-  if path[2:4] == ("mlp", "shared"):
-    names, assemble = llama.hf_sources(path[:3] + path[4:], config)
-    return [n.replace(".mlp.", ".mlp.shared_experts.") for n in names], assemble
-  return moe.hf_sources(path, config, moe.QWEN_EXPERTS)
+  return moe.hf_sources(path, config, moe.QWEN_EXPERTS, shared_name="shared_experts")
 
 
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,

@@ -273,15 +273,17 @@ _GRANITE_FUSED = {"gate_up": "input_linear", "down": "output_linear"}
 
 
 def hf_sources(path: tuple[str, ...], config: MoeConfig,
-               experts_names: tuple[str, str, tuple[str, str, str] | None] | None = None
+               experts_names: tuple[str, str, tuple[str, str, str] | None] | None = None,
+               *, shared_name: str = "shared_expert"
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.Sources` of these models: the experts' HF tensors (the router's and each
   expert's gate, up and down torch Linear weights, `_HF_EXPERTS` of the model type, or
-  `experts_names` of that form) stacked by expert, the rest (a dense layer's MLP,
-  Qwen2-MoE's shared expert as the MLP shared_expert) as `llama.hf_sources`."""
+  `experts_names` of that form) stacked by expert, the rest (a dense layer's MLP, a
+  shared expert as the MLP `shared_name`: Qwen2-MoE's shared_expert) as
+  `llama.hf_sources`."""
   if path[2:4] == ("mlp", "shared"):  # ("layers", i, "mlp", "shared", module, param)
     names, assemble = llama.hf_sources(path[:3] + path[4:], config)  # a dense MLP's
-    return [n.replace(".mlp.", ".mlp.shared_expert.") for n in names], assemble
+    return [n.replace(".mlp.", f".mlp.{shared_name}.") for n in names], assemble
   if path[2:3] != ("mlp",) or not config.sparse(int(path[1])):  # not a SparseMoE's
     return llama.hf_sources(path, config)
   block, router, per_expert = experts_names or _HF_EXPERTS[config.model_type]
