@@ -39,13 +39,14 @@ PAGE_SIZE = 16
 
 
 def filled_pool(model: gpt2.GPT2LMHeadModel, batch: int, context: int, num_pages: int,
-                max_pages_per_seq: int, seed: int) -> pool_lib.KVPool:
-  """A pool whose `batch` sequences already hold `context` tokens in random pages.
+                max_pages_per_seq: int, seed: int, cache_dtype=None) -> pool_lib.KVPool:
+  """A pool (of `cache_dtype`, None: the model's compute dtype) whose `batch` sequences
+  already hold `context` tokens in random pages.
 
   K/V values are zeros: the step's time does not depend on them.
   """
   kv = model.spec.create_pool(num_pages=num_pages, page_size=PAGE_SIZE, max_seqs=batch,
-                              max_pages_per_seq=max_pages_per_seq)
+                              max_pages_per_seq=max_pages_per_seq, dtype=cache_dtype)
   used = -(-context // PAGE_SIZE)
   perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
   table = np.zeros((batch, max_pages_per_seq), np.int32)

@@ -14,7 +14,8 @@ by-name table sums every "linear").
     PYTHONPATH=. python benchmarks/profile_decode_step.py
         [--model gpt2 | llama-3.2-1b | llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b |
                  deepseek-v2-lite]
-        [--layers N] [--quantization int8] [--batch 128] [--context 512] [--steps 32]
+        [--layers N] [--quantization int8] [--kv-cache-dtype auto|int8|fp8] [--batch 128]
+        [--context 512] [--steps 32]
         [--top 40] [--layer]
 """
 
@@ -37,6 +38,7 @@ from benchmarks import bench_moe
 from benchmarks import bench_tensor_parallel
 from benchmarks.bench_decode_step import decode_chunk
 from benchmarks import common
+from jax_paged import cli
 from jax_paged import weight_quant
 from jax_paged.serving import runner as runner_lib
 from models import deepseek
@@ -59,6 +61,8 @@ def main():
                            "shape: the per-layer figures are the same, the init shorter)")
   parser.add_argument("--quantization", choices=("none", "int8"), default="none",
                       help="int8: the linears' weights int8 (`weight_quant.quantize_weights`)")
+  parser.add_argument("--kv-cache-dtype", choices=list(cli.KV_CACHE_DTYPES), default="auto",
+                      help="the pool's dtype (auto: bf16, the compute dtype)")
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--steps", type=int, default=32,
@@ -90,7 +94,8 @@ def main():
   total_steps = (args.calls + 2) * args.steps
   pages_per_seq = -(-(args.context + total_steps) // ps)
   fresh_pool = lambda: bench_decode_step.filled_pool(
-      model, args.batch, args.context, args.batch * pages_per_seq, pages_per_seq, seed=0)
+      model, args.batch, args.context, args.batch * pages_per_seq, pages_per_seq, seed=0,
+      cache_dtype=cli.KV_CACHE_DTYPES[args.kv_cache_dtype])
   kv = fresh_pool()
   loop, leaves = bench_decode_step.engine_loop(runner_lib.ModelRunner(model))
   if args.hlo:
@@ -135,7 +140,8 @@ def main():
   span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps
 
   layers = "" if args.layers is None else f", {args.layers} layers"
-  print(f"# {args.model} ({args.quantization} weights{layers}) decode step profile: batch "
+  print(f"# {args.model} ({args.quantization} weights{layers}, {args.kv_cache_dtype} KV "
+        f"cache) decode step profile: batch "
         f"{args.batch}, context {args.context} to "
         f"{args.context + args.calls * args.steps}, {args.steps} steps per call, "
         f"{common.header()}")

@@ -3,7 +3,7 @@
 Layers, each using only those before it:
   kernels   Pallas kernels (lowered through Triton on a GPU; plain XLA on CPU) with their
             references: paged_decode_attention, paged_prefill_attention,
-            paged_latent_decode_attention (MLA), merge_attention_states(_n),
+            paged_latent_{decode,prefill}_attention (MLA), merge_attention_states(_n),
             grouped_matmul (mixture-of-experts); ground truth in plain jax.numpy in
             `jax_paged.reference`
   pool      the functional KV page pool: KVPool, `jax_paged.pool` (reserve, write_kv,
@@ -39,7 +39,8 @@ from jax_paged import nn
 from jax_paged import latent_attention
 from jax_paged.kernels.paged_attention import paged_decode_attention
 from jax_paged.kernels.paged_prefill import paged_prefill_attention
-from jax_paged.kernels.paged_latent_attention import paged_latent_decode_attention
+from jax_paged.kernels.paged_latent_attention import (paged_latent_decode_attention,
+                                                      paged_latent_prefill_attention)
 from jax_paged.kernels.merge_attention import merge_attention_states, merge_attention_states_n
 from jax_paged.kernels.grouped_matmul import grouped_matmul
 from jax_paged.paged_model import ModelFamily, ModelSpec, PagedModel
@@ -58,6 +59,6 @@ __all__ = [
     "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report",
     "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "grouped_matmul", "guided",
     "latent_attention", "lora", "merge_attention_states", "merge_attention_states_n", "nn",
-    "paged_decode_attention", "paged_latent_decode_attention", "paged_prefill_attention",
-    "pool", "reference", "weight_quant",
+    "paged_decode_attention", "paged_latent_decode_attention", "paged_latent_prefill_attention",
+    "paged_prefill_attention", "pool", "reference", "weight_quant",
 ]

@@ -12,9 +12,9 @@ read one K/V head.
 The latent lives in an ordinary `KVPool` of one kv head: its first half as the token's K,
 its second as its V (`reference.paged_latent_attention`), so that every pool operation
 (reserve, write, copy-on-write, prefix caching, int8 / float8 pages) holds it unchanged:
-`spec_head_dim` gives the pool's head dim. Decode attends through
-`kernels.paged_latent_attention`'s Triton kernel on a GPU (float pools); prefill, and
-int8 / float8 pools, through XLA (`reference.paged_latent_attention`).
+`spec_head_dim` gives the pool's head dim. Prefill and decode attend through
+`kernels.paged_latent_attention`'s Triton kernels on a GPU (int8 / float8 pages
+dequantized in registers), XLA's `reference.paged_latent_attention` elsewhere.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class LatentAttention(nnx.Module):
     scale: the softmax scale (DeepSeek's 1 / sqrt(dn + dr), times YaRN's mscale squared).
     bias: biases on q_a / kv_a and out (HF's attention_bias).
     norm_eps: the epsilon of q_a_norm and kv_a_norm.
-    decode_impl: "auto" or "kernel" (`kernels.paged_latent_attention`'s Triton kernel on a
-      GPU for a float pool of widths it takes, XLA's reference otherwise) or "reference"
-      (XLA's everywhere, for comparisons).
+    decode_impl: "auto" or "kernel" (`kernels.paged_latent_attention`'s Triton kernels, at
+      prefill and decode, on a GPU for a pool of widths they take; XLA's reference
+      otherwise) or "reference" (XLA's everywhere, for comparisons).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, qk_nope_head_dim: int,
@@ -136,12 +136,18 @@ class LatentAttention(nnx.Module):
     return o.reshape(o.shape[:2] + (-1,))
 
   def _use_kernel(self, kv: pool_lib.KVPool) -> bool:
-    """Whether decode calls `paged_latent_decode_attention` (the Triton kernel on a GPU,
-    XLA's reference elsewhere): unless decode_impl is "reference", for a float pool of
-    widths and page size it takes."""
-    return (self.decode_impl != "reference" and not kv.quantized
+    """Whether prefill and decode call `paged_latent_{prefill,decode}_attention` (the
+    Triton kernels on a GPU, XLA's reference elsewhere): unless decode_impl is
+    "reference", for a pool of widths and page size they take."""
+    return (self.decode_impl != "reference"
             and paged_latent_attention.kernel_supports(self.head_dim, self.kv_lora_rank,
                                                        kv.page_size))
+
+  @staticmethod
+  def _kernel_q(q: jax.Array, kv: pool_lib.KVPool) -> jax.Array:
+    """q as the kernels take it: in a float pool's dtype; over a quantized pool in the
+    compute dtype (the pages convert to it)."""
+    return q if kv.quantized else q.astype(kv.dtype)
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
@@ -149,8 +155,8 @@ class LatentAttention(nnx.Module):
               adapters: jax.Array | None = None) -> tuple[jax.Array, pool_lib.KVPool]:
     """New tokens of several sequences, as `nn.PagedAttention.prefill` (its Args and
     Returns; no LoRA slots: `adapters` must be None). The new tokens' latents are written,
-    then every query attends through the pages, so a quantized pool's prompt sees the
-    cache as decoding will."""
+    then every query attends through the pages (the prefix cached before `start` too), so
+    a quantized pool's prompt sees the cache as decoding will."""
     if adapters is not None:
       raise ValueError("LatentAttention takes no LoRA adapters")
     dtype = self.dtype or x.dtype
@@ -159,10 +165,16 @@ class LatentAttention(nnx.Module):
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     start, page_table, lengths = paged_nn.prefill_pages(slots, lengths, kv.page_size, start,
                                                         page_table)
-    o = reference.paged_latent_attention(
-        q, kv.k_pages, kv.v_pages, page_table, positions, start + lengths,
-        value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,
-        v_scales=kv.v_scales)
+    if self._use_kernel(kv):
+      o = paged_latent_attention.paged_latent_prefill_attention(
+          self._kernel_q(q, kv), kv.k_pages, kv.v_pages, page_table, start, lengths,
+          value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,
+          v_scales=kv.v_scales)
+    else:
+      o = reference.paged_latent_attention(
+          q, kv.k_pages, kv.v_pages, page_table, positions, start + lengths,
+          value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,
+          v_scales=kv.v_scales)
     y = self._up_project(o, dtype)
     return (paged_nn.projection(self.out, y) if project else y), kv
 
@@ -179,8 +191,9 @@ class LatentAttention(nnx.Module):
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     if self._use_kernel(kv):
       o = paged_latent_attention.paged_latent_decode_attention(
-          q.astype(kv.dtype), kv.k_pages, kv.v_pages, page_table, lengths,
-          value_dim=self.kv_lora_rank, scale=self.scale, layer=layer)[:, None]
+          self._kernel_q(q, kv), kv.k_pages, kv.v_pages, page_table, lengths,
+          value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,
+          v_scales=kv.v_scales)[:, None]
     else:
       o = reference.paged_latent_attention(
           q[:, None], kv.k_pages, kv.v_pages, page_table, positions[:, None], lengths,

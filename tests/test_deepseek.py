@@ -20,7 +20,7 @@ import transformers
 
 import jax_paged
 from jax_paged import latent_attention, reference, weight_quant
-from jax_paged.kernels import paged_latent_attention
+from jax_paged.kernels import kv_quant, paged_latent_attention
 from jax_paged.serving.runner import ModelRunner
 from models import deepseek
 from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
@@ -164,36 +164,131 @@ def test_latent_attention_matches_expanded_heads():
     np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads, head_dim, value_dim, splits", [
-    (20, 32, 48, 1), (16, 48, 80, 3), (40, 32, 64, None)])
-def test_latent_kernel_matches_the_reference(heads, head_dim, value_dim, splits):
+def _latent_pages(rng, shape, table, lengths, cache_dtype):
+  """A pool of `shape` [L, 1, pages, page, D] holding random latent halves at each row's
+  first `lengths` positions of its `table` pages, NaN everywhere else; cache_dtype None
+  (float32, scales None) or int8 / float8_e4m3fn (quantized per token, V token-minor,
+  NaN scales elsewhere). Returns (k, v, k_scales, v_scales)."""
+  k, v = (np.full(shape, np.nan, np.float32) for _ in range(2))
+  page = shape[3]
+  for row, length in enumerate(lengths):
+    for pos in range(length):
+      for x in (k, v):
+        x[:, 0, table[row, pos // page], pos % page] = rng.standard_normal(
+            (shape[0], shape[-1]))
+  if cache_dtype is None:
+    return jnp.asarray(k), jnp.asarray(v), None, None
+  (k, k_scales), (v, v_scales) = (kv_quant.quantize(jnp.asarray(x), cache_dtype)
+                                  for x in (k, v))
+  return k, kv_quant.transpose_pages(v), k_scales, v_scales
+
+
+@pytest.mark.parametrize("heads, head_dim, value_dim, splits, cache_dtype", [
+    (20, 32, 48, 1, None), (16, 48, 80, 3, None), (40, 32, 64, None, None),
+    (16, 48, 80, 3, jnp.int8), (20, 32, 48, None, jnp.float8_e4m3fn)])
+def test_latent_kernel_matches_the_reference(heads, head_dim, value_dim, splits,
+                                             cache_dtype):
   """The Triton kernel (interpret mode) against the reference on fresh random pages: head
   blocks with masked heads (20 and 40 heads in blocks of 32), halves read in pieces (48
-  = 32 + 16), c spanning part or all of V, several splits, a row of length 0; every
-  element written (interpret mode starts the outputs as NaN)."""
+  = 32 + 16), c spanning part or all of V, several splits, a row of length 0, int8 and
+  float8 pages (scales NaN past every row's tokens: never weighted); NaN slots past the
+  lengths never read; every element written (interpret mode starts the outputs as NaN)."""
   rng = np.random.default_rng(heads)
   layers, pages, page, batch = 2, 24, 8, 3
-  k, v = (jnp.asarray(rng.standard_normal((layers, 1, pages, page, head_dim)), jnp.float32)
-          for _ in range(2))
+  table = rng.permutation(pages)[:batch * 6].reshape(batch, 6).astype(np.int32)
+  lengths = np.array([5, 41, 0], np.int32)
+  k, v, ks, vs = _latent_pages(rng, (layers, 1, pages, page, head_dim), table, lengths,
+                               cache_dtype)
   q = jnp.asarray(rng.standard_normal((batch, heads, 2 * head_dim)), jnp.float32)
-  table = jnp.asarray(rng.permutation(pages)[:batch * 6].reshape(batch, 6), jnp.int32)
-  lengths = jnp.asarray([5, 41, 0], jnp.int32)
+  table, lengths = jnp.asarray(table), jnp.asarray(lengths)
   got = paged_latent_attention.paged_latent_decode_attention(
-      q, k, v, table, lengths, value_dim=value_dim, scale=0.2, layer=1, interpret=True,
-      num_splits=splits, block_n=16)
+      q, k, v, table, lengths, value_dim=value_dim, scale=0.2, layer=1, k_scales=ks,
+      v_scales=vs, interpret=True, num_splits=splits, block_n=16)
   want = reference.paged_latent_attention(
       q[:, None], k, v, table, jnp.maximum(lengths - 1, 0)[:, None], lengths,
-      value_dim=value_dim, scale=0.2, layer=1)[:, 0]
+      value_dim=value_dim, scale=0.2, layer=1, k_scales=ks, v_scales=vs)[:, 0]
   assert got.shape == (batch, heads, value_dim) and np.isfinite(got).all()
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert not np.asarray(got[2]).any()  # length 0: zeros
   with pytest.raises(ValueError, match="the latent kernel takes D a multiple of 16"):
     paged_latent_attention.paged_latent_decode_attention(
-        q, k, v, table, lengths, value_dim=head_dim, scale=0.2, layer=1)
-  with pytest.raises(ValueError, match="k_pages must have q's dtype"):
-    paged_latent_attention.paged_latent_decode_attention(
-        q.astype(jnp.bfloat16), k, v, table, lengths, value_dim=value_dim, scale=0.2,
-        layer=1)
+        q, k, v, table, lengths, value_dim=head_dim, scale=0.2, layer=1, k_scales=ks,
+        v_scales=vs)
+  if cache_dtype is None:
+    with pytest.raises(ValueError, match="k_pages must have q's dtype"):
+      paged_latent_attention.paged_latent_decode_attention(
+          q.astype(jnp.bfloat16), k, v, table, lengths, value_dim=value_dim, scale=0.2,
+          layer=1)
+  else:
+    with pytest.raises(ValueError, match="pages need their scales"):
+      paged_latent_attention.paged_latent_decode_attention(
+          q, k, v, table, lengths, value_dim=value_dim, scale=0.2, layer=1)
+
+
+@pytest.mark.parametrize("heads, head_dim, value_dim, block_q, cache_dtype", [
+    (20, 32, 48, None, None), (4, 48, 80, 4, None), (40, 32, 64, 1, None),
+    (4, 48, 80, 4, jnp.int8), (20, 32, 48, None, jnp.float8_e4m3fn)])
+def test_latent_prefill_kernel_matches_the_reference(heads, head_dim, value_dim, block_q,
+                                                     cache_dtype):
+  """The prefill kernel (interpret mode) against the reference on fresh random pages:
+  chunks behind cached prefixes (one ending mid-block), a fresh prompt, a row of length 0,
+  padding query rows (NaN in q) giving exactly 0, masked heads (20 and 40 in blocks of 32;
+  4 heads x 4 tokens), halves in pieces (48 = 32 + 16), int8 and float8 pages; slots past
+  every row's tokens NaN; every element written (interpret mode starts the output as
+  NaN)."""
+  rng = np.random.default_rng(heads)
+  layers, pages, page, batch, t = 2, 32, 8, 4, 13
+  q_start = np.array([5, 30, 0, 7], np.int32)
+  q_len = np.array([13, 9, 11, 0], np.int32)
+  table = rng.permutation(pages)[:batch * 6].reshape(batch, 6).astype(np.int32)
+  k, v, ks, vs = _latent_pages(rng, (layers, 1, pages, page, head_dim), table,
+                               q_start + q_len, cache_dtype)
+  q = rng.standard_normal((batch, t, heads, 2 * head_dim)).astype(np.float32)
+  padding = np.arange(t)[None, :] >= q_len[:, None]
+  q[padding] = np.nan
+  args = (jnp.asarray(q), k, v, jnp.asarray(table), jnp.asarray(q_start),
+          jnp.asarray(q_len))
+  kwargs = dict(value_dim=value_dim, scale=0.2, layer=1, k_scales=ks, v_scales=vs)
+  got = paged_latent_attention.paged_latent_prefill_attention(
+      *args, interpret=True, block_q=block_q, block_n=16, **kwargs)
+  want = reference.paged_latent_attention(
+      jnp.asarray(np.where(padding[..., None, None], 0.0, q)), *args[1:4],
+      jnp.asarray(q_start[:, None] + np.arange(t)), jnp.asarray(q_start + q_len), **kwargs)
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == (batch, t, heads, value_dim) and np.isfinite(got).all()
+  np.testing.assert_allclose(got[~padding], want[~padding], rtol=1e-5, atol=1e-5)
+  assert not got[padding].any()
+  # The wrapper's XLA path (no GPU here) gives the same, padding included.
+  np.testing.assert_allclose(paged_latent_attention.paged_latent_prefill_attention(
+      *args, **kwargs), got, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_prefill_kernel_refuses_bad_input():
+  k = jnp.ones((1, 1, 8, 8, 32), jnp.float32)
+  q = jnp.ones((2, 4, 16, 64), jnp.float32)
+  table = jnp.zeros((2, 3), jnp.int32)
+  start, lens = jnp.asarray([0, 21], jnp.int32), jnp.asarray([4, 4], jnp.int32)
+  call = functools.partial(paged_latent_attention.paged_latent_prefill_attention,
+                           value_dim=48, scale=0.1, layer=0)
+  with pytest.raises(ValueError, match=r"q_start \+ q_lengths must be <= .* = 24"):
+    call(q, k, k, table, start, lens)
+  with pytest.raises(ValueError, match=r"q_lengths must be in \[0, num_tokens = 4\]"):
+    call(q, k, k, table, start, lens + 1)
+  with pytest.raises(ValueError, match=r"q_start must be int32 \[batch=2\]"):
+    call(q, k, k, table, start[:1], lens)
+  with pytest.raises(ValueError, match=r"q must have shape \[batch, num_tokens, num_heads"):
+    call(q[0], k, k, table, start, lens)
+  with pytest.raises(ValueError, match="block_q x the heads per program"):
+    call(q[:, :, :4], k, k, table, start - jnp.asarray([0, 1]), lens, block_q=2)
+  # int8 pages of 32 tokens: a block reads whole pages of V (token-minor).
+  k8 = jnp.ones((1, 1, 2, 32, 32), jnp.int8)
+  scales = jnp.ones((1, 1, 2, 32), jnp.float32)
+  with pytest.raises(ValueError, match=r"block_n must be >= page_size \(32\)"):
+    call(q, k8, kv_quant.transpose_pages(k8), jnp.zeros((2, 1), jnp.int32), start * 0, lens,
+         k_scales=scales, v_scales=scales, block_n=16)
+  with pytest.raises(ValueError, match=r"v_pages token-minor"):
+    call(q, k8, k8[:, :, :, :16], jnp.zeros((2, 1), jnp.int32), start * 0, lens,
+         k_scales=scales, v_scales=scales)
 
 
 @pytest.mark.gpu
@@ -207,6 +302,34 @@ def test_triton_kernel_gives_the_references_and_hfs_tokens_on_gpu(model_type, tm
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
       deepseek.from_pretrained, tmp_path))
+
+
+@pytest.mark.gpu
+def test_quantized_latent_kernels_match_the_reference_path_on_gpu(saved):
+  """int8 and float8 pools on a GPU, f32 at the highest precision: the latent kernels'
+  logits (a prefill, then decode steps) equal the reference path's over the same pool
+  dtype (both dequantize the same bytes)."""
+  _, path = saved
+  prompts = _prompts(np.random.default_rng(4), [5, 21])
+  seq_ids = np.array([0, 1], np.int32)
+  models = {impl: deepseek.from_pretrained(path, decode_impl=impl)
+            for impl in ("kernel", "reference")}
+  for dtype in (jnp.int8, jnp.float8_e4m3fn):
+    logits = {}
+    for impl, model in models.items():
+      kv = model.spec.create_pool(num_pages=8, page_size=16, max_seqs=2, max_pages_per_seq=3,
+                                  dtype=dtype)
+      runner = ModelRunner(model)
+      with jax.default_matmul_precision("highest"):
+        got, kv = runner.prefill(kv, *_padded(prompts), seq_ids)
+        steps = [got]
+        for token in (7, 11, 13):
+          got, kv = runner.decode(kv, jnp.full((2,), token, jnp.int32), seq_ids)
+          steps.append(got)
+      logits[impl] = np.stack(steps)
+    want = logits["reference"]
+    np.testing.assert_allclose(logits["kernel"], want, atol=1e-4 * np.abs(want).max(),
+                               err_msg=str(dtype))
 
 
 def test_config_reads_hf_and_refuses_what_it_lacks(saved):
