@@ -35,12 +35,32 @@ from models import llama, moe
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# Hugging Face's DeepseekV2Config / DeepseekV3Config defaults (transformers 5.x), which a
+# config.json omitting a field gets there too (HF's V2 has no num_experts_per_tok default:
+# required here). rope_theta, rms_norm_eps, kv_lora_rank, the head widths, hidden_act
+# and attention_bias default alike in both and in `DeepseekConfig`.
+_HF_DEFAULTS = {
+    "deepseek_v2": dict(
+        vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, max_position_embeddings=2048, n_routed_experts=64,
+        moe_intermediate_size=1407, n_shared_experts=2, q_lora_rank=1536,
+        first_k_dense_replace=0, topk_method="greedy", routed_scaling_factor=1.0,
+        norm_topk_prob=False, n_group=None, topk_group=None, bos_token_id=1, eos_token_id=2),
+    "deepseek_v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+        num_attention_heads=128, max_position_embeddings=4096, n_routed_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+        q_lora_rank=1536, first_k_dense_replace=3, topk_method="noaux_tc",
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_group=8, topk_group=4,
+        rope_interleave=True, bos_token_id=0, eos_token_id=1),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekConfig(moe.MoeConfig):
-  """DeepSeek-V2 / V3 hyperparameters under Hugging Face's field names (defaults:
-  DeepSeek-V2-Lite's).
+  """DeepSeek-V2 / V3 hyperparameters under Hugging Face's field names (the defaults here:
+  DeepSeek-V2-Lite's; `from_dict` fills the fields a config.json omits with Hugging Face's
+  defaults, as `transformers` does).
 
   Attributes beyond `moe.MoeConfig`'s (num_local_experts is HF's n_routed_experts;
   shared_expert_intermediate_size is moe_intermediate_size * n_shared_experts; head_dim
@@ -126,22 +146,25 @@ class DeepseekConfig(moe.MoeConfig):
 
   @classmethod
   def from_dict(cls, config: dict) -> "DeepseekConfig":
-    """From a Hugging Face config dict: n_routed_experts read as num_local_experts,
-    n_shared_experts as the shared expert's width; V2 always interleaves its RoPE pairs;
-    V3's defaults where its config omits them. num_key_value_heads and head_dim are
-    dropped (MLA has neither; HF's attention ignores them); a hidden_act other than silu
-    and the other unsupported settings are refused (`llama.LlamaConfig.from_dict`)."""
+    """From a Hugging Face config dict: fields it omits take Hugging Face's defaults for
+    its model_type (as `transformers` reads the same file; V2's num_experts_per_tok has
+    none and is required); n_routed_experts read as num_local_experts, n_shared_experts as
+    the shared expert's width; V2 always interleaves its RoPE pairs. num_key_value_heads
+    and head_dim are dropped (MLA has neither; HF's attention ignores them); a hidden_act
+    other than silu and the other unsupported settings are refused
+    (`llama.LlamaConfig.from_dict`)."""
     config = dict(config)
     model_type = config.setdefault("model_type", cls.model_type)
-    if "n_routed_experts" in config:
-      config["num_local_experts"] = config["n_routed_experts"]
-    shared = config.get("n_shared_experts")
+    config = {**_HF_DEFAULTS.get(model_type, {}), **config}
+    if config.get("num_experts_per_tok") is None and model_type in _HF_DEFAULTS:
+      raise ValueError(f"a {model_type} config needs num_experts_per_tok (Hugging Face's "
+                       "config has no default for it)")
+    config["num_local_experts"] = config.pop("n_routed_experts", cls.num_local_experts)
+    shared = config.pop("n_shared_experts", None)
     config["shared_expert_intermediate_size"] = (
-        None if not shared else shared * config.get("moe_intermediate_size", 1408))
-    if model_type == "deepseek_v3":
-      config.setdefault("topk_method", "noaux_tc")
-      config.setdefault("first_k_dense_replace", 3)
-    else:
+        None if not shared
+        else shared * config.get("moe_intermediate_size", cls.moe_intermediate_size))
+    if model_type == "deepseek_v2":
       config["rope_interleave"] = True
     for name in ("num_key_value_heads", "head_dim", "decoder_sparse_step", "mlp_only_layers",
                  "sliding_window", "layer_types"):

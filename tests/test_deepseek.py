@@ -344,10 +344,21 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
     assert c.rope.rope_type == "yarn" and c.rope_interleave and c.q_lora_rank is None
   else:
     assert (c.topk_method, c.q_lora_rank, c.norm_topk_prob) == ("noaux_tc", 24, True)
-  d = deepseek.DeepseekConfig.from_dict({"model_type": "deepseek_v2"})  # V2-Lite's
-  assert (d.kv_lora_rank, d.qk_rope_head_dim, d.num_local_experts,
-          d.num_experts_per_tok) == (512, 64, 64, 6)
-  assert latent_attention.spec_head_dim(d.kv_lora_rank, d.qk_rope_head_dim) == 288
+  # Fields a config.json omits: Hugging Face's defaults for its model type, as HF reads the
+  # same file (V2's num_experts_per_tok has none: required).
+  for model_type, fields in (("deepseek_v2", {"num_experts_per_tok": 6}),
+                             ("deepseek_v3", {})):
+    d = deepseek.DeepseekConfig.from_dict({"model_type": model_type, **fields})
+    hf_defaults = VARIANTS[model_type][1](**fields).to_dict()
+    assert d == deepseek.DeepseekConfig.from_dict(hf_defaults)
+    assert (d.hidden_size, d.num_local_experts, d.first_k_dense_replace, d.q_lora_rank,
+            d.shared_expert_intermediate_size) == (
+        hf_defaults["hidden_size"], hf_defaults["n_routed_experts"],
+        hf_defaults["first_k_dense_replace"], 1536,
+        hf_defaults["n_shared_experts"] * hf_defaults["moe_intermediate_size"])
+    assert latent_attention.spec_head_dim(d.kv_lora_rank, d.qk_rope_head_dim) == 288
+  with pytest.raises(ValueError, match="deepseek_v2 config needs num_experts_per_tok"):
+    deepseek.DeepseekConfig.from_dict({"model_type": "deepseek_v2"})
   for bad, message in (
       ({"topk_method": "random"}, "topk_method 'random' is not supported"),
       ({"n_group": 3}, "needs n_group dividing the 8 experts"),
