@@ -1,5 +1,5 @@
-"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite) in Flax NNX, decoding from a paged KV
-cache (`jax_paged.KVPool`).
+"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3) in Flax NNX, decoding from a
+paged KV cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
@@ -9,9 +9,10 @@ differ in configuration and checkpoint names: Mistral attends within a sliding w
 Qwen2 has q/k/v biases (and optionally a sliding window on its upper layers), Qwen3
 RMS-normalises each head of q and k before RoPE (q_norm, k_norm), Phi-3 (Phi-3-mini
 / medium 4k, Phi-4) stores q/k/v as one qkv_proj and gate / up as one gate_up_proj,
-optionally attending within a sliding window on every layer, and Granite (IBM's Granite
+optionally attending within a sliding window on every layer, Granite (IBM's Granite
 3.x) scales the embeddings, the attention's scores, each residual branch and the logits
-by four multipliers of its config.
+by four multipliers of its config, and SmolLM3 leaves RoPE out of the layers its
+no_rope_layers marks 0 (every fourth by default: NoPE layers).
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -49,7 +50,7 @@ from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
 _GRANITES = ("granite", "granitemoe")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -136,10 +137,10 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3" or "granite", which decides
-      the biases, Qwen3's q / k norms and the checkpoint's names: Llama's, Qwen3's and
-      Granite's `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases
-      and none on o; Mistral and Phi-3 have none.
+    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite" or "smollm3",
+      which decides the biases, Qwen3's q / k norms and the checkpoint's names: Llama's,
+      Qwen3's, Granite's and SmolLM3's `attention_bias` puts one on q, k, v and o; Qwen2
+      always has q/k/v biases and none on o; Mistral and Phi-3 have none.
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
       Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
       multiplied by embedding_multiplier, each attention and MLP output by
@@ -147,8 +148,10 @@ class LlamaConfig:
       attention_multiplier (None: 1 / sqrt(head_dim)), and the logits divided by
       logits_scaling.
     sliding_window: W > 0 limits each token to the last W positions (Mistral, Phi-3;
-      Qwen2 / Qwen3 with use_sliding_window), on the layers `layer_types` names
+      Qwen2 / Qwen3 / SmolLM3 with use_sliding_window), on the layers `layer_types` names
       "sliding_attention" (all of them when layer_types is None).
+    no_rope_layers: SmolLM3's, one 1 (RoPE) or 0 (no position encoding: a NoPE layer)
+      per layer, or None (RoPE on every layer).
     rope_scaling: HF's dict ({"rope_type": "linear" | "llama3" | "yarn", "factor": ...}) or
       None, kept as a sorted tuple of (key, value) pairs so that the config is hashable
       (a model's static structure).
@@ -174,6 +177,7 @@ class LlamaConfig:
   mlp_bias: bool = False
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
+  no_rope_layers: tuple[int, ...] | None = None
   model_type: str = "llama"
   initializer_range: float = 0.02
   bos_token_id: int | None = 1
@@ -201,6 +205,12 @@ class LlamaConfig:
       set_("eos_token_id", tuple(self.eos_token_id))
     if self.layer_types is not None:
       set_("layer_types", tuple(self.layer_types))
+    if self.no_rope_layers is not None:
+      set_("no_rope_layers", tuple(self.no_rope_layers))
+      if (len(self.no_rope_layers) < self.num_hidden_layers
+          or any(x not in (0, 1) for x in self.no_rope_layers)):
+        raise ValueError(f"no_rope_layers must give 1 (RoPE) or 0 (NoPE) for each of the "
+                         f"{self.num_hidden_layers} layers, got {self.no_rope_layers}")
     check_type_and_heads(self, self.model_types)
     for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
       set_(name, validation.check_positive_number(name, getattr(self, name)))
@@ -226,6 +236,12 @@ class LlamaConfig:
     return rotary(self.head_dim, self.rope_theta, self.rope_scaling,
                   self.max_position_embeddings)
 
+  def layer_rope(self, layer: int) -> paged_nn.RotaryEmbedding | None:
+    """Layer `layer`'s rotary embedding (None: a NoPE layer of SmolLM3's)."""
+    if self.no_rope_layers is not None and not self.no_rope_layers[layer]:
+      return None
+    return self.rope
+
   def window(self, layer: int) -> int | None:
     """Layer `layer`'s sliding window (None: full causal attention)."""
     if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
@@ -239,7 +255,7 @@ class LlamaConfig:
   @property
   def out_bias(self) -> bool:
     return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
-                                                       *_GRANITES)
+                                                       "smollm3", *_GRANITES)
 
   @property
   def activation(self) -> Callable[[jax.Array], jax.Array]:
@@ -278,6 +294,19 @@ class LlamaConfig:
                                              config.get("partial_rotary_factor"))
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
+    if model_type == "smollm3":
+      # HF's SmolLM3Config defaults: its own RoPE base; a NoPE layer every
+      # no_rope_layer_interval layers; windows (with use_sliding_window) on NoPE layers.
+      config.setdefault("rope_theta", 2000000.0)
+      config.setdefault("tie_word_embeddings", True)
+      layers = config.get("num_hidden_layers", 32)
+      if config.get("no_rope_layers") is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        config["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(layers)]
+      if config.get("layer_types") is None:
+        config["layer_types"] = [
+            "sliding_attention" if config.get("sliding_window") is not None
+            and not config["no_rope_layers"][i] else "full_attention" for i in range(layers)]
     # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any);
     # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
     # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
@@ -287,10 +316,10 @@ class LlamaConfig:
       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                    "logits_scaling"):
         config.pop(name, None)
-    if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+    if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
-    if model_type not in ("qwen2", "qwen2_moe", "qwen3"):
+    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3"):
       config.pop("layer_types", None)
     elif config.get("layer_types") is None and config.get("sliding_window") is not None:
       first = config.get("max_window_layers", 28)
@@ -356,7 +385,7 @@ class DecoderLayer(nnx.Module):
     return paged_nn.PagedAttention(
         config.hidden_size, config.num_attention_heads, config.head_dim,
         num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
-        qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.rope,
+        qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.layer_rope(layer),
         sliding_window=config.window(layer),
         head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
                                      param_dtype=param_dtype) if config.qk_norm else None),
@@ -409,7 +438,8 @@ def mlp_splits(mlp: MLP) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
 
 
 class LlamaForCausalLM(nnx.Module):
-  """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 with an LM head, attending through a `KVPool`.
+  """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Granite / SmolLM3 with an LM head, attending
+  through a `KVPool`.
 
   Args:
     config: the hyperparameters.

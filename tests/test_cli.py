@@ -257,11 +257,11 @@ def test_model_families_once_each_and_checked(capsys, monkeypatch):
   monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: registered * 2)
   families = cli.model_families()
   assert [f.model_types for f in families] == [
-      ("gpt2",), ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")]
+      ("gpt2",), ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")]
   with pytest.raises(SystemExit):
     cli.parse_args(["--help"], families)
   help_text = " ".join(capsys.readouterr().out.split())
-  assert "one of gpt2, granite, llama, mistral, phi3, qwen2, qwen3, its" in help_text
+  assert "one of gpt2, granite, llama, mistral, phi3, qwen2, qwen3, smollm3, its" in help_text
   registered.append(entry("bad", "models.gpt2:GPT2Config"))
   with pytest.raises(cli.CLIError, match="entry point bad = models.gpt2:GPT2Config in group "
                      "jax_paged.models is a type, not a jax_paged.ModelFamily"):

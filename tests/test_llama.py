@@ -73,6 +73,12 @@ MODELS = {
         num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=6.0,
         residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0,
         tie_word_embeddings=True), {}),
+    # Layer 1 a NoPE layer (no RoPE) and windowed to 5 positions (SmolLM3 windows NoPE
+    # layers), biases on q/k/v/o, GQA, tied head (its default).
+    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config, dict(
+        num_attention_heads=8, num_key_value_heads=2, no_rope_layers=[1, 0],
+        use_sliding_window=True, sliding_window=5, attention_bias=True, pad_token_id=None),
+        {}),
 }
 
 
@@ -336,6 +342,20 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
                                                    "attention_bias or mlp_bias")):
     with pytest.raises(ValueError, match=message):
       llama.LlamaConfig.from_dict({**base, "model_type": "granite", **granite, **bad})
+  # SmolLM3: HF's defaults (a NoPE layer every fourth, windows on NoPE layers only,
+  # its RoPE base, tied head), as HF's config reads the same dict.
+  smol = {**base, "model_type": "smollm3", "num_hidden_layers": 8, "attention_bias": True,
+          "use_sliding_window": True, "sliding_window": 4}
+  c = llama.LlamaConfig.from_dict(smol)
+  hf = transformers.SmolLM3Config(**smol)
+  assert c.no_rope_layers == tuple(hf.no_rope_layers) == (1, 1, 1, 0, 1, 1, 1, 0)
+  assert [c.window(i) for i in range(8)] == [4 if t == "sliding_attention" else None
+                                             for t in hf.layer_types]
+  assert [c.layer_rope(i) is None for i in range(8)] == [not x for x in hf.no_rope_layers]
+  assert c.rope.theta == hf.rope_parameters["rope_theta"] == 2e6
+  assert c.tie_word_embeddings and c.qkv_bias and c.out_bias
+  with pytest.raises(ValueError, match="no_rope_layers must give 1 .* for each of the 8"):
+    llama.LlamaConfig.from_dict({**smol, "no_rope_layers": [1, 2] * 4})
   with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
     llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
   with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
@@ -441,11 +461,12 @@ def assert_bf16_tracks_hf(hf, half, f32_params: tuple[str, ...] = ()) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, head_dim", [("llama", 64), ("mistral", 64), ("phi3", 96),
-                                            ("granite", 64)])
+                                            ("granite", 64), ("smollm3", 64)])
 def test_triton_decode_matches_reference_and_hf_on_gpu(name, head_dim, tmp_path):
   """f32, head dims the Triton kernels take (Phi-3-mini's 96): the decode attention kernel
   (with Mistral's and Phi-3's windows, Granite's score scale), the q/k/v GEMM kernel and
-  the cache-write kernel behind RoPE give the reference path's and HF's greedy tokens."""
+  the cache-write kernel behind RoPE (on SmolLM3's NoPE layer the fused projection that
+  writes K/V straight into the pages) give the reference path's and HF's greedy tokens."""
   hf = _hf_model(name, head_dim=head_dim)
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
@@ -561,7 +582,7 @@ def test_cli_names_unsupported_and_broken_checkpoints(capsys, tmp_path):
   (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
   status, _, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
   assert status == 2 and ("model_type 'falcon' is not supported (supported: gpt2, granite, "
-                          "llama, mistral, phi3, qwen2, qwen3)") in err
+                          "llama, mistral, phi3, qwen2, qwen3, smollm3)") in err
   _hf_model("mistral").save_pretrained(tmp_path)
   weights = tmp_path / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:100])
