@@ -94,6 +94,22 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
 
 
+def _logits_over_steps(model, prompts: list[list[int]], dtype, page_size: int) -> np.ndarray:
+  """Logits [4, len(prompts), vocab]: of a prefill of `prompts` into a fresh pool of
+  `dtype`, then of 3 decode steps of fixed tokens."""
+  seq_ids = np.arange(len(prompts), dtype=np.int32)
+  pages = -(-(max(map(len, prompts)) + 3) // page_size)
+  kv = model.spec.create_pool(num_pages=len(prompts) * pages, page_size=page_size,
+                              max_seqs=len(prompts), max_pages_per_seq=pages, dtype=dtype)
+  runner = ModelRunner(model)
+  got, kv = runner.prefill(kv, *_padded(prompts), seq_ids)
+  steps = [got]
+  for token in (7, 11, 13):
+    got, kv = runner.decode(kv, jnp.full((len(prompts),), token, jnp.int32), seq_ids)
+    steps.append(got)
+  return np.stack(steps)
+
+
 def test_int8_latent_cache_and_int8_weights(saved):
   """An int8 pool holds the latent quantized per token and half (its scales): the logits
   of a prefill and decode steps within 2% of the largest of the float pool's. int8
@@ -101,18 +117,8 @@ def test_int8_latent_cache_and_int8_weights(saved):
   hf, path = saved
   model = deepseek.from_pretrained(path)
   prompts = _prompts(np.random.default_rng(3), [5, 12])
-  seq_ids = np.array([0, 1], np.int32)
-  logits = {}
-  for dtype in (jnp.float32, jnp.int8):
-    kv = model.spec.create_pool(num_pages=8, page_size=PAGE, max_seqs=2,
-                                max_pages_per_seq=4, dtype=dtype)
-    runner = ModelRunner(model)
-    got, kv = runner.prefill(kv, *_padded(prompts), seq_ids)
-    steps = [got]
-    for token in (7, 11, 13):
-      got, kv = runner.decode(kv, jnp.full((2,), token, jnp.int32), seq_ids)
-      steps.append(got)
-    logits[dtype] = np.stack(steps)
+  logits = {dtype: _logits_over_steps(model, prompts, dtype, PAGE)
+            for dtype in (jnp.float32, jnp.int8)}
   assert np.abs(logits[jnp.float32][0] - _hf_last_logits(hf, prompts)).max() < 1e-4
   error = np.abs(logits[jnp.int8] - logits[jnp.float32]).max()
   assert 0 < error < 0.02 * np.abs(logits[jnp.float32]).max()
@@ -311,22 +317,12 @@ def test_quantized_latent_kernels_match_the_reference_path_on_gpu(saved):
   dtype (both dequantize the same bytes)."""
   _, path = saved
   prompts = _prompts(np.random.default_rng(4), [5, 21])
-  seq_ids = np.array([0, 1], np.int32)
   models = {impl: deepseek.from_pretrained(path, decode_impl=impl)
             for impl in ("kernel", "reference")}
   for dtype in (jnp.int8, jnp.float8_e4m3fn):
-    logits = {}
-    for impl, model in models.items():
-      kv = model.spec.create_pool(num_pages=8, page_size=16, max_seqs=2, max_pages_per_seq=3,
-                                  dtype=dtype)
-      runner = ModelRunner(model)
-      with jax.default_matmul_precision("highest"):
-        got, kv = runner.prefill(kv, *_padded(prompts), seq_ids)
-        steps = [got]
-        for token in (7, 11, 13):
-          got, kv = runner.decode(kv, jnp.full((2,), token, jnp.int32), seq_ids)
-          steps.append(got)
-      logits[impl] = np.stack(steps)
+    with jax.default_matmul_precision("highest"):
+      logits = {impl: _logits_over_steps(model, prompts, dtype, 16)
+                for impl, model in models.items()}
     want = logits["reference"]
     np.testing.assert_allclose(logits["kernel"], want, atol=1e-4 * np.abs(want).max(),
                                err_msg=str(dtype))

@@ -18,7 +18,7 @@ from tests.test_llama import (_COMMON, PAGE, _hf_generate, _prompts, assert_bf16
                               assert_installed_cli_gives_hfs_tokens,
                               assert_kernels_give_references_and_hfs_tokens,
                               assert_logits_track_hf, assert_preempting_engine_gives,
-                              assert_prefix_cache_and_chunks_give_hfs_tokens)
+                              assert_prefix_cache_and_chunks_give_hfs_tokens, randomised)
 
 # GQA 8 q heads over 2 kv heads of 8, biases on q / k / v / o, linear RoPE, untied head.
 CONFIG = dict(_COMMON, num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
@@ -27,14 +27,8 @@ CONFIG = dict(_COMMON, num_attention_heads=8, num_key_value_heads=2, attention_b
 
 def _hf_model(**overrides):
   torch.manual_seed(0)
-  hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**{**CONFIG, **overrides}))
-  with torch.no_grad():
-    for name, p in hf.named_parameters():
-      if name.endswith("bias"):
-        p.normal_(0.0, 0.5)
-      elif "norm" in name:
-        p.uniform_(0.5, 1.5)
-  return hf.eval()
+  return randomised(transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+      **{**CONFIG, **overrides})))
 
 
 @pytest.fixture(scope="module")
