@@ -220,6 +220,14 @@ def test_latent_kernel_matches_the_reference(heads, head_dim, value_dim, splits,
     paged_latent_attention.paged_latent_decode_attention(
         q, k, v, table, lengths, value_dim=head_dim, scale=0.2, layer=1, k_scales=ks,
         v_scales=vs)
+  for bad_table, bad_lengths, message in (
+      (table, lengths + jnp.asarray([0, 8, 0]), r"lengths must be in \[0, .* = 48\]"),
+      (table.astype(jnp.float32), lengths, "page_table must be int32 \\[batch=3"),
+      (table, lengths[:2], r"lengths must be int32 \[batch=3\]")):
+    with pytest.raises(ValueError, match=message):
+      paged_latent_attention.paged_latent_decode_attention(
+          q, k, v, bad_table, bad_lengths, value_dim=value_dim, scale=0.2, layer=1,
+          k_scales=ks, v_scales=vs)
   if cache_dtype is None:
     with pytest.raises(ValueError, match="k_pages must have q's dtype"):
       paged_latent_attention.paged_latent_decode_attention(

@@ -351,12 +351,19 @@ def _latent_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_sca
   return o.reshape(batch, num_heads, value_dim)
 
 
-def _check_latent_call(q, k_pages, v_pages, k_scales, v_scales, value_dim: int,
+def _check_rows(name: str, x, batch: int) -> None:
+  """Raises ValueError unless x is int32 [batch]."""
+  if x.shape != (batch,) or x.dtype != jnp.int32:
+    raise ValueError(f"{name} must be int32 [batch={batch}], got {x.dtype} {x.shape}")
+
+
+def _check_latent_call(q, k_pages, v_pages, page_table, k_scales, v_scales, value_dim: int,
                        q_shape: str, block_n: int | None) -> bool:
   """The checks both wrappers share: a pool of one kv head in q's dtype (or int8 /
   float8_e4m3fn with its scales), widths the kernels take, q [..., 2 D] of rank
-  len(q_shape's names), block_n; returns whether the kernel can take the call (not a
-  quantized pool under a float16 q: the reference takes that)."""
+  len(q_shape's names), an int32 page table of q's batch, block_n; returns whether the
+  kernel can take the call (not a quantized pool under a float16 q: the reference takes
+  that)."""
   quantized = kv_quant.is_quantized(k_pages.dtype)
   v_shape = kv_quant.v_pages_shape(k_pages.shape, k_pages.dtype)
   if k_pages.ndim != 5 or k_pages.shape[1] != 1 or v_pages.shape != v_shape:
@@ -367,6 +374,10 @@ def _check_latent_call(q, k_pages, v_pages, k_scales, v_scales, value_dim: int,
   head_dim = k_pages.shape[-1]
   if q.ndim != q_shape.count(",") + 1 or q.shape[-1] != 2 * head_dim:
     raise ValueError(f"q must have shape {q_shape} = {2 * head_dim}], got {q.shape}")
+  if (page_table.ndim != 2 or page_table.shape[0] != q.shape[0]
+      or page_table.dtype != jnp.int32):
+    raise ValueError(f"page_table must be int32 [batch={q.shape[0]}, max_pages_per_seq], "
+                     f"got {page_table.dtype} {page_table.shape}")
   if q.dtype not in validation.SUPPORTED_DTYPES:
     raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
   if not kernel_supports(head_dim, value_dim, k_pages.shape[3]):
@@ -409,8 +420,9 @@ def paged_latent_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax
       page_size] (`KVPool`'s quantized layout), of which layer `layer` is read in place;
       D a multiple of 16.
     page_table: int32 [B, max_pages_per_seq].
-    lengths: int32 [B], tokens in each sequence (0: output 0). Clamped into range under
-      jit, as the reference clamps them.
+    lengths: int32 [B], tokens in each sequence (0: output 0). Concrete values outside
+      [0, max_pages_per_seq * page_size], or page ids outside the pool in the pages used,
+      raise ValueError (as `paged_decode_attention`'s); under jit they are clamped alike.
     value_dim: c's width, in (D, 2 D].
     scale: the softmax scale.
     layer: a Python int in [0, num_layers) or a traced int32 scalar (clamped).
@@ -427,8 +439,11 @@ def paged_latent_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax
   Returns:
     [B, H, value_dim] in q's dtype.
   """
-  supported = _check_latent_call(q, k_pages, v_pages, k_scales, v_scales, value_dim,
-                                 "[batch, num_heads, 2 * D", block_n)
+  supported = _check_latent_call(q, k_pages, v_pages, page_table, k_scales, v_scales,
+                                 value_dim, "[batch, num_heads, 2 * D", block_n)
+  _check_rows("lengths", lengths, q.shape[0])
+  validation.check_decode_values(page_table, lengths, num_pages=k_pages.shape[2],
+                                 page_size=k_pages.shape[3])
   for name, knob in (("num_splits", num_splits), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
     validation.check_positive_int(name, knob, optional=True)
@@ -521,12 +536,11 @@ def paged_latent_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: ja
   Returns:
     [B, T, H, value_dim] in q's dtype.
   """
-  supported = _check_latent_call(q, k_pages, v_pages, k_scales, v_scales, value_dim,
-                                 "[batch, num_tokens, num_heads, 2 * D", block_n)
+  supported = _check_latent_call(q, k_pages, v_pages, page_table, k_scales, v_scales,
+                                 value_dim, "[batch, num_tokens, num_heads, 2 * D", block_n)
   batch, num_tokens, num_heads, _ = q.shape
   for name, x in (("q_start", q_start), ("q_lengths", q_lengths)):
-    if x.shape != (batch,) or x.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32 [batch={batch}], got {x.dtype} {x.shape}")
+    _check_rows(name, x, batch)
   validation.check_prefill_values(page_table, q_start, q_lengths, num_tokens=num_tokens,
                                   num_pages=k_pages.shape[2], page_size=k_pages.shape[3])
   validation.check_positive_int("block_q", block_q, optional=True, power_of_two=True)
