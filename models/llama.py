@@ -39,6 +39,8 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from flax import nnx
 
 from jax_paged import lora
@@ -615,9 +617,14 @@ class LlamaForCausalLM(nnx.Module):
 # ----------------------------------------------------------------- checkpoints
 class _Checkpoint:
   """The tensors of a safetensors checkpoint directory, one file or shards, read lazily
-  (each by name, as jax arrays: numpy has no bfloat16)."""
+  (each by name, as jax arrays: numpy has no bfloat16).
 
-  def __init__(self, path: str):
+  With `fp8_block` (a checkpoint of Hugging Face's "fp8" quantization: DeepSeek-V3's,
+  Qwen3's *-FP8), a float8_e4m3fn weight is returned dequantized, in float32: each
+  [fp8_block] block of it times its entry of the `<name>_scale_inv` tensor beside it."""
+
+  def __init__(self, path: str, fp8_block: tuple[int, int] | None = None):
+    self.fp8_block = fp8_block
     from safetensors import safe_open  # an optional dependency: imported when used
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
@@ -648,6 +655,9 @@ class _Checkpoint:
       except Exception as e:  # SafetensorError and OSError: truncated, corrupt, unreadable
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
       self.where.update(dict.fromkeys(names, file))
+    # fp8: each file's header (tensor dtypes and byte ranges) read once.
+    self.headers = ({file: _safetensors_header(file) for file in files}
+                    if fp8_block is not None else {})
     for name, file in (weight_map or {}).items():
       if self.where.get(name) != file:
         raise ValueError(f"{index} places {name!r} in {file}, which does not hold it")
@@ -661,11 +671,46 @@ class _Checkpoint:
     for key in (name, rest, f"language_model.{name}", f"model.language_model.{rest}"):
       if key in self.where:
         file = self.where[key]
+        if self.fp8_block is not None and self.headers[file][0][key]["dtype"] == "F8_E4M3":
+          return self._fp8_weight(file, key)
         try:
           return self.handles[file].get_tensor(key)
         except Exception as e:  # a tensor past a truncated file's end
           raise ValueError(f"{file}: tensor {key!r} cannot be read ({e})") from e
     raise KeyError(name)
+
+  def _fp8_weight(self, file: str, key: str) -> jax.Array:
+    """The float8_e4m3fn weight `key` of `file` times its blocks' scales, float32."""
+    scale_name = f"{key}_scale_inv"
+    if scale_name not in self.where:
+      raise ValueError(f"{file}: float8 weight {key!r} has no {scale_name!r} beside it (an "
+                       "fp8 checkpoint's block scales)")
+    scales = self.get(scale_name).astype(jnp.float32)
+    # (safetensors' numpy reader has no float8: the bytes are read as ml_dtypes' type.)
+    header, data = self.headers[file]
+    begin, end = header[key]["data_offsets"]
+    with open(file, "rb") as f:
+      f.seek(data + begin)
+      raw = f.read(end - begin)
+    if len(raw) != end - begin:
+      raise ValueError(f"{file}: tensor {key!r} cannot be read (the file ends early)")
+    w = np.frombuffer(raw, ml_dtypes.float8_e4m3fn).reshape(header[key]["shape"])
+    w = jnp.asarray(w.astype(np.float32))
+    rows, cols = self.fp8_block
+    want = (-(-w.shape[0] // rows), -(-w.shape[-1] // cols))
+    if w.ndim != 2 or scales.shape != want:
+      raise ValueError(f"{file}: {scale_name} has shape {scales.shape}, expected {want} for "
+                       f"{key} {w.shape} in blocks of {self.fp8_block}")
+    blocks = jnp.repeat(jnp.repeat(scales, rows, axis=0), cols, axis=1)
+    return w * blocks[:w.shape[0], :w.shape[1]]
+
+
+def _safetensors_header(file: str) -> tuple[dict[str, Any], int]:
+  """(a safetensors file's header: tensor name -> dtype, shape, data_offsets; the byte
+  offset of its data)."""
+  with open(file, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(size)), 8 + size
 
 
 # Our fused projections and the HF modules concatenated into them (along the outputs).
@@ -750,7 +795,9 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
   Args:
     path: a directory with config.json and model.safetensors, or shards listed in
       model.safetensors.index.json, as `transformers`' `save_pretrained` writes them;
-      generation_config.json's eos_token_id, where present, replaces config.json's.
+      generation_config.json's eos_token_id, where present, replaces config.json's. A
+      checkpoint of HF's block-scaled fp8 (quantization_config quant_method "fp8") loads
+      dequantized (`_Checkpoint`).
     config_of: config.json's dict -> the model's config (ValueError if unsupported); it
       has a `model_type`.
     model_of: (config, rngs=) -> the model, whose parameters the checkpoint fills.
@@ -761,8 +808,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     FileNotFoundError: the directory's config.json, its weights or a listed shard is
       missing.
     ValueError: a file is unreadable, an index names a file that lacks the tensor, the
-      model_type or a setting is unsupported or the checkpoint is pre-quantized (each
-      naming the file), or a weight is missing from the checkpoint or has the wrong
+      model_type or a setting is unsupported or the checkpoint is pre-quantized other than
+      as block-scaled fp8 (each naming the file), or a weight is missing from the checkpoint or has the wrong
       shape.
   """
   path = os.fspath(path)
@@ -770,14 +817,23 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f"no config.json in {path}")
   config = _read_json(config_file)
+  fp8_block = None
   quantization = config.get("quantization_config")
   if quantization is not None:
     # Their weights are stored narrow beside scales (or packed) under the same names: read
-    # as floats they would load without error and compute nonsense.
+    # as floats they would load without error and compute nonsense. Block-scaled fp8
+    # (HF's "fp8": DeepSeek-V3's and Qwen3's FP8 checkpoints) loads dequantized.
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    raise ValueError(f"{config_file}: pre-quantized checkpoints (quantization_config, "
-                     f"quant_method {method!r}) are not supported; load the float "
-                     "checkpoint (int8 serving quantizes it: --quantization int8)")
+    # (HF's FineGrainedFP8Config: blocks of 128 x 128 unless weight_block_size says.)
+    block = quantization.get("weight_block_size", [128, 128]) if method == "fp8" else None
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(x, int) and x > 0 for x in block)):
+      raise ValueError(f"{config_file}: pre-quantized checkpoints (quantization_config, "
+                       f"quant_method {method!r}) are not supported but block-scaled fp8's "
+                       "(quant_method 'fp8' with a weight_block_size of two sizes); load "
+                       "the float checkpoint (int8 serving quantizes it: --quantization "
+                       "int8)")
+    fp8_block = tuple(block)
   generation_file = os.path.join(path, "generation_config.json")
   if os.path.isfile(generation_file):
     eos = _read_json(generation_file).get("eos_token_id")
@@ -787,7 +843,7 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     config = config_of(config)
   except (TypeError, ValueError, AttributeError) as e:
     raise ValueError(f"{config_file}: {e}") from e
-  checkpoint = _Checkpoint(path)
+  checkpoint = _Checkpoint(path, fp8_block)
 
   # Shapes only: the checkpoint supplies every value, so nothing is initialised twice.
   abstract = nnx.eval_shape(lambda: model_of(config, rngs=nnx.Rngs(0)))

@@ -375,12 +375,15 @@ def test_from_pretrained_errors(saved, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
   with pytest.raises(ValueError, match=r"config.json: model_type 'gpt_neox' is not supported"):
     llama.from_pretrained(tmp_path)
-  # A pre-quantized checkpoint (Qwen3-8B-FP8's layout: fp8 weights under the same names).
-  (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {
-      "quant_method": "fp8", "weight_block_size": [128, 128]}}))
-  with pytest.raises(ValueError, match=r"config.json: pre-quantized checkpoints .*"
-                                       r"quant_method 'fp8'\) are not supported"):
-    llama.from_pretrained(tmp_path)
+  # Pre-quantized checkpoints other than block-scaled fp8 (`test_fp8_checkpoint_...`).
+  for quantization in ({"quant_method": "gptq", "bits": 4},
+                       {"quant_method": "fp8", "weight_block_size": None}):
+    (tmp_path / "config.json").write_text(json.dumps({**config,
+                                                      "quantization_config": quantization}))
+    with pytest.raises(ValueError, match=r"config.json: pre-quantized checkpoints .*"
+                                         f"quant_method '{quantization['quant_method']}'"
+                                         r"\) are not supported but block-scaled fp8's"):
+      llama.from_pretrained(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(FileNotFoundError, match="model.safetensors or "
                                               "model.safetensors.index.json"):
@@ -425,6 +428,47 @@ def test_from_pretrained_errors(saved, tmp_path):
                                        r"k_proj.bias \(16,\) \+ model.layers.0.self_attn."
                                        r"v_proj.bias \(16,\) gives shape \(96,\), expected "
                                        r"\(128,\)"):
+    llama.from_pretrained(tmp_path)
+
+
+def test_fp8_checkpoint_loads_dequantized(saved, tmp_path):
+  """A checkpoint of HF's block-scaled fp8 (DeepSeek-V3's and Qwen3-*-FP8's layout: each
+  projection float8_e4m3fn with a weight_scale_inv per block, here blocks of 24 x 40 that
+  leave partial blocks at the edges) loads each weight as its blocks times their scales:
+  the logits of HF's model holding those dequantized weights. A missing scale is named."""
+  from safetensors.torch import save_file
+  _, hf, path = saved("llama")
+  rows, cols = 24, 40
+  tensors, dequantized = {}, {}
+  for name, w in hf.state_dict().items():
+    if not name.endswith("_proj.weight"):
+      tensors[name] = w.contiguous()
+      continue
+    blocks = torch.zeros(-(-w.shape[0] // rows), -(-w.shape[1] // cols))
+    for i in range(blocks.shape[0]):
+      for j in range(blocks.shape[1]):
+        block = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+        blocks[i, j] = block.abs().max() / 448.0
+    scale = blocks.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:w.shape[0],
+                                                                        :w.shape[1]]
+    narrow = (w / scale).to(torch.float8_e4m3fn)
+    tensors[name], tensors[f"{name}_scale_inv"] = narrow, blocks
+    dequantized[name] = narrow.float() * scale
+  save_file(tensors, tmp_path / "model.safetensors")
+  config = json.loads((path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {
+      "quant_method": "fp8", "weight_block_size": [rows, cols],
+      "activation_scheme": "dynamic"}}))
+  model = llama.from_pretrained(tmp_path)
+  reference = _hf_model("llama")
+  assert not torch.equal(dequantized["model.layers.0.self_attn.q_proj.weight"],
+                         reference.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+  reference.load_state_dict(dequantized, strict=False)
+  assert_logits_track_hf(reference, model, [3, 9], 2)
+  del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+  save_file(tensors, tmp_path / "model.safetensors")
+  with pytest.raises(ValueError, match="float8 weight 'model.layers.1.mlp.down_proj.weight' "
+                                       "has no 'model.layers.1.mlp.down_proj.weight_scale_inv'"):
     llama.from_pretrained(tmp_path)
 
 
