@@ -143,12 +143,6 @@ class LatentAttention(nnx.Module):
             and paged_latent_attention.kernel_supports(self.head_dim, self.kv_lora_rank,
                                                        kv.page_size))
 
-  @staticmethod
-  def _kernel_q(q: jax.Array, kv: pool_lib.KVPool) -> jax.Array:
-    """q as the kernels take it: in a float pool's dtype; over a quantized pool in the
-    compute dtype (the pages convert to it)."""
-    return q if kv.quantized else q.astype(kv.dtype)
-
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
               page_table: jax.Array | None = None, project: bool = True,
@@ -167,7 +161,7 @@ class LatentAttention(nnx.Module):
                                                         page_table)
     if self._use_kernel(kv):
       o = paged_latent_attention.paged_latent_prefill_attention(
-          self._kernel_q(q, kv), kv.k_pages, kv.v_pages, page_table, start, lengths,
+          paged_nn.pool_query(q, kv), kv.k_pages, kv.v_pages, page_table, start, lengths,
           value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,
           v_scales=kv.v_scales)
     else:
@@ -191,7 +185,7 @@ class LatentAttention(nnx.Module):
     kv = pool_lib.write_kv(kv, layer, slots, k, v)
     if self._use_kernel(kv):
       o = paged_latent_attention.paged_latent_decode_attention(
-          self._kernel_q(q, kv), kv.k_pages, kv.v_pages, page_table, lengths,
+          paged_nn.pool_query(q, kv), kv.k_pages, kv.v_pages, page_table, lengths,
           value_dim=self.kv_lora_rank, scale=self.scale, layer=layer, k_scales=kv.k_scales,
           v_scales=kv.v_scales)[:, None]
     else:

@@ -540,6 +540,12 @@ class GroupedLinear(nnx.Module):
     return True
 
 
+def pool_query(q: jax.Array, kv: pool_lib.KVPool) -> jax.Array:
+  """q as the attention kernels take it over `kv`'s pages: in a float pool's dtype; over a
+  quantized pool in the compute dtype, which the kernels dequantize the pages into."""
+  return q if kv.quantized else q.astype(kv.dtype)
+
+
 def prefill_pages(slots: jax.Array, lengths: jax.Array, page_size: int,
                   start: jax.Array | None, page_table: jax.Array | None
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -697,9 +703,9 @@ class PagedAttention(nnx.Module):
       start, page_table, lengths = prefill_pages(slots, lengths, kv.page_size, start,
                                                  page_table)
       # The Triton kernel on a GPU (XLA's reference elsewhere), reading the layer in place
-      # (a quantized pool's narrow pages dequantized in registers, q in the compute dtype).
+      # (a quantized pool's narrow pages dequantized in registers).
       y = paged_prefill.paged_prefill_attention(
-          q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages, page_table,
+          pool_query(q, kv), kv.k_pages, kv.v_pages, page_table,
           start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
           scale=self.scale, logits_soft_cap=self.logits_soft_cap,
           sliding_window=self.sliding_window).astype(q.dtype)
@@ -757,10 +763,9 @@ class PagedAttention(nnx.Module):
       validation.warn_if_reference_on_gpu("paged decode attention", d, kv.page_size)
     attend = (paged_attention.paged_decode_attention if use_kernel
               else reference.paged_decode_attention)
-    # The whole pool with `layer`: the kernel reads the layer in place. q is in the pool's
-    # dtype, or for a quantized pool in the compute dtype (the kernel dequantizes into it).
+    # The whole pool with `layer`: the kernel reads the layer in place.
     q = q.reshape(b, -1, d)
-    y = attend(q if kv.quantized else q.astype(kv.dtype), kv.k_pages, kv.v_pages,
+    y = attend(pool_query(q, kv), kv.k_pages, kv.v_pages,
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
                scale=self.scale, logits_soft_cap=self.logits_soft_cap,
                sliding_window=self.sliding_window)

@@ -90,7 +90,6 @@ class DecoderLayer(llama.DecoderLayer):
     self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
     self.post_feedforward_layernorm = norm()
-    self.residual_multiplier = 1.0
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
                attend: llama.Attend, next_norm, adapters: jax.Array | None = None

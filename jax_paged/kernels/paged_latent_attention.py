@@ -44,6 +44,7 @@ import numpy as np
 from jax_paged.kernels import kv_quant
 from jax_paged.kernels import merge_attention
 from jax_paged.kernels import paged_attention
+from jax_paged.kernels import paged_prefill
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
@@ -568,9 +569,7 @@ def paged_latent_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: ja
   page_table = validation.clamp_unchecked_page_ids(page_table, k_pages.shape[2], q_start,
                                                    q_lengths)
   if block_q is None:
-    # A short chunk is not padded to a whole tile's tokens, but a dot needs 16 rows.
-    block_q = min(max(1, _PREFILL_ROWS // block_h), pl.next_power_of_2(num_tokens))
-    block_q = max(block_q, 16 // min(block_h, 16))
+    block_q = paged_prefill.query_block(_PREFILL_ROWS, block_h, num_tokens)
   return _latent_prefill_pallas(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer, k_scales, v_scales,
       value_dim=value_dim, scale=float(scale), interpret=mode, block_q=block_q,

@@ -53,9 +53,7 @@ def default_config(group: int, head_dim: int, num_tokens: int, itemsize: int, *,
   # heads, same rows: 149.5 vs 166.7 µs after 512); 64 at D = 256 (not measured: a
   # 128 x 256 f32 accumulator alone would take 128 KB of registers).
   block_m = 128 if 64 < head_dim <= 128 else 64
-  # A short chunk is not padded to a whole tile's tokens, but a dot needs 16 rows.
-  block_q = min(max(1, block_m // block_g), pl.next_power_of_2(num_tokens))
-  block_q = max(block_q, 16 // min(block_g, 16))
+  block_q = query_block(block_m, block_g, num_tokens)
   # 64 keys per step (32 and 128 were slower or within 1 µs on every shape but GQA's with no
   # prefix: 32 keys x 16 tokens, 53 vs 64 µs), 4 warps (8 were never measurably faster and
   # up to 1.8x slower), 2 stages (3: within 1 µs at D = 64, 7-27% slower at D = 128).
@@ -68,6 +66,14 @@ def default_config(group: int, head_dim: int, num_tokens: int, itemsize: int, *,
     block_n = min_block_n
   num_warps = 4 if head_dim <= 128 else 8
   return block_q, block_n, num_warps, 2
+
+
+def query_block(block_m: int, block_g: int, num_tokens: int) -> int:
+  """Query tokens per program for tiles of about `block_m` rows of `block_g` (a power of
+  two) heads per token: a short chunk is not padded to a whole tile's tokens, but a dot
+  needs 16 rows."""
+  block_q = min(max(1, block_m // block_g), pl.next_power_of_2(num_tokens))
+  return max(block_q, 16 // min(block_g, 16))
 
 
 def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
