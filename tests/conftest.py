@@ -1,6 +1,6 @@
 """Shared pytest setup: the `gpu` marker skips on machines without an NVIDIA GPU; XLA's
 CPU backend compiles fast (no optimization; up to jax 0.10 its older emitters) where jax
-has no GPU plugin; jax's compiled programs are dropped when memory maps run high; the CLI's
+has no GPU plugin; jax's compiled programs are dropped after each test module; the CLI's
 compilation cache is a directory of the test session's own."""
 
 import gc
@@ -75,7 +75,14 @@ def _max_map_count() -> int:
 _MAPS_BEFORE_CLEARING = _max_map_count() // 2
 
 
-def _drop_compiled_programs() -> None:
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """Clears jax's caches after each module. Every XLA CPU executable maps its own code
+  pages (~3 memory maps each) until it is freed, and the suite compiles tens of thousands
+  (Pallas interpret mode): kept all at once they pass Linux's 65530 maps per process
+  (vm.max_map_count) and the next compile segfaults. (`Engine.warmup` freezes what is
+  alive out of the collector's reach: unfrozen here, so that its programs can go.)"""
+  yield
   jax.clear_caches()
   gc.unfreeze()
   gc.collect()
@@ -83,21 +90,10 @@ def _drop_compiled_programs() -> None:
 
 @pytest.fixture(autouse=True)
 def _drop_compiled_programs_when_maps_run_high():
-  """Clears jax's caches after a test that leaves the process over half its memory maps.
-  Every XLA CPU executable maps its own code pages (~3 memory maps each) until it is
-  freed, and the suite compiles tens of thousands (Pallas interpret mode): kept all at
-  once they pass Linux's 65530 maps per process (vm.max_map_count) and the next compile
-  segfaults; one module (test_engine, ~60k maps) can reach it alone. Cleared no sooner:
-  later modules reuse what earlier ones compiled for models of one structure (~10% of the
-  suite's compilations). (`Engine.warmup` freezes what is alive out of the collector's
-  reach: unfrozen here, so that its programs can go.)"""
+  """The same after a test that leaves the process over half its memory maps: one module
+  (test_engine, ~60k maps) can reach the limit alone."""
   yield
   if _map_count() > _MAPS_BEFORE_CLEARING:
-    _drop_compiled_programs()
-
-
-@pytest.fixture
-def fresh_jit_caches():
-  """No compiled program of an earlier test: a test that asserts what its own warm-up
-  compiled (nothing left to compile after it) must not be served by another test's."""
-  _drop_compiled_programs()
+    jax.clear_caches()
+    gc.unfreeze()
+    gc.collect()

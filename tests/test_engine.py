@@ -707,7 +707,7 @@ def compilations():
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def test_warmup_compiles_every_batch_shape(fresh_jit_caches):
+def test_warmup_compiles_every_batch_shape():
   """After warmup() a run of greedy requests, or of greedy and top-p ones (any count up to
   max_batch, prompts up to max_prompt_tokens, fresh or behind a cached page), compiles
   nothing; the pool is left empty. A model of its own: jit caches are shared by models of
@@ -748,7 +748,7 @@ def test_warmup_compiles_every_batch_shape(fresh_jit_caches):
     eng.warmup(sampling="greedy")
 
 
-def test_warmup_covers_long_prompts_stop_tokens_and_samples(fresh_jit_caches):
+def test_warmup_covers_long_prompts_stop_tokens_and_samples():
   """After warmup(prefix_hits=True, max_samples=3), requests submitted between steps at
   random compile nothing: prompts longer than max_prefill_tokens (chunked: a chunk after
   the first continues its sequence as a prompt behind a cached page does), up to 7 stop
@@ -782,7 +782,7 @@ def test_warmup_covers_long_prompts_stop_tokens_and_samples(fresh_jit_caches):
   assert_pages_back(eng)
 
 
-def test_warmup_covers_logits_processors_and_their_context_widths(fresh_jit_caches):
+def test_warmup_covers_logits_processors_and_their_context_widths():
   """After warmup(logits_processors=True), requests with and without penalties,
   logit_bias and min_tokens, greedy and sampled, submitted between steps, compile
   nothing, also where decoding takes their contexts past `runner.MIN_CONTEXT_WIDTH` (a
@@ -812,7 +812,7 @@ def test_warmup_covers_logits_processors_and_their_context_widths(fresh_jit_cach
   assert_pages_back(eng)
 
 
-def test_warmup_covers_guided_requests(fresh_jit_caches):
+def test_warmup_covers_guided_requests():
   """After warmup(guided=True), guided requests (two guides at once) beside unguided ones,
   greedy and sampled, submitted between steps, compile nothing; each guided answer is a
   prefix of a match, whole where it ended before its budget."""
@@ -845,7 +845,7 @@ def test_warmup_covers_guided_requests(fresh_jit_caches):
   assert_pages_back(eng)
 
 
-def test_warmup_covers_decode_chunks_cut_short_by_a_full_pool(fresh_jit_caches):
+def test_warmup_covers_decode_chunks_cut_short_by_a_full_pool():
   """A pool too small for its slots (optimistic admission) cuts decode chunks short and
   preempts: after warmup(prefix_hits=True, short_chunks=True, logprobs=True,
   top_logprobs=True) such a run, some of its requests asking for logprobs and top

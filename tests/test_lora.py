@@ -255,7 +255,7 @@ def test_prefix_cache_shares_pages_within_an_adapter_only(saved):
   assert report.cached_prompt_tokens == 0
 
 
-def test_warmup_covers_runs_of_adapters(saved, fresh_jit_caches):
+def test_warmup_covers_runs_of_adapters(saved):
   """After warmup() a run mixing adapters (loaded into their slots mid-run, one
   reloaded) compiles nothing: every program takes the slots whichever adapters run, and
   the slot writes compiled with the engine (bf16: the adapters' arrays cast to it)."""

@@ -219,7 +219,7 @@ def test_engine_gives_plain_decodings_tokens_with_every_setting(model):
                                                          report.accepted_tokens)
 
 
-def test_warmup_covers_speculative_decode_calls(fresh_jit_caches):
+def test_warmup_covers_speculative_decode_calls():
   """After warmup() an engine with speculation serves greedy and sampled batches of any
   size up to its slots without compiling: its decode calls' history arrays have one width
   (the lookup window, at most the model's context, plus the steps per call)."""
