@@ -39,6 +39,8 @@ SHAPES = {
     "gqa-b32-l4k": (32, 32, 8, 128, 4096, 16, False),
     "gqa-b1-l32k": (1, 32, 8, 128, 32768, 16, False),
     "mha-b64-l2k": (64, 32, 32, 128, 2048, 16, False),
+    # StarCoder2-3B's heads: 24 q heads over 2 kv heads (groups of 12).
+    "sc2-b64-l2k": (64, 24, 2, 128, 2048, 16, False),
     "gpt2-b64-l1k-ragged": (64, 12, 12, 64, 1024, 16, True),
     "gqa-b32-l4k-ragged": (32, 32, 8, 128, 4096, 16, True),
 }

@@ -2,7 +2,11 @@
 step against its bytes floor, and end-to-end generation against Hugging Face.
 
 Shape: 16 layers, hidden 2048, 32 q heads over 8 kv heads of 64 (GQA), SwiGLU 8192,
-vocabulary 128256, tied embeddings, llama3 RoPE.
+vocabulary 128256, tied embeddings, llama3 RoPE. `--shape` picks another family's
+(`SHAPES`): Pythia-1.4B's (`models.gpt_neox`: 24 layers, hidden 2048, 16 heads of 128,
+RoPE on a quarter of each, the parallel residual, exact GELU 8192, vocabulary 50304) or
+StarCoder2-3B's (`models.starcoder2`: 30 layers, hidden 3072, 24 q heads over 2 kv heads
+of 128, tanh GELU 12288, vocabulary 49152, a 4096-token window, biases).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -17,8 +21,8 @@ vocabulary 128256, tied embeddings, llama3 RoPE.
   (`bench_generate.hf_tokens_per_s`); each figure the median of three timed calls after an
   identical untimed one (`bench_generate.timed`).
 
-    PYTHONPATH=. python benchmarks/bench_llama.py [--batches 64 256] [--context 2048]
-        [--iters 64] [--skip-decode-step] [--skip-e2e] [--skip-hf]
+    PYTHONPATH=. python benchmarks/bench_llama.py [--shape llama-3.2-1b] [--batches 64 256]
+        [--context 2048] [--iters 64] [--skip-decode-step] [--skip-e2e] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -36,15 +40,32 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import llama
+from models import gpt_neox, llama, starcoder2
 
-LLAMA_3_2_1B = llama.LlamaConfig(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=(128001, 128008, 128009),
-    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# --shape -> (config class, model class, Hugging Face config.json fields): ours read from
+# the fields by the config's from_dict, Hugging Face's model built from the same fields.
+SHAPES = {
+    "llama-3.2-1b": (llama.LlamaConfig, llama.LlamaForCausalLM, dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "pythia-1.4b": (gpt_neox.GPTNeoXConfig, gpt_neox.GPTNeoXForCausalLM, dict(
+        model_type="gpt_neox", vocab_size=50304, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=2048,
+        rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
+        hidden_act="gelu", layer_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)),
+    "starcoder2-3b": (starcoder2.Starcoder2Config, starcoder2.Starcoder2ForCausalLM, dict(
+        model_type="starcoder2", vocab_size=49152, hidden_size=3072, intermediate_size=12288,
+        num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
+        max_position_embeddings=16384, sliding_window=4096, rope_theta=999999.4420358813,
+        norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)),
+}
+LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE
 
 
@@ -76,24 +97,18 @@ def decode_steps(model: llama.LlamaForCausalLM, ceiling: float, batches: list[in
           f"{attention * 1e6:,.0f} | {attention_pct:.0%} |", flush=True)
 
 
-def hf_llama(config: llama.LlamaConfig):
-  """transformers' LlamaForCausalLM of `config`'s shape, random bf16 weights on the GPU."""
+def hf_model(fields: dict):
+  """transformers' causal LM of a `SHAPES` entry's config fields, random bf16 weights on
+  the GPU."""
   import torch
   import transformers
-  hf_config = transformers.LlamaConfig(
-      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-      num_attention_heads=config.num_attention_heads,
-      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-      max_position_embeddings=config.max_position_embeddings,
-      rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-      rope_scaling=dict(config.rope_scaling), tie_word_embeddings=True)
   with torch.device("cuda"):
-    return transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**fields)).to(torch.bfloat16).eval()
 
 
-def end_to_end(model: llama.LlamaForCausalLM, batch: int, prompt: int, new: int,
-               steps_per_call: list[int], skip_hf: bool) -> None:
+def end_to_end(model: llama.LlamaForCausalLM, hf_fields: dict, batch: int, prompt: int,
+               new: int, steps_per_call: list[int], skip_hf: bool) -> None:
   vocab = model.config.vocab_size
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, vocab, (batch, prompt)).tolist()
@@ -114,7 +129,7 @@ def end_to_end(model: llama.LlamaForCausalLM, batch: int, prompt: int, new: int,
     del eng
   if skip_hf:
     return
-  hf = hf_llama(model.config)
+  hf = hf_model(hf_fields)
   for name, static in (("HF transformers, static cache + torch.compile", True),
                        ("HF transformers, dynamic cache", False)):
     try:
@@ -126,6 +141,7 @@ def end_to_end(model: llama.LlamaForCausalLM, batch: int, prompt: int, new: int,
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
   p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
   p.add_argument("--context", type=int, default=2048)
   p.add_argument("--iters", type=int, default=64, help="decode steps per device call")
@@ -139,14 +155,15 @@ def main():
   # JAX takes 75% of the GPU when it first uses it; leave Hugging Face's torch model room.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
-  print(f"# bench_llama: {common.header()}")
-  model = llama.LlamaForCausalLM(LLAMA_3_2_1B, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  print(f"# bench_llama --shape {args.shape}: {common.header()}")
+  config_cls, model_cls, fields = SHAPES[args.shape]
+  model = model_cls(config_cls.from_dict(fields), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   if not args.skip_decode_step:
     ceiling = common.read_ceiling_gbs(kernel=True)
     print(f"read ceiling (jnp.sum over 4 GiB bf16, kernel time): {ceiling:.0f} GB/s")
     decode_steps(model, ceiling, args.batches, args.context, args.iters)
   if not args.skip_e2e:
-    end_to_end(model, 128, 512, 256, args.steps_per_call, args.skip_hf)
+    end_to_end(model, fields, 128, 512, 256, args.steps_per_call, args.skip_hf)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,9 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class RotaryEmbedding:
   """Rotary position embeddings (RoPE) in the rotate-half layout of Hugging Face's Llama:
   the two halves of a head, x1 = x[..., :D/2] and x2 = x[..., D/2:], rotate as the pairs
-  (x1[i], x2[i]) by the angle position * inv_freq[i].
+  (x1[i], x2[i]) by the angle position * inv_freq[i]. With `rotary_dim` R < head_dim
+  (HF's partial_rotary_factor: GPT-NeoX's, Pythia's), only the first R features rotate
+  so (D = R below), the rest pass unchanged.
 
   Frequencies inv_freq[i] = theta ** (-2i / D), then by `rope_type`:
     "default": as they are;
@@ -145,10 +147,16 @@ class RotaryEmbedding:
   beta_slow: float = 1.0
   truncate: bool = True
   attention_factor: float = 1.0
+  rotary_dim: int | None = None  # None: head_dim
 
   def __post_init__(self):
     if not (isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0):
       raise ValueError(f"head_dim must be a positive even int, got {self.head_dim!r}")
+    if self.rotary_dim is not None and not (
+        isinstance(self.rotary_dim, int) and 0 < self.rotary_dim <= self.head_dim
+        and self.rotary_dim % 2 == 0):
+      raise ValueError(f"rotary_dim must be a positive even int <= head_dim="
+                       f"{self.head_dim}, got {self.rotary_dim!r}")
     if not self.theta > 0:
       raise ValueError(f"theta must be > 0, got {self.theta!r}")
     if self.rope_type not in ROPE_TYPES:
@@ -171,8 +179,8 @@ class RotaryEmbedding:
                        f"{self.high_freq_factor}, {self.original_max_position_embeddings}")
 
   def inv_freq(self) -> np.ndarray:
-    """float32 [head_dim // 2], the rotation frequency of each pair."""
-    d = self.head_dim
+    """float32 [rotary_dim // 2], the rotation frequency of each pair."""
+    d = self.rotary_dim or self.head_dim
     f32 = np.float32
     # theta ** (2i / d) with the f32 exponent, rounded to f32 from float64 as torch's pow
     # (HF's) rounds it: numpy's own float32 pow (numpy 2.4) is off by an ulp in some
@@ -220,9 +228,10 @@ class RotaryEmbedding:
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [..., 1, D/2]
     if self.attention_factor != 1.0:
       cos, sin = cos * self.attention_factor, sin * self.attention_factor
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return y.astype(x.dtype)
+    rotated = self.rotary_dim or self.head_dim
+    x1, x2 = jnp.split(x[..., :rotated].astype(jnp.float32), 2, axis=-1)
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return y if rotated == self.head_dim else jnp.concatenate([y, x[..., rotated:]], axis=-1)
 
 
 class LayerNorm(nnx.Module):

@@ -249,7 +249,11 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
   config's final_logit_softcapping (Gemma 2's)."""
 
   decoder_layer = DecoderLayer
-  unit_offset_norm = True
+
+  def _make_norm(self, config: Gemma3Config, param_dtype) -> paged_nn.RMSNorm:
+    """Gemma's final norm: 1 + weight (`nn.RMSNorm(unit_offset=True)`)."""
+    return paged_nn.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps,
+                            param_dtype=param_dtype, unit_offset=True)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     # sqrt(hidden_size) rounded to the weights' dtype, as HF's scaled embedding.

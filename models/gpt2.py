@@ -44,7 +44,8 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
   return x * jax.nn.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x))
 
 
-_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+# Hugging Face's activation names (GPT-2's activation_function, StarCoder2's hidden_act).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu_new": gelu_tanh,
     "gelu_pytorch_tanh": gelu_tanh,
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -74,9 +75,9 @@ class GPT2Config:
   def __post_init__(self):
     if self.n_embd % self.n_head:
       raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-    if self.activation_function not in _ACTIVATIONS:
+    if self.activation_function not in ACTIVATIONS:
       raise ValueError(f"activation_function {self.activation_function!r} is not supported; "
-                       f"use one of {sorted(_ACTIVATIONS)}")
+                       f"use one of {sorted(ACTIVATIONS)}")
 
   @property
   def head_dim(self) -> int:
@@ -100,7 +101,7 @@ class MLP(nnx.Module):
                            param_dtype=param_dtype, rngs=rngs)
     self.c_proj = nnx.Linear(width, config.n_embd, kernel_init=init, dtype=dtype,
                              param_dtype=param_dtype, rngs=rngs)
-    self.activation = _ACTIVATIONS[config.activation_function]
+    self.activation = ACTIVATIONS[config.activation_function]
 
   def hidden(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
     """activation(c_fc(x)) [..., width] (one kernel at decode's few rows,

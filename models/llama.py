@@ -58,10 +58,11 @@ _GRANITES = ("granite", "granitemoe")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def rotary(head_dim: int, theta: float, scaling: Any,
-           max_position_embeddings: int) -> paged_nn.RotaryEmbedding:
+def rotary(head_dim: int, theta: float, scaling: Any, max_position_embeddings: int,
+           rotary_dim: int | None = None) -> paged_nn.RotaryEmbedding:
   """The rotary embedding of a base `theta` and HF's `scaling` (a dict or its sorted
-  items; None: none); ValueError for a type or setting it does not support."""
+  items; None: none) over the first `rotary_dim` features of each head (None: all);
+  ValueError for a type or setting it does not support."""
   scaling = dict(scaling or ())
   rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
   if rope_type not in paged_nn.ROPE_TYPES:
@@ -79,7 +80,7 @@ def rotary(head_dim: int, theta: float, scaling: Any,
            "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
            "attention_factor"}
   return paged_nn.RotaryEmbedding(
-      head_dim, theta=float(theta), rope_type=rope_type,
+      head_dim, theta=float(theta), rope_type=rope_type, rotary_dim=rotary_dim,
       **{k: v for k, v in scaling.items() if k in known and v is not None})
 
 
@@ -190,6 +191,11 @@ class LlamaConfig:
   logits_scaling: float = 1.0
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+  # hidden_act -> the MLP's activation (a subclass's own: `models.starcoder2`'s GELUs).
+  activations: ClassVar[Mapping[str, Callable[[jax.Array], jax.Array]]] = {
+      "silu": jax.nn.silu}
+  # Whether the MLP is `PlainMLP` (StarCoder2's, GPT-NeoX's) rather than SwiGLU's `MLP`.
+  plain_mlp: ClassVar[bool] = False
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -222,9 +228,9 @@ class LlamaConfig:
       # (The branches are scaled at the projections' inputs, which would miss a bias.)
       raise ValueError(f"residual_multiplier {self.residual_multiplier} with attention_bias "
                        "or mlp_bias is not supported (Granite's checkpoints have no biases)")
-    if self.hidden_act != "silu":
-      raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Llama's MLP is "
-                       "SwiGLU ('silu')")
+    if self.hidden_act not in self.activations:
+      raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; use one of "
+                       f"{tuple(self.activations)}")
     if self.layer_types is not None and (
         len(self.layer_types) != self.num_hidden_layers
         or any(t not in _LAYER_TYPES for t in self.layer_types)):
@@ -259,10 +265,16 @@ class LlamaConfig:
     return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
                                                        "smollm3", *_GRANITES)
 
+  def make_norm(self, param_dtype) -> paged_nn.RMSNorm | paged_nn.LayerNorm:
+    """A new norm over hidden_size of the blocks' kind: RMSNorm(rms_norm_eps) (a
+    subclass's own: StarCoder2's and GPT-NeoX's LayerNorms)."""
+    return paged_nn.RMSNorm(self.hidden_size, epsilon=self.rms_norm_eps,
+                            param_dtype=param_dtype)
+
   @property
   def activation(self) -> Callable[[jax.Array], jax.Array]:
-    """The MLP's gate activation."""
-    return jax.nn.silu
+    """The MLP's activation (SwiGLU's gate's: silu)."""
+    return self.activations[self.hidden_act]
 
   @property
   def qk_norm(self) -> bool:
@@ -358,6 +370,30 @@ class MLP(nnx.Module):
     return self.activation(gate) * up
 
 
+class PlainMLP(nnx.Module):
+  """c_proj(activation(c_fc(x))): the ungated MLP of StarCoder2 and GPT-NeoX (HF's c_fc /
+  c_proj, dense_h_to_4h / dense_4h_to_h), biases with mlp_bias."""
+
+  def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.activation = config.activation
+    linear = functools.partial(nnx.Linear, use_bias=config.mlp_bias,
+                               kernel_init=nnx.initializers.normal(config.initializer_range),
+                               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.c_fc = linear(config.hidden_size, config.intermediate_size)
+    self.c_proj = linear(config.intermediate_size, config.hidden_size)
+
+  @property
+  def down(self) -> nnx.Linear:
+    """The projection a block adds to the stream (`DecoderLayer`'s name, as `MLP`'s)."""
+    return self.c_proj
+
+  def hidden(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+    """activation(c_fc(x)) [..., intermediate] (one kernel at decode's few rows,
+    `nn.dense`; with the rows' LoRA `adapters`); the block applies `c_proj` with its
+    residual add and the next norm."""
+    return paged_nn.dense(self.c_fc, x, activation=self.activation, adapters=adapters)
+
+
 # attend(attention layer, normalised x, pool, layer index) -> (attention output before
 # the layer's `out` projection, pool)
 Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
@@ -366,16 +402,15 @@ Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
 
 class DecoderLayer(nnx.Module):
   """A pre-norm block: attention, then an MLP (`_make_mlp`'s: a subclass's own, as
-`models.moe`'s experts), each added to the residual stream."""
+`models.moe`'s experts), each added to the residual stream; the config's norms
+(`LlamaConfig.make_norm`)."""
 
   def __init__(self, config: LlamaConfig, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
-    norm = functools.partial(paged_nn.RMSNorm, config.hidden_size,
-                             epsilon=config.rms_norm_eps, param_dtype=param_dtype)
-    self.input_layernorm = norm()
+    self.input_layernorm = config.make_norm(param_dtype)
     self.self_attn = self._make_attention(config, layer, decode_impl=decode_impl,
                                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.post_attention_layernorm = norm()
+    self.post_attention_layernorm = config.make_norm(param_dtype)
     self.mlp = self._make_mlp(config, layer, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
     self.residual_multiplier = config.residual_multiplier
@@ -396,9 +431,10 @@ class DecoderLayer(nnx.Module):
         param_dtype=param_dtype, **kwargs)
 
   def _make_mlp(self, config: LlamaConfig, layer: int, **kwargs) -> nnx.Module:
-    """Layer `layer`'s MLP (`MLP`; kwargs: dtype, param_dtype, rngs)."""
+    """Layer `layer`'s MLP (`MLP`, or `PlainMLP` with the config's plain_mlp; kwargs:
+    dtype, param_dtype, rngs)."""
     del layer
-    return MLP(config, **kwargs)
+    return (PlainMLP if config.plain_mlp else MLP)(config, **kwargs)
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
                attend: Attend, next_norm: paged_nn.RMSNorm,
@@ -451,9 +487,8 @@ class LlamaForCausalLM(nnx.Module):
     rngs: initialisation randomness (normal(initializer_range) weights, as HF does).
   """
 
-  # The blocks, and whether the final norm is Gemma's (a subclass's: `models.gemma3`).
+  # The blocks (a subclass's own: `models.gemma3`).
   decoder_layer = DecoderLayer
-  unit_offset_norm = False
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
@@ -469,11 +504,16 @@ class LlamaForCausalLM(nnx.Module):
                                                param_dtype=param_dtype,
                                                decode_impl=decode_impl, rngs=rngs)
                             for i in range(config.num_hidden_layers)])
-    self.norm = paged_nn.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps,
-                                 param_dtype=param_dtype, unit_offset=self.unit_offset_norm)
+    self.norm = self._make_norm(config, param_dtype)
     # HF's lm_head weight is [vocab, hidden], an embedding table's layout: `attend` and
     # the greedy kernel take it as it is, tied or not.
     self.lm_head = None if config.tie_word_embeddings else embed()
+
+  def _make_norm(self, config: LlamaConfig, param_dtype
+                 ) -> paged_nn.RMSNorm | paged_nn.LayerNorm:
+    """The final norm: the config's kind (`LlamaConfig.make_norm`; a subclass's own:
+    `models.gemma3`'s)."""
+    return config.make_norm(param_dtype)
 
   @property
   def spec(self) -> ModelSpec:
@@ -486,17 +526,25 @@ class LlamaForCausalLM(nnx.Module):
 
   def tensor_parallel_splits(self) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
     """The MLP's gate_up column-parallel (gate and up each split, so that a device gets
-    the matching columns of both) and down row-parallel (`jax_paged.PagedModel`; the
-    attention is split by head by `jax_paged.tensor_parallel` itself). Layers whose MLP is
-    not an `MLP` are a subclass's to add (`models.moe` adds its experts')."""
-    return [split for layer in self.layers if isinstance(layer.mlp, MLP)
-            for split in mlp_splits(layer.mlp)]
+    the matching columns of both) and down row-parallel; a `PlainMLP`'s c_fc
+    column-parallel and c_proj row-parallel (`jax_paged.PagedModel`; the attention is
+    split by head by `jax_paged.tensor_parallel` itself). Layers whose MLP is neither are
+    a subclass's to add (`models.moe` adds its experts')."""
+    splits = []
+    for layer in self.layers:
+      if isinstance(layer.mlp, MLP):
+        splits += mlp_splits(layer.mlp)
+      elif isinstance(layer.mlp, PlainMLP):
+        splits += [(layer.mlp.c_fc, tensor_parallel.COLUMN),
+                   (layer.mlp.c_proj, tensor_parallel.ROW)]
+    return splits
 
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
     q_proj, k_proj and v_proj in our fused qkv's columns, gate_proj and up_proj in
     gate_up's (Phi-3's qkv_proj and gate_up_proj: all of them), o_proj and down_proj
-    whole; the attention's only where the MLP is not an `MLP` (`models.moe`'s experts)."""
+    whole, a `PlainMLP`'s c_fc and c_proj whole; the attention's only where the MLP is
+    neither (`models.moe`'s experts)."""
     c = self.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     targets = {}
@@ -515,6 +563,8 @@ class LlamaForCausalLM(nnx.Module):
                   else [("mlp.gate_proj", lora.Target(mlp.gate_up, 0, width)),
                         ("mlp.up_proj", lora.Target(mlp.gate_up, width, width))])
         found.append(("mlp.down_proj", lora.Target(mlp.down)))
+      elif isinstance(mlp, PlainMLP):
+        found += [("mlp.c_fc", lora.Target(mlp.c_fc)), ("mlp.c_proj", lora.Target(mlp.c_proj))]
       for name, target in found:
         targets[f"model.layers.{i}.{name}"] = target
     return targets
@@ -717,10 +767,16 @@ def _safetensors_header(file: str) -> tuple[dict[str, Any], int]:
 _FUSED = {"self_attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.out": ("self_attn.o_proj",),
           "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp.down": ("mlp.down_proj",)}
+          "mlp.down": ("mlp.down_proj",),
+          # (`PlainMLP`'s, StarCoder2's names.)
+          "mlp.c_fc": ("mlp.c_fc",), "mlp.c_proj": ("mlp.c_proj",)}
 # Phi-3 fuses them as we do (q, k, v; gate, up): one module each.
 _PHI3_FUSED = {**_FUSED, "self_attn.qkv": ("self_attn.qkv_proj",),
                "mlp.gate_up": ("mlp.gate_up_proj",)}
+
+
+# `nn.LayerNorm`'s parameters under HF's names (an RMS norm's weight is HF's as it is).
+_NORM_PARAMS = {"scale": "weight"}
 
 
 # Sources(nnx state path, config) -> (the HF tensor names a parameter is made of, the
@@ -734,7 +790,8 @@ def linear_rows(parts: list[jax.Array]) -> jax.Array:
   return jnp.concatenate(parts, axis=0).T
 
 
-def _whole(parts: list[jax.Array]) -> jax.Array:
+def whole(parts: list[jax.Array]) -> jax.Array:
+  """The one tensor of `parts`, as it is."""
   (part,) = parts
   return part
 
@@ -744,17 +801,17 @@ def hf_sources(path: tuple[str, ...], config: Any
   """This module's `Sources`: a parameter's HF tensors (our fused projections are
   their modules' weights concatenated)."""
   if path == ("embed_tokens", "embedding"):
-    return ["model.embed_tokens.weight"], _whole
+    return ["model.embed_tokens.weight"], whole
   if path == ("lm_head", "embedding"):
-    return ["lm_head.weight"], _whole
-  if path == ("norm", "weight"):
-    return ["model.norm.weight"], _whole
+    return ["lm_head.weight"], whole
+  if path[0] == "norm":  # the final norm (a LayerNorm's scale is HF's weight)
+    return [f"model.norm.{_NORM_PARAMS.get(path[1], path[1])}"], whole
   _, layer, *module, param = path  # ("layers", i, ..., "kernel" | "bias" | "weight")
   prefix = f"model.layers.{layer}."
   module = ".".join(module)
   fused = _PHI3_FUSED if config.model_type == "phi3" else _FUSED
   if module not in fused:  # the norms
-    return [f"{prefix}{module}.{param}"], _whole
+    return [f"{prefix}{module}.{_NORM_PARAMS.get(param, param)}"], whole
   if param == "kernel":
     return [f"{prefix}{hf}.weight" for hf in fused[module]], linear_rows
   return ([f"{prefix}{hf}.bias" for hf in fused[module]],
@@ -809,8 +866,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
       missing.
     ValueError: a file is unreadable, an index names a file that lacks the tensor, the
       model_type or a setting is unsupported or the checkpoint is pre-quantized other than
-      as block-scaled fp8 (each naming the file), or a weight is missing from the checkpoint or has the wrong
-      shape.
+      as block-scaled fp8 (each naming the file), or a weight is missing from the
+      checkpoint or has the wrong shape.
   """
   path = os.fspath(path)
   config_file = os.path.join(path, "config.json")

@@ -23,11 +23,10 @@ from jax_paged import latent_attention, reference, weight_quant
 from jax_paged.kernels import kv_quant, paged_latent_attention
 from jax_paged.serving.runner import ModelRunner
 from models import deepseek
-from tests.test_llama import (PAGE, VOCAB, _hf_generate, _hf_last_logits, _padded, _prompts,
-                              assert_bf16_tracks_hf, assert_installed_cli_gives_hfs_tokens,
-                              assert_kernels_give_references_and_hfs_tokens,
-                              assert_logits_track_hf, assert_preempting_engine_gives,
-                              assert_prefix_cache_and_chunks_give_hfs_tokens)
+from tests.test_llama import (PAGE, VOCAB, _hf_last_logits, _padded, _prompts,
+                              assert_bf16_tracks_hf, assert_generate_and_engines_give_hfs_tokens,
+                              assert_installed_cli_gives_hfs_tokens,
+                              assert_kernels_give_references_and_hfs_tokens, assert_logits_track_hf)
 
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -84,14 +83,8 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   engine's paths are the model's prefill and decode, which V3 shares)."""
   hf, path = saved
   model = deepseek.from_pretrained(path)
-  rng = np.random.default_rng(2)
-  prompts = _prompts(rng, [1, 7, 9, 15])
-  want = [_hf_generate(hf, p, 12) for p in prompts]
-  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
-  if model.config.model_type == "deepseek_v3":
-    return
-  assert_preempting_engine_gives(model, prompts, want)
-  assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
+  assert_generate_and_engines_give_hfs_tokens(
+      hf, model, engines=model.config.model_type != "deepseek_v3")
 
 
 def _logits_over_steps(model, prompts: list[list[int]], dtype, page_size: int) -> np.ndarray:

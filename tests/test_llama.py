@@ -245,6 +245,19 @@ def test_beam_search_matches_hf(saved, name):
     np.testing.assert_allclose([b.score for b in got], [w[1] for w in want], rtol=1e-5)
 
 
+def assert_generate_and_engines_give_hfs_tokens(hf, model, engines: bool = True) -> None:
+  """`jax_paged.generate` over prompts of 1-15 tokens (12 new each); with `engines`, also
+  an engine preempting in a tiny pool and one whose prompts share a cached prefix and
+  whose long prompt is prefilled in chunks: HF's greedy tokens each."""
+  rng = np.random.default_rng(2)
+  prompts = _prompts(rng, [1, 7, 9, 15])
+  want = [_hf_generate(hf, p, 12) for p in prompts]
+  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
+  if engines:
+    assert_preempting_engine_gives(model, prompts, want)
+    assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
+
+
 def assert_preempting_engine_gives(model, prompts: list[list[int]],
                                    want: list[list[int]]) -> None:
   """An engine of 3 slots over 7 pages (it preempts) gives `want`, 12 new tokens per

@@ -4,8 +4,9 @@ models, against merged weights, and the slots' and prefix cache's bookkeeping.
 Adapters are PEFT checkpoints saved with random A and B (`init_lora_weights=False`: B is
 zero by default, which would hide every error), loaded through `LoraAdapter.load`; the
 base models are random Hugging Face GPT-2 and Llama (GQA) checkpoints (and a Phi-3, whose
-adapters target its fused qkv_proj and gate_up_proj, and a Gemma 3). Every run mixes requests of several
-adapters and of the base model in one batch.
+adapters target its fused qkv_proj and gate_up_proj, a Gemma 3, a StarCoder2 and a
+GPT-NeoX). Every run mixes requests of several adapters and of the base model in one
+batch.
 """
 
 import json
@@ -20,14 +21,16 @@ import jax_paged
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged.kernels import linear as linear_lib
-from models import gemma3, gpt2, llama
+from models import gemma3, gpt2, gpt_neox, llama, starcoder2
 
 PAGE = 8
 VOCAB = 97
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"gpt2": GPT2_TARGETS, "llama": LLAMA_TARGETS, "gemma3": LLAMA_TARGETS,
-           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"],
+           "gpt_neox": ["dense", "dense_h_to_4h", "dense_4h_to_h"]}
 
 
 def hf_base(kind: str):
@@ -41,12 +44,14 @@ def hf_base(kind: str):
   config_cls, model_cls = {
       "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
       "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
-      "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[kind]
+      "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+      "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
+      "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM)}[kind]
   config = config_cls(
       vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-      attn_implementation="eager")
+      num_attention_heads=4, max_position_embeddings=96, initializer_range=0.1,
+      bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+      **({} if kind == "gpt_neox" else dict(num_key_value_heads=2)))  # (GPT-NeoX: MHA)
   return model_cls(config).eval()
 
 
@@ -79,7 +84,8 @@ def saved(request, tmp_path_factory):
 
 
 def _load(kind: str, path: str):
-  return {"gpt2": gpt2, "gemma3": gemma3}.get(kind, llama).from_pretrained(path)
+  return {"gpt2": gpt2, "gemma3": gemma3, "starcoder2": starcoder2,
+          "gpt_neox": gpt_neox}.get(kind, llama).from_pretrained(path)
 
 
 def _serving(saved, model=None, **kwargs) -> jax_paged.Engine:
@@ -117,10 +123,12 @@ def test_prompt_and_token_logprobs_match_peft_in_a_mixed_batch(saved):
   _assert_logprobs_match_peft(saved)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "gemma3"])
-def test_phi3_and_gemma3_adapters_match_peft(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["phi3", "gemma3", "starcoder2", "gpt_neox"])
+def test_other_families_adapters_match_peft(tmp_path, kind):
   """Phi-3's adapters on qkv_proj and gate_up_proj (each over all of our fused kernel's
-  columns); Gemma 3's on its Llama-named modules, between its extra norms."""
+  columns); Gemma 3's on its Llama-named modules, between its extra norms; StarCoder2's
+  on its attention's and its plain MLP's c_fc and c_proj (biased); GPT-NeoX's on its
+  attention.dense and MLP, beside the parallel residual."""
   _assert_logprobs_match_peft(save_with_adapters(kind, tmp_path))
 
 

@@ -20,11 +20,10 @@ from jax_paged import tensor_parallel
 from jax_paged import weight_quant
 from models import llama
 from models import moe
-from tests.test_llama import (PAGE, VOCAB, _hf_generate, _prompts, assert_bf16_tracks_hf,
-                              assert_kernels_give_references_and_hfs_tokens,
-                              assert_installed_cli_gives_hfs_tokens, assert_logits_track_hf,
-                              assert_preempting_engine_gives,
-                              assert_prefix_cache_and_chunks_give_hfs_tokens)
+from tests.test_llama import (VOCAB, assert_bf16_tracks_hf,
+                              assert_generate_and_engines_give_hfs_tokens,
+                              assert_installed_cli_gives_hfs_tokens,
+                              assert_kernels_give_references_and_hfs_tokens, assert_logits_track_hf)
 
 # GQA 8 q heads over 2 kv heads; 4 experts, 2 per token.
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -101,16 +100,10 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   tokens."""
   hf, path = saved
   model = moe.from_pretrained(path)
-  rng = np.random.default_rng(2)
-  prompts = _prompts(rng, [1, 7, 9, 15])
-  want = [_hf_generate(hf, p, 12) for p in prompts]
-  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
-  if model.config.model_type not in ("mixtral", "qwen2_moe"):
-    # The engine's paths are the model's prefill and decode, which generate ran: the
-    # engine runs for Mixtral and for Qwen2-MoE (windows, a shared expert) only.
-    return
-  assert_preempting_engine_gives(model, prompts, want)
-  assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
+  # The engine's paths are the model's prefill and decode, which generate runs: the
+  # engines run for Mixtral and for Qwen2-MoE (windows, a shared expert) only.
+  assert_generate_and_engines_give_hfs_tokens(
+      hf, model, engines=model.config.model_type in ("mixtral", "qwen2_moe"))
 
 
 def test_config_reads_hf_and_refuses_what_it_lacks(saved):

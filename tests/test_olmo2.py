@@ -7,18 +7,17 @@ Tolerance as test_llama's: 1e-4 on the logits.
 """
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 import transformers
 
 import jax_paged
 from models import olmo2
-from tests.test_llama import (_COMMON, PAGE, _hf_generate, _prompts, assert_bf16_tracks_hf,
+from tests.test_llama import (_COMMON, assert_bf16_tracks_hf,
+                              assert_generate_and_engines_give_hfs_tokens,
                               assert_installed_cli_gives_hfs_tokens,
-                              assert_kernels_give_references_and_hfs_tokens,
-                              assert_logits_track_hf, assert_preempting_engine_gives,
-                              assert_prefix_cache_and_chunks_give_hfs_tokens, randomised)
+                              assert_kernels_give_references_and_hfs_tokens, assert_logits_track_hf,
+                              randomised)
 
 # GQA 8 q heads over 2 kv heads of 8, biases on q / k / v / o, linear RoPE, untied head.
 CONFIG = dict(_COMMON, num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
@@ -58,12 +57,7 @@ def test_generate_and_engine_give_hfs_tokens(saved):
   prefix and whose long prompt is prefilled in chunks: HF's greedy tokens."""
   hf, path = saved
   model = olmo2.from_pretrained(path)
-  rng = np.random.default_rng(2)
-  prompts = _prompts(rng, [1, 7, 9, 15])
-  want = [_hf_generate(hf, p, 12) for p in prompts]
-  assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
-  assert_preempting_engine_gives(model, prompts, want)
-  assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
+  assert_generate_and_engines_give_hfs_tokens(hf, model)
 
 
 def test_config_reads_hf_and_its_defaults(saved):

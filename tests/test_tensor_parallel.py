@@ -117,9 +117,11 @@ def test_the_model_is_left_unchanged():
 def test_pallas_kernels_per_device_in_interpret_mode():
   """Every kernel (cache write, fused projection-write, paged decode and prefill
   attention, the decode reservation with copy-on-write, the linear and norm kernels) in
-  Pallas interpret mode under shard_map: TP 2 matches one device."""
+  Pallas interpret mode under shard_map: TP 2 matches one device (GPT-NeoX's parallel
+  residual, LayerNorms, plain MLP and random biases: a row-parallel projection's added
+  once)."""
   result = _run_case("kernels")
-  for model in ("gpt2", "llama", "gemma3"):
+  for model in ("gpt2", "llama", "gemma3", "gpt_neox"):
     assert result[model]["tokens"]["2"] == result[model]["tokens"]["1"], model
     assert result[model]["logit_error"] < 1e-5, model
 
@@ -410,11 +412,12 @@ def case_kernels() -> dict:
   original = triton_backend.kernel_mode
   triton_backend.kernel_mode = lambda interpret, *, supported=True: original(
       True if interpret is None else interpret, supported=supported)
+  import jax
   import jax.numpy as jnp
   from flax import nnx
   from jax_paged import Request, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
-  from models import gemma3, gpt2, llama
+  from models import gemma3, gpt2, gpt_neox, llama
   models = {
       "gpt2": gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=64, n_embd=64,
                                                    n_layer=1, n_head=4, bos_token_id=None,
@@ -431,7 +434,17 @@ def case_kernels() -> dict:
           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
           max_position_embeddings=64, sliding_window=4, eos_token_id=None),
           dtype=jnp.float32, rngs=nnx.Rngs(2)),
+      # The parallel residual, LayerNorms, a plain MLP (StarCoder2's too) and biases
+      # everywhere (made random below), RoPE on a quarter of each head.
+      "gpt_neox": gpt_neox.GPTNeoXForCausalLM(gpt_neox.GPTNeoXConfig(
+          vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+          num_attention_heads=4, max_position_embeddings=64, eos_token_id=None),
+          dtype=jnp.float32, rngs=nnx.Rngs(3)),
   }
+  rng = np.random.default_rng(3)
+  nnx.update(models["gpt_neox"], jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+      if "bias" in jax.tree_util.keystr(path) else x, nnx.state(models["gpt_neox"])))
   out = {}
   for name, model in models.items():
     res = {"tokens": {}}
