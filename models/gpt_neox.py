@@ -74,6 +74,7 @@ class GPTNeoXConfig(llama.LlamaConfig):
   activations: ClassVar[Mapping[str, Callable[[jax.Array], jax.Array]]] = {
       name: gpt2.ACTIVATIONS[name]
       for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")}
+  plain_mlp: ClassVar[bool] = True
 
   def __post_init__(self):
     if not (isinstance(self.rotary_pct, (int, float)) and 0 < self.rotary_pct <= 1):
@@ -96,8 +97,6 @@ class GPTNeoXConfig(llama.LlamaConfig):
     """The rotary embedding of rope_theta and rope_scaling over `rotary_dim` features."""
     return llama.rotary(self.head_dim, self.rope_theta, self.rope_scaling,
                         self.max_position_embeddings, rotary_dim=self.rotary_dim)
-
-  plain_mlp: ClassVar[bool] = True
 
   def make_norm(self, param_dtype) -> paged_nn.LayerNorm:
     """A LayerNorm (a weight and a bias) of layer_norm_eps."""
