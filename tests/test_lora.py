@@ -83,6 +83,14 @@ def saved(request, tmp_path_factory):
   return save_with_adapters(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+  """`save_with_adapters` of Llama alone: for the engine's adapter bookkeeping (slots,
+  chunks, preemption, beams, drafts, the prefix cache, warm-up), which does not depend on
+  the model holding the slots (each model's adapters against PEFT: `saved`)."""
+  return save_with_adapters("llama", tmp_path_factory.mktemp("llama_bookkeeping"))
+
+
 def _load(kind: str, path: str):
   return {"gpt2": gpt2, "gemma3": gemma3, "starcoder2": starcoder2,
           "gpt_neox": gpt_neox}.get(kind, llama).from_pretrained(path)
@@ -190,12 +198,12 @@ def _alone(kind, base, adapters, requests) -> list[list[int]]:
   return out
 
 
-def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_tokens(saved):
+def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_tokens(saved_llama):
   """One slot for two adapters (a request waits until the other's sequences have left
   it), parallel samples, prompts prefilled in chunks of 16 tokens, and a pool so small
   that sequences are preempted and readmitted (their adapter's slot acquired again)."""
-  kind, base, adapters = saved
-  engine = _serving(saved, max_batch=8, num_pages=12, max_prefill_tokens=16, max_loras=1)
+  kind, base, adapters = saved_llama
+  engine = _serving(saved_llama, max_batch=8, num_pages=12, max_prefill_tokens=16, max_loras=1)
   names = ["a", "b", None, "b", "a", "a"]
   requests = [jax_paged.Request(p, max_new_tokens=20, lora=name, temperature=1.0, seed=i,
                                 n=2 if i == 3 else 1)
@@ -206,8 +214,8 @@ def test_more_adapters_than_slots_chunks_and_preemption_give_the_merged_models_t
   assert engine.adapters.take_loads() == []
 
 
-def test_beam_search_with_an_adapter_is_the_merged_models(saved):
-  kind, base, adapters = saved
+def test_beam_search_with_an_adapter_is_the_merged_models(saved_llama):
+  kind, base, adapters = saved_llama
   prompts = _prompts(8, 3)
   got, _ = jax_paged.beam_search(_load(kind, base), prompts, 6, beam_width=3, page_size=PAGE,
                                  max_batch=6, lora=adapters["a"])
@@ -220,8 +228,8 @@ def test_beam_search_with_an_adapter_is_the_merged_models(saved):
                              [b.score for hyps in want for b in hyps], rtol=1e-5)
 
 
-def test_stats_name_the_running_and_waiting_adapters(saved):
-  engine = _serving(saved, max_batch=1, num_pages=16, max_loras=1)
+def test_stats_name_the_running_and_waiting_adapters(saved_llama):
+  engine = _serving(saved_llama, max_batch=1, num_pages=16, max_loras=1)
   assert engine.stats()[-3:] == (1, "", "")
   for name in ("b", "a", None):
     engine.add_request(jax_paged.Request([1, 2, 3], 4, lora=name))
@@ -232,22 +240,22 @@ def test_stats_name_the_running_and_waiting_adapters(saved):
   assert engine.stats()[-3:] == (1, "", "")
 
 
-def test_speculative_decoding_serves_adapters(saved):
-  kind, base, adapters = saved
+def test_speculative_decoding_serves_adapters(saved_llama):
+  kind, base, adapters = saved_llama
   rng = np.random.default_rng(3)
   # Repetitive prompts, so that drafts are proposed and some kept.
   prompts = [rng.integers(0, VOCAB, size=4).tolist() * 4 for _ in range(3)]
   requests = [jax_paged.Request(p, max_new_tokens=8, lora=name)
               for p, name in zip(prompts, ["a", None, "b"])]
-  engine = _serving(saved, max_batch=4, num_pages=64, max_loras=2,
+  engine = _serving(saved_llama, max_batch=4, num_pages=64, max_loras=2,
                     speculation=jax_paged.NgramSpeculation(num_tokens=3))
   tokens, _ = engine.generate(requests)
   assert tokens == _alone(kind, base, adapters, requests)
 
 
-def test_prefix_cache_shares_pages_within_an_adapter_only(saved):
-  kind, base, adapters = saved
-  engine = _serving(saved, max_batch=4, num_pages=64, max_loras=2)
+def test_prefix_cache_shares_pages_within_an_adapter_only(saved_llama):
+  kind, base, adapters = saved_llama
+  engine = _serving(saved_llama, max_batch=4, num_pages=64, max_loras=2)
   prompt = _prompts(4, 1, 3 * PAGE + 2, 3 * PAGE + 3)[0]
   first, _ = engine.generate([jax_paged.Request(prompt, max_new_tokens=4, lora="a")])
   for name in ("b", None, "a"):
@@ -263,14 +271,14 @@ def test_prefix_cache_shares_pages_within_an_adapter_only(saved):
   assert report.cached_prompt_tokens == 0
 
 
-def test_warmup_covers_runs_of_adapters(saved):
+def test_warmup_covers_runs_of_adapters(saved_llama):
   """After warmup() a run mixing adapters (loaded into their slots mid-run, one
   reloaded) compiles nothing: every program takes the slots whichever adapters run, and
   the slot writes compiled with the engine (bf16: the adapters' arrays cast to it)."""
   import jax  # pylint: disable=import-outside-toplevel
-  kind, base, _ = saved
+  kind, base, _ = saved_llama
   model = (gpt2 if kind == "gpt2" else llama).from_pretrained(base, dtype=jnp.bfloat16)
-  engine = _serving(saved, model, max_batch=4, num_pages=64, steps_per_call=4, max_loras=1)
+  engine = _serving(saved_llama, model, max_batch=4, num_pages=64, steps_per_call=4, max_loras=1)
   engine.warmup(max_prompt_tokens=16)
   compiles = []
   listen = lambda event, seconds, **_: compiles.append(event) if (
