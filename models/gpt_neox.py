@@ -80,12 +80,7 @@ class GPTNeoXConfig(llama.LlamaConfig):
     if not (isinstance(self.rotary_pct, (int, float)) and 0 < self.rotary_pct <= 1):
       raise ValueError(f"rotary_pct (partial_rotary_factor) must be in (0, 1], got "
                        f"{self.rotary_pct!r}")
-    head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-    dim = int(head_dim * self.rotary_pct)
-    if dim < 2 or dim % 2:
-      raise ValueError(f"rotary_pct {self.rotary_pct} of head_dim {head_dim} rotates {dim} "
-                       "features; RoPE needs a positive even number")
-    super().__post_init__()
+    super().__post_init__()  # (derives head_dim, then validates `rope`)
 
   @property
   def rotary_dim(self) -> int:
@@ -94,9 +89,14 @@ class GPTNeoXConfig(llama.LlamaConfig):
 
   @property
   def rope(self) -> paged_nn.RotaryEmbedding:
-    """The rotary embedding of rope_theta and rope_scaling over `rotary_dim` features."""
+    """The rotary embedding of rope_theta and rope_scaling over `rotary_dim` features;
+    ValueError naming rotary_pct where that is not a positive even number."""
+    dim = self.rotary_dim
+    if dim < 2 or dim % 2:
+      raise ValueError(f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} rotates "
+                       f"{dim} features; RoPE needs a positive even number")
     return llama.rotary(self.head_dim, self.rope_theta, self.rope_scaling,
-                        self.max_position_embeddings, rotary_dim=self.rotary_dim)
+                        self.max_position_embeddings, rotary_dim=dim)
 
   def make_norm(self, param_dtype) -> paged_nn.LayerNorm:
     """A LayerNorm (a weight and a bias) of layer_norm_eps."""
