@@ -6,7 +6,10 @@ vocabulary 128256, tied embeddings, llama3 RoPE. `--shape` picks another family'
 (`SHAPES`): Pythia-1.4B's (`models.gpt_neox`: 24 layers, hidden 2048, 16 heads of 128,
 RoPE on a quarter of each, the parallel residual, exact GELU 8192, vocabulary 50304) or
 StarCoder2-3B's (`models.starcoder2`: 30 layers, hidden 3072, 24 q heads over 2 kv heads
-of 128, tanh GELU 12288, vocabulary 49152, a 4096-token window, biases).
+of 128, tanh GELU 12288, vocabulary 49152, a 4096-token window, biases) or Phi-4-mini's
+(Phi-3's model: 32 layers, hidden 3072, 24 q heads over 8 kv heads of 128, RoPE on 96
+features of each with LongRoPE's short factors, SwiGLU 8192, vocabulary 200064, tied
+embeddings)).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -64,6 +67,17 @@ SHAPES = {
         max_position_embeddings=16384, sliding_window=4096, rope_theta=999999.4420358813,
         norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh",
         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)),
+    # (The factors' values do not change the work: a ramp of Phi-4-mini's range.)
+    "phi-4-mini": (llama.LlamaConfig, llama.LlamaForCausalLM, dict(
+        model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": np.linspace(1.0, 3.0, 48).tolist(),
+                      "long_factor": np.linspace(1.0, 64.0, 48).tolist()},
+        tie_word_embeddings=True, bos_token_id=199999, eos_token_id=199999,
+        pad_token_id=199999)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE

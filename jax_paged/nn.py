@@ -107,8 +107,8 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   return jnp.where(real[:, :, None, None], y, 0).astype(q.dtype)
 
 
-RopeType = Literal["default", "linear", "llama3", "yarn"]
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+RopeType = Literal["default", "linear", "llama3", "yarn", "longrope"]
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +128,14 @@ class RotaryEmbedding:
     "yarn": YaRN's (Qwen's and DeepSeek's long contexts): the pairs turning fewer than
       `beta_slow` times over original_max_position_embeddings divided by `factor`, those
       turning more than `beta_fast` times kept, a linear ramp between (over pair indices,
-      its ends rounded outwards with `truncate`).
+      its ends rounded outwards with `truncate`);
+    "longrope": LongRoPE's (Phi-3 / Phi-3.5 / Phi-4-mini): each divided by its own
+      `ext_factors[i]` (a config's short_factor or long_factor: which one is the model's
+      choice, fixed for every position, `models.llama.rotary`).
   They are computed in float32 in Hugging Face's order of operations (`inv_freq`), so
   float32 models reproduce its angles. The rotated values are multiplied by
-  `attention_factor` (YaRN's cos / sin scaling, so q.k by its square; 1 elsewhere).
+  `attention_factor` (YaRN's and LongRoPE's cos / sin scaling, so q.k by its square; 1
+  elsewhere).
 
   Frozen and hashable: a layer holds it as static configuration, not as parameters.
   """
@@ -148,6 +152,7 @@ class RotaryEmbedding:
   truncate: bool = True
   attention_factor: float = 1.0
   rotary_dim: int | None = None  # None: head_dim
+  ext_factors: tuple[float, ...] = ()  # longrope's, one per rotated pair
 
   def __post_init__(self):
     if not (isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0):
@@ -177,6 +182,15 @@ class RotaryEmbedding:
       raise ValueError("llama3 rope needs 0 < low_freq_factor < high_freq_factor and "
                        f"original_max_position_embeddings > 0, got {self.low_freq_factor}, "
                        f"{self.high_freq_factor}, {self.original_max_position_embeddings}")
+    pairs = (self.rotary_dim or self.head_dim) // 2
+    if self.rope_type == "longrope" and not (
+        isinstance(self.ext_factors, tuple) and len(self.ext_factors) == pairs
+        and all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0
+                for f in self.ext_factors)):
+      raise ValueError(f"longrope needs ext_factors: a tuple of {pairs} positive finite "
+                       f"numbers (one per rotated pair), got {self.ext_factors!r}")
+    if self.rope_type != "longrope" and self.ext_factors:
+      raise ValueError(f"ext_factors are longrope's; rope_type is {self.rope_type!r}")
 
   def inv_freq(self) -> np.ndarray:
     """float32 [rotary_dim // 2], the rotation frequency of each pair."""
@@ -217,6 +231,8 @@ class RotaryEmbedding:
       keep = f32(1) - ramp.astype(f32)  # 1: the original frequency, 0: interpolated
       interpolated = f32(1.0) / (f32(self.factor) * power)
       inv_freq = interpolated * (f32(1) - keep) + inv_freq * keep
+    elif self.rope_type == "longrope":
+      inv_freq = f32(1.0) / (np.asarray(self.ext_factors, f32) * power)
     return inv_freq.astype(f32)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:

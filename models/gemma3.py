@@ -121,6 +121,11 @@ class Gemma3Config:
   mlp_bias = False
 
   @property
+  def max_model_len(self) -> int:
+    """The longest sequence served: the whole context (`llama.LlamaConfig`'s name)."""
+    return self.max_position_embeddings
+
+  @property
   def qkv_bias(self) -> bool:
     return self.attention_bias
 
@@ -197,8 +202,14 @@ class Gemma3Config:
   def _from_hf_fields(cls, config: dict[str, Any]) -> "Gemma3Config":
     """The config of an HF dict's fields (RoPE scaling read by `llama.hf_rope_scaling`,
     other fields ignored)."""
-    config["rope_scaling"] = llama.hf_rope_scaling(config.get("rope_scaling"),
-                                                   config.get("partial_rotary_factor"))
+    scaling = config.get("rope_scaling")
+    partial = config.get("partial_rotary_factor")
+    if isinstance(scaling, Mapping):
+      partial = scaling.get("partial_rotary_factor", partial)
+    if partial not in (None, 1, 1.0):
+      raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head) is not "
+                       "supported in Gemma")
+    config["rope_scaling"] = llama.hf_rope_scaling(scaling)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})
 

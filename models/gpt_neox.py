@@ -5,8 +5,8 @@ Hugging Face's `GPTNeoXForCausalLM` (`model_type` "gpt_neox": EleutherAI's Pythi
 Llama's model (`models.llama`: multi-head attention through `nn.PagedAttention`, its
 engine, loader and adapters) with:
 
-* RoPE on the first rotary_pct of each head's features only (Pythia's 0.25:
-  `nn.RotaryEmbedding(rotary_dim=)`), the rest passing unrotated;
+* RoPE on the first rotary_pct of each head's features only (Pythia's 0.25: the config's
+  partial_rotary_factor, `nn.RotaryEmbedding(rotary_dim=)`), the rest passing unrotated;
 * a parallel residual (use_parallel_residual, every Pythia): a block adds attention(
   input_layernorm(x)) and mlp(post_attention_layernorm(x)) to x together, both branches
   reading the block's input; the attention's add is one fused projection-add, the MLP's
@@ -46,9 +46,8 @@ class GPTNeoXConfig(llama.LlamaConfig):
   """GPT-NeoX hyperparameters under Hugging Face's field names (`llama.LlamaConfig`'s;
   defaults GPTNeoXConfig's; multi-head: num_key_value_heads is num_attention_heads).
 
-  Attributes beyond `llama.LlamaConfig`'s:
-    rotary_pct: the fraction of each head's features RoPE rotates (HF 5's
-      partial_rotary_factor; int(head_dim * rotary_pct) of them, a positive even number).
+  partial_rotary_factor is HF 4's rotary_pct (0.25 by default). Attributes beyond
+  `llama.LlamaConfig`'s:
     use_parallel_residual: the parallel block (attention and MLP both from the block's
       input) rather than the sequential one.
     layer_norm_eps: the LayerNorms' epsilon.
@@ -65,7 +64,7 @@ class GPTNeoXConfig(llama.LlamaConfig):
   mlp_bias: bool = True
   bos_token_id: int | None = 0
   eos_token_id: int | tuple[int, ...] | None = 2
-  rotary_pct: float = 0.25
+  partial_rotary_factor: float = 0.25
   use_parallel_residual: bool = True
   layer_norm_eps: float = 1e-5
   model_type: str = "gpt_neox"
@@ -75,28 +74,6 @@ class GPTNeoXConfig(llama.LlamaConfig):
       name: gpt2.ACTIVATIONS[name]
       for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")}
   plain_mlp: ClassVar[bool] = True
-
-  def __post_init__(self):
-    if not (isinstance(self.rotary_pct, (int, float)) and 0 < self.rotary_pct <= 1):
-      raise ValueError(f"rotary_pct (partial_rotary_factor) must be in (0, 1], got "
-                       f"{self.rotary_pct!r}")
-    super().__post_init__()  # (derives head_dim, then validates `rope`)
-
-  @property
-  def rotary_dim(self) -> int:
-    """The features of each head RoPE rotates (the first ones), as HF counts them."""
-    return int(self.head_dim * self.rotary_pct)
-
-  @property
-  def rope(self) -> paged_nn.RotaryEmbedding:
-    """The rotary embedding of rope_theta and rope_scaling over `rotary_dim` features;
-    ValueError naming rotary_pct where that is not a positive even number."""
-    dim = self.rotary_dim
-    if dim < 2 or dim % 2:
-      raise ValueError(f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} rotates "
-                       f"{dim} features; RoPE needs a positive even number")
-    return llama.rotary(self.head_dim, self.rope_theta, self.rope_scaling,
-                        self.max_position_embeddings, rotary_dim=dim)
 
   def make_norm(self, param_dtype) -> paged_nn.LayerNorm:
     """A LayerNorm (a weight and a bias) of layer_norm_eps."""
@@ -122,9 +99,9 @@ class GPTNeoXConfig(llama.LlamaConfig):
       raise ValueError(f"rope_parameters must be a dict, got {rope!r}")
     rope = dict(rope)
     rope.setdefault("rope_type", rope.pop("type", "default"))
-    config["rotary_pct"] = rope.pop("partial_rotary_factor",
-                                    config.pop("rotary_pct",
-                                               config.pop("partial_rotary_factor", 0.25)))
+    config["partial_rotary_factor"] = rope.pop(
+        "partial_rotary_factor", config.pop("rotary_pct",
+                                            config.pop("partial_rotary_factor", 0.25)))
     config.update(rope_parameters=rope, mlp_bias=True)
     config.pop("num_key_value_heads", None)  # (HF's GPT-NeoX has none: multi-head)
     return llama.LlamaConfig.from_dict.__func__(cls, config)

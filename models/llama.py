@@ -8,8 +8,9 @@ a SwiGLU MLP, and an LM head (its own matrix, or tied to the embedding). The att
 differ in configuration and checkpoint names: Mistral attends within a sliding window,
 Qwen2 has q/k/v biases (and optionally a sliding window on its upper layers), Qwen3
 RMS-normalises each head of q and k before RoPE (q_norm, k_norm), Phi-3 (Phi-3-mini
-/ medium 4k, Phi-4) stores q/k/v as one qkv_proj and gate / up as one gate_up_proj,
-optionally attending within a sliding window on every layer, Granite (IBM's Granite
+/ medium, Phi-3.5-mini, Phi-4, Phi-4-mini) stores q/k/v as one qkv_proj and gate / up as
+one gate_up_proj, optionally attending within a sliding window on every layer (LongRoPE and
+RoPE on part of each head: any of these configs may have them), Granite (IBM's Granite
 3.x) scales the embeddings, the attention's scores, each residual branch and the logits
 by four multipliers of its config, and SmolLM3 leaves RoPE out of the layers its
 no_rope_layers marks 0 (every fourth by default: NoPE layers).
@@ -59,29 +60,62 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def rotary(head_dim: int, theta: float, scaling: Any, max_position_embeddings: int,
-           rotary_dim: int | None = None) -> paged_nn.RotaryEmbedding:
+           rotary_dim: int | None = None, max_model_len: int | None = None
+           ) -> paged_nn.RotaryEmbedding:
   """The rotary embedding of a base `theta` and HF's `scaling` (a dict or its sorted
-  items; None: none) over the first `rotary_dim` features of each head (None: all);
-  ValueError for a type or setting it does not support."""
+  items; None: none) over the first `rotary_dim` features of each head (None: all), for a
+  model serving sequences of up to `max_model_len` positions (None: max_position_embeddings;
+  it picks LongRoPE's factors, `longrope_scaling`); ValueError for a type or setting it
+  does not support."""
   scaling = dict(scaling or ())
   rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
   if rope_type not in paged_nn.ROPE_TYPES:
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use one of "
                      f"{paged_nn.ROPE_TYPES}")
-  if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
-    raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not "
-                     "supported")
-  scaling.pop("rope_theta", None)  # v5 configs repeat it here; `theta` holds it
-  if rope_type in ("llama3", "yarn"):
+  # (v5 configs repeat these here: `theta` and `rotary_dim` hold them)
+  scaling.pop("rope_theta", None)
+  scaling.pop("partial_rotary_factor", None)
+  if rope_type in ("llama3", "yarn", "longrope"):
     scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
   if rope_type == "yarn":
     scaling.update(yarn_scaling(scaling, max_position_embeddings))
+  if rope_type == "longrope":
+    scaling.update(longrope_scaling(scaling, max_position_embeddings,
+                                    max_model_len or max_position_embeddings))
   known = {"factor", "low_freq_factor", "high_freq_factor",
            "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
-           "attention_factor"}
+           "attention_factor", "ext_factors"}
   return paged_nn.RotaryEmbedding(
       head_dim, theta=float(theta), rope_type=rope_type, rotary_dim=rotary_dim,
       **{k: v for k, v in scaling.items() if k in known and v is not None})
+
+
+def longrope_scaling(scaling: Mapping[str, Any], max_position_embeddings: int,
+                     max_model_len: int) -> dict[str, Any]:
+  """HF's LongRoPE settings (Phi-3's `rope_scaling` "longrope", or "su"), resolved as HF
+  resolves them, with the factors chosen once for the whole model as vLLM chooses them:
+  `long_factor` if it serves sequences longer than original_max_position_embeddings
+  (max_model_len above it), else `short_factor`. (HF switches per forward pass, by the
+  longest position in it, and re-prefills a sequence that grows past the original
+  context; one set for every position keeps cached pages valid for every sequence that
+  reads them, so the tokens are HF's for every sequence of the chosen regime.)
+  `attention_factor`, when None: sqrt(1 + log(factor) / log(original)), where factor (when
+  None) is max_position_embeddings / original_max_position_embeddings."""
+  original = scaling["original_max_position_embeddings"]
+  chosen = "long_factor" if max_model_len > original else "short_factor"
+  factors = scaling.get(chosen)
+  if not isinstance(factors, (list, tuple)):
+    raise ValueError(f"longrope rope_scaling needs a {chosen} list (one factor per rotated "
+                     f"pair), got {factors!r}")
+  factor = scaling.get("factor")
+  if factor is None:
+    factor = max_position_embeddings / original
+  attention_factor = scaling.get("attention_factor")
+  if attention_factor is None:
+    attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor)
+                                                          / math.log(original))
+  return dict(ext_factors=tuple(float(f) for f in factors),
+              attention_factor=float(attention_factor))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -108,16 +142,9 @@ def yarn_scaling(scaling: Mapping[str, Any], max_position_embeddings: int) -> di
               truncate=bool(scaling.get("truncate", True)))
 
 
-def hf_rope_scaling(scaling: Any, partial_rotary_factor: Any = None) -> Any:
+def hf_rope_scaling(scaling: Any) -> Any:
   """A config.json's RoPE scaling dict as `rotary` takes it: None for HF's "default" type
-  (no scaling). ValueError for a partial_rotary_factor other than 1, given beside the
-  scaling (transformers 4: `partial_rotary_factor`, as Phi-4-mini's 0.75) or in it (5),
-  which a "default" dict dropped here would otherwise hide."""
-  if isinstance(scaling, Mapping):
-    partial_rotary_factor = scaling.get("partial_rotary_factor", partial_rotary_factor)
-  if partial_rotary_factor not in (None, 1, 1.0):
-    raise ValueError(f"partial_rotary_factor {partial_rotary_factor} (RoPE on part of each "
-                     "head) is not supported")
+  (no scaling)."""
   if isinstance(scaling, Mapping) and scaling.get("rope_type",
                                                   scaling.get("type")) == "default":
     return None
@@ -155,9 +182,16 @@ class LlamaConfig:
       "sliding_attention" (all of them when layer_types is None).
     no_rope_layers: SmolLM3's, one 1 (RoPE) or 0 (no position encoding: a NoPE layer)
       per layer, or None (RoPE on every layer).
-    rope_scaling: HF's dict ({"rope_type": "linear" | "llama3" | "yarn", "factor": ...}) or
-      None, kept as a sorted tuple of (key, value) pairs so that the config is hashable
-      (a model's static structure).
+    rope_scaling: HF's dict ({"rope_type": "linear" | "llama3" | "yarn" | "longrope",
+      "factor": ...}) or None, kept as a sorted tuple of (key, value) pairs (lists as
+      tuples) so that the config is hashable (a model's static structure).
+    partial_rotary_factor: the fraction of each head's features RoPE rotates (the first
+      int(head_dim * it), a positive even number: Phi-4-mini's 0.75).
+    max_model_len: the longest sequence (prompt + new tokens) the model serves, at most
+      max_position_embeddings; None: max_position_embeddings, or with LongRoPE
+      original_max_position_embeddings (vLLM's default: the short factors, as HF below
+      it). With LongRoPE it picks the factors (`longrope_scaling`): a max_model_len above
+      the original context takes the long ones for every sequence.
 
   Class attribute `model_types`: the model_type values the config takes (a subclass's
   own: `models.moe`).
@@ -175,6 +209,8 @@ class LlamaConfig:
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
   rope_scaling: Any = None
+  partial_rotary_factor: float = 1.0
+  max_model_len: int | None = None
   tie_word_embeddings: bool = False
   attention_bias: bool = False
   mlp_bias: bool = False
@@ -208,7 +244,23 @@ class LlamaConfig:
                          "is not given")
       set_("head_dim", self.hidden_size // self.num_attention_heads)
     if isinstance(self.rope_scaling, Mapping):
-      set_("rope_scaling", tuple(sorted(self.rope_scaling.items())))
+      set_("rope_scaling", tuple(sorted(
+          (k, tuple(v) if isinstance(v, list) else v) for k, v in self.rope_scaling.items())))
+    if not (isinstance(self.partial_rotary_factor, (int, float))
+            and 0 < self.partial_rotary_factor <= 1):
+      raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
+                       f"{self.partial_rotary_factor!r}")
+    scaling = dict(self.rope_scaling or ())
+    if self.max_model_len is None:
+      longrope = scaling.get("rope_type", scaling.get("type")) == "longrope"
+      set_("max_model_len", min(scaling.get("original_max_position_embeddings",
+                                            self.max_position_embeddings),
+                                self.max_position_embeddings) if longrope
+           else self.max_position_embeddings)
+    elif validation.check_positive_int("max_model_len",
+                                       self.max_model_len) > self.max_position_embeddings:
+      raise ValueError(f"max_model_len must be at most max_position_embeddings="
+                       f"{self.max_position_embeddings}, got {self.max_model_len}")
     if isinstance(self.eos_token_id, list):
       set_("eos_token_id", tuple(self.eos_token_id))
     if self.layer_types is not None:
@@ -239,10 +291,23 @@ class LlamaConfig:
     self.rope  # validates rope_theta and rope_scaling
 
   @property
+  def rotary_dim(self) -> int:
+    """The features of each head RoPE rotates (the first ones), as HF counts them."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
   def rope(self) -> paged_nn.RotaryEmbedding:
-    """The rotary embedding of rope_theta and rope_scaling."""
+    """The rotary embedding of rope_theta and rope_scaling over `rotary_dim` features, for
+    sequences of up to max_model_len; ValueError naming partial_rotary_factor where
+    `rotary_dim` is not a positive even number."""
+    dim = self.rotary_dim
+    if dim < 2 or dim % 2:
+      raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim "
+                       f"{self.head_dim} rotates {dim} features; RoPE needs a positive even "
+                       "number")
     return rotary(self.head_dim, self.rope_theta, self.rope_scaling,
-                  self.max_position_embeddings)
+                  self.max_position_embeddings, rotary_dim=None if dim == self.head_dim
+                  else dim, max_model_len=self.max_model_len)
 
   def layer_rope(self, layer: int) -> paged_nn.RotaryEmbedding | None:
     """Layer `layer`'s rotary embedding (None: a NoPE layer of SmolLM3's)."""
@@ -304,8 +369,22 @@ class LlamaConfig:
                          f"supported), got {rope!r}")
       config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
       config["rope_scaling"] = rope
-    config["rope_scaling"] = hf_rope_scaling(config.get("rope_scaling"),
-                                             config.get("partial_rotary_factor"))
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+      scaling = dict(scaling)
+      if scaling.get("partial_rotary_factor") is not None:  # (transformers 5 keeps it here)
+        config["partial_rotary_factor"] = scaling["partial_rotary_factor"]
+      rope_type = scaling.pop("type", scaling.get("rope_type"))
+      if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # (HF's Phi3Config reads Phi-3's early names so)
+      scaling["rope_type"] = rope_type
+      # A config's own original context (Phi-3's, beside rope_scaling) wins, as in HF.
+      if (rope_type in ("llama3", "yarn", "longrope")
+          and config.get("original_max_position_embeddings") is not None):
+        scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    if config.get("partial_rotary_factor") is None:
+      config.pop("partial_rotary_factor", None)
+    config["rope_scaling"] = hf_rope_scaling(scaling)
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
     if model_type == "smollm3":
@@ -521,7 +600,7 @@ class LlamaForCausalLM(nnx.Module):
     c = self.config
     return ModelSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                      head_dim=c.head_dim, vocab_size=c.vocab_size,
-                     max_positions=c.max_position_embeddings, dtype=self.dtype,
+                     max_positions=c.max_model_len, dtype=self.dtype,
                      eos_token_id=c.eos_token_id)
 
   def tensor_parallel_splits(self) -> list[tuple[nnx.Linear, tensor_parallel.Split]]:
@@ -831,15 +910,21 @@ def _read_json(file: str) -> dict[str, Any]:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> LlamaForCausalLM:
-  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint directory
-  (`load_pretrained`).
+                    decode_impl: paged_nn.DecodeImpl = "auto",
+                    max_model_len: int | None = None) -> LlamaForCausalLM:
+  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite or SmolLM3
+  checkpoint directory (`load_pretrained`).
 
   Args:
     path: as `load_pretrained`'s.
     dtype, param_dtype, decode_impl: as for `LlamaForCausalLM`.
+    max_model_len: the longest sequence served (`LlamaConfig.max_model_len`; None: the
+      config's context, or a LongRoPE model's original one: pass more, up to
+      max_position_embeddings, for its long factors).
   """
-  return load_pretrained(path, LlamaConfig.from_dict, functools.partial(
+  def config_of(config: dict[str, Any]) -> LlamaConfig:
+    return LlamaConfig.from_dict({**config, "max_model_len": max_model_len})
+  return load_pretrained(path, config_of, functools.partial(
       LlamaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl))
 
 

@@ -95,10 +95,11 @@ def test_config_reads_hf_its_defaults_and_transformers_4_names(saved):
   assert old == gpt_neox.GPTNeoXConfig.from_dict(
       transformers.GPTNeoXConfig(**pythia).to_dict())
   assert (old.rotary_dim, old.rope_theta, old.use_parallel_residual) == (32, 123.0, False)
-  for bad, message in (({"rotary_pct": 0.0}, r"rotary_pct \(partial_rotary_factor\) must "
-                                             r"be in \(0, 1\], got 0.0"),
-                       ({"rotary_pct": 0.02}, "rotary_pct 0.02 of head_dim 96 rotates 1 "
-                                              "features; RoPE needs a positive even number"),
+  for bad, message in (({"rotary_pct": 0.0}, r"partial_rotary_factor must be in \(0, 1\], "
+                                             r"got 0.0"),
+                       ({"rotary_pct": 0.02}, "partial_rotary_factor 0.02 of head_dim 96 "
+                                              "rotates 1 features; RoPE needs a positive even "
+                                              "number"),
                        ({"hidden_act": "swish"}, "hidden_act 'swish' is not supported"),
                        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
                         "rope_scaling type 'dynamic' is not supported")):

@@ -64,10 +64,14 @@ MODELS = {
         use_sliding_window=True, sliding_window=5, max_window_layers=1,
         rope_scaling={"rope_type": "yarn", "factor": 4.0,
                       "original_max_position_embeddings": 1024}), {}),
-    # One qkv_proj and one gate_up_proj per layer; every layer windowed to 7 positions.
+    # One qkv_proj and one gate_up_proj per layer; every layer windowed to 7 positions;
+    # Phi-4-mini's RoPE: on 3/4 of each head (6 of 8 features), LongRoPE's short factors
+    # (the sequences stay within the original context).
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config, dict(
-        num_attention_heads=8, num_key_value_heads=2, sliding_window=7, pad_token_id=None),
-        {}),
+        num_attention_heads=8, num_key_value_heads=2, sliding_window=7, pad_token_id=None,
+        partial_rotary_factor=0.75, rope_scaling={"rope_type": "longrope",
+                                                  "short_factor": [1.0, 1.5, 3.0],
+                                                  "long_factor": [2.0, 7.0, 30.0]}), {}),
     # Granite's four multipliers (none 1), GQA, tied head.
     "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig, dict(
         num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=6.0,
@@ -179,6 +183,55 @@ def test_rotary_embedding_matches_hf():
     got = ours(jnp.asarray(q[0].transpose(1, 0, 2)), jnp.asarray(positions))  # [T, H, D]
     np.testing.assert_allclose(np.asarray(got).transpose(1, 0, 2), want[0].numpy(),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_longrope_matches_hf():
+  """LongRoPE's frequencies and rotation against HF's Phi3RotaryEmbedding (which picks
+  the factors by the longest position of a forward pass), at Phi-3.5-mini's and
+  Phi-4-mini's settings (RoPE on all or 3/4 of a head): short factors within the original
+  context (max_model_len's default), long ones past it (max_model_len 131072)."""
+  from transformers.models.phi3 import modeling_phi3
+  rng = np.random.default_rng(1)
+  for partial in (1.0, 0.75):
+    pairs = int(128 * partial) // 2
+    hf_config = transformers.Phi3Config(
+        hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        partial_rotary_factor=partial, rope_scaling={
+            "rope_type": "longrope", "short_factor": (1 + 0.05 * rng.random(pairs)).tolist(),
+            "long_factor": (1 + 60 * rng.random(pairs)).tolist()})
+    hf_rope = modeling_phi3.Phi3RotaryEmbedding(hf_config)
+    for max_model_len, length in ((None, 4096), (131072, 131072)):
+      ours = llama.LlamaConfig.from_dict({**hf_config.to_dict(),
+                                          "max_model_len": max_model_len}).rope
+      positions = np.array([0, 1, 7, 4095, length - 1])
+      q = rng.standard_normal((1, 2, len(positions), 128)).astype(np.float32)
+      cos, sin = hf_rope(torch.from_numpy(q), torch.arange(length)[None])
+      want, _ = modeling_phi3.apply_rotary_pos_emb(
+          torch.from_numpy(q), torch.from_numpy(q), cos[:, positions], sin[:, positions])
+      got = ours(jnp.asarray(q[0].transpose(1, 0, 2)), jnp.asarray(positions))
+      np.testing.assert_allclose(np.asarray(got).transpose(1, 0, 2), want[0].numpy(),
+                                 rtol=1e-4, atol=1e-4)
+
+
+def test_longrope_long_factors_match_hf(tmp_path):
+  """A Phi-3 of original context 16 served for 64 positions (max_model_len): every
+  sequence rotated by the long factors, as HF rotates sequences past the original
+  context: logits over prefill and decode, and greedy tokens through the prefix cache and
+  chunked prefill; served by default for 16 positions only (the short factors), where a
+  longer request is refused."""
+  hf = _hf_model("phi3", seed=3, original_max_position_embeddings=16)
+  hf.save_pretrained(tmp_path)
+  model = llama.from_pretrained(tmp_path, max_model_len=64)
+  assert model.spec.max_positions == 64 and model.layers[0].self_attn.rope.ext_factors == (
+      2.0, 7.0, 30.0)
+  assert_logits_track_hf(hf, model, [17, 22, 29], 6)
+  assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, np.random.default_rng(6),
+                                                        [4, 9]) >= 2 * PAGE
+  short = llama.from_pretrained(tmp_path)
+  assert short.spec.max_positions == 16
+  with pytest.raises(ValueError, match="exceeds the model's n_positions=16"):
+    jax_paged.generate(short, [list(range(1, 13))], 6, page_size=PAGE)
 
 
 def assert_logits_track_hf(hf, model, lengths: list[int], steps: int,
@@ -334,15 +387,38 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
   assert (c.rope.rope_type, c.rope.factor, c.rope.original_max_position_embeddings) == (
       "yarn", 4.0, c.max_position_embeddings)
   assert c.rope.attention_factor == pytest.approx(1 + 0.1 * np.log(4))
-  with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
-    llama.LlamaConfig.from_dict({**base, "model_type": "phi3", "rope_scaling": {
-        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
   # Phi-4-mini's RoPE on 3/4 of each head, as transformers 4 and 5 write it.
   for partial in ({"partial_rotary_factor": 0.75},
                   {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                        "partial_rotary_factor": 0.75}}):
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
-      llama.LlamaConfig.from_dict({**base, "model_type": "phi3", **partial})
+    c = llama.LlamaConfig.from_dict({**base, "model_type": "phi3", **partial})
+    assert (c.rotary_dim, c.rope.rotary_dim, c.rope.rope_type) == (12, 12, "default")
+  with pytest.raises(ValueError, match="partial_rotary_factor 0.7 of head_dim 16 rotates "
+                                       "11 features"):
+    llama.LlamaConfig.from_dict({**base, "partial_rotary_factor": 0.7})
+  with pytest.raises(ValueError, match=r"partial_rotary_factor must be in \(0, 1\]"):
+    llama.LlamaConfig.from_dict({**base, "partial_rotary_factor": 1.5})
+  # LongRoPE (Phi-3's early name "su" too), its original context beside rope_scaling:
+  # the short factors up to it (max_model_len's default), the long ones past it.
+  longrope = {**base, "model_type": "phi3", "max_position_embeddings": 32768,
+              "original_max_position_embeddings": 4096, "rope_scaling": {
+                  "type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                  "original_max_position_embeddings": 1}}
+  c = llama.LlamaConfig.from_dict(longrope)
+  assert (c.max_model_len, c.rope.rope_type, c.rope.ext_factors) == (4096, "longrope",
+                                                                      (1.0,) * 8)
+  assert c.rope.attention_factor == pytest.approx(np.sqrt(1 + np.log(8) / np.log(4096)))
+  c = llama.LlamaConfig.from_dict({**longrope, "max_model_len": 4097})
+  assert (c.max_model_len, c.rope.ext_factors) == (4097, (2.0,) * 8)
+  for bad, message in (({"max_model_len": 32769}, "max_model_len must be at most "
+                                                   "max_position_embeddings=32768"),
+                       ({"max_model_len": 0}, "max_model_len must be a positive int"),
+                       ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
+                        r"longrope needs ext_factors: a tuple of 8"),
+                       ({"rope_scaling": {"rope_type": "longrope"}},
+                        "longrope rope_scaling needs a short_factor list")):
+    with pytest.raises(ValueError, match=message):
+      llama.LlamaConfig.from_dict({**longrope, **bad})
   # Granite's multipliers (their HF defaults 1.0); others' configs do not have them.
   granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                  attention_multiplier=0.0078125, logits_scaling=8)
@@ -521,15 +597,25 @@ def assert_bf16_tracks_hf(hf, half, f32_params: tuple[str, ...] = ()) -> None:
   np.testing.assert_allclose(logits[0], want, atol=0.1 * np.abs(want).max())
 
 
+# Phi-4-mini's heads: 128 features, RoPE on 96 of them, LongRoPE's short factors.
+_PHI4_MINI_HEADS = dict(hidden_size=1024, head_dim=128, rope_scaling={
+    "rope_type": "longrope", "short_factor": np.linspace(1.0, 3.0, 48).tolist(),
+    "long_factor": np.linspace(1.0, 60.0, 48).tolist()})
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, head_dim", [("llama", 64), ("mistral", 64), ("phi3", 96),
-                                            ("granite", 64), ("smollm3", 64)])
-def test_triton_decode_matches_reference_and_hf_on_gpu(name, head_dim, tmp_path):
-  """f32, head dims the Triton kernels take (Phi-3-mini's 96): the decode attention kernel
-  (with Mistral's and Phi-3's windows, Granite's score scale), the q/k/v GEMM kernel and
-  the cache-write kernel behind RoPE (on SmolLM3's NoPE layer the fused projection that
-  writes K/V straight into the pages) give the reference path's and HF's greedy tokens."""
-  hf = _hf_model(name, head_dim=head_dim)
+@pytest.mark.parametrize("name, overrides", [
+    ("llama", dict(head_dim=64)), ("mistral", dict(head_dim=64)),
+    ("phi3", dict(head_dim=96, partial_rotary_factor=1.0, rope_scaling=None)),
+    ("phi3", _PHI4_MINI_HEADS), ("granite", dict(head_dim=64)),
+    ("smollm3", dict(head_dim=64))])
+def test_triton_decode_matches_reference_and_hf_on_gpu(name, overrides, tmp_path):
+  """f32, head dims the Triton kernels take (Phi-3-mini's 96; Phi-4-mini's 128 with RoPE
+  on 96): the decode attention kernel (with Mistral's and Phi-3's windows, Granite's score
+  scale), the q/k/v GEMM kernel and the cache-write kernel behind RoPE (on SmolLM3's NoPE
+  layer the fused projection that writes K/V straight into the pages) give the reference
+  path's and HF's greedy tokens."""
+  hf = _hf_model(name, **overrides)
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(hf, functools.partial(
       llama.from_pretrained, tmp_path))

@@ -196,8 +196,12 @@ def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):
     nn.PagedAttention(E, 4, D, rope=nn.RotaryEmbedding(32), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"rope_type must be one of \('default', 'linear', "
-                                       r"'llama3', 'yarn'\), got 'dynamic'"):
+                                       r"'llama3', 'yarn', 'longrope'\), got 'dynamic'"):
     nn.RotaryEmbedding(D, rope_type="dynamic")
+  with pytest.raises(ValueError, match="longrope needs ext_factors: a tuple of 8 positive "):
+    nn.RotaryEmbedding(D, rope_type="longrope", rotary_dim=16, ext_factors=(1.0,) * 7 + (0.0,))
+  with pytest.raises(ValueError, match="ext_factors are longrope's; rope_type is 'yarn'"):
+    nn.RotaryEmbedding(D, rope_type="yarn", ext_factors=(1.0,) * 32)
   with pytest.raises(ValueError, match="attention_factor must be a positive finite number"):
     nn.RotaryEmbedding(D, rope_type="yarn", attention_factor=0.0)
   with pytest.raises(ValueError, match="yarn rope needs 0 < beta_slow < beta_fast"):
