@@ -54,11 +54,23 @@ class LoraWeight(nnx.Variable):
 @dataclasses.dataclass(frozen=True)
 class Target:
   """Where an adapted checkpoint module lands: the output columns [offset, offset +
-  width) of `linear` (a fused projection holds several modules; width None = all)."""
+  width) of `linear` (a fused projection holds several modules; width None = all), or,
+  given `columns`, the linear's column of each of the module's output columns in turn (a
+  module whose columns the model reorders at load: GPT-NeoX's query_key_value, head by
+  head in the checkpoint, q then k then v in the linear)."""
 
   linear: nnx.Linear
   offset: int = 0
   width: int | None = None
+  columns: tuple[int, ...] | None = None
+
+  @property
+  def placement(self) -> range | tuple[int, ...]:
+    """The linear's columns of the module's output columns, in the module's order."""
+    if self.columns is not None:
+      return self.columns
+    n = self.linear.out_features
+    return range(self.offset, n if self.width is None else self.offset + self.width)
 
 
 def attached(proj: nnx.Linear) -> bool:
@@ -231,9 +243,9 @@ class LoraAdapter:
     rng = np.random.default_rng(seed)
     weights = {}
     for name, target in targets.items():
-      k, n = target.linear.in_features, target.linear.out_features
-      width = n - target.offset if target.width is None else target.width
-      weights[name] = (rng.normal(0.0, scale, (rank, k)).astype(np.float32),
+      width = len(target.placement)
+      weights[name] = (rng.normal(0.0, scale, (rank, target.linear.in_features)
+                                  ).astype(np.float32),
                        rng.normal(0.0, scale, (width, rank)).astype(np.float32))
     return cls(weights=weights, path=f"random(rank={rank}, seed={seed})")
 
@@ -298,11 +310,12 @@ class SlotLayout:
   modules' names, their output columns and the linear's [K, N].
 
   Attributes:
-    linears: per adapted linear, ((module name, offset, width), ...), (K, N).
+    linears: per adapted linear, ((module name, its `Target.placement`), ...), (K, N).
     max_rank: each module's rank in a slot.
   """
 
-  linears: tuple[tuple[tuple[tuple[str, int, int], ...], tuple[int, int]], ...]
+  linears: tuple[tuple[tuple[tuple[str, range | tuple[int, ...]], ...], tuple[int, int]],
+                ...]
   max_rank: int
 
   @classmethod
@@ -310,16 +323,14 @@ class SlotLayout:
     linears = []
     for group in _by_linear(targets).values():
       k, n = group[0][1].linear.in_features, group[0][1].linear.out_features
-      modules = tuple((name, t.offset, n - t.offset if t.width is None else t.width)
-                      for name, t in group)
-      linears.append((modules, (k, n)))
+      linears.append((tuple((name, t.placement) for name, t in group), (k, n)))
     return cls(linears=tuple(linears), max_rank=max_rank)
 
   def check(self, adapter: LoraAdapter) -> None:
     """Raises ValueError, naming them, for a module the model has no target for, a rank
     above `max_rank`, or a shape that is not the module's."""
-    known = {name: (k, width) for modules, (k, _) in self.linears
-             for name, _, width in modules}
+    known = {name: (k, len(placement)) for modules, (k, _) in self.linears
+             for name, placement in modules}
     unknown = sorted(set(adapter.weights) - set(known))
     if unknown:
       more = "..." if len(unknown) > 3 else ""
@@ -343,12 +354,12 @@ class SlotLayout:
     for modules, (k, n) in self.linears:
       a_full = np.zeros((k, r * len(modules)), np.float32)
       b_full = np.zeros((r * len(modules), n), np.float32)
-      for part, (name, offset, width) in enumerate(modules):
+      for part, (name, placement) in enumerate(modules):
         if name not in adapter.weights:
           continue
         a, b = adapter.weights[name]
         rank = a.shape[0]
         a_full[:, part * r:part * r + rank] = a.T
-        b_full[part * r:part * r + rank, offset:offset + width] = b.T
+        b_full[part * r:part * r + rank, np.asarray(placement)] = b.T
       out.append((a_full.astype(dtype), b_full.astype(dtype)))
     return out

@@ -17,9 +17,9 @@ engine, loader and adapters) with:
 * q, k and v in one query_key_value projection laid out head by head ([q_h; k_h; v_h] for
   each head h), reordered at load into `nn.PagedAttention`'s q heads, k heads, v heads.
 
-LoRA adapters target attention.dense, mlp.dense_h_to_4h and mlp.dense_4h_to_h; one on
-query_key_value (its columns interleaved by head, not a range of our fused projection's)
-is refused by name when registered.
+LoRA adapters target query_key_value (PEFT's default for GPT-NeoX: its B's columns land
+where the load put their weight's, `lora.Target(columns=)`), attention.dense,
+mlp.dense_h_to_4h and mlp.dense_4h_to_h.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
@@ -139,14 +140,20 @@ class GPTNeoXForCausalLM(llama.LlamaForCausalLM):
 
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
-    each block's attention.dense, mlp.dense_h_to_4h and mlp.dense_4h_to_h, whole (not
-    query_key_value: see the module's docstring)."""
+    each block's attention.query_key_value (each of its columns where `_heads_first` put
+    its weight's), attention.dense, mlp.dense_h_to_4h and mlp.dense_4h_to_h (whole)."""
+    c = self.config
+    hf_column = _heads_first(c.num_attention_heads, False,
+                             [np.arange(3 * c.num_attention_heads * c.head_dim)])
+    columns = tuple(np.argsort(hf_column).tolist())  # HF's column j -> ours
     targets = {}
     for i, layer in enumerate(self.layers):
-      for name, linear in (("attention.dense", layer.self_attn.out),
-                           ("mlp.dense_h_to_4h", layer.mlp.c_fc),
-                           ("mlp.dense_4h_to_h", layer.mlp.c_proj)):
-        targets[f"gpt_neox.layers.{i}.{name}"] = lora.Target(linear)
+      for name, target in (
+          ("attention.query_key_value", lora.Target(layer.self_attn.qkv, columns=columns)),
+          ("attention.dense", lora.Target(layer.self_attn.out)),
+          ("mlp.dense_h_to_4h", lora.Target(layer.mlp.c_fc)),
+          ("mlp.dense_4h_to_h", lora.Target(layer.mlp.c_proj))):
+        targets[f"gpt_neox.layers.{i}.{name}"] = target
     return targets
 
 
@@ -155,7 +162,7 @@ _NAMES = {"self_attn.out": "attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h",
           "mlp.c_proj": "mlp.dense_4h_to_h"}
 
 
-def _heads_first(heads: int, kernel: bool, parts: list[jax.Array]) -> jax.Array:
+def _heads_first(heads: int, kernel: bool, parts: list) -> jax.Array | np.ndarray:
   """query_key_value's weight [3 H D, hidden] (`kernel`) or bias [3 H D], laid out head by
   head (q, k, v of each), as our fused qkv's kernel [hidden, 3 H D] or bias: q of every
   head, then k, then v."""

@@ -7,14 +7,13 @@ on the logits.
 """
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 import transformers
 
 import jax_paged
 from models import gpt_neox
-from tests.test_llama import (_COMMON, PAGE, assert_bf16_tracks_hf,
+from tests.test_llama import (_COMMON, assert_bf16_tracks_hf,
                               assert_generate_and_engines_give_hfs_tokens,
                               assert_installed_cli_gives_hfs_tokens,
                               assert_kernels_give_references_and_hfs_tokens, assert_logits_track_hf,
@@ -105,23 +104,6 @@ def test_config_reads_hf_its_defaults_and_transformers_4_names(saved):
                         "rope_scaling type 'dynamic' is not supported")):
     with pytest.raises(ValueError, match=message):
       gpt_neox.GPTNeoXConfig.from_dict(bad)
-
-
-def test_lora_on_query_key_value_is_refused_by_name(saved):
-  """An adapter of query_key_value (its columns interleave the heads, which our fused
-  projection holds q, then k, then v) is refused when registered; attention.dense's is
-  served."""
-  _, path = saved
-  engine = jax_paged.Engine(gpt_neox.from_pretrained(path), max_batch=2, num_pages=8,
-                            page_size=PAGE, max_loras=1, max_lora_rank=2)
-  rng = np.random.default_rng(0)
-  qkv = "gpt_neox.layers.0.attention.query_key_value"
-  with pytest.raises(ValueError, match=f"adapts \\['{qkv}'\\], which the model does not "
-                                       "serve; it serves modules such as"):
-    engine.add_lora("qkv", jax_paged.LoraAdapter(
-        {qkv: (rng.standard_normal((2, 64)), rng.standard_normal((192, 2)))}))
-  engine.add_lora("dense", jax_paged.LoraAdapter({"gpt_neox.layers.0.attention.dense": (
-      rng.standard_normal((2, 64)), rng.standard_normal((64, 2)))}))
 
 
 def test_bf16_tracks_hf(saved):

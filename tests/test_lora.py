@@ -30,7 +30,7 @@ LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 TARGETS = {"gpt2": GPT2_TARGETS, "llama": LLAMA_TARGETS, "gemma3": LLAMA_TARGETS,
            "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
            "starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"],
-           "gpt_neox": ["dense", "dense_h_to_4h", "dense_4h_to_h"]}
+           "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]}
 
 
 def hf_base(kind: str):
@@ -136,7 +136,8 @@ def test_other_families_adapters_match_peft(tmp_path, kind):
   """Phi-3's adapters on qkv_proj and gate_up_proj (each over all of our fused kernel's
   columns); Gemma 3's on its Llama-named modules, between its extra norms; StarCoder2's
   on its attention's and its plain MLP's c_fc and c_proj (biased); GPT-NeoX's on its
-  attention.dense and MLP, beside the parallel residual."""
+  query_key_value (its columns interleaved by head), attention.dense and MLP, beside the
+  parallel residual."""
   _assert_logprobs_match_peft(save_with_adapters(kind, tmp_path))
 
 
@@ -178,8 +179,7 @@ def _merged(model, adapter: lora.LoraAdapter):
     if name in adapter.weights:
       a, b = adapter.weights[name]
       kernel = target.linear.kernel[...]
-      width = b.shape[0]
-      target.linear.kernel[...] = kernel.at[:, target.offset:target.offset + width].add(
+      target.linear.kernel[...] = kernel.at[:, np.asarray(target.placement)].add(
           jnp.asarray(a.T @ b.T))
   return model
 
