@@ -9,7 +9,10 @@ StarCoder2-3B's (`models.starcoder2`: 30 layers, hidden 3072, 24 q heads over 2 
 of 128, tanh GELU 12288, vocabulary 49152, a 4096-token window, biases) or Phi-4-mini's
 (Phi-3's model: 32 layers, hidden 3072, 24 q heads over 8 kv heads of 128, RoPE on 96
 features of each with LongRoPE's short factors, SwiGLU 8192, vocabulary 200064, tied
-embeddings)).
+embeddings) or Phi-2's (`models.phi`: 32 layers, hidden 2560, 32 heads of 80, RoPE on 32
+features of each, one LayerNorm per block feeding the attention and the tanh GELU 10240 MLP
+in parallel, biases, a biased head over 51200 tokens; a 2048-token context: pass
+`--context 1536`).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -43,7 +46,7 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import gpt_neox, llama, starcoder2
+from models import gpt_neox, llama, phi, starcoder2
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -78,6 +81,12 @@ SHAPES = {
                       "long_factor": np.linspace(1.0, 64.0, 48).tolist()},
         tie_word_embeddings=True, bos_token_id=199999, eos_token_id=199999,
         pad_token_id=199999)),
+    "phi-2": (phi.PhiConfig, phi.PhiForCausalLM, dict(
+        model_type="phi", vocab_size=51200, hidden_size=2560, intermediate_size=10240,
+        num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+        partial_rotary_factor=0.4, rope_theta=10000.0, hidden_act="gelu_new",
+        layer_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=50256,
+        eos_token_id=50256)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE
