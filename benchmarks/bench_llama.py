@@ -12,7 +12,8 @@ features of each with LongRoPE's short factors, SwiGLU 8192, vocabulary 200064, 
 embeddings) or Phi-2's (`models.phi`: 32 layers, hidden 2560, 32 heads of 80, RoPE on 32
 features of each, one LayerNorm per block feeding the attention and the tanh GELU 10240 MLP
 in parallel, biases, a biased head over 51200 tokens; a 2048-token context: pass
-`--context 1536`).
+`--context 1536`) or Gemma-2B's (`models.gemma`: 18 layers, hidden 2048, 8 q heads over one
+kv head of 256, GeGLU 16384, vocabulary 256000, tied embeddings scaled by sqrt(hidden)).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -46,7 +47,7 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import gpt_neox, llama, phi, starcoder2
+from models import gemma, gpt_neox, llama, phi, starcoder2
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -87,6 +88,12 @@ SHAPES = {
         partial_rotary_factor=0.4, rope_theta=10000.0, hidden_act="gelu_new",
         layer_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=50256,
         eos_token_id=50256)),
+    "gemma-2b": (gemma.GemmaConfig, gemma.GemmaForCausalLM, dict(
+        model_type="gemma", vocab_size=256000, hidden_size=2048, intermediate_size=16384,
+        num_hidden_layers=18, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=8192, hidden_act="gelu", rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE
