@@ -41,6 +41,10 @@ SHAPES = {
     "mha-b64-l2k": (64, 32, 32, 128, 2048, 16, False),
     # StarCoder2-3B's heads: 24 q heads over 2 kv heads (groups of 12).
     "sc2-b64-l2k": (64, 24, 2, 128, 2048, 16, False),
+    # Gemma-2B's heads (8 q heads over one kv head of 256) and Gemma-2-2B's (8 over 4).
+    "gemma-b64-l2k": (64, 8, 1, 256, 2048, 16, False),
+    "gemma-b256-l2k": (256, 8, 1, 256, 2048, 16, False),
+    "gemma2-b64-l2k": (64, 8, 4, 256, 2048, 16, False),
     "gpt2-b64-l1k-ragged": (64, 12, 12, 64, 1024, 16, True),
     "gqa-b32-l4k-ragged": (32, 32, 8, 128, 4096, 16, True),
 }

@@ -152,6 +152,10 @@ def test_auto_num_splits(monkeypatch):
   # 3.5 programs per SM run unsplit (Llama-1B's 8 kv heads at batch 64); fewer split.
   assert pa.auto_num_splits(64, 8, 2048, 64) == 1
   assert pa.auto_num_splits(48, 8, 2048, 64) == 2
+  # Head dim 256 counts twice: 256 programs (Gemma-2B's one kv head at batch 256) run
+  # unsplit, 64 in 4 splits, where head dim 128 splits them in 2 and 8.
+  assert [pa.auto_num_splits(b, 1, 2048, 64, head_dim=256) for b in (256, 64)] == [1, 4]
+  assert [pa.auto_num_splits(b, 1, 2048, 64) for b in (256, 64)] == [2, 8]
   # Short sequences are never split into less than a few blocks each.
   assert pa.auto_num_splits(1, 1, 128, 32) == 1
   # The latent kernel's settings: splits of one block, for 2 programs per SM (DeepSeek's
