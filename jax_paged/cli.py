@@ -205,7 +205,7 @@ def presets(families: Sequence[ModelFamily]) -> dict[str, Callable[..., PagedMod
 
 def add_model_arguments(p: argparse.ArgumentParser, families: Sequence[ModelFamily]) -> None:
   """The model options (--checkpoint, --model, --dtype, --kv-cache-dtype,
-  --quantization)."""
+  --quantization, --max-model-len)."""
   src = p.add_argument_group("model")
   model_types = sorted(t for f in families for t in f.model_types)
   src.add_argument("--checkpoint", metavar="DIR",
@@ -227,6 +227,11 @@ def add_model_arguments(p: argparse.ArgumentParser, families: Sequence[ModelFami
                         "column (weight-only; activations, embeddings, the LM head and the "
                         "KV cache keep their dtypes): ~0.55-0.65x the weight memory, "
                         "decoding ~0.9-1.03x as fast (benchmarks/RESULTS.md)")
+  src.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                   help="with --checkpoint: the longest sequence served (prompt + new "
+                        "tokens), at most the config's max_position_embeddings (default: "
+                        "that, or a LongRoPE model's original context: more selects its "
+                        "long factors for every sequence)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> None:
@@ -452,8 +457,14 @@ def build_model(args: argparse.Namespace, families: Sequence[ModelFamily], dtype
       known = sorted(t for f in families for t in f.model_types)
       raise CLIError(f"--checkpoint {args.checkpoint}: model_type {model_type!r} is not "
                      f"supported (supported: {', '.join(known) or 'none installed'})")
+    options = {}
+    if args.max_model_len is not None:
+      if not family.max_model_len:
+        raise CLIError(f"--max-model-len: the {family.name} family's models (model_type "
+                       f"{model_type!r}) do not take it; serve them without")
+      options["max_model_len"] = args.max_model_len
     try:
-      model = family.from_pretrained(args.checkpoint, dtype)
+      model = family.from_pretrained(args.checkpoint, dtype, **options)
     except (FileNotFoundError, ValueError, KeyError) as e:
       raise CLIError(f"--checkpoint {args.checkpoint}: {e}") from e
     codec = load_tokenizer(args.checkpoint)
@@ -461,6 +472,8 @@ def build_model(args: argparse.Namespace, families: Sequence[ModelFamily], dtype
       raise CLIError(f"--checkpoint {args.checkpoint}: its tokenizer has {codec.vocab_size} "
                      f"tokens but the model's vocabulary has {model.spec.vocab_size}")
     return model, codec, f"checkpoint {args.checkpoint}"
+  if args.max_model_len is not None:
+    raise CLIError("--max-model-len applies to a --checkpoint, not a --model preset")
   model = presets(families)[args.model](dtype, args.seed)
   if model.spec.vocab_size < BYTES.vocab_size:
     raise CLIError(f"--model {args.model}: its vocabulary of {model.spec.vocab_size} tokens "

@@ -162,14 +162,18 @@ class ModelFamily:
   Attributes:
     name: the family's name (e.g. "gpt2").
     model_types: the `model_type` values of Hugging Face `config.json` files it loads.
-    from_pretrained: (checkpoint directory, dtype) -> a `PagedModel`; raises
+    from_pretrained: (checkpoint directory, dtype, **options) -> a `PagedModel`; raises
       FileNotFoundError / ValueError naming the file for a missing or bad checkpoint.
+      The options it takes are those its flags below name.
     presets: name -> (dtype, seed) -> a `PagedModel` with random weights, for runs without
       a checkpoint (their text is encoded as UTF-8 bytes, so their vocabulary should hold
       ids 0-255).
+    max_model_len: whether from_pretrained takes `max_model_len=` (the longest sequence
+      served, at most the config's context; `models.llama.from_pretrained`'s).
   """
 
   name: str
   model_types: tuple[str, ...]
-  from_pretrained: Callable[[str, Any], PagedModel]
+  from_pretrained: Callable[..., PagedModel]
   presets: Mapping[str, Callable[[Any, int], PagedModel]]
+  max_model_len: bool = False

@@ -320,7 +320,8 @@ def hf_sources(path: tuple[str, ...], config: DeepseekConfig
 
 
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> DeepseekForCausalLM:
+                    decode_impl: paged_nn.DecodeImpl = "auto",
+                    max_model_len: int | None = None) -> DeepseekForCausalLM:
   """Loads a Hugging Face DeepSeek-V2 / V3 checkpoint directory (`models.llama`'s
   `load_pretrained`: its files, errors and eos ids).
 
@@ -328,14 +329,15 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
     path: as `models.llama.load_pretrained`'s.
     dtype, param_dtype: as for `models.llama.LlamaForCausalLM`.
     decode_impl: the latent attention's (`jax_paged.latent_attention.LatentAttention`).
+    max_model_len: as `models.llama.from_pretrained`'s.
   """
   return llama.load_pretrained(path, DeepseekConfig.from_dict, functools.partial(
       DeepseekForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources)
+      hf_sources, max_model_len=max_model_len)
 
 
-def _family_from_pretrained(path: str, dtype: Any) -> DeepseekForCausalLM:
-  return from_pretrained(path, dtype=dtype)
+def _family_from_pretrained(path: str, dtype: Any, **options) -> DeepseekForCausalLM:
+  return from_pretrained(path, dtype=dtype, **options)
 
 
 FAMILY = ModelFamily(
@@ -343,4 +345,5 @@ FAMILY = ModelFamily(
     model_types=MODEL_TYPES,
     from_pretrained=_family_from_pretrained,
     presets={},
+    max_model_len=True,
 )

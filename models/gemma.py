@@ -92,21 +92,25 @@ class GemmaForCausalLM(llama.LlamaForCausalLM):
 
 
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> GemmaForCausalLM:
+                    decode_impl: paged_nn.DecodeImpl = "auto",
+                    max_model_len: int | None = None) -> GemmaForCausalLM:
   """Loads a Hugging Face Gemma checkpoint directory (`models.llama`'s `load_pretrained`:
   its files, errors and eos ids).
 
   Args:
     path: as `models.llama.load_pretrained`'s.
     dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
+    max_model_len: as `models.llama.from_pretrained`'s.
   """
   return llama.load_pretrained(path, GemmaConfig.from_dict, functools.partial(
-      GemmaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl))
+      GemmaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
+      max_model_len=max_model_len)
 
 
 FAMILY = ModelFamily(
     name="gemma",
     model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
     presets={},
+    max_model_len=True,
 )

@@ -196,24 +196,27 @@ def hf_sources(path: tuple[str, ...], config: GPTNeoXConfig
 
 
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> GPTNeoXForCausalLM:
+                    decode_impl: paged_nn.DecodeImpl = "auto",
+                    max_model_len: int | None = None) -> GPTNeoXForCausalLM:
   """Loads a Hugging Face GPT-NeoX checkpoint directory (`models.llama`'s
   `load_pretrained`: its files, errors and eos ids).
 
   Args:
     path: as `models.llama.load_pretrained`'s.
     dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
+    max_model_len: as `models.llama.from_pretrained`'s.
   """
   return llama.load_pretrained(
       path, GPTNeoXConfig.from_dict,
       functools.partial(GPTNeoXForCausalLM, dtype=dtype, param_dtype=param_dtype,
                         decode_impl=decode_impl),
-      sources=hf_sources)
+      sources=hf_sources, max_model_len=max_model_len)
 
 
 FAMILY = ModelFamily(
     name="gpt_neox",
     model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
     presets={},
+    max_model_len=True,
 )

@@ -922,15 +922,15 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       config's context, or a LongRoPE model's original one: pass more, up to
       max_position_embeddings, for its long factors).
   """
-  def config_of(config: dict[str, Any]) -> LlamaConfig:
-    return LlamaConfig.from_dict({**config, "max_model_len": max_model_len})
-  return load_pretrained(path, config_of, functools.partial(
-      LlamaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl))
+  return load_pretrained(path, LlamaConfig.from_dict, functools.partial(
+      LlamaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
+      max_model_len=max_model_len)
 
 
 def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
                     model_of: Callable[..., nnx.Module],
-                    sources: Sources = hf_sources) -> nnx.Module:
+                    sources: Sources = hf_sources,
+                    max_model_len: int | None = None) -> nnx.Module:
   """Loads a Hugging Face checkpoint directory of this module's layout (Llama's tensor
   names, our fused projections; a model of models/ built on it, as Gemma 3's).
 
@@ -945,6 +945,7 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     model_of: (config, rngs=) -> the model, whose parameters the checkpoint fills.
     sources: where each parameter comes from (`hf_sources`: Llama's names; a model with
       other parameters, as Mixtral's experts, passes its own).
+    max_model_len: the config's max_model_len (`LlamaConfig`'s; None: its default).
 
   Raises:
     FileNotFoundError: the directory's config.json, its weights or a listed shard is
@@ -981,6 +982,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     eos = _read_json(generation_file).get("eos_token_id")
     if eos is not None:
       config = {**config, "eos_token_id": eos}
+  if max_model_len is not None:
+    config = {**config, "max_model_len": max_model_len}
   try:
     config = config_of(config)
   except (TypeError, ValueError, AttributeError) as e:
@@ -1034,6 +1037,7 @@ def _random_model(config: LlamaConfig, dtype, seed: int) -> LlamaForCausalLM:
 FAMILY = ModelFamily(
     name="llama",
     model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
     presets={name: functools.partial(_random_model, config) for name, config in PRESETS.items()},
+    max_model_len=True,
 )

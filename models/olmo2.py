@@ -116,21 +116,25 @@ class Olmo2ForCausalLM(llama.LlamaForCausalLM):
 
 
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> Olmo2ForCausalLM:
+                    decode_impl: paged_nn.DecodeImpl = "auto",
+                    max_model_len: int | None = None) -> Olmo2ForCausalLM:
   """Loads a Hugging Face OLMo 2 checkpoint directory (`models.llama`'s `load_pretrained`:
   its files, errors and eos ids).
 
   Args:
     path: as `models.llama.load_pretrained`'s.
     dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
+    max_model_len: as `models.llama.from_pretrained`'s.
   """
   return llama.load_pretrained(path, Olmo2Config.from_dict, functools.partial(
-      Olmo2ForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl))
+      Olmo2ForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
+      max_model_len=max_model_len)
 
 
 FAMILY = ModelFamily(
     name="olmo2",
     model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype),
+    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
     presets={},
+    max_model_len=True,
 )

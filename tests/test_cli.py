@@ -302,6 +302,12 @@ def test_prompt_ids_clamp_notice_and_truncated_weights(capsys, tmp_path):
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1",
                          "--stop", "x")
   assert status == 2 and "--stop needs text, and this checkpoint has no tokenizer" in err
+  status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1",
+                         "--max-model-len", "8")
+  assert status == 2 and "--max-model-len: the gpt2 family's models (model_type 'gpt2') do " \
+                         "not take it" in err
+  status, _, err = _main(capsys, "--model", "tiny", "--prompt", "x", "--max-model-len", "8")
+  assert status == 2 and "--max-model-len applies to a --checkpoint" in err
   weights = tmp_path / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:100])
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt-ids", "1")

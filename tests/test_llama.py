@@ -214,12 +214,12 @@ def test_longrope_matches_hf():
                                  rtol=1e-4, atol=1e-4)
 
 
-def test_longrope_long_factors_match_hf(tmp_path):
-  """A Phi-3 of original context 16 served for 64 positions (max_model_len): every
-  sequence rotated by the long factors, as HF rotates sequences past the original
-  context: logits over prefill and decode, and greedy tokens through the prefix cache and
-  chunked prefill; served by default for 16 positions only (the short factors), where a
-  longer request is refused."""
+def test_longrope_long_factors_match_hf(tmp_path, capsys):
+  """A Phi-3 of original context 16 served for 64 positions (max_model_len, the CLI's
+  --max-model-len): every sequence rotated by the long factors, as HF rotates sequences
+  past the original context: logits over prefill and decode, and greedy tokens through the
+  prefix cache and chunked prefill; served by default for 16 positions only (the short
+  factors), where a longer request is refused."""
   hf = _hf_model("phi3", seed=3, original_max_position_embeddings=16)
   hf.save_pretrained(tmp_path)
   model = llama.from_pretrained(tmp_path, max_model_len=64)
@@ -232,6 +232,12 @@ def test_longrope_long_factors_match_hf(tmp_path):
   assert short.spec.max_positions == 16
   with pytest.raises(ValueError, match="exceeds the model's n_positions=16"):
     jax_paged.generate(short, [list(range(1, 13))], 6, page_size=PAGE)
+  prompt = _prompts(np.random.default_rng(7), [20])[0]
+  status, out, err = _cli(capsys, "--checkpoint", str(tmp_path), "--prompt-ids",
+                          ",".join(map(str, prompt)), "--max-new-tokens", "6",
+                          "--max-model-len", "64", "--no-progress")
+  assert status == 0, err
+  assert [int(t) for t in out.splitlines()[1].split(",")] == _hf_generate(hf, prompt, 6)
 
 
 def assert_logits_track_hf(hf, model, lengths: list[int], steps: int,
