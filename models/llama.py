@@ -374,7 +374,9 @@ class LlamaConfig:
       scaling = dict(scaling)
       if scaling.get("partial_rotary_factor") is not None:  # (transformers 5 keeps it here)
         config["partial_rotary_factor"] = scaling["partial_rotary_factor"]
-      rope_type = scaling.pop("type", scaling.get("rope_type"))
+      # HF's order: rope_type, else the older "type", else "default".
+      legacy = scaling.pop("type", "default")
+      rope_type = scaling.get("rope_type", legacy)
       if model_type == "phi3" and rope_type in ("su", "yarn"):
         rope_type = "longrope"  # (HF's Phi3Config reads Phi-3's early names so)
       scaling["rope_type"] = rope_type

@@ -393,6 +393,12 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
   assert (c.rope.rope_type, c.rope.factor, c.rope.original_max_position_embeddings) == (
       "yarn", 4.0, c.max_position_embeddings)
   assert c.rope.attention_factor == pytest.approx(1 + 0.1 * np.log(4))
+  # HF's reading of the type: rope_type before the older "type", "default" without either.
+  c = llama.LlamaConfig.from_dict({**base, "rope_scaling": {"factor": 2.0}})
+  assert (c.rope_scaling, c.rope.rope_type) == (None, "default")
+  c = llama.LlamaConfig.from_dict({**base, "rope_scaling": {"rope_type": "linear",
+                                                            "type": "default", "factor": 2.0}})
+  assert (c.rope.rope_type, c.rope.factor) == ("linear", 2.0)
   # Phi-4-mini's RoPE on 3/4 of each head, as transformers 4 and 5 write it.
   for partial in ({"partial_rotary_factor": 0.75},
                   {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
