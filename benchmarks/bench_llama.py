@@ -13,7 +13,12 @@ embeddings) or Phi-2's (`models.phi`: 32 layers, hidden 2560, 32 heads of 80, Ro
 features of each, one LayerNorm per block feeding the attention and the tanh GELU 10240 MLP
 in parallel, biases, a biased head over 51200 tokens; a 2048-token context: pass
 `--context 1536`) or Gemma-2B's (`models.gemma`: 18 layers, hidden 2048, 8 q heads over one
-kv head of 256, GeGLU 16384, vocabulary 256000, tied embeddings scaled by sqrt(hidden)).
+kv head of 256, GeGLU 16384, vocabulary 256000, tied embeddings scaled by sqrt(hidden))
+or StableLM 2 1.6B's (`models.stablelm`: 24 layers, hidden 2048, 32 heads of 64, RoPE on
+16 features of each, LayerNorms, q / k / v biases, SwiGLU 5632, vocabulary 100352) or
+Command R7B's (`models.cohere`, Cohere2: 32 layers, hidden 4096, 32 q heads over 8 kv heads
+of 128, the parallel block, three 4096-token windowed RoPE layers per full NoPE one,
+SwiGLU 14336, vocabulary 256000, tied and scaled logits).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -47,7 +52,7 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import gemma, gpt_neox, llama, phi, starcoder2
+from models import cohere, gemma, gpt_neox, llama, phi, stablelm, starcoder2
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -94,6 +99,18 @@ SHAPES = {
         max_position_embeddings=8192, hidden_act="gelu", rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
         pad_token_id=0)),
+    "stablelm-2-1.6b": (stablelm.StableLmConfig, stablelm.StableLmForCausalLM, dict(
+        model_type="stablelm", vocab_size=100352, hidden_size=2048, intermediate_size=5632,
+        num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, partial_rotary_factor=0.25, rope_theta=10000.0,
+        use_qkv_bias=True, layer_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=100257, eos_token_id=100257)),
+    "command-r7b": (cohere.CohereConfig, cohere.CohereForCausalLM, dict(
+        model_type="cohere2", vocab_size=256000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, sliding_window=4096, rope_theta=50000.0,
+        layer_norm_eps=1e-5, logit_scale=0.25, tie_word_embeddings=True, bos_token_id=5,
+        eos_token_id=255001, pad_token_id=0)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE

@@ -259,27 +259,50 @@ class LayerNorm(nnx.Module):
     epsilon: added to the variance.
     dtype: the output dtype (default: the input's).
     param_dtype: scale and bias dtype.
+    use_bias: False: no bias parameter (`bias` None; Cohere's LayerNorms).
   """
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+               param_dtype=jnp.float32, use_bias: bool = True, rngs: nnx.Rngs | None = None):
     del rngs  # ones and zeros: nothing random; accepted for nnx.LayerNorm's signature
     self.epsilon = epsilon
     self.dtype = dtype
     self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype)) if use_bias else None
+
+  def _bias(self) -> jax.Array:
+    return jnp.zeros_like(self.scale[...]) if self.bias is None else self.bias[...]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., num_features] -> the same shape, in `dtype` (default x's)."""
-    return layer_norm.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon,
+    return layer_norm.layer_norm(x, self.scale[...], self._bias(), epsilon=self.epsilon,
                                  out_dtype=self.dtype or x.dtype)
 
   def add(self, x: jax.Array, parts: jax.Array, parts_bias: jax.Array | None,
           interpret: bool | None) -> tuple[jax.Array, jax.Array]:
     """(x + sum(parts) + parts_bias, its norm): `layer_norm.add_layer_norm`."""
-    return layer_norm.add_layer_norm(x, parts, self.scale[...], self.bias[...],
+    return layer_norm.add_layer_norm(x, parts, self.scale[...], self._bias(),
                                      parts_bias=parts_bias, epsilon=self.epsilon,
                                      out_dtype=self.dtype or x.dtype, interpret=interpret)
+
+
+class HeadLayerNorm(nnx.Module):
+  """A LayerNorm of each head's features with a weight of its own per head and no bias
+  (HF's StableLmLayerNormPerHead: StableLM 2 12B's q / k norms, a `PagedAttention`'s
+  q_norm / k_norm). Statistics and the scale in f32, the result in x's dtype.
+
+  Parameter: scale [num_heads, head_dim] (split by head under tensor parallelism).
+  """
+
+  def __init__(self, num_heads: int, *, head_dim: int, epsilon: float = 1e-5,
+               param_dtype=jnp.float32):
+    self.epsilon = epsilon
+    self.scale = nnx.Param(jnp.ones((num_heads, head_dim), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., num_heads, head_dim] -> the same shape and dtype."""
+    return layer_norm.layer_norm_reference(x, self.scale[...], jnp.zeros((), jnp.float32),
+                                           epsilon=self.epsilon)
 
 
 class RMSNorm(nnx.Module):
@@ -601,7 +624,8 @@ class PagedAttention(nnx.Module):
       (Qwen3's, Gemma 3's; K is cached normalised), made by `head_norm(head_dim)`, or
       None (`head_norm` None); with `qk_norm_all_heads`, norms of all of q's heads
       together ([num_heads * head_dim]) and of all of k's ([num_kv_heads * head_dim]):
-      OLMo's. (A norm across heads cannot run on a tensor parallel device's heads alone:
+      OLMo's. A model may set its own modules of [..., heads, head_dim] instead
+      (`HeadLayerNorm`: a weight per head, StableLM's). (A norm across heads cannot run on a tensor parallel device's heads alone:
       `jax_paged.tensor_parallel` refuses such a layer.)
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.

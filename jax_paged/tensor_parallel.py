@@ -193,7 +193,8 @@ def attention_splits(model: nnx.Module) -> list[tuple[nnx.Linear, Split]]:
 def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
   """Splits a model's parameters over `mesh` (Megatron-style, see the module docstring).
 
-  Every `nn.PagedAttention` is split by head; the model lists its other linears to split
+  Every `nn.PagedAttention` is split by head (per-head q / k norm weights,
+  `nn.HeadLayerNorm`, with it); the model lists its other linears to split
   (`tensor_parallel_splits()`, e.g. its MLP's); every other parameter (embeddings,
   norms, the LM head, row-parallel biases) is replicated.
 
@@ -210,6 +211,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
   graphdef, state = nnx.split(model)
   local = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
   splits = attention_splits(local) + list(local.tensor_parallel_splits())
+  head_norms = []
   for path, node in nnx.iter_graph(local):
     if isinstance(node, paged_nn.PagedAttention):
       where = "/".join(map(str, path))
@@ -223,8 +225,12 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
                          "some of the heads cannot compute; run it on one device")
       node.num_heads //= n
       node.num_kv_heads //= n
+      head_norms += [m for m in (node.q_norm, node.k_norm)
+                     if isinstance(m, paged_nn.HeadLayerNorm)]
   ids = {id(node): path for path, node in nnx.iter_graph(local)}
   specs, orders = {}, {}
+  for norm in head_norms:  # (a weight per head: a device's heads' rows)
+    specs[ids[id(norm)] + ("scale",)] = P(AXIS)
   for linear, split in splits:
     path = ids[id(linear)]
     where = "/".join(map(str, path))

@@ -274,16 +274,6 @@ _ATTENTION = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj"
               "kv_a_norm": "kv_a_layernorm", "out": "o_proj"}
 
 
-def _deinterleave(rows: int, rotated: int, period: int) -> np.ndarray:
-  """The row order turning each block of `period` rows whose last `rotated` are
-  interleaved pairs (x0, x1, x2, x3, ...) into rotate-half order (x0, x2, ..., x1, x3,
-  ...); `rows` is a multiple of `period`."""
-  block = np.arange(period)
-  block[period - rotated:] = period - rotated + np.concatenate(
-      [np.arange(0, rotated, 2), np.arange(1, rotated, 2)])
-  return (np.arange(0, rows, period)[:, None] + block).reshape(-1)
-
-
 def hf_sources(path: tuple[str, ...], config: DeepseekConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.Sources` of DeepSeek's checkpoints: the latent attention's modules (with the
@@ -303,9 +293,9 @@ def hf_sources(path: tuple[str, ...], config: DeepseekConfig
     name = f"{prefix}{_ATTENTION[module]}.{'weight' if param == 'kernel' else param}"
     order = None
     if config.rope_interleave and module in ("q_proj", "q_b_proj"):
-      order = _deinterleave(h * (dn + dr), dr, dn + dr)
+      order = llama.deinterleave(h * (dn + dr), dr, dn + dr)
     elif config.rope_interleave and module == "kv_a_proj":
-      order = _deinterleave(config.kv_lora_rank + dr, dr, config.kv_lora_rank + dr)
+      order = llama.deinterleave(config.kv_lora_rank + dr, dr, config.kv_lora_rank + dr)
 
     def assemble(parts):
       (w,) = parts

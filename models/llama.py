@@ -877,6 +877,18 @@ def whole(parts: list[jax.Array]) -> jax.Array:
   return part
 
 
+def deinterleave(rows: int, rotated: int, period: int) -> np.ndarray:
+  """The row order turning each block of `period` rows whose last `rotated` are
+  interleaved pairs (x0, x1, x2, x3, ...) into rotate-half order (x0, x2, ..., x1, x3,
+  ...); `rows` is a multiple of `period`. (RoPE over interleaved pairs, GPT-J's, is
+  rotate-half RoPE over the rows so reordered, q's and k's alike: their dot products are
+  unchanged.)"""
+  block = np.arange(period)
+  block[period - rotated:] = period - rotated + np.concatenate(
+      [np.arange(0, rotated, 2), np.arange(1, rotated, 2)])
+  return (np.arange(0, rows, period)[:, None] + block).reshape(-1)
+
+
 def hf_sources(path: tuple[str, ...], config: Any
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """This module's `Sources`: a parameter's HF tensors (our fused projections are

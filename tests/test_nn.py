@@ -230,6 +230,25 @@ def test_rotary_embedding_rotates_pairs_by_position():
                              rope.inv_freq() / 4, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_layer_norm_normalises_each_head_with_its_own_weight(dtype):
+  """`nn.HeadLayerNorm` on [T, heads, D]: each head's features normalised and times that
+  head's row of the weight (random, per head), as torch's LayerNorm per head."""
+  torch = pytest.importorskip("torch")
+  rng = np.random.default_rng(6)
+  norm = nn.HeadLayerNorm(3, head_dim=D, epsilon=1e-4)
+  norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, (3, D)), jnp.float32)
+  x = jnp.asarray(3.0 + rng.standard_normal((5, 3, D)), dtype)
+  y = norm(x)
+  assert y.shape == x.shape and y.dtype == dtype
+  x64 = torch.tensor(np.asarray(x.astype(jnp.float32)), dtype=torch.float64)
+  want = np.stack([torch.nn.functional.layer_norm(
+      x64[:, h], (D,), torch.tensor(np.asarray(norm.scale[h]), dtype=torch.float64),
+      eps=1e-4).numpy() for h in range(3)], axis=1)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), want, rtol=tol, atol=tol)
+
+
 def _check_prompt_attention(dtype, window=None):
   """prompt_attention vs dense causal attention on ragged prompts; returns (fn, args)."""
   rng = np.random.default_rng(3)

@@ -119,9 +119,9 @@ def test_pallas_kernels_per_device_in_interpret_mode():
   attention, the decode reservation with copy-on-write, the linear and norm kernels) in
   Pallas interpret mode under shard_map: TP 2 matches one device (GPT-NeoX's parallel
   residual, LayerNorms, plain MLP and random biases: a row-parallel projection's added
-  once)."""
+  once; StableLM's per-head q / k norm weights split by head)."""
   result = _run_case("kernels")
-  for model in ("gpt2", "llama", "gemma3", "gpt_neox"):
+  for model in ("gpt2", "llama", "gemma3", "gpt_neox", "stablelm"):
     assert result[model]["tokens"]["2"] == result[model]["tokens"]["1"], model
     assert result[model]["logit_error"] < 1e-5, model
 
@@ -417,7 +417,7 @@ def case_kernels() -> dict:
   from flax import nnx
   from jax_paged import Request, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
-  from models import gemma3, gpt2, gpt_neox, llama
+  from models import gemma3, gpt2, gpt_neox, llama, stablelm
   models = {
       "gpt2": gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=256, n_positions=64, n_embd=64,
                                                    n_layer=1, n_head=4, bos_token_id=None,
@@ -441,10 +441,17 @@ def case_kernels() -> dict:
           num_attention_heads=4, max_position_embeddings=64, eos_token_id=None),
           dtype=jnp.float32, rngs=nnx.Rngs(3)),
   }
+  # StableLM 2 12B's per-head q / k LayerNorm weights, split by head (made random below).
+  models["stablelm"] = stablelm.StableLmForCausalLM(stablelm.StableLmConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+      eos_token_id=None, use_parallel_residual=True, qk_layernorm=True),
+      dtype=jnp.float32, rngs=nnx.Rngs(4))
   rng = np.random.default_rng(3)
-  nnx.update(models["gpt_neox"], jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
-      if "bias" in jax.tree_util.keystr(path) else x, nnx.state(models["gpt_neox"])))
+  for name, random in (("gpt_neox", "bias"), ("stablelm", "_norm")):
+    nnx.update(models[name], jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+        if random in jax.tree_util.keystr(path) else x, nnx.state(models[name])))
   out = {}
   for name, model in models.items():
     res = {"tokens": {}}
