@@ -1,5 +1,6 @@
-"""Speculative decoding (prompt lookup, `Engine(speculation=NgramSpeculation(...))`)
-against plain decoding, end to end on the GPU, in the same run.
+"""Speculative decoding (prompt lookup, `Engine(speculation=NgramSpeculation(...))`; or a
+draft model, `DraftSpeculation`, with `--draft`) against plain decoding, end to end on the
+GPU, in the same run.
 
 Models with random weights, bf16: GPT-2 124M and the Llama-3.2-1B shape of
 `bench_llama`. Per batch size (`--batches`), `batch` requests of a `--prompt`-token
@@ -16,6 +17,14 @@ two ways:
   (token i spelled by three characters of its own): the best case, where a round keeps
   every draft (both engines guided alike).
 
+With `--draft`: a Qwen3-8B-shaped target (36 layers, 32 q heads over 8 kv heads of 128,
+q / k norms) drafted for by a Qwen3-0.6B-shaped draft (28 layers, hidden 1024, 16 / 8
+heads of 128), both random, greedy requests: two random models almost never agree, so
+the run measures what a round costs (the draft's `--num-tokens` steps, the verify
+forward and the draft's catch-up over the same tokens) against a plain step; what a
+round then gains is its acceptance's to say: with a fraction a of drafts kept, a round
+takes (1 - a^(k+1)) / (1 - a) tokens (printed for a = 0.6 and 0.8: real pairs' range).
+
 Each figure is the median of three timed runs after an identical untimed one
 (`bench_generate.timed`). Printed per row: new tokens/s of both, their ratio, the drafts
 kept (of those verified), tokens a sequence took per verify round, and how many requests
@@ -23,7 +32,8 @@ gave exactly plain decoding's tokens (bf16: the verify forward rounds differentl
 decode step, so a near tie can flip a token, after which the texts differ).
 
     PYTHONPATH=. python benchmarks/bench_speculative.py            # on the GPU
-    PYTHONPATH=. python benchmarks/bench_speculative.py --tiny     # smoke test on CPU
+    PYTHONPATH=. python benchmarks/bench_speculative.py --draft --batches 1 8 32
+    PYTHONPATH=. python benchmarks/bench_speculative.py --tiny [--draft]  # CPU smoke test
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from flax import nnx
 from benchmarks import bench_generate
 from benchmarks import bench_llama
 from benchmarks import common
-from jax_paged import Engine, Guide, NgramSpeculation, Request, Vocabulary
+from jax_paged import DraftSpeculation, Engine, Guide, NgramSpeculation, Request, Vocabulary
 from jax_paged.guided.regex_dfa import regex_escape
 from models import gpt2
 from models import llama
@@ -72,6 +82,21 @@ def requests_of(kind: str, vocab_size: int, batch: int, prompt: int, new: int,
                   guide=guide) for _ in range(batch)]
 
 
+# --draft: Qwen3-8B's and Qwen3-0.6B's shapes (Hugging Face config.json fields).
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              bos_token_id=151643, eos_token_id=151645)
+QWEN3_8B = dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, tie_word_embeddings=False)
+QWEN3_0_6B = dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, tie_word_embeddings=True)
+
+
+def kept_per_round(acceptance: float, k: int) -> float:
+  """Tokens a round takes when each draft is kept with probability `acceptance`."""
+  return float(sum(acceptance ** i for i in range(k + 1)))
+
+
 def run(model, requests: list[Request], speculation, runs: int):
   """(outputs, report, seconds) of the requests through an engine of a slot each."""
   batch = len(requests)
@@ -99,8 +124,12 @@ def main():
   p.add_argument("--min-ngram", type=int, default=2)
   p.add_argument("--max-ngram", type=int, default=4)
   p.add_argument("--runs", type=int, default=3, help="timed runs (median)")
+  p.add_argument("--draft", action="store_true",
+                 help="a draft model's drafts (Qwen3-0.6B's shape for Qwen3-8B's)")
   p.add_argument("--tiny", action="store_true", help="a tiny GPT-2 on CPU, one run")
   args = p.parse_args()
+  if args.draft:
+    return draft_main(args)
   speculation = NgramSpeculation(num_tokens=args.num_tokens, min_ngram=args.min_ngram,
                                  max_ngram=args.max_ngram)
   models = {"gpt2": lambda: gpt2.GPT2LMHeadModel(gpt2.GPT2Config(), dtype=jnp.bfloat16,
@@ -134,6 +163,42 @@ def main():
               f"**{plain_s / spec_s:.2f}** | {kept:.0%} | {per_round:.2f} | "
               f"{same}/{batch} |", flush=True)
     del model
+
+
+def draft_main(args) -> None:
+  """--draft: the Qwen3-8B shape with and without its Qwen3-0.6B-shaped draft, greedy."""
+  dtype = jnp.bfloat16
+  shapes = (QWEN3_8B, QWEN3_0_6B)
+  if args.tiny:
+    shapes = tuple(dict(c, vocab_size=512, hidden_size=c["hidden_size"] // 16,
+                        intermediate_size=64, num_hidden_layers=2, head_dim=16)
+                   for c in shapes)
+    dtype, args.batches, args.runs, args.prompt, args.new = jnp.float32, [1, 4], 1, 32, 24
+  target, draft = (llama.LlamaForCausalLM(llama.LlamaConfig.from_dict(c), dtype=dtype,
+                                          rngs=nnx.Rngs(seed))
+                   for seed, c in enumerate(shapes))
+  k = args.num_tokens
+  speculation = DraftSpeculation(draft, num_tokens=k)
+  print(f"# bench_speculative --draft: {common.header()}")
+  print(f"target {target.spec.num_layers} layers, draft {draft.spec.num_layers} layers "
+        f"(random weights); prompt {args.prompt}, {args.new} new tokens, greedy, EOS "
+        f"ignored; {k} drafts per round\n")
+  print("| batch | plain tok/s | step ms | drafted tok/s | round ms | round / step | drafts "
+        f"kept | x plain at a = 0.6 / 0.8 (k = {k}) |")
+  print("|---|---|---|---|---|---|---|---|")
+  for batch in args.batches:
+    requests = requests_of("greedy", target.spec.vocab_size, batch, args.prompt, args.new, 0)
+    _, plain_report, plain_s = run(target, requests, None, args.runs)
+    _, report, spec_s = run(target, requests, speculation, args.runs)
+    tokens = plain_report.generated_tokens
+    assert report.generated_tokens == tokens
+    step = plain_report.decode_s / plain_report.decode_steps  # (decode calls' time only)
+    round_ = report.decode_s / report.decode_steps
+    gains = [kept_per_round(a, k) * step / round_ for a in (0.6, 0.8)]
+    print(f"| {batch} | {tokens / plain_s:,.0f} | {step * 1e3:.2f} | {tokens / spec_s:,.0f} | "
+          f"{round_ * 1e3:.2f} | {round_ / step:.2f} | "
+          f"{report.accepted_tokens / max(1, report.draft_tokens):.1%} | "
+          f"{gains[0]:.2f} / {gains[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

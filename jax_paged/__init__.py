@@ -21,7 +21,7 @@ Layers, each using only those before it:
   serving   scheduler, runner, engine: Engine / Request / TokenEvent (continuous
             batching), EngineLoop (an engine on a thread of its own, for servers),
             generate (one static batch), beam_search and speculative decoding
-            (NgramSpeculation)
+            (NgramSpeculation, DraftSpeculation)
   cli       `jax-paged-generate` (`python -m jax_paged.cli`)
   openai_server   `jax-paged-serve`: OpenAI's completions API over HTTP (server_metrics:
                   its Prometheus metrics; tool_calls: its tool call parsers)
@@ -50,14 +50,15 @@ from jax_paged.serving.engine import Engine
 from jax_paged.serving.engine_loop import EngineLoop
 from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent
-from jax_paged.serving.speculative import NgramSpeculation
+from jax_paged.serving.speculative import DraftSpeculation, NgramSpeculation
 from jax_paged.serving.static_batch import generate
 from jax_paged.serving.beam_search import Beam, beam_search
 
 __all__ = [
-    "Beam", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool", "LoraAdapter",
-    "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel", "PoolExhausted", "Report",
-    "Request", "TokenEvent", "Vocabulary", "beam_search", "generate", "grouped_matmul", "guided",
+    "Beam", "DraftSpeculation", "Engine", "EngineLoop", "EngineStats", "Guide", "KVPool",
+    "LoraAdapter", "ModelFamily", "ModelSpec", "NgramSpeculation", "PagedModel",
+    "PoolExhausted", "Report", "Request", "TokenEvent", "Vocabulary", "beam_search",
+    "generate", "grouped_matmul", "guided",
     "latent_attention", "lora", "merge_attention_states", "merge_attention_states_n", "nn",
     "paged_decode_attention", "paged_latent_decode_attention", "paged_latent_prefill_attention",
     "paged_prefill_attention", "pool", "reference", "weight_quant",

@@ -41,7 +41,8 @@ from jax_paged.serving.admission import ADMISSION_POLICIES
 from jax_paged.serving.beam_search import beam_search
 from jax_paged.serving.engine import Engine
 from jax_paged.serving.request import MAX_TOP_LOGPROBS, Request, TokenEvent
-from jax_paged.serving.speculative import NgramSpeculation
+from jax_paged.serving import speculative
+from jax_paged.serving.speculative import DraftSpeculation, NgramSpeculation
 
 ENTRY_POINT_GROUP = "jax_paged.models"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -125,9 +126,17 @@ def _lora_module(text: str) -> tuple[str, str]:
   return name, path
 
 
-def _speculative_config(text: str) -> NgramSpeculation:
+def _speculative_config(text: str) -> NgramSpeculation | dict:
+  """Prompt lookup's settings, validated here; a draft model's config (one naming a
+  "model") as its dict, loaded beside the model (`load_model`)."""
   try:
-    return NgramSpeculation.from_config(text)
+    config = json.loads(text)
+  except json.JSONDecodeError:
+    config = None  # (from_config names the error)
+  try:
+    if isinstance(config, dict) and speculative.is_draft_config(config):
+      return config
+    return speculative.from_config(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -268,7 +277,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, steps_per_call: int) -> 
                         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
                         "\"prompt_lookup_min\": M}: each decode step verifies up to K "
                         "tokens drafted from where the context's last N..M tokens occurred "
-                        "before (same tokens; faster where text repeats its context)")
+                        "before (same tokens; faster where text repeats its context); or "
+                        "{\"model\": DIR, \"num_speculative_tokens\": K}: K greedy tokens "
+                        "of a draft checkpoint of the same vocabulary and kv heads (same "
+                        "tokens; faster where the draft agrees)")
   lora = p.add_argument_group("LoRA adapters")
   lora.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
                     metavar="NAME=PATH",
@@ -555,6 +567,8 @@ class Loaded:
   label: str  # what it is, for messages
   dtype: jnp.dtype
   mesh: object  # a tensor-parallel mesh, or None
+  # --speculative-config's settings (a draft model loaded), or None
+  speculation: NgramSpeculation | DraftSpeculation | None = None
 
 
 def load_model(args: argparse.Namespace, families: Sequence[ModelFamily],
@@ -578,6 +592,26 @@ def load_model(args: argparse.Namespace, families: Sequence[ModelFamily],
       if not weight_quant.quantize_weights(model):
         raise CLIError(f"--quantization int8: {label} has no nnx.Linear to quantize")
       label += ", int8 weights"
+  speculation = args.speculative_config
+  if isinstance(speculation, dict):  # a draft model's: loaded as the model was
+
+    def load_draft(path: str) -> PagedModel:
+      try:
+        draft, _, _ = build_model(argparse.Namespace(**{**vars(args), "checkpoint": path}),
+                                  families, dtype)
+      except CLIError as e:  # (named as the option gave it)
+        raise CLIError(f"--speculative-config: {e}".replace("--checkpoint", "draft model",
+                                                            1)) from e
+      if args.quantization == "int8":
+        weight_quant.quantize_weights(draft)
+      return draft
+
+    try:
+      speculation = speculative.from_config(speculation, load_draft)
+    except (ValueError, TypeError) as e:
+      raise CLIError(f"--speculative-config: {e}") from e
+    label += (f", drafts by {args.speculative_config['model']} "
+              f"({speculation.model.spec.num_layers} layers)")
   spec = model.spec
   if on_gpu and not validation.kernel_supports(spec.head_dim, args.page_size):
     _notice(f"--page-size {args.page_size} with head dim {spec.head_dim}: the Triton decode "
@@ -589,7 +623,7 @@ def load_model(args: argparse.Namespace, families: Sequence[ModelFamily],
   if args.memory_fraction is not None and not on_gpu:
     raise CLIError("--memory-fraction sizes the pool from an accelerator's free memory; "
                    f"on {jax.default_backend()} give --num-pages")
-  return Loaded(model, codec, label, jnp.dtype(dtype), mesh)
+  return Loaded(model, codec, label, jnp.dtype(dtype), mesh, speculation)
 
 
 def make_engine(args: argparse.Namespace, loaded: Loaded, *,
@@ -614,7 +648,7 @@ def make_engine(args: argparse.Namespace, loaded: Loaded, *,
                  admission=args.admission, prefix_caching=not args.no_prefix_caching,
                  cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], mesh=loaded.mesh,
                  detokenize=loaded.codec.decode if loaded.codec else None,
-                 scheduling_policy=scheduling_policy, speculation=args.speculative_config,
+                 scheduling_policy=scheduling_policy, speculation=loaded.speculation,
                  max_loras=args.max_loras or len(names) or int(updates),
                  max_lora_rank=args.max_lora_rank)
     for name, path in args.lora_modules:

@@ -91,6 +91,11 @@ class PagedModel(Protocol):
   `prefill`'s arguments -> (the final hidden state, after the last norm, of every new
   token [B, T, D], the pool), and `logits(h)`, hidden states [..., D] -> float32 logits
   [..., vocab_size] (`prefill` is then `logits(last_tokens(prefill_hidden(...)))`).
+
+  Optional, as a draft model (`speculative.DraftSpeculation`; with `prefill_hidden`): an
+  int attribute `pool_layer_offset`, the pool layer its first block reads and writes (0
+  alone; a draft's layers sit after its target's in one pool, and the runner sets it on
+  a copy of the draft).
   """
 
   @property

@@ -159,6 +159,10 @@ class GPT2LMHeadModel(nnx.Module):
     rngs: initialisation randomness (normal(initializer_range) weights, as HF does).
   """
 
+  # The pool layer of the first block (`jax_paged.PagedModel`: a draft model's sit after
+  # its target's).
+  pool_layer_offset = 0
+
   def __init__(self, config: GPT2Config, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
@@ -209,7 +213,8 @@ class GPT2LMHeadModel(nnx.Module):
     norms = [block.ln_1 for block in self.h] + [self.ln_f]
     h = norms[0](x)
     for layer, block in enumerate(self.h):
-      x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1], adapters)
+      x, h, kv = block(x, h, kv, self.pool_layer_offset + layer, attend, norms[layer + 1],
+                       adapters)
     return h, kv
 
   def logits(self, h: jax.Array) -> jax.Array:

@@ -570,6 +570,9 @@ class LlamaForCausalLM(nnx.Module):
 
   # The blocks (a subclass's own: `models.gemma3`).
   decoder_layer = DecoderLayer
+  # The pool layer of the first block (`jax_paged.PagedModel`: a draft model's sit after
+  # its target's).
+  pool_layer_offset = 0
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
@@ -658,7 +661,8 @@ class LlamaForCausalLM(nnx.Module):
     norms = [block.input_layernorm for block in self.layers] + [self.norm]
     h = norms[0](x)
     for layer, block in enumerate(self.layers):
-      x, h, kv = block(x, h, kv, layer, attend, norms[layer + 1], adapters)
+      x, h, kv = block(x, h, kv, self.pool_layer_offset + layer, attend, norms[layer + 1],
+                       adapters)
     return h, kv
 
   def _embed(self, tokens: jax.Array) -> jax.Array:

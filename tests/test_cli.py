@@ -195,7 +195,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     (["--guided-regex", "a", "--guided-choice", "b"], "not allowed with argument"),
     (["--speculative-config", "{\"num_speculative_tokens\": 0}"],
      "argument --speculative-config: speculative config: num_speculative_tokens must be"),
-    (["--speculative-config", "{\"method\": \"eagle\"}"], "only \"ngram\""),
+    (["--speculative-config", "{\"method\": \"eagle\"}"], "method 'eagle' is not supported"),
     (["--speculative-config", "{\"num_speculative_tokens\": 2}", "--beam-width", "2"],
      "--speculative-config do not apply"),
 ])
@@ -342,6 +342,34 @@ def test_speculative_decoding_prints_the_same_text_and_its_drafts(capsys):
   assert status == 0
   texts = lambda out: out.split("requests:")[0]
   assert texts(spec) == texts(out) and "speculative decoding: " in spec
+
+
+def test_a_draft_checkpoint_prints_the_same_text_and_its_drafts(capsys, tmp_path):
+  """--speculative-config {"model": DIR, ...}: a draft checkpoint (GPT-2, one layer of
+  the target's heads) loaded as the model is; the same tokens as without it, drafts
+  counted; a draft of other heads or a missing directory named."""
+  transformers = pytest.importorskip("transformers")
+  pytest.importorskip("torch")
+  for name, layers, heads in (("target", 2, 2), ("draft", 1, 2), ("other", 1, 4)):
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_positions=64, n_embd=32, n_layer=layers, n_head=heads)
+    ).save_pretrained(tmp_path / name)
+  args = ("--checkpoint", str(tmp_path / "target"), "--prompt-ids", "1,2,3", "--prompt-ids",
+          "4,5", "--max-new-tokens", "20", "--ignore-eos", "--no-progress")
+  status, out, err = _main(capsys, *args)
+  assert status == 0, err
+  draft = lambda path: ["--speculative-config", json.dumps(
+      {"model": str(path), "num_speculative_tokens": 3})]
+  status, spec, err = _main(capsys, *args, *draft(tmp_path / "draft"))
+  assert status == 0, err
+  texts = lambda out: out.split("requests:")[0]
+  assert texts(spec) == texts(out) and "speculative decoding: " in spec
+  assert f"drafts by {tmp_path / 'draft'} (1 layers)" in err
+  status, _, err = _main(capsys, *args, *draft(tmp_path / "other"))
+  assert status == 2 and "the draft model's num_kv_heads (4) must be the target's (2)" in err
+  status, _, err = _main(capsys, *args, *draft(tmp_path / "none"))
+  assert status == 2 and f"--speculative-config: draft model {tmp_path / 'none'}: not a " \
+                         "directory" in err
 
 
 def test_logprobs_print_each_completions_tokens_and_perplexity(capsys):

@@ -219,15 +219,19 @@ def test_engine_gives_plain_decodings_tokens_with_every_setting(model):
                                                          report.accepted_tokens)
 
 
-def test_warmup_covers_speculative_decode_calls():
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
+def test_warmup_covers_speculative_decode_calls(drafts):
   """After warmup() an engine with speculation serves greedy and sampled batches of any
-  size up to its slots without compiling: its decode calls' history arrays have one width
-  (the lookup window, at most the model's context, plus the steps per call)."""
+  size up to its slots without compiling: with prompt lookup its decode calls' history
+  arrays have one width (the lookup window, at most the model's context, plus the steps
+  per call); with a draft model (here the model itself) they have none."""
   config = gpt2.GPT2Config(vocab_size=89, n_positions=48, n_embd=16, n_layer=1, n_head=2,
                            bos_token_id=None, eos_token_id=None)
   model = gpt2.GPT2LMHeadModel(config, rngs=nnx.Rngs(4))
+  speculation = (NgramSpeculation(num_tokens=2, min_ngram=1, max_ngram=2) if drafts == "ngram"
+                 else speculative.DraftSpeculation(model, num_tokens=2))
   eng = Engine(model, max_batch=6, num_pages=200, page_size=8, steps_per_call=6,
-               speculation=NgramSpeculation(num_tokens=2, min_ngram=1, max_ngram=2))
+               speculation=speculation)
   eng.warmup(max_prompt_tokens=16, sampling=("greedy", "sampled"))
   rng = np.random.default_rng(1)
   with compilations() as compiles:
@@ -236,3 +240,130 @@ def test_warmup_covers_speculative_decode_calls():
                             int(rng.integers(3, 20)), temperature=0.8 * (i % 2), seed=i)
                     for i in range(n)])
   assert not compiles and eng.report.accepted_tokens > 0
+
+
+# ----------------------------------------------------------------- draft-model speculation
+
+def _llama(layers: int, hidden: int, seed: int):
+  """A random tiny Llama: GQA 4 q heads over 2 kv heads of 8 whatever its width."""
+  from models import llama
+  config = llama.LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=48,
+                             num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                             bos_token_id=None, eos_token_id=None, initializer_range=0.5)
+  return llama.LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+
+
+def _mixed_requests(rng, n: int) -> list[Request]:
+  """Greedy and sampled requests (log-probabilities, penalties, n = 2, stop tokens),
+  prompts sharing a cached prefix, one long enough to be prefilled in chunks."""
+  shared = rng.integers(0, 97, 19).tolist()
+  settings = [dict(), dict(temperature=1.0, seed=5, top_p=0.9, logprobs=True,
+                           top_logprobs=2),
+              dict(temperature=0.7, seed=6, frequency_penalty=0.5, logit_bias={7: 2.0}),
+              dict(stop_token_ids=[4, 50]), dict(temperature=0.9, n=2, seed=2)]
+  requests = []
+  for i in range(n):
+    prompt = (shared + rng.integers(0, 97, rng.integers(1, 9)).tolist() if i % 3 == 0
+              else rng.integers(0, 97, 60 if i == 1 else rng.integers(1, 25)).tolist())
+    requests.append(Request(prompt, int(rng.integers(10, 30)), **settings[i % len(settings)]))
+  return requests
+
+
+def _plain_and_drafted(target, draft, requests, num_tokens=3, **engine):
+  runs = []
+  for speculation in (None, speculative.DraftSpeculation(draft, num_tokens=num_tokens)):
+    eng = Engine(target, max_batch=4, num_pages=14, page_size=8, steps_per_call=10,
+                 max_prefill_tokens=32, speculation=speculation, **engine)
+    runs.append((_events(eng, requests), eng))
+    assert not np.asarray(eng.kv.lengths).any()
+  return runs
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_draft_model_gives_plain_decodings_tokens(model, family):
+  """A draft model of the same pool shape but other weights and depth (GPT-2 drafting for
+  GPT-2, Llama for Llama): with prefix caching, chunked prefill and preemption in a small
+  pool, greedy and sampled requests get plain decoding's tokens, finish reasons and
+  log-probabilities; the pool holds both models' layers; the caller's draft is left as it
+  was."""
+  if family == "gpt2":
+    target, draft = model, gpt2.GPT2LMHeadModel(gpt2.GPT2Config(
+        vocab_size=97, n_positions=128, n_embd=32, n_layer=1, n_head=4, bos_token_id=None,
+        eos_token_id=None), rngs=nnx.Rngs(8))
+  else:
+    target, draft = _llama(3, 48, 1), _llama(1, 24, 2)
+  requests = _mixed_requests(np.random.default_rng(4), 10)
+  (plain, _), (drafted, eng) = _plain_and_drafted(target, draft, requests)
+  assert eng.kv.k_pages.shape[0] == target.spec.num_layers + draft.spec.num_layers
+  assert draft.pool_layer_offset == 0
+  assert plain.keys() == drafted.keys()
+  for key in plain:
+    assert [(e.token, e.finish_reason) for e in drafted[key]] == [
+        (e.token, e.finish_reason) for e in plain[key]], key
+    if requests[key[0]].logprobs:
+      np.testing.assert_allclose([e.logprob for e in drafted[key]],
+                                 [e.logprob for e in plain[key]], rtol=1e-4, atol=1e-5)
+  report = eng.report
+  assert report.preemptions > 0 and report.cached_prompt_tokens > 0
+  assert report.draft_tokens > 0 and report.accepted_tokens <= report.draft_tokens
+
+
+def test_a_draft_that_is_the_target_keeps_its_greedy_drafts():
+  """The target as its own draft: its K/V, written by every forward (prompts attached to
+  cached pages, chunks, preempted and recomputed sequences, forks), is the target's, so
+  greedy rounds keep nearly every draft (f32: only near-ties between the decode and
+  prefill paths' rounding could differ) and decode calls run far fewer rounds."""
+  target = _llama(2, 32, 3)
+  rng = np.random.default_rng(5)
+  shared = rng.integers(0, 97, 21).tolist()
+  requests = [Request(shared + rng.integers(0, 97, rng.integers(1, 6)).tolist()
+                      if i % 2 else rng.integers(0, 97, 40 if i == 2 else 7).tolist(), 24)
+              for i in range(8)]
+  (plain, plain_eng), (drafted, eng) = _plain_and_drafted(target, target, requests,
+                                                          num_tokens=4)
+  assert drafted.keys() == plain.keys() and all(
+      [e.token for e in drafted[k]] == [e.token for e in plain[k]] for k in plain)
+  report = eng.report
+  assert report.preemptions > 0 and report.cached_prompt_tokens > 0
+  assert report.accepted_tokens >= 0.95 * report.draft_tokens > 0
+  assert report.decode_steps < 0.5 * plain_eng.report.decode_steps
+
+
+def test_draft_speculation_is_validated(model):
+  other_heads = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(
+      vocab_size=97, n_positions=128, n_embd=32, n_layer=1, n_head=2, bos_token_id=None,
+      eos_token_id=None), rngs=nnx.Rngs(1))
+  other_vocab = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(
+      vocab_size=96, n_positions=128, n_embd=32, n_layer=1, n_head=4, bos_token_id=None,
+      eos_token_id=None), rngs=nnx.Rngs(1))
+  for draft, match in [(other_heads, r"draft model's num_kv_heads \(2\) must be the "
+                                     r"target's \(4\)"),
+                       (other_vocab, r"vocab_size \(96\) must be the target's \(97\)")]:
+    with pytest.raises(ValueError, match=match):
+      Engine(model, num_pages=8, speculation=speculative.DraftSpeculation(draft))
+  bf16 = gpt2.GPT2LMHeadModel(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError, match="dtype \\(bfloat16\\) must be the target's"):
+    Engine(model, num_pages=8, speculation=speculative.DraftSpeculation(bf16))
+  with pytest.raises(ValueError, match="does not run with LoRA adapters"):
+    Engine(model, num_pages=8, max_loras=1, speculation=speculative.DraftSpeculation(model))
+  for kwargs, error, match in [(dict(model=model, num_tokens=0), ValueError, "num_tokens"),
+                               (dict(model=model, num_tokens=16), ValueError, "<= 15"),
+                               (dict(model="gpt2"), TypeError, "PagedModel")]:
+    with pytest.raises(error, match=match):
+      speculative.DraftSpeculation(**kwargs)
+  loaded = []
+  spec = speculative.from_config('{"model": "dir", "num_speculative_tokens": 2}',
+                                 lambda path: loaded.append(path) or model)
+  assert (spec.num_tokens, spec.model, loaded) == (2, model, ["dir"])
+  assert speculative.from_config({"method": "ngram", "num_speculative_tokens": 2}) == (
+      NgramSpeculation(num_tokens=2))
+  for config, match in [({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+                        ({"model": "dir"}, "needs num_speculative_tokens"),
+                        ({"model": "dir", "num_speculative_tokens": 2, "x": 1}, "unknown keys"),
+                        ({"model": 3, "num_speculative_tokens": 2}, "checkpoint directory"),
+                        ({"model": "dir", "num_speculative_tokens": 99},
+                         "num_speculative_tokens must be <= 15"),
+                        ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle'")]:
+    with pytest.raises(ValueError, match=match):
+      speculative.from_config(config, lambda path: model)

@@ -47,6 +47,10 @@ def test_engine_tokens_match_one_device(model):
   assert any(len(t) for t in ref)
   assert re.fullmatch("[a-d]{3,10}", bytes(ref[-1]).decode())  # the guided request
   assert result["tokens"]["2"] == ref
+  if model == "llama":
+    # Draft-model speculation at TP 2 (the model its own draft): the same tokens, drafts
+    # kept.
+    assert result["drafted_tokens"] == ref and result["accepted_tokens"] > 0
   if model == "gpt2":
     # Speculative decoding at TP 2: the same tokens, drafts kept.
     assert result["speculative_tokens"] == ref and result["accepted_tokens"] > 0
@@ -301,7 +305,7 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
   (f32 and an int8 pool), how the pool is sharded; at TP 1 and 2 the engine's tokens
   (GPT-2's beams and speculative rounds too)."""
   import jax
-  from jax_paged import NgramSpeculation, beam_search, tensor_parallel
+  from jax_paged import DraftSpeculation, NgramSpeculation, beam_search, tensor_parallel
   from jax_paged.serving.runner import ModelRunner
   out = {}
   for name, model in _models(head_dim).items():
@@ -330,6 +334,10 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
           speculating = _engine(model, mesh, speculation=NgramSpeculation(
               num_tokens=3, min_ngram=1, max_ngram=2))
           res["speculative_tokens"] = speculating.generate(_requests())[0]
+          res["accepted_tokens"] = speculating.report.accepted_tokens
+        if name == "llama" and n == 2:  # a draft model (itself), split like the target
+          speculating = _engine(model, mesh, speculation=DraftSpeculation(model, num_tokens=3))
+          res["drafted_tokens"] = speculating.generate(_requests())[0]
           res["accepted_tokens"] = speculating.report.accepted_tokens
         if n == 1:
           res["preemptions"] = report.preemptions

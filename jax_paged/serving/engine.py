@@ -54,7 +54,7 @@ from jax_paged.serving.report import EngineStats, Report
 from jax_paged.serving.request import Request, TokenEvent, is_int, validate_requests
 from jax_paged.serving import runner as runner_lib
 from jax_paged.serving.scheduler import Scheduler, check_scheduling_policy
-from jax_paged.serving.speculative import NgramSpeculation
+from jax_paged.serving.speculative import DraftSpeculation, NgramSpeculation
 
 
 # Engine.warmup's sampling kinds: the settings of the throwaway requests that compile each.
@@ -128,12 +128,15 @@ class Engine:
       requests are admitted by `Request.priority`, lower first, then by arrival; a full
       pool preempts the lowest priority's newest sequence). A request that arrives does
       not preempt running ones: it goes first when slots and pages free up.
-    speculation: None, or a `NgramSpeculation`: decode calls run speculative rounds
-      (`jax_paged.serving.speculative`, prompt lookup): each verifies up to `num_tokens`
-      drafts from a sequence's own context in one forward, keeping those its own draws
-      confirm. The tokens are the same as without (greedy or sampled, with every
-      request setting); it is faster where text repeats its context, and costs a bit
-      more per token where it does not. The model needs `prefill_hidden` and `logits`.
+    speculation: None, a `NgramSpeculation` or a `DraftSpeculation`: decode calls run
+      speculative rounds (`jax_paged.serving.speculative`): each verifies up to
+      `num_tokens` drafts in one forward, keeping those its own draws confirm; drafts
+      from a sequence's own context (prompt lookup: faster where text repeats its
+      context) or a draft model's greedy tokens (its K/V in the same pool after the
+      model's, so a page holds both: faster where the draft agrees often; split as the
+      model under tensor parallelism; no LoRA). The tokens are the same as without (greedy or sampled, with every
+      request setting); a round that keeps one token costs more than a step. The model
+      needs `prefill_hidden` and `logits`.
     max_loras: LoRA adapters held on the device at once (0: none served). Adapters are
       registered by name (`add_lora`: PEFT checkpoints, any number) and named per
       request (`Request.lora`); rows of different adapters and of the base model run in
@@ -153,7 +156,8 @@ class Engine:
                prefix_caching: bool = True, mesh=None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                scheduling_policy: str = "fcfs",
-               speculation: NgramSpeculation | None = None, max_loras: int = 0,
+               speculation: NgramSpeculation | DraftSpeculation | None = None,
+               max_loras: int = 0,
                max_lora_rank: int = 16):
     self.max_batch = check_positive_int("max_batch", max_batch)
     self.page_size = check_positive_int("page_size", page_size)

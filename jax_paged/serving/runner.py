@@ -369,8 +369,9 @@ def _outputs(steps: int, b: int, logprobs: bool, top_logprobs: int
 
 def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, active,
                      index, budget, stop_ids, seeds, temperature, top_k, top_p, min_p,
-                     history, history_len, *, max_steps: int,
-                     speculation: speculative.NgramSpeculation, greedy: bool,
+                     history=None, history_len=None, *, max_steps: int,
+                     speculation: speculative.NgramSpeculation | speculative.DraftSpeculation,
+                     greedy: bool,
                      filter_by: str | None = "chunked", logprobs: bool = False,
                      top_logprobs: int = 0, processors: dict[str, jax.Array] | None = None,
                      guides: Guides | None = None, guide_offset=None, guide_state=None,
@@ -378,9 +379,11 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
   """`decode_loop` by speculative rounds (`jax_paged.serving.speculative`): each row
   takes up to `num_steps` tokens, its output the same tokens plain decoding gives.
 
-  A round drafts each active row's next tokens from its history (`speculative.propose`,
-  at most as many as its budget and num_steps leave room for, less one), reserves the
-  newest token's and the drafts' slots, runs the model over them at once
+  A round drafts each active row's next tokens, at most as many as its budget and
+  num_steps leave room for, less one: from its history (`speculative.propose`), or with a
+  `DraftSpeculation` (the model a `speculative.DraftedModel`) that many, the draft's
+  (`speculative.draft_tokens`, after the slots are reserved); it reserves the newest
+  token's and the drafts' slots, runs the model over them at once
   (`prefill_hidden` with `start`, then `logits` at every position), draws the token at
   each position as a decode step would at that index (logits processors counting the
   drafts before it, the guide state after them, the key `fold_in(key(seed), index + i)`),
@@ -388,9 +391,9 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
   (stop token, budget, guide done), and truncates the pool to what it keeps
   (`pool.truncate`). It checks after every round whether a row is still active.
 
-  Args: as `decode_loop`'s (no `checked`: rounds are always checked), and history int32
-    [B, W] with history_len int32 [B]: each row's last context tokens (the newest
-    included), W at least history_len + num_steps.
+  Args: as `decode_loop`'s (no `checked`: rounds are always checked), and for prompt
+    lookup history int32 [B, W] with history_len int32 [B]: each row's last context
+    tokens (the newest included), W at least history_len + num_steps.
 
   Returns:
     ((int32 [max_steps, B] new tokens, each row's a prefix of its column, -1 after; their
@@ -399,6 +402,9 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
   """
   b = tokens.shape[0]
   k = speculation.num_tokens
+  drafted = isinstance(speculation, speculative.DraftSpeculation)
+  if drafted:  # (no history: carried empty)
+    history = history_len = jnp.zeros((b, 0), jnp.int32)
   rows = np.arange(b, dtype=np.int32)  # (numpy: `_rows` slices the pool's first rows)
   at = jnp.arange(k + 1)
 
@@ -409,9 +415,13 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
   def body(carry):
     (rnd, kv, tokens, active, index, budget, produced, history, history_len, out,
      out_logprobs, counts, state, stats) = carry
-    drafts, count = speculative.propose(
-        history, history_len, jnp.minimum(budget, num_steps - produced), num_tokens=k,
-        min_ngram=speculation.min_ngram, max_ngram=speculation.max_ngram)
+    allowance = jnp.minimum(budget, num_steps - produced)
+    if drafted:  # the draft's tokens, drawn once the slots are reserved
+      count = jnp.clip(allowance - 1, 0, k)
+    else:
+      drafts, count = speculative.propose(
+          history, history_len, allowance, num_tokens=k, min_ngram=speculation.min_ngram,
+          max_ngram=speculation.max_ngram)
     start = _rows(kv.lengths, rows)
     # The newest token's slot as a decode step reserves it (its kernel copies a shared
     # last page), then the drafts' without the XLA path's branches (each a round trip to
@@ -421,6 +431,10 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
     kv, draft_slots, ok = pool_lib.reserve(kv, jnp.where(active, rows, -1), count,
                                            max_new_tokens=k, branch_free=True)
     count = jnp.where(ok, count, 0)
+    if drafted:
+      drafts, kv = speculative.draft_tokens(
+          model.draft, kv, tokens, jnp.concatenate([newest, draft_slots], axis=1), start,
+          jnp.where(active, count, 0), _rows(kv.page_table, rows))
     lora = {} if adapters is None else dict(adapters=adapters)
     hidden, kv = model.prefill_hidden(jnp.concatenate([tokens[:, None], drafts], axis=1),
                                       kv, jnp.concatenate([newest, draft_slots], axis=1),
@@ -476,9 +490,10 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
       out_logprobs = jax.tree.map(
           lambda all_, x: put(all_, (out_row, rows[:, None]),
                               x.reshape(b, k + 1, *x.shape[1:])), out_logprobs, lp)
-    history = put(history, (rows[:, None], jnp.where(taken, history_len[:, None] + at[None, :],
-                                                     history.shape[1])), draws)
-    history_len += new
+    if not drafted:
+      history = put(history, (rows[:, None], jnp.where(
+          taken, history_len[:, None] + at[None, :], history.shape[1])), draws)
+      history_len += new
     tokens = jnp.where(new > 0, draws[rows, last], tokens)
     index += new
     budget -= new
@@ -784,7 +799,8 @@ class JittedSteps:
                          **a)
 
     def speculate(leaves, kv, packed, guides=None, *, layout: Layout, max_steps: int,
-                  speculation: speculative.NgramSpeculation, greedy: bool,
+                  speculation: speculative.NgramSpeculation | speculative.DraftSpeculation,
+                  greedy: bool,
                   filter_by: str | None, logprobs: bool = False, top_logprobs: int = 0):
       """Packed: `speculative_loop`'s num_steps and per-row arguments, by name, as
       `loop`'s."""
@@ -1008,22 +1024,29 @@ class ModelRunner:
   """
 
   def __init__(self, model: PagedModel, mesh: Mesh | None = None,
-               speculation: speculative.NgramSpeculation | None = None,
+               speculation: speculative.NgramSpeculation | speculative.DraftSpeculation
+               | None = None,
                lora: tuple[int, int] | None = None):
     if not isinstance(model, PagedModel):
       raise TypeError(f"{type(model).__name__} does not meet jax_paged.PagedModel: it needs "
                       "a `spec` and `prefill` / `decode` forwards over the pool")
-    self.spec: ModelSpec = model.spec
-    # Whether prefills can give prompt log-probabilities (`Request.prompt_logprobs`).
-    self.scores_prompts = offers_prompt_logprobs(model)
-    if speculation is not None and not isinstance(speculation,
-                                                  speculative.NgramSpeculation):
-      raise TypeError(f"speculation must be a NgramSpeculation or None, got "
-                      f"{type(speculation).__name__}")
-    if speculation is not None and not self.scores_prompts:
+    if speculation is not None and not isinstance(
+        speculation, (speculative.NgramSpeculation, speculative.DraftSpeculation)):
+      raise TypeError(f"speculation must be a NgramSpeculation, a DraftSpeculation or "
+                      f"None, got {type(speculation).__name__}")
+    if speculation is not None and not offers_prompt_logprobs(model):
       raise ValueError(f"speculation needs the model's logits at every new position: "
                        f"{type(model).__name__} lacks PagedModel's optional "
                        "`prefill_hidden` and `logits`")
+    if isinstance(speculation, speculative.DraftSpeculation):
+      if lora is not None:
+        raise ValueError("draft-model speculation does not run with LoRA adapters; use "
+                         "prompt lookup (NgramSpeculation) or neither")
+      # One pool and one forward for both models (`speculative.DraftedModel`).
+      model = speculative.DraftedModel(model, speculation.model)
+    self.spec: ModelSpec = model.spec
+    # Whether prefills can give prompt log-probabilities (`Request.prompt_logprobs`).
+    self.scores_prompts = offers_prompt_logprobs(model)
     # Decode calls run speculative rounds (`speculative_loop`) with it.
     self.speculation = speculation
     self.mesh = mesh
@@ -1155,11 +1178,11 @@ class ModelRunner:
     return dict(adapters=adapters[:width])
 
   def history_arrays(self, rows: Sequence, max_steps: int) -> dict[str, np.ndarray]:
-    """With `speculation`, the drafts' source for a decode call of rows (scheduler
+    """With prompt lookup, the drafts' source for a decode call of rows (scheduler
     `RunningRequest`s, None for an empty row): history int32 [B, window + max_steps], each
     row's last `lookup_window` context tokens (at most the model's context) from column
     0, and history_len int32 [B]; {} without."""
-    if self.speculation is None:
+    if not isinstance(self.speculation, speculative.NgramSpeculation):
       return {}
     window = min(self.speculation.lookup_window, self.spec.max_positions)
     history = np.zeros((len(rows), window + max_steps), np.int32)
