@@ -367,3 +367,28 @@ def test_draft_speculation_is_validated(model):
                         ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle'")]:
     with pytest.raises(ValueError, match=match):
       speculative.from_config(config, lambda path: model)
+
+
+@pytest.mark.gpu
+def test_draft_model_on_gpu_kernels():
+  """f32 on a GPU at head dim 64 (the Triton decode / prefill kernels reading the draft's
+  layers after the target's), with prefix caching and chunked prefill: a Llama
+  draft's rounds (greedy and sampled requests) and the target-as-draft's (greedy) give
+  plain decoding's tokens, and the target as its own draft keeps nearly every draft."""
+  from models import llama
+
+  def make(layers, hidden, seed):
+    return llama.LlamaForCausalLM(llama.LlamaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=None, initializer_range=0.3), rngs=nnx.Rngs(seed))
+
+  target = make(3, 256, 0)
+  mixed = _mixed_requests(np.random.default_rng(6), 10)
+  greedy = [Request(r.prompt, r.max_new_tokens) for r in mixed]  # (sampled draws reject)
+  for draft, requests in ((make(1, 128, 1), mixed), (target, greedy)):
+    (plain, _), (drafted, eng) = _plain_and_drafted(target, draft, requests)
+    assert all([e.token for e in drafted[k]] == [e.token for e in plain[k]] for k in plain)
+    assert eng.report.cached_prompt_tokens > 0
+    if draft is target:
+      assert eng.report.accepted_tokens >= 0.95 * eng.report.draft_tokens > 0
