@@ -8,17 +8,17 @@ RoPE reorder missing from one of them). Tolerance as test_llama's: 1e-4 on the l
 """
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 import transformers
 
 import jax_paged
 from models import cohere
-from tests.test_llama import (_COMMON, _hf_generate, _prompts, assert_bf16_tracks_hf,
+from tests.test_llama import (_COMMON, assert_bf16_tracks_hf,
                               assert_generate_and_engines_give_hfs_tokens,
                               assert_installed_cli_gives_hfs_tokens,
-                              assert_kernels_give_references_and_hfs_tokens, assert_logits_track_hf,
+                              assert_kernels_give_references_and_hfs_tokens,
+                              assert_logits_track_hf, assert_lora_adapters_match_peft,
                               randomised)
 
 # Command R+'s block: GQA 4 q heads over 2 kv heads of 16, per-head q / k norms, with
@@ -98,22 +98,9 @@ def test_lora_adapters_match_peft(tmp_path):
   """PEFT adapters on q / k / v / o_proj and the MLP: the served model's greedy tokens are
   those of the adapter merged into HF's weights (q_proj's and k_proj's B columns placed
   where the RoPE reorder put their rows)."""
-  peft = pytest.importorskip("peft")
-  base = tmp_path / "base"
-  _hf_model().save_pretrained(base)
-  torch.manual_seed(1)
-  tuned = peft.get_peft_model(_hf_model(), peft.LoraConfig(
-      r=4, lora_alpha=8, init_lora_weights=False,
-      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                      "down_proj"]))
-  tuned.save_pretrained(tmp_path / "adapter")
-  merged = tuned.merge_and_unload().eval()
-  engine = jax_paged.Engine(cohere.from_pretrained(base), max_batch=4, num_pages=32,
-                            page_size=8, max_loras=1, max_lora_rank=4)
-  engine.add_lora("a", str(tmp_path / "adapter"))
-  prompts = _prompts(np.random.default_rng(3), [5, 11])
-  outputs, _ = engine.generate([jax_paged.Request(p, 8, lora="a") for p in prompts])
-  assert outputs == [_hf_generate(merged, p, 8) for p in prompts]
+  assert_lora_adapters_match_peft(_hf_model, cohere.from_pretrained,
+                                  ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                   "down_proj"], tmp_path)
 
 
 def test_config_reads_hf_and_its_defaults(saved):

@@ -596,6 +596,26 @@ def test_from_pretrained_bf16(saved):
   assert_bf16_tracks_hf(hf, llama.from_pretrained(path, dtype=jnp.bfloat16))
 
 
+def assert_lora_adapters_match_peft(make_hf, load, target_modules, tmp_path) -> None:
+  """Random rank-4 PEFT adapters on `target_modules` of `make_hf()`'s model (PEFT's module
+  names): an engine serving them over `load(its base directory)` gives the greedy tokens
+  of the adapter merged into HF's weights."""
+  peft = pytest.importorskip("peft")
+  base = tmp_path / "base"
+  make_hf().save_pretrained(base)
+  torch.manual_seed(1)
+  tuned = peft.get_peft_model(make_hf(), peft.LoraConfig(
+      r=4, lora_alpha=8, init_lora_weights=False, target_modules=list(target_modules)))
+  tuned.save_pretrained(tmp_path / "adapter")
+  merged = tuned.merge_and_unload().eval()
+  engine = jax_paged.Engine(load(base), max_batch=4, num_pages=32, page_size=8, max_loras=1,
+                            max_lora_rank=4)
+  engine.add_lora("a", str(tmp_path / "adapter"))
+  prompts = _prompts(np.random.default_rng(3), [5, 11])
+  outputs, _ = engine.generate([jax_paged.Request(p, 8, lora="a") for p in prompts])
+  assert outputs == [_hf_generate(merged, p, 8) for p in prompts]
+
+
 def assert_bf16_tracks_hf(hf, half, f32_params: tuple[str, ...] = ()) -> None:
   """`half`, loaded in bf16 (but for the parameters named by `f32_params`, kept in f32 as
   HF keeps them), against HF's f32 logits of a prompt: within bf16's error."""
