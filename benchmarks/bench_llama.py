@@ -18,7 +18,15 @@ or StableLM 2 1.6B's (`models.stablelm`: 24 layers, hidden 2048, 32 heads of 64,
 16 features of each, LayerNorms, q / k / v biases, SwiGLU 5632, vocabulary 100352) or
 Command R7B's (`models.cohere`, Cohere2: 32 layers, hidden 4096, 32 q heads over 8 kv heads
 of 128, the parallel block, three 4096-token windowed RoPE layers per full NoPE one,
-SwiGLU 14336, vocabulary 256000, tied and scaled logits).
+SwiGLU 14336, vocabulary 256000, tied and scaled logits) or GPT-J-6B's (`models.gptj`: 28
+layers, hidden 4096, 16 heads of 256, interleaved RoPE on 64 features of each, the
+parallel block, tanh GELU 16384, a biased head over 50400 tokens; a 2048-token context:
+pass `--context 1536`) or Minitron-4B's (`models.nemotron`: 32 layers, hidden 3072, 24 q
+heads over 8 kv heads of 128, RoPE on half of each, 1P LayerNorms, relu^2 9216, vocabulary
+256000) or Falcon-7B's (`models.falcon`: 32 layers, hidden 4544, 71 q heads over one kv
+head of 64, one LayerNorm for the parallel branches, exact GELU 18176, vocabulary 65024,
+tied; a 2048-token context: pass `--context 1536`). (The last three not yet run on a
+GPU.)
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -52,7 +60,8 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import cohere, gemma, gpt_neox, llama, phi, stablelm, starcoder2
+from models import (cohere, falcon, gemma, gpt_neox, gptj, llama, nemotron, phi, stablelm,
+                    starcoder2)
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -111,6 +120,22 @@ SHAPES = {
         max_position_embeddings=8192, sliding_window=4096, rope_theta=50000.0,
         layer_norm_eps=1e-5, logit_scale=0.25, tie_word_embeddings=True, bos_token_id=5,
         eos_token_id=255001, pad_token_id=0)),
+    "gpt-j-6b": (gptj.GPTJConfig, gptj.GPTJForCausalLM, dict(
+        model_type="gptj", vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64,
+        n_positions=2048, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256)),
+    "minitron-4b": (nemotron.NemotronConfig, nemotron.NemotronForCausalLM, dict(
+        model_type="nemotron", vocab_size=256000, hidden_size=3072, intermediate_size=9216,
+        num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=4096, partial_rotary_factor=0.5, rope_theta=10000.0,
+        hidden_act="relu2", norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=2,
+        eos_token_id=3)),
+    "falcon-7b": (falcon.FalconConfig, falcon.FalconForCausalLM, dict(
+        model_type="falcon", vocab_size=65024, hidden_size=4544, num_hidden_layers=32,
+        num_attention_heads=71, multi_query=True, new_decoder_architecture=False,
+        parallel_attn=True, bias=False, layer_norm_epsilon=1e-5, rope_theta=10000.0,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=11,
+        eos_token_id=11)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE
