@@ -23,7 +23,6 @@ and adapters) with:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar
 
 import jax
@@ -33,7 +32,6 @@ import numpy as np
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged.kernels import validation
-from jax_paged.paged_model import ModelFamily
 from models import llama
 from models import stablelm
 
@@ -167,26 +165,6 @@ def hf_sources(path: tuple[str, ...], config: CohereConfig
   return names, assemble
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> CohereForCausalLM:
-  """Loads a Hugging Face Cohere or Cohere2 checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(CohereConfig, CohereForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, CohereConfig.from_dict, functools.partial(
-      CohereForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="cohere",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("cohere", MODEL_TYPES, from_pretrained)

@@ -23,7 +23,6 @@ from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 

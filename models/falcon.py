@@ -24,17 +24,14 @@ ALiBi (alibi: Falcon-RW) is refused by name.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import gpt_neox
 from models import llama
@@ -220,26 +217,6 @@ def hf_sources(path: tuple[str, ...], config: FalconConfig
                                        else llama.whole)
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> FalconForCausalLM:
-  """Loads a Hugging Face Falcon checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(FalconConfig, FalconForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, FalconConfig.from_dict, functools.partial(
-      FalconForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="falcon",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("falcon", MODEL_TYPES, from_pretrained)

@@ -19,15 +19,12 @@ Gemma 2 and 3 (soft caps, post-norms, sliding layers) are `models.gemma2` / `mod
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, ClassVar, Mapping
 
 import jax
-import jax.numpy as jnp
 
 from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import llama
 
@@ -91,26 +88,6 @@ class GemmaForCausalLM(llama.LlamaForCausalLM):
   parallel splits."""
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> GemmaForCausalLM:
-  """Loads a Hugging Face Gemma checkpoint directory (`models.llama`'s `load_pretrained`:
-  its files, errors and eos ids).
+from_pretrained = llama.loader(GemmaConfig, GemmaForCausalLM)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, GemmaConfig.from_dict, functools.partial(
-      GemmaForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="gemma",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("gemma", MODEL_TYPES, from_pretrained)

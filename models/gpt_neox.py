@@ -29,13 +29,11 @@ import functools
 from typing import Any, Callable, ClassVar, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import llama
 
@@ -195,28 +193,6 @@ def hf_sources(path: tuple[str, ...], config: GPTNeoXConfig
   return [f"{name}.{param}"], llama.whole
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> GPTNeoXForCausalLM:
-  """Loads a Hugging Face GPT-NeoX checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(GPTNeoXConfig, GPTNeoXForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(
-      path, GPTNeoXConfig.from_dict,
-      functools.partial(GPTNeoXForCausalLM, dtype=dtype, param_dtype=param_dtype,
-                        decode_impl=decode_impl),
-      sources=hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="gpt_neox",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("gpt_neox", MODEL_TYPES, from_pretrained)

@@ -17,16 +17,12 @@ head; Llama's attention, loader, engine and adapters) with:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import lora
-from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import llama
 from models import phi
 
@@ -149,26 +145,6 @@ def hf_sources(path: tuple[str, ...], config: GPTJConfig
   return [name], llama.linear_rows if path[-1] == "kernel" else llama.whole
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> GPTJForCausalLM:
-  """Loads a Hugging Face GPT-J checkpoint directory (`models.llama`'s `load_pretrained`:
-  its files, errors and eos ids).
+from_pretrained = llama.loader(GPTJConfig, GPTJForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, GPTJConfig.from_dict, functools.partial(
-      GPTJForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="gptj",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("gptj", MODEL_TYPES, from_pretrained)

@@ -31,7 +31,6 @@ MLPs' projections are).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, ClassVar
 
 import jax
@@ -42,7 +41,6 @@ from flax import nnx
 from jax_paged import nn as paged_nn
 from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
-from jax_paged.paged_model import ModelFamily
 from models import llama
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
@@ -305,26 +303,6 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig,
   return names, lambda parts: jnp.stack([p.T for p in parts])
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> MoeForCausalLM:
-  """Loads a Hugging Face Mixtral or Qwen3-MoE checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(MoeConfig, MoeForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, MoeConfig.from_dict, functools.partial(
-      MoeForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="moe",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("moe", MODEL_TYPES, from_pretrained)

@@ -17,7 +17,6 @@ Minitron 4B / 8B, Nemotron-Mini-4B, Nemotron-4 15B / 340B) is Llama's model
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar, Mapping
 
 import jax
@@ -25,7 +24,6 @@ import jax.numpy as jnp
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import llama
 
 MODEL_TYPES = ("nemotron",)
@@ -119,26 +117,6 @@ def hf_sources(path: tuple[str, ...], config: NemotronConfig
   return names, _plus_one if path[-1] == "scale" else assemble
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> NemotronForCausalLM:
-  """Loads a Hugging Face Nemotron checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(NemotronConfig, NemotronForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, NemotronConfig.from_dict, functools.partial(
-      NemotronForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="nemotron",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("nemotron", MODEL_TYPES, from_pretrained)

@@ -23,12 +23,10 @@ import functools
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
-from jax_paged.paged_model import ModelFamily
 from models import llama
 
 MODEL_TYPES = ("olmo2",)
@@ -115,26 +113,6 @@ class Olmo2ForCausalLM(llama.LlamaForCausalLM):
   decoder_layer = DecoderLayer
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> Olmo2ForCausalLM:
-  """Loads a Hugging Face OLMo 2 checkpoint directory (`models.llama`'s `load_pretrained`:
-  its files, errors and eos ids).
+from_pretrained = llama.loader(Olmo2Config, Olmo2ForCausalLM)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, Olmo2Config.from_dict, functools.partial(
-      Olmo2ForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="olmo2",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("olmo2", MODEL_TYPES, from_pretrained)

@@ -17,7 +17,6 @@ q / k LayerNorms (qk_layernorm) are refused by name: no released Phi checkpoint 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar, Mapping
 
 import jax
@@ -27,7 +26,6 @@ from flax import nnx
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import llama
 
@@ -158,26 +156,6 @@ def hf_sources(path: tuple[str, ...], config: PhiConfig
   return llama.hf_sources(path, config)
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> PhiForCausalLM:
-  """Loads a Hugging Face Phi checkpoint directory (`models.llama`'s `load_pretrained`:
-  its files, errors and eos ids).
+from_pretrained = llama.loader(PhiConfig, PhiForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, PhiConfig.from_dict, functools.partial(
-      PhiForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="phi",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("phi", MODEL_TYPES, from_pretrained)

@@ -29,7 +29,6 @@ from flax import nnx
 
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
-from jax_paged.paged_model import ModelFamily
 from models import llama
 from models import phi
 
@@ -146,26 +145,6 @@ def hf_sources(path: tuple[str, ...], config: StableLmConfig
   return llama.hf_sources(path, config)
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> StableLmForCausalLM:
-  """Loads a Hugging Face StableLM checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(StableLmConfig, StableLmForCausalLM, hf_sources)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, StableLmConfig.from_dict, functools.partial(
-      StableLmForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources, max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="stablelm",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("stablelm", MODEL_TYPES, from_pretrained)

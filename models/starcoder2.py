@@ -18,14 +18,11 @@ loader, engine and adapters) with:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import llama
 
@@ -88,26 +85,6 @@ class Starcoder2ForCausalLM(llama.LlamaForCausalLM):
   `Starcoder2Config` (its LayerNorms and plain MLP; its Args)."""
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto",
-                    max_model_len: int | None = None) -> Starcoder2ForCausalLM:
-  """Loads a Hugging Face StarCoder2 checkpoint directory (`models.llama`'s
-  `load_pretrained`: its files, errors and eos ids).
+from_pretrained = llama.loader(Starcoder2Config, Starcoder2ForCausalLM)
 
-  Args:
-    path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
-  """
-  return llama.load_pretrained(path, Starcoder2Config.from_dict, functools.partial(
-      Starcoder2ForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      max_model_len=max_model_len)
-
-
-FAMILY = ModelFamily(
-    name="starcoder2",
-    model_types=MODEL_TYPES,
-    from_pretrained=lambda path, dtype, **options: from_pretrained(path, dtype=dtype, **options),
-    presets={},
-    max_model_len=True,
-)
+FAMILY = llama.family("starcoder2", MODEL_TYPES, from_pretrained)
