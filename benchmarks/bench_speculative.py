@@ -171,9 +171,9 @@ def draft_main(args) -> None:
   shapes = (QWEN3_8B, QWEN3_0_6B)
   if args.tiny:
     shapes = tuple(dict(c, vocab_size=512, hidden_size=c["hidden_size"] // 16,
-                        intermediate_size=64, num_hidden_layers=2, head_dim=16)
+                        intermediate_size=64, num_hidden_layers=1, head_dim=16)
                    for c in shapes)
-    dtype, args.batches, args.runs, args.prompt, args.new = jnp.float32, [1, 4], 1, 32, 24
+    dtype, args.batches, args.runs, args.prompt, args.new = jnp.float32, [2], 1, 16, 12
   target, draft = (llama.LlamaForCausalLM(llama.LlamaConfig.from_dict(c), dtype=dtype,
                                           rngs=nnx.Rngs(seed))
                    for seed, c in enumerate(shapes))

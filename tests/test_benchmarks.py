@@ -119,6 +119,17 @@ def test_speculative_benchmarks_copy_workload_quotes_each_prompt():
   assert guide.done[state]
 
 
+def test_speculative_draft_benchmark_tiny(monkeypatch, capsys):
+  """bench_speculative --draft on a tiny target and draft: its row, and the projected
+  gain's tokens per round (1 + a + ... + a^k)."""
+  from benchmarks import bench_speculative
+  assert bench_speculative.kept_per_round(0.5, 2) == 1.75
+  monkeypatch.setattr(sys, "argv", ["bench_speculative.py", "--tiny", "--draft"])
+  bench_speculative.main()
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+  assert len(rows) == 1 and rows[0].count("|") == 9
+
+
 def test_lora_benchmark_tiny(monkeypatch, capsys):
   from benchmarks import bench_lora
   monkeypatch.setattr(sys, "argv", ["bench_lora.py", "--tiny", "--adapters", "2", "--rank",
