@@ -130,13 +130,10 @@ def _speculative_config(text: str) -> NgramSpeculation | dict:
   """Prompt lookup's settings, validated here; a draft model's config (one naming a
   "model") as its dict, loaded beside the model (`load_model`)."""
   try:
-    config = json.loads(text)
-  except json.JSONDecodeError:
-    config = None  # (from_config names the error)
-  try:
-    if isinstance(config, dict) and speculative.is_draft_config(config):
+    config = speculative.config_dict(text)
+    if speculative.config_method(config) == "draft_model":
       return config
-    return speculative.from_config(text)
+    return speculative.from_config(config)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
 

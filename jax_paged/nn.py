@@ -625,8 +625,9 @@ class PagedAttention(nnx.Module):
       None (`head_norm` None); with `qk_norm_all_heads`, norms of all of q's heads
       together ([num_heads * head_dim]) and of all of k's ([num_kv_heads * head_dim]):
       OLMo's. A model may set its own modules of [..., heads, head_dim] instead
-      (`HeadLayerNorm`: a weight per head, StableLM's). (A norm across heads cannot run on a tensor parallel device's heads alone:
-      `jax_paged.tensor_parallel` refuses such a layer.)
+      (`HeadLayerNorm`: a weight per head, StableLM's). (A norm across heads cannot run
+      on a tensor parallel device's heads alone: `jax_paged.tensor_parallel` refuses such
+      a layer.)
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
     logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the

@@ -7,7 +7,7 @@ head; Llama's attention, loader, engine and adapters) with:
 
 * RoPE on the first rotary_dim features of each head (GPT-J-6B's 64 of 256) over
   interleaved pairs (x0, x1), (x2, x3), ...: q_proj's and k_proj's rows (and LoRA
-  columns) are reordered per head at load into rotate-half order (`rope_rows`), which
+  columns) are reordered per head at load into rotate-half order (`llama.deinterleave`), which
   leaves q . k unchanged;
 * no biases on q / k / v or out_proj, biases on fc_in, fc_out and the LM head;
 * GPT-J's config names (n_embd, n_layer, n_head, n_inner, rotary_dim, ...) and HF's
@@ -80,15 +80,6 @@ class GPTJConfig(phi.PhiConfig):
     return llama.LlamaConfig.from_dict.__func__(cls, config)
 
 
-def rope_rows(rows: int, head_dim: int, rotary_dim: int) -> np.ndarray:
-  """The order of q_proj's (or k_proj's) `rows` rows turning the interleaved RoPE pairs of
-  each head's first rotary_dim features into rotate-half order (the rest as they are)."""
-  block = np.arange(head_dim)
-  block[:rotary_dim] = np.concatenate([np.arange(0, rotary_dim, 2),
-                                       np.arange(1, rotary_dim, 2)])
-  return (np.arange(0, rows, head_dim)[:, None] + block).reshape(-1)
-
-
 class GPTJForCausalLM(phi.PhiForCausalLM):
   """GPT-J with a biased LM head, attending through a `KVPool`: `phi.PhiForCausalLM`'s
   blocks, forwards, pool and tensor parallel splits (its Args)."""
@@ -99,7 +90,7 @@ class GPTJForCausalLM(phi.PhiForCausalLM):
     rows, v_proj there as it is, out_proj, fc_in and fc_out whole."""
     c = self.config
     width = c.num_attention_heads * c.head_dim
-    rows = rope_rows(width, c.head_dim, c.rotary_dim)
+    rows = llama.deinterleave(width, c.rotary_dim, c.head_dim, first=True)
     targets = {}
     for i, layer in enumerate(self.layers):
       attn, mlp = layer.self_attn, layer.mlp
@@ -137,8 +128,8 @@ def hf_sources(path: tuple[str, ...], config: GPTJConfig
   module = ".".join(module)
   prefix = f"transformer.h.{layer}."
   if module == "self_attn.qkv":  # (no bias)
-    rows = rope_rows(config.num_attention_heads * config.head_dim, config.head_dim,
-                     config.rotary_dim)
+    rows = llama.deinterleave(config.num_attention_heads * config.head_dim,
+                              config.rotary_dim, config.head_dim, first=True)
     return ([f"{prefix}attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj")],
             lambda parts: llama.linear_rows([parts[0][rows], parts[1][rows], parts[2]]))
   name = f"{prefix}{_NAMES[module]}.{param}"

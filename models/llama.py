@@ -881,14 +881,16 @@ def whole(parts: list[jax.Array]) -> jax.Array:
   return part
 
 
-def deinterleave(rows: int, rotated: int, period: int) -> np.ndarray:
-  """The row order turning each block of `period` rows whose last `rotated` are
-  interleaved pairs (x0, x1, x2, x3, ...) into rotate-half order (x0, x2, ..., x1, x3,
-  ...); `rows` is a multiple of `period`. (RoPE over interleaved pairs, GPT-J's, is
-  rotate-half RoPE over the rows so reordered, q's and k's alike: their dot products are
-  unchanged.)"""
+def deinterleave(rows: int, rotated: int, period: int, *, first: bool = False
+                 ) -> np.ndarray:
+  """The row order turning each block of `period` rows whose last `rotated` (with
+  `first`, first `rotated`: GPT-J's) are interleaved pairs (x0, x1, x2, x3, ...) into
+  rotate-half order (x0, x2, ..., x1, x3, ...); `rows` is a multiple of `period`. (RoPE
+  over interleaved pairs is rotate-half RoPE over the rows so reordered, q's and k's
+  alike: their dot products are unchanged.)"""
+  at = 0 if first else period - rotated
   block = np.arange(period)
-  block[period - rotated:] = period - rotated + np.concatenate(
+  block[at:at + rotated] = at + np.concatenate(
       [np.arange(0, rotated, 2), np.arange(1, rotated, 2)])
   return (np.arange(0, rows, period)[:, None] + block).reshape(-1)
 

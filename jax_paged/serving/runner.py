@@ -431,15 +431,15 @@ def speculative_loop(model: PagedModel, kv: pool_lib.KVPool, num_steps, tokens, 
     kv, draft_slots, ok = pool_lib.reserve(kv, jnp.where(active, rows, -1), count,
                                            max_new_tokens=k, branch_free=True)
     count = jnp.where(ok, count, 0)
+    slots = jnp.concatenate([newest, draft_slots], axis=1)
+    page_table = _rows(kv.page_table, rows)
     if drafted:
-      drafts, kv = speculative.draft_tokens(
-          model.draft, kv, tokens, jnp.concatenate([newest, draft_slots], axis=1), start,
-          jnp.where(active, count, 0), _rows(kv.page_table, rows))
+      drafts, kv = speculative.draft_tokens(model.draft, kv, tokens, slots, start,
+                                            jnp.where(active, count, 0), page_table)
     lora = {} if adapters is None else dict(adapters=adapters)
     hidden, kv = model.prefill_hidden(jnp.concatenate([tokens[:, None], drafts], axis=1),
-                                      kv, jnp.concatenate([newest, draft_slots], axis=1),
-                                      count + 1, start=start,
-                                      page_table=_rows(kv.page_table, rows), **lora)
+                                      kv, slots, count + 1, start=start,
+                                      page_table=page_table, **lora)
     logits = model.logits(hidden)  # [B, k + 1, V]
     # The draw at each position, after the drafts before it.
     states = [state] * (k + 1)

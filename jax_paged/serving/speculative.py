@@ -71,11 +71,9 @@ class NgramSpeculation:
   lookup_window: int = LOOKUP_WINDOW
 
   def __post_init__(self):
-    for name in ("num_tokens", "min_ngram", "max_ngram", "lookup_window"):
+    check_num_tokens(self.num_tokens)
+    for name in ("min_ngram", "max_ngram", "lookup_window"):
       check_positive_int(name, getattr(self, name))
-    if self.num_tokens > MAX_SPECULATIVE_TOKENS:
-      raise ValueError(f"num_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got "
-                       f"{self.num_tokens}")
     if self.min_ngram > self.max_ngram:
       raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram "
                        f"({self.max_ngram})")
@@ -89,7 +87,7 @@ class NgramSpeculation:
     num_speculative_tokens (required), prompt_lookup_max (default 4), prompt_lookup_min
     (default 2, or prompt_lookup_max when that is smaller). Raises ValueError naming what
     is wrong."""
-    config = _config_dict(config)
+    config = config_dict(config)
     known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     if set(config) - known:
       raise ValueError(f"speculative config: unknown keys {sorted(set(config) - known)} "
@@ -112,7 +110,15 @@ class NgramSpeculation:
       raise ValueError(f"speculative config: {message}") from None
 
 
-def _config_dict(config: str | dict[str, Any]) -> dict[str, Any]:
+def check_num_tokens(num_tokens: Any) -> None:
+  """ValueError unless num_tokens (drafts per round) is an int in [1,
+  MAX_SPECULATIVE_TOKENS]."""
+  check_positive_int("num_tokens", num_tokens)
+  if num_tokens > MAX_SPECULATIVE_TOKENS:
+    raise ValueError(f"num_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {num_tokens}")
+
+
+def config_dict(config: str | dict[str, Any]) -> dict[str, Any]:
   """A speculative config's dict (given as one, or as its JSON); ValueError otherwise."""
   if isinstance(config, str):
     try:
@@ -140,15 +146,8 @@ class DraftSpeculation:
   model: Any = dataclasses.field(compare=False, repr=False)
   num_tokens: int = 4
 
-  @staticmethod
-  def check_num_tokens(num_tokens: Any) -> None:
-    """ValueError unless num_tokens is an int in [1, MAX_SPECULATIVE_TOKENS]."""
-    check_positive_int("num_tokens", num_tokens)
-    if num_tokens > MAX_SPECULATIVE_TOKENS:
-      raise ValueError(f"num_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {num_tokens}")
-
   def __post_init__(self):
-    self.check_num_tokens(self.num_tokens)
+    check_num_tokens(self.num_tokens)
     if not isinstance(self.model, PagedModel) or not offers_prompt_logprobs(self.model):
       raise TypeError(f"a draft model must be a jax_paged.PagedModel with `prefill_hidden` "
                       f"and `logits`, got {type(self.model).__name__}")
@@ -157,10 +156,10 @@ class DraftSpeculation:
                       "`pool_layer_offset` (see jax_paged.PagedModel)")
 
 
-def is_draft_config(config: dict[str, Any]) -> bool:
-  """Whether a speculative config (a dict) asks for a draft model: method "draft_model",
-  or none with a "model"."""
-  return config.get("method", "draft_model" if "model" in config else "ngram") == "draft_model"
+def config_method(config: dict[str, Any]) -> str:
+  """A speculative config's (a dict's) method: its own, else "draft_model" where it
+  names a "model", else "ngram"."""
+  return config.get("method", "draft_model" if "model" in config else "ngram")
 
 
 def from_config(config: str | dict[str, Any],
@@ -170,11 +169,11 @@ def from_config(config: str | dict[str, Any],
   (`NgramSpeculation.from_config`), or "draft_model" (the default where the config
   names a "model"): model, a checkpoint directory that `load_model` loads, and
   num_speculative_tokens (required). Raises ValueError naming what is wrong."""
-  config = _config_dict(config)
-  if not is_draft_config(config):
-    if config.get("method", "ngram") == "ngram":
-      return NgramSpeculation.from_config(config)
-    method = config["method"]
+  config = config_dict(config)
+  method = config_method(config)
+  if method == "ngram":
+    return NgramSpeculation.from_config(config)
+  if method != "draft_model":
     raise ValueError(f"speculative config: method {method!r} is not supported (\"ngram\": "
                      "prompt lookup, or \"draft_model\" with a \"model\")")
   known = {"method", "model", "num_speculative_tokens"}
@@ -191,7 +190,7 @@ def from_config(config: str | dict[str, Any],
     raise ValueError("speculative config: a draft model's checkpoint needs a load_model")
   tokens = config["num_speculative_tokens"]
   try:  # (before loading a checkpoint)
-    DraftSpeculation.check_num_tokens(tokens)
+    check_num_tokens(tokens)
   except ValueError as e:
     raise ValueError(f"speculative config: {e}".replace("num_tokens",
                                                         "num_speculative_tokens")) from None
