@@ -45,6 +45,8 @@ SHAPES = {
     "gemma-b64-l2k": (64, 8, 1, 256, 2048, 16, False),
     "gemma-b256-l2k": (256, 8, 1, 256, 2048, 16, False),
     "gemma2-b64-l2k": (64, 8, 4, 256, 2048, 16, False),
+    # Falcon-7B's heads: 71 q heads over one kv head of 64 (multi-query).
+    "falcon-b64-l2k": (64, 71, 1, 64, 2048, 16, False),
     "gpt2-b64-l1k-ragged": (64, 12, 12, 64, 1024, 16, True),
     "gqa-b32-l4k-ragged": (32, 32, 8, 128, 4096, 16, True),
 }
@@ -92,15 +94,11 @@ def kv_bytes(k, lengths):
   return 2 * int(np.sum(np.asarray(lengths))) * hkv * kv_quant.bytes_per_head_token(d, k.dtype)
 
 
-def ours_configs(group, sweep):
+def ours_configs(sweep):
   if not sweep:
     return [dict()]
-  if group == 1:
-    grid = [dict(block_n=n, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-  else:
-    grid = [dict(block_n=n, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+  grid = [dict(block_n=n, num_warps=w, num_stages=s)
+          for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
   return [dict()] + grid
 
 
@@ -142,7 +140,7 @@ def bench_shape(name, cache_dtype, opts, log, ceiling):
   expected = reference.paged_decode_attention(
       q, k, v, table, lengths, k_scales=k_scales, v_scales=v_scales).astype(jnp.float32)
   label = f"{name} {cache_dtype.name}"
-  for cfg in ours_configs(h // hkv, opts.sweep):
+  for cfg in ours_configs(opts.sweep):
     for splits in split_options(b, hkv, length, opts.sweep and not cfg):
       kw = dict(cfg, num_splits=splits)
       fn = attention(**kw)

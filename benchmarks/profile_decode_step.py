@@ -1,5 +1,5 @@
-"""Where a decode step's GPU time goes (GPT-2 124M, the Llama-3.2-1B shape of bench_llama,
-the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B,
+"""Where a decode step's GPU time goes (GPT-2 124M, any `bench_llama --shape` of every
+family, the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B,
 Qwen3-30B-A3B and DeepSeek-V2-Lite shapes; bf16 or int8 weights): a per-kernel breakdown
 from a profiler trace.
 
@@ -12,8 +12,8 @@ in launch order with their mean durations over the layers (its GEMMs apart, wher
 by-name table sums every "linear").
 
     PYTHONPATH=. python benchmarks/profile_decode_step.py
-        [--model gpt2 | llama-3.2-1b | llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b |
-                 deepseek-v2-lite]
+        [--model gpt2 | llama-3.2-1b | falcon-7b | ... (bench_llama's shapes) |
+                 llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b | deepseek-v2-lite]
         [--layers N] [--quantization int8] [--kv-cache-dtype auto|int8|fp8] [--batch 128]
         [--context 512] [--steps 32]
         [--top 40] [--layer]
@@ -46,15 +46,19 @@ from models import gpt2
 from models import llama
 from models import moe
 
-LLAMAS = {"llama-3.2-1b": bench_llama.LLAMA_3_2_1B,
-          "llama-3.1-8b": bench_tensor_parallel.LLAMA_3_1_8B,
-          "mixtral-8x7b": bench_moe.MIXTRAL_8X7B, "qwen3-30b-a3b": bench_moe.QWEN3_30B_A3B,
-          "deepseek-v2-lite": bench_moe.DEEPSEEK_V2_LITE}
+# name: (config, model class); bench_llama's shapes (every family) by their names.
+MODELS = {name: (config_cls.from_dict(fields), model_cls)
+          for name, (config_cls, model_cls, fields) in bench_llama.SHAPES.items()}
+MODELS.update({
+    "llama-3.1-8b": (bench_tensor_parallel.LLAMA_3_1_8B, llama.LlamaForCausalLM),
+    "mixtral-8x7b": (bench_moe.MIXTRAL_8X7B, moe.MoeForCausalLM),
+    "qwen3-30b-a3b": (bench_moe.QWEN3_30B_A3B, moe.MoeForCausalLM),
+    "deepseek-v2-lite": (bench_moe.DEEPSEEK_V2_LITE, deepseek.DeepseekForCausalLM)})
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model", choices=("gpt2", *LLAMAS), default="gpt2",
+  parser.add_argument("--model", choices=("gpt2", *MODELS), default="gpt2",
                       help="random bf16 weights of this shape")
   parser.add_argument("--layers", type=int,
                       help="this many decoder layers instead of the model's (a Llama or MoE "
@@ -81,12 +85,9 @@ def main():
   if args.model == "gpt2":
     model = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   else:
-    config = LLAMAS[args.model]
+    config, model_class = MODELS[args.model]
     if args.layers is not None:
       config = dataclasses.replace(config, num_hidden_layers=args.layers)
-    model_class = (deepseek.DeepseekForCausalLM if isinstance(config, deepseek.DeepseekConfig)
-                   else moe.MoeForCausalLM if isinstance(config, moe.MoeConfig)
-                   else llama.LlamaForCausalLM)
     model = model_class(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   if args.quantization == "int8":
     weight_quant.quantize_weights(model)

@@ -250,6 +250,7 @@ _GPU_GRID = [
     (16, 4, 80, 64, jnp.float32),
     (8, 8, 96, 128, jnp.float32),
     (64, 4, 128, 16, jnp.bfloat16),
+    (71, 1, 64, 16, jnp.bfloat16),  # Falcon-7B's: a group of 71 padded to 128 rows
 ]
 
 
