@@ -561,13 +561,20 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   validation.check_positive_int("splits", splits)
   tiles, _ = _partials_tiles(rows, depth, cols, x.dtype.itemsize, int8_transposed)
   block_k = tiles.block_k
-  # A step no deeper than a split, and even splits where a step of at least 64 allows
-  # them (768 / 4 = 192: 3 steps of 64); past that the last split is shorter. Shallower
-  # steps were slow: Falcon-7B's attention out (4544 = 4 x 1136 = 4 x 71 x 16) in 16-deep
-  # steps took 35.8 µs at 64 rows, 4x its bytes, in 64-deep ones 18.8 (H200).
+  # A step no deeper than a split, and even splits (768 / 4 = 192: 3 steps of 64), but
+  # below 64 deep only where rounding splits up to whole steps would lose one; else the
+  # last split is shorter. Shallow steps were slow: Falcon-7B's attention out (4544 = 4 x
+  # 1136 = 4 x 71 x 16) in 16-deep steps took 35.8 µs at 64 rows, 4x its bytes, in
+  # 64-deep ones 18.8 (H200).
   per_split = depth // splits
-  while block_k > 16 and (block_k > per_split or
-                          (block_k > _MIN_EVEN_BLOCK_K and per_split % block_k)):
+  def shrink(block_k: int) -> bool:
+    if block_k > per_split:
+      return True
+    if per_split % block_k == 0:
+      return False
+    kept = pl.cdiv(depth, pl.cdiv(per_split, block_k) * block_k) == splits
+    return block_k > _MIN_EVEN_BLOCK_K or not kept
+  while block_k > 16 and shrink(block_k):
     block_k //= 2
   k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
   mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
