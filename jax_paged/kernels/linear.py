@@ -95,7 +95,8 @@ _ROW_BLOCK = 64
 _INT8_BLOCK_K, _INT8_WIDE_BLOCK_K = 256, 128
 _INT8_FEW_ROWS = 16
 _INT8_PARTIALS_UNITS = 8
-# `linear_partials` shrinks its K step toward even splits down to this depth, no further.
+# `linear_partials` shrinks its K step toward even splits down to this depth, and below it
+# only where rounding the splits up to whole steps would lose one.
 _MIN_EVEN_BLOCK_K = 64
 # Shared memory for the pipelined x and kernel tiles: an H100 / H200 SM has 227 KB, and
 # Triton buffers num_stages - 1 copies of each (f32 at 128 rows, 128-deep K, 4 stages asked
@@ -567,16 +568,18 @@ def linear_partials(x: jax.Array, kernel: jax.Array, *, splits: int | None = Non
   # 1136 = 4 x 71 x 16) in 16-deep steps took 35.8 µs at 64 rows, 4x its bytes, in
   # 64-deep ones 18.8 (H200).
   per_split = depth // splits
+  rounded_split = lambda block_k: pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+
   def shrink(block_k: int) -> bool:
     if block_k > per_split:
       return True
     if per_split % block_k == 0:
       return False
-    kept = pl.cdiv(depth, pl.cdiv(per_split, block_k) * block_k) == splits
+    kept = pl.cdiv(depth, rounded_split(block_k)) == splits
     return block_k > _MIN_EVEN_BLOCK_K or not kept
   while block_k > 16 and shrink(block_k):
     block_k //= 2
-  k_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+  k_split = rounded_split(block_k)
   mode = triton_backend.kernel_mode(interpret, supported=takes(x, kernel))
   if mode is None:
     bounds = list(range(0, depth, k_split)) + [depth]
