@@ -83,6 +83,11 @@ class GPT2Config:
   def head_dim(self) -> int:
     return self.n_embd // self.n_head
 
+  @property
+  def num_kv_heads(self) -> int:
+    """K/V heads: one per head (a subclass's own: `models.gpt_bigcode`'s multi-query)."""
+    return self.n_head
+
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "GPT2Config":
     """From a Hugging Face config dict; fields this model does not use are ignored."""
@@ -127,7 +132,8 @@ class Block(nnx.Module):
                              param_dtype=param_dtype)
     self.ln_1 = norm()
     self.attn = paged_nn.PagedAttention(
-        config.n_embd, config.n_head, config.head_dim, scale=scale, decode_impl=decode_impl,
+        config.n_embd, config.n_head, config.head_dim, num_kv_heads=config.num_kv_heads,
+        scale=scale, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
     self.ln_2 = norm()
@@ -183,7 +189,7 @@ class GPT2LMHeadModel(nnx.Module):
   def spec(self) -> ModelSpec:
     """The pool's shape, the vocabulary and the context limit (`jax_paged.PagedModel`)."""
     c = self.config
-    return ModelSpec(num_layers=c.n_layer, num_kv_heads=c.n_head, head_dim=c.head_dim,
+    return ModelSpec(num_layers=c.n_layer, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      vocab_size=c.vocab_size, max_positions=c.n_positions, dtype=self.dtype,
                      eos_token_id=c.eos_token_id)
 

@@ -138,10 +138,10 @@ class GPTNeoXForCausalLM(llama.LlamaForCausalLM):
 
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
-    each block's attention.query_key_value (each of its columns where `_heads_first` put
+    each block's attention.query_key_value (each of its columns where `heads_first` put
     its weight's), attention.dense, mlp.dense_h_to_4h and mlp.dense_4h_to_h (whole)."""
     c = self.config
-    hf_column = _heads_first(c.num_attention_heads, False,
+    hf_column = heads_first(c.num_attention_heads, False,
                              [np.arange(3 * c.num_attention_heads * c.head_dim)])
     columns = tuple(np.argsort(hf_column).tolist())  # HF's column j -> ours
     targets = {}
@@ -160,7 +160,7 @@ _NAMES = {"self_attn.out": "attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h",
           "mlp.c_proj": "mlp.dense_4h_to_h"}
 
 
-def _heads_first(heads: int, kernel: bool, parts: list) -> jax.Array | np.ndarray:
+def heads_first(heads: int, kernel: bool, parts: list) -> jax.Array | np.ndarray:
   """query_key_value's weight [3 H D, hidden] (`kernel`) or bias [3 H D], laid out head by
   head (q, k, v of each), as our fused qkv's kernel [hidden, 3 H D] or bias: q of every
   head, then k, then v."""
@@ -185,7 +185,7 @@ def hf_sources(path: tuple[str, ...], config: GPTNeoXConfig
   prefix = f"gpt_neox.layers.{layer}."
   if module == "self_attn.qkv":
     name = f"{prefix}attention.query_key_value.{'weight' if param == 'kernel' else param}"
-    return [name], functools.partial(_heads_first, config.num_attention_heads,
+    return [name], functools.partial(heads_first, config.num_attention_heads,
                                      param == "kernel")
   name = prefix + _NAMES.get(module, module)
   if param == "kernel":
