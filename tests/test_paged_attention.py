@@ -156,6 +156,14 @@ def test_auto_num_splits(monkeypatch):
   # unsplit, 64 in 4 splits, where head dim 128 splits them in 2 and 8.
   assert [pa.auto_num_splits(b, 1, 2048, 64, head_dim=256) for b in (256, 64)] == [1, 4]
   assert [pa.auto_num_splits(b, 1, 2048, 64) for b in (256, 64)] == [2, 8]
+  # Groups past 32 rows of 128 count their rows: StarCoder's 48 q heads of 128 over one kv
+  # head (64 rows: twice) and Falcon-7B's 71 of 64 (128 rows of 64: twice) split half as
+  # much; 16 rows of 128 as one.
+  assert [pa.auto_num_splits(b, 1, 2048, 64, group=48) for b in (256, 64, 16)] == [1, 4, 8]
+  assert pa.auto_num_splits(16, 1, 8192, 64, group=48) == 16
+  assert [pa.auto_num_splits(b, 1, 2048, 64, head_dim=64, group=71)
+          for b in (256, 64)] == [1, 4]
+  assert [pa.auto_num_splits(b, 1, 2048, 64, group=16) for b in (256, 64)] == [2, 8]
   # Short sequences are never split into less than a few blocks each.
   assert pa.auto_num_splits(1, 1, 128, 32) == 1
   # The latent kernel's settings: splits of one block, for 2 programs per SM (DeepSeek's

@@ -349,7 +349,8 @@ _paged_decode_reference = jax.jit(
 
 def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, *,
                     min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
-                    programs_per_sm: float = _PROGRAMS_PER_SM, head_dim: int = 128) -> int:
+                    programs_per_sm: float = _PROGRAMS_PER_SM, head_dim: int = 128,
+                    group: int = 1) -> int:
   """Splits so that batch x kv heads x splits fills the GPU without tiny splits.
 
   Args:
@@ -363,8 +364,16 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int
       per block and counts as two (H200, 2026-12-01, 8 q heads over 1 or 4 kv heads of
       256, context 2k: 256 programs unsplit 86% of the read ceiling, in 2 splits 73-74%;
       64 programs best in 4 splits, 58% vs 51% in 8).
+    group: q heads per kv head. A program computes its padded group's rows (`block_g`)
+      against each token: past 32 rows of 128 features (block_g x head_dim > 4096) it
+      counts as block_g x head_dim / 4096 programs, and a split's float32 partials grow
+      with it. H200, 2026-12-02, kernel µs by splits, batch 64 / 256, one kv head, context
+      2k: 48 q heads of 128 (StarCoder's) best in 4 / 1 splits (29.5 / 76.8 vs 35.6 / 87.8
+      in 8 / 2), 71 of 64 (Falcon-7B's; context 1k at 256) in 4 / 1 (22.2 / 38.7 vs 28.2 /
+      46.8); 16 of 128 equal in 4 or 8 (25.5 / 25.8).
   """
-  weight = max(1.0, head_dim / 128)
+  block_g = max(16, pl.next_power_of_2(group))
+  weight = max(1.0, head_dim / 128, block_g * head_dim / 4096)
   programs = batch * num_kv_heads
   if programs * weight >= _UNSPLIT_PROGRAMS_PER_SM * triton_backend.sm_count():
     return 1
@@ -461,7 +470,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     max_tokens = min(max_tokens, sliding_window + page_size)
   if num_splits is None:
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N,
-                                 head_dim=head_dim)
+                                 head_dim=head_dim, group=num_heads // num_kv_heads)
   quantized = k_scales is not None
   default_n, default_warps, default_stages = default_config(
       batch * num_kv_heads * num_splits, num_heads // num_kv_heads, head_dim,
