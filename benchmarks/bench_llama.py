@@ -25,8 +25,10 @@ pass `--context 1536`) or Minitron-4B's (`models.nemotron`: 32 layers, hidden 30
 heads over 8 kv heads of 128, RoPE on half of each, 1P LayerNorms, relu^2 9216, vocabulary
 256000) or Falcon-7B's (`models.falcon`: 32 layers, hidden 4544, 71 q heads over one kv
 head of 64, one LayerNorm for the parallel branches, exact GELU 18176, vocabulary 65024,
-tied; a 2048-token context: pass `--context 1536`). (The last three not yet run on a
-GPU.)
+tied; a 2048-token context: pass `--context 1536`) or StarCoderBase-1B's / StarCoder-15B's
+(`models.gpt_bigcode`: 24 / 40 layers, hidden 2048 / 6144, 16 / 48 q heads over one kv
+head of 128 (multi-query), learned positions, tanh GELU 8192 / 24576, vocabulary 49152,
+tied).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -60,8 +62,8 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import (cohere, falcon, gemma, gpt_neox, gptj, llama, nemotron, phi, stablelm,
-                    starcoder2)
+from models import (cohere, falcon, gemma, gpt_bigcode, gpt_neox, gptj, llama, nemotron, phi,
+                    stablelm, starcoder2)
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -136,14 +138,24 @@ SHAPES = {
         parallel_attn=True, bias=False, layer_norm_epsilon=1e-5, rope_theta=10000.0,
         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=11,
         eos_token_id=11)),
+    "starcoderbase-1b": (gpt_bigcode.GPTBigCodeConfig, gpt_bigcode.GPTBigCodeForCausalLM, dict(
+        model_type="gpt_bigcode", vocab_size=49152, n_positions=8192, n_embd=2048, n_layer=24,
+        n_head=16, n_inner=8192, multi_query=True, activation_function="gelu_pytorch_tanh",
+        layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)),
+    "starcoder-15b": (gpt_bigcode.GPTBigCodeConfig, gpt_bigcode.GPTBigCodeForCausalLM, dict(
+        model_type="gpt_bigcode", vocab_size=49152, n_positions=8192, n_embd=6144, n_layer=40,
+        n_head=48, n_inner=24576, multi_query=True, activation_function="gelu_pytorch_tanh",
+        layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE
 
 
-def decode_steps(model: llama.LlamaForCausalLM, ceiling: float, batches: list[int],
-                 context: int, iters: int) -> None:
-  config = model.config
+def decode_steps(model: llama.LlamaForCausalLM, num_heads: int, ceiling: float,
+                 batches: list[int], context: int, iters: int) -> None:
+  """The decode step table of `model` (its pool's shape from `model.spec`; `num_heads`
+  q heads)."""
+  spec = model.spec
   runner = runner_lib.ModelRunner(model)
   weight_bytes = sum(x.nbytes for x in runner.leaves)
   print(f"\nDecode step: every sequence at context {context}, {iters} greedy steps per "
@@ -156,12 +168,12 @@ def decode_steps(model: llama.LlamaForCausalLM, ceiling: float, batches: list[in
     make_pool = functools.partial(bench_decode_step.filled_pool, model, batch, context,
                                   batch * pages_per_seq, pages_per_seq, seed=batch)
     step, kv = bench_decode_step.time_device_loop(runner, make_pool, batch, iters)
-    attention = bench_decode_step.time_attention(kv, config.num_hidden_layers, iters,
-                                                 num_heads=config.num_attention_heads)
+    attention = bench_decode_step.time_attention(kv, spec.num_layers, iters,
+                                                 num_heads=num_heads)
     del kv
     live = context + 0.5 * iters  # the mean context of a call's steps
-    kv_bytes = (2 * batch * live * config.num_hidden_layers * config.num_key_value_heads
-                * config.head_dim * jnp.dtype(jnp.bfloat16).itemsize)
+    kv_bytes = (2 * batch * live * spec.num_layers * spec.num_kv_heads * spec.head_dim
+                * jnp.dtype(jnp.bfloat16).itemsize)
     floor = (weight_bytes + kv_bytes) / (ceiling * 1e9)
     attention_pct = kv_bytes / attention / (ceiling * 1e9)
     print(f"| {batch} | {(weight_bytes + kv_bytes) / 1e6:,.0f} | {floor * 1e6:,.0f} | "
@@ -174,9 +186,9 @@ def hf_model(fields: dict):
   the GPU."""
   import torch
   import transformers
-  with torch.device("cuda"):
+  with torch.device("cuda"):  # (made in bf16: made in f32 first, a 15B model needs 62 GB)
     return transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**fields)).to(torch.bfloat16).eval()
+        transformers.AutoConfig.for_model(**fields), dtype=torch.bfloat16).eval()
 
 
 def end_to_end(model: llama.LlamaForCausalLM, hf_fields: dict, batch: int, prompt: int,
@@ -229,11 +241,14 @@ def main():
 
   print(f"# bench_llama --shape {args.shape}: {common.header()}")
   config_cls, model_cls, fields = SHAPES[args.shape]
-  model = model_cls(config_cls.from_dict(fields), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  config = config_cls.from_dict(fields)
+  model = model_cls(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   if not args.skip_decode_step:
     ceiling = common.read_ceiling_gbs(kernel=True)
     print(f"read ceiling (jnp.sum over 4 GiB bf16, kernel time): {ceiling:.0f} GB/s")
-    decode_steps(model, ceiling, args.batches, args.context, args.iters)
+    # (GPT-BigCode's config names it as GPT-2's does.)
+    num_heads = getattr(config, "num_attention_heads", None) or config.n_head
+    decode_steps(model, num_heads, ceiling, args.batches, args.context, args.iters)
   if not args.skip_e2e:
     end_to_end(model, fields, 128, 512, 256, args.steps_per_call, args.skip_hf)
 
