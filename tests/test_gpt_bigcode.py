@@ -17,7 +17,8 @@ from tests.test_llama import (_COMMON, assert_bf16_tracks_hf,
                               assert_generate_and_engines_give_hfs_tokens,
                               assert_installed_cli_gives_hfs_tokens,
                               assert_kernels_give_references_and_hfs_tokens,
-                              assert_logits_track_hf, assert_lora_adapters_match_peft)
+                              assert_logits_track_hf, assert_lora_adapters_match_peft,
+                              randomised)
 
 # 4 heads of 16 over one K/V head (multi_query, HF's default), tanh GELU, MLP 96 wide.
 CONFIG = dict(vocab_size=_COMMON["vocab_size"], n_positions=64, n_embd=64, n_layer=2,
@@ -28,15 +29,8 @@ SHARDS = dict(max_shard_size="40KB")
 
 def _hf_model(**overrides):
   torch.manual_seed(0)
-  hf = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
-      **{**CONFIG, **overrides}))
-  with torch.no_grad():  # (HF's zero biases and unit LayerNorms would hide a misplaced one)
-    for name, p in hf.named_parameters():
-      if name.endswith("bias"):
-        p.normal_(0.0, 0.5)
-      elif ".ln_" in name:
-        p.uniform_(0.5, 1.5)
-  return hf.eval()
+  return randomised(transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+      **{**CONFIG, **overrides})), norm=".ln_")
 
 
 @pytest.fixture(scope="module", params=["mqa", "mha"])

@@ -92,14 +92,14 @@ def _hf_model(name: str, seed: int = 0, **overrides):
   return randomised(cls(config_cls(**{**_COMMON, **kwargs, **overrides})))
 
 
-def randomised(hf):
-  """`hf` in eval mode with random biases and norm weights (HF's zeros and ones would hide
-  a bias or norm applied wrongly or not at all)."""
+def randomised(hf, norm: str = "norm"):
+  """`hf` in eval mode with random biases and norm weights (those whose names hold `norm`;
+  HF's zeros and ones would hide a bias or norm applied wrongly or not at all)."""
   with torch.no_grad():
     for pname, p in hf.named_parameters():
       if pname.endswith("bias"):
         p.normal_(0.0, 0.5)
-      elif "norm" in pname:
+      elif norm in pname:
         p.uniform_(0.5, 1.5)
   return hf.eval()
 
