@@ -68,12 +68,12 @@ def test_linear_partials_sum_to_product(rows, depth, cols, splits, want_splits):
 
 def test_whole_k_tiles_widen_the_grid_at_a_long_k():
   """GPT-2's K (768) keeps 64-column programs of 8 warps; a long K (2048) takes 32 columns
-  (qkv-wide outputs) or 128 columns of 64-deep steps (>= 8192 columns), 4 warps, narrowed
+  (qkv-wide outputs) or 64 columns of 64-deep steps (>= 8192 columns), 4 warps, narrowed
   to whole divisors of the sections, or the columns a caller fixes."""
   assert linear.whole_k_tiles(128, 768, 2304, 2, (768,) * 3) == (64, 64, 128, 8)
   assert linear.whole_k_tiles(64, 2048, 3072, 2, (2048, 512, 512)) == (64, 32, 128, 4)
-  assert linear.whole_k_tiles(64, 2048, 16384, 2, (8192, 8192)) == (64, 128, 64, 4)
-  assert linear.whole_k_tiles(64, 2048, 16384, 2, (8192, 64)) == (64, 64, 128, 4)
+  assert linear.whole_k_tiles(64, 2048, 16384, 2, (8192, 8192)) == (64, 64, 64, 4)
+  assert linear.whole_k_tiles(64, 2048, 16384, 2, (8192, 8160, 32)) == (64, 32, 128, 4)
   assert linear.whole_k_tiles(256, 2048, 16384, 2, block_n=64) == (64, 64, 128, 4)
 
 

@@ -70,14 +70,17 @@ _BLOCK_N, _NARROW_BLOCK_N = 64, 32
 # A long K (Llama-3.2-1B's 2048 and 8192; LOG.md, "GEMMs / linear", 2026-11-25) makes each
 # whole-K program's serial loop long, so the grid must fill the GPU: 4 warps, and 32-column
 # programs (qkv's 3072 columns at 64 rows: 96 programs rather than 48), or for an output
-# of at least _WIDE_N columns 128-column programs of 64-deep steps (gate/up's 16384: 128
-# programs). `linear_partials` into 2048 columns and more takes 32 columns and 4 work
+# of at least _WIDE_N columns 64-column programs of 64-deep steps (H200, 2026-12-02, 64
+# rows, cold weights, µs at 64 / 128 columns: K x N 2048 x 8192 14.5 / 15.9, 2560 x
+# 10240 19.3 / 20.7, 3072 x 9216 21.5 / 22.8, 2048 x 11264 16.9 / 18.4, 2048 x 16384 20.1
+# / 20.6, 6144 x 24576 74.1 / 75.7; int8 [N, K] kernels keep 128). `linear_partials` into 2048 columns and more takes 32 columns and 4 work
 # units (`_partials_tiles`) where it took 64 and 8: each K split writes an f32 partial the
 # consumer reads back. With both, the Llama decode step on an H200 ran 2325 -> 2200 µs at
 # batch 64 and 6900 -> 6400 at batch 256.
 _LONG_K, _WIDE_N = 2048, 8192
 _LONG_K_NUM_WARPS = 4
-_WIDE_BLOCK_N, _WIDE_BLOCK_K = 128, 64
+_WIDE_BLOCK_N, _WIDE_BLOCK_K = 64, 64
+_INT8_WIDE_BLOCK_N = 128
 # Rows per program (H100, 128 rows, LOG.md "GEMMs / linear"): 64-row blocks
 # made c_fc 0.4 µs faster than one 128-row block, and `linear_partials` splits rows before
 # K, since every K split adds a partial for the consumer to read and a row block does not
@@ -311,12 +314,13 @@ def whole_k_tiles(rows: int, depth: int, cols: int, itemsize: int,
   block_m = _block_m(rows)
   max_k = _BLOCK_K
   if block_n is None:
-    block_n = _BLOCK_N
-    if depth >= _LONG_K or int8_transposed:
-      block_n = _WIDE_BLOCK_N if cols >= _WIDE_N else _NARROW_BLOCK_N
+    long_k = depth >= _LONG_K or int8_transposed
+    wide_n = _INT8_WIDE_BLOCK_N if int8_transposed else _WIDE_BLOCK_N
+    wide = long_k and cols >= _WIDE_N
+    block_n = wide_n if wide else _NARROW_BLOCK_N if long_k else _BLOCK_N
     while block_n > _NARROW_BLOCK_N and any(w % block_n for w in sections):
       block_n //= 2
-    if block_n == _WIDE_BLOCK_N:
+    if wide and block_n == wide_n:
       max_k = (_INT8_WIDE_BLOCK_K if int8_transposed and block_m <= _INT8_FEW_ROWS
                else _WIDE_BLOCK_K)
     elif int8_transposed and block_n == _NARROW_BLOCK_N:
@@ -517,7 +521,7 @@ def _partials_tiles(rows: int, depth: int, cols: int, itemsize: int,
     if block_m <= _INT8_FEW_ROWS:
       block_n, units, max_k = 2 * _NARROW_BLOCK_N, 4, _INT8_BLOCK_K
     else:
-      block_n, units, max_k = _WIDE_BLOCK_N, _INT8_PARTIALS_UNITS, _WIDE_BLOCK_K
+      block_n, units, max_k = _INT8_WIDE_BLOCK_N, _INT8_PARTIALS_UNITS, _WIDE_BLOCK_K
   elif 1024 < depth and cols < _LONG_K:
     block_n, units = 2 * _NARROW_BLOCK_N, 8
   else:
