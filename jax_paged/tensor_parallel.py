@@ -2,9 +2,12 @@
 
 A model is split over a 1-D mesh axis (`AXIS`, "tp") of N devices:
 
-* attention: each device holds H / N query heads and Hkv / N kv heads. The fused q/k/v
-  projection is column-parallel and the output projection row-parallel: its partial
-  products are summed over the devices (one all-reduce, `nn.project_add` and friends);
+* attention: each device holds H / N query heads and Hkv / N kv heads, or where Hkv < N
+  (MQA, few-kv-head GQA; N a multiple of Hkv) a copy of the one kv head its q heads
+  read: each kv head replicated N / Hkv times (vLLM's; `pool_kv_heads`), its K / V
+  projection columns copied at shard time. The fused q/k/v projection is
+  column-parallel and the output projection row-parallel: its partial products are
+  summed over the devices (one all-reduce, `nn.project_add` and friends);
 * the pool's K/V [L, Hkv, P, page, D] is split on the kv-head axis (`P(None, "tp")`):
   every device holds its heads' pages of every layer. The page table, lengths, free
   stack and reference counts are replicated: one scheduler and one bookkeeping on the
@@ -123,13 +126,52 @@ def pool_shardings(mesh: Mesh, quantized: bool = False) -> pool_lib.KVPool:
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_specs(quantized))
 
 
-def check_kv_heads(num_kv_heads: int, n: int) -> None:
-  """Raises ValueError unless the kv heads split evenly over n devices."""
-  if num_kv_heads % n:
+def pool_kv_heads(num_kv_heads: int, n: int) -> int:
+  """The kv heads of the pool of a model of `num_kv_heads` split over n devices: its own
+  (a multiple of n: each device holds num_kv_heads / n), or with fewer than n, each
+  replicated n / num_kv_heads times (vLLM's), so that each device holds the one kv head
+  its q heads read (`shard_model` copies its K / V projection columns).
+
+  Raises:
+    ValueError: neither count divides the other.
+  """
+  if num_kv_heads % n and n % num_kv_heads:
     raise ValueError(
         f"tensor parallel {n} splits the kv heads over {n} devices, but the model has "
-        f"num_kv_heads={num_kv_heads}, not a multiple of {n} (kv heads are not "
-        f"replicated): use a tensor parallel size dividing {num_kv_heads}")
+        f"num_kv_heads={num_kv_heads}: neither a multiple of {n} nor a divisor of it "
+        f"(to replicate); use a tensor parallel size dividing {num_kv_heads} or a "
+        f"multiple of it")
+  return max(num_kv_heads, n)
+
+
+def _take_columns(linear: nnx.Module, order: np.ndarray) -> None:
+  """Makes `linear`'s output columns its columns `order` (a gather: columns may repeat),
+  with its bias, int8 scales and LoRA B."""
+  kernel = linear.kernel[...]
+  transposed = getattr(linear, "transposed", False)
+  linear.kernel.value = jnp.take(kernel, order, axis=kernel.ndim - (2 if transposed else 1))
+  for name in ("bias", "kernel_scale", "lora_b"):
+    value = getattr(linear, name, None)
+    if value is not None:
+      value.value = value[...][..., order]
+  linear.out_features = int(order.size)
+
+
+def _replicate_kv_heads(node: paged_nn.PagedAttention, n: int) -> np.ndarray:
+  """Gives an attention layer of fewer kv heads than n devices n kv heads, each of its
+  own repeated n / num_kv_heads times in turn (device i's q heads, the i-th 1 / n, read
+  the i-th copy: their own kv head's), by copying its K and V projection columns (and
+  a per-head k norm's weights). Returns the qkv columns' order (what a later write of
+  them, a LoRA adapter's B, must apply)."""
+  h, hkv, d = node.num_heads, node.num_kv_heads, node.head_dim
+  copies = np.repeat(np.arange(hkv), n // hkv)  # the kv head of each new head
+  k_cols = (copies[:, None] * d + np.arange(d)).reshape(-1)
+  order = np.concatenate([np.arange(h * d), h * d + k_cols, (h + hkv) * d + k_cols])
+  _take_columns(node.qkv, order)
+  if isinstance(node.k_norm, paged_nn.HeadLayerNorm):
+    node.k_norm.scale.value = node.k_norm.scale[...][copies]
+  node.num_kv_heads = n
+  return order
 
 
 def _column_order(width: int, sections: Sequence[int], n: int) -> np.ndarray:
@@ -210,15 +252,19 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
   # reuse the Variables): reordered and relabelled below, the caller's model untouched.
   graphdef, state = nnx.split(model)
   local = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+  replicated = {}  # qkv linear id -> its columns' order after replicating its kv heads
+  for path, node in nnx.iter_graph(local):
+    if isinstance(node, paged_nn.PagedAttention):
+      if node.num_heads % n:
+        raise ValueError(f"tensor parallel {n}: attention {'/'.join(map(str, path))} has "
+                         f"num_heads={node.num_heads}, not a multiple of {n}")
+      if pool_kv_heads(node.num_kv_heads, n) > node.num_kv_heads:
+        replicated[id(node.qkv)] = _replicate_kv_heads(node, n)
   splits = attention_splits(local) + list(local.tensor_parallel_splits())
   head_norms = []
   for path, node in nnx.iter_graph(local):
     if isinstance(node, paged_nn.PagedAttention):
       where = "/".join(map(str, path))
-      if node.num_heads % n:
-        raise ValueError(f"tensor parallel {n}: attention {where} has num_heads="
-                         f"{node.num_heads}, not a multiple of {n}")
-      check_kv_heads(node.num_kv_heads, n)
       if n > 1 and node.qk_norm_all_heads:
         raise ValueError(f"tensor parallel {n}: attention {where} normalises q and k over "
                          "all heads together (OLMo's q/k norms), which a device holding "
@@ -249,7 +295,9 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
         raise ValueError(f"tensor parallel {n}: {where} has column sections {sections} "
                          f"(of {width} columns); each must be a multiple of {n}")
       if n > 1 and len(sections) > 1:
-        order = orders[path] = _column_order(width, sections, n)
+        order = _column_order(width, sections, n)
+        # (A write of the original columns gathers through the replication too.)
+        orders[path] = replicated.get(id(linear), np.arange(width))[order]
         linear.kernel[...] = jnp.take(kernel, order, axis=col_axis)
         if getattr(linear, "bias", None) is not None:
           linear.bias[...] = linear.bias[...][order]
@@ -284,8 +332,10 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
 
 def create_pool(spec, mesh: Mesh, **kwargs) -> pool_lib.KVPool:
   """An empty pool for a model spec (`ModelSpec.create_pool` arguments), created in
-  place on the mesh: each device allocates only its kv heads' pages."""
-  check_kv_heads(spec.num_kv_heads, mesh_size(mesh))
+  place on the mesh: each device allocates only its kv heads' pages (of
+  `pool_kv_heads`: replicated where the model has fewer kv heads than devices)."""
+  spec = dataclasses.replace(spec, num_kv_heads=pool_kv_heads(spec.num_kv_heads,
+                                                              mesh_size(mesh)))
   dtype = kwargs.get("dtype")
   quantized = dtype is not None and kv_quant.is_quantized(dtype)
   return jax.jit(lambda: spec.create_pool(**kwargs),

@@ -113,6 +113,25 @@ def test_lora_adapters_match_one_device(model):
   assert result["int8_2"] == result["int8_1"]  # int8 weights: their scales split too
 
 
+def test_fewer_kv_heads_than_devices_are_replicated():
+  """One kv head (MQA) at TP 2 and 4, two at TP 4: each device holds a copy of the kv head
+  its q heads read (`pool_kv_heads`), and the engine's greedy tokens (MQA's with a LoRA
+  adapter on q / k / v / o and the MLP too) and three forwards' logits are one device's;
+  the pool's copies of a head hold that head's K / V."""
+  result = _run_case("replicated")
+  for name, res in result.items():
+    hkv = res["kv_heads"]
+    for n, got in res["runs"].items():
+      assert got["tokens"] == res["runs"]["1"]["tokens"], (name, n)
+      assert got.get("lora_tokens") == res["runs"]["1"].get("lora_tokens"), (name, n)
+      assert max(got["logit_errors"].values()) < 1e-5, (name, n)
+      assert got["pool_heads"] == max(hkv, int(n)), (name, n)
+      assert got["shard_heads"] == [max(hkv, int(n)) // int(n)] * int(n), (name, n)
+      assert got["copies_error"] < 1e-6, (name, n)
+  # (The adapter changes the tokens: its columns were applied, not dropped.)
+  assert result["hkv1"]["runs"]["1"]["lora_tokens"] != result["hkv1"]["base_tokens"]
+
+
 def test_the_model_is_left_unchanged():
   for model in ("gpt2", "llama"):
     assert _run_case("engine")[model]["model_unchanged"]
@@ -132,7 +151,7 @@ def test_pallas_kernels_per_device_in_interpret_mode():
 
 def test_errors_name_the_numbers():
   errors = _run_case("errors")
-  assert "num_kv_heads=2" in errors["kv_heads"] and "4" in errors["kv_heads"]
+  assert "num_kv_heads=6" in errors["kv_heads"] and "divisor" in errors["kv_heads"]
   assert "num_kv_heads=6" in errors["gpt2_heads"]  # GPT-2: one kv head per head
   assert "(90, 90)" in errors["mlp_width"] and "multiple of 4" in errors["mlp_width"]
   assert "tensor_parallel=8" in errors["devices"] and "4 cpu device" in errors["devices"]
@@ -384,6 +403,56 @@ def case_engine(sizes=(1, 2, 4), head_dim: int | None = None) -> dict:
   return out
 
 
+def case_replicated() -> dict:
+  """Llamas of one kv head (8 q heads) and two: per TP size, the engine's tokens (one kv
+  head's with a LoRA adapter too, and at TP 1 without it), three forwards' logits, and
+  the pool: its heads, each device's, and the largest difference of a head's copy from
+  TP 1's head."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_paged import Request, lora, tensor_parallel
+  from jax_paged.serving.runner import ModelRunner
+  from models import llama
+  out = {}
+  for hkv, sizes in ((1, (1, 2, 4)), (2, (1, 4))):
+    model = llama.LlamaForCausalLM(llama.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=hkv, head_dim=8, attention_bias=True,
+        max_position_embeddings=128, eos_token_id=None), dtype=jnp.float32,
+        rngs=nnx.Rngs(hkv))
+    adapter = lora.LoraAdapter.random(model.lora_targets(), rank=4, seed=1, scale=0.3)
+    rng = np.random.default_rng(0)
+    lora_requests = [Request(rng.integers(0, 256, k).tolist(), 10, lora="a") for k in (5, 11)]
+    res = {"kv_heads": hkv, "runs": {}}
+    ref = None
+    for n in sizes:
+      mesh = None if n == 1 else tensor_parallel.make_mesh(n)
+      run = {"tokens": _engine(model, mesh).generate(_requests())[0]}
+      if hkv == 1:
+        engine = _engine(model, mesh, max_loras=1, max_lora_rank=4)
+        engine.add_lora("a", adapter)
+        run["lora_tokens"] = engine.generate(lora_requests)[0]
+      if n == 1:
+        res["base_tokens"] = _engine(model, mesh).generate(
+            [Request(r.prompt, 10) for r in lora_requests])[0]
+      logits, kv = _forwards(ModelRunner(model, mesh), None)
+      k, v = (np.asarray(jax.device_get(x)) for x in (kv.k_pages, kv.v_pages))
+      if n == 1:
+        ref = logits, k, v
+      copies = np.repeat(np.arange(hkv), k.shape[1] // hkv)
+      run["copies_error"] = float(max(np.abs(k - ref[1][:, copies]).max(),
+                                      np.abs(v - ref[2][:, copies]).max()))
+      run["logit_errors"] = {key: float(np.abs(x - ref[0][key]).max()
+                                        / np.abs(ref[0][key]).max())
+                             for key, x in logits.items()}
+      run["pool_heads"] = int(k.shape[1])
+      run["shard_heads"] = [int(sh.data.shape[1]) for sh in kv.k_pages.addressable_shards]
+      res["runs"][str(n)] = run
+    out[f"hkv{hkv}"] = res
+  return out
+
+
 def case_lora() -> dict:
   """Per model, TP 1 and 2: greedy tokens of requests under two random adapters (every
   adapted module) and none, in one batch; the same with int8 weights (`weight_quant`:
@@ -527,7 +596,8 @@ def case_errors() -> dict:
       return self.inner.decode(*a, **k)
 
   return {
-      "kv_heads": message(lambda: engine(small_llama(num_key_value_heads=2))),
+      "kv_heads": message(lambda: engine(small_llama(num_attention_heads=12,
+                                                     num_key_value_heads=6))),
       "gpt2_heads": message(lambda: engine(tiny_gpt2, tensor_parallel.make_mesh(4))),
       "mlp_width": message(lambda: engine(small_llama(intermediate_size=90))),
       "devices": message(lambda: tensor_parallel.make_mesh(8)),

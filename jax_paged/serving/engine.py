@@ -188,9 +188,11 @@ class Engine:
         "cache_dtype", spec.dtype if cache_dtype is None else cache_dtype)
     kv_quant.check_fp8_device(cache_dtype, "cache_dtype")
     self.cache_dtype = cache_dtype
-    # Each device of a mesh holds 1 / N of the kv heads (checked by the runner) and the
-    # same pages.
-    local_kv_heads = spec.num_kv_heads // (1 if mesh is None else tensor_parallel.mesh_size(mesh))
+    # Each device of a mesh holds 1 / N of the kv heads (of `pool_kv_heads`: replicated
+    # where the model has fewer than N; checked by the runner) and the same pages.
+    local_kv_heads = spec.num_kv_heads if mesh is None else (
+        tensor_parallel.pool_kv_heads(spec.num_kv_heads, tensor_parallel.mesh_size(mesh))
+        // tensor_parallel.mesh_size(mesh))
     if num_pages is None:
       if isinstance(memory_fraction, bool) or not (
           isinstance(memory_fraction, (int, float)) and 0.0 < memory_fraction <= 1.0):

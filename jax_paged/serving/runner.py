@@ -1065,8 +1065,8 @@ class ModelRunner:
         key_paths = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         orders = {}
       else:
-        tensor_parallel.check_kv_heads(self.spec.num_kv_heads,
-                                       tensor_parallel.mesh_size(mesh))
+        tensor_parallel.pool_kv_heads(self.spec.num_kv_heads,
+                                      tensor_parallel.mesh_size(mesh))
         sharded = tensor_parallel.shard_model(model, mesh)
         self.leaves = sharded.leaves
         self.jitted = _jitted_steps(sharded.graphdef, sharded.treedef,
