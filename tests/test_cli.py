@@ -282,7 +282,8 @@ def test_bad_files_are_named(capsys, tmp_path):
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
   assert status == 2 and ("model_type 'bert' is not supported (supported: cohere, cohere2, "
                           "deepseek_v2, deepseek_v3, falcon, gemma, gemma2, gemma3, "
-                          "gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama") in err
+                          "gemma3_text, gpt2, gpt_bigcode, gpt_neox, gptj, granite, granitemoe, "
+                          "llama") in err
 
 
 def test_prompt_ids_clamp_notice_and_truncated_weights(capsys, tmp_path):
