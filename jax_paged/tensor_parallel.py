@@ -60,7 +60,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged import pool as pool_lib
 from jax_paged.kernels import kv_quant
@@ -145,8 +144,9 @@ def pool_kv_heads(num_kv_heads: int, n: int) -> int:
 
 
 def _take_columns(linear: nnx.Module, order: np.ndarray) -> None:
-  """Makes `linear`'s output columns its columns `order` (a gather: columns may repeat),
-  with its bias, int8 scales and LoRA B."""
+  """Makes `linear`'s output columns its columns `order` (a gather: columns may repeat;
+  a permutation reorders them), with its bias, int8 scales and LoRA B. Its kernel is
+  [..., K, N], or stored [..., N, K] (`transposed`)."""
   kernel = linear.kernel[...]
   transposed = getattr(linear, "transposed", False)
   linear.kernel.value = jnp.take(kernel, order, axis=kernel.ndim - (2 if transposed else 1))
@@ -298,13 +298,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
         order = _column_order(width, sections, n)
         # (A write of the original columns gathers through the replication too.)
         orders[path] = replicated.get(id(linear), np.arange(width))[order]
-        linear.kernel[...] = jnp.take(kernel, order, axis=col_axis)
-        if getattr(linear, "bias", None) is not None:
-          linear.bias[...] = linear.bias[...][order]
-        if scaled:
-          linear.kernel_scale[...] = linear.kernel_scale[...][..., order]
-        if lora.attached(linear):
-          linear.lora_b[...] = linear.lora_b[...][:, order]
+        _take_columns(linear, order)
       specs[path + ("kernel",)] = _spec(kernel.ndim, col_axis)
       specs[path + ("bias",)] = P(AXIS)
       if scaled:  # (a row's scales whole)

@@ -73,10 +73,11 @@ _BLOCK_N, _NARROW_BLOCK_N = 64, 32
 # of at least _WIDE_N columns 64-column programs of 64-deep steps (H200, 2026-12-02, 64
 # rows, cold weights, µs at 64 / 128 columns: K x N 2048 x 8192 14.5 / 15.9, 2560 x
 # 10240 19.3 / 20.7, 3072 x 9216 21.5 / 22.8, 2048 x 11264 16.9 / 18.4, 2048 x 16384 20.1
-# / 20.6, 6144 x 24576 74.1 / 75.7; int8 [N, K] kernels keep 128). `linear_partials` into 2048 columns and more takes 32 columns and 4 work
-# units (`_partials_tiles`) where it took 64 and 8: each K split writes an f32 partial the
-# consumer reads back. With both, the Llama decode step on an H200 ran 2325 -> 2200 µs at
-# batch 64 and 6900 -> 6400 at batch 256.
+# / 20.6, 6144 x 24576 74.1 / 75.7; int8 [N, K] kernels keep 128). `linear_partials` into
+# 2048 columns and more takes 32 columns and 4 work units (`_partials_tiles`) where it
+# took 64 and 8: each K split writes an f32 partial the consumer reads back. With both,
+# the Llama decode step on an H200 ran 2325 -> 2200 µs at batch 64 and 6900 -> 6400 at
+# batch 256.
 _LONG_K, _WIDE_N = 2048, 8192
 _LONG_K_NUM_WARPS = 4
 _WIDE_BLOCK_N, _WIDE_BLOCK_K = 64, 64
