@@ -16,9 +16,10 @@ them in; the layer never allocates.
 
 Position information, where a model has it in attention, comes from a `RotaryEmbedding`
 (RoPE: default, "linear" and "llama3" frequencies) applied by the layer to q and k before
-K is cached; a `sliding_window` limits every token to the last W positions, and a
-`logits_soft_cap` C caps the attention logits to C * tanh(logits / C) (Gemma 2's), prompt
-and decode alike.
+K is cached, or from ALiBi (`alibi_slopes`: BLOOM's, MPT's linear biases on the logits,
+each head's slope times the key's distance); a `sliding_window` limits every token to the
+last W positions, and a `logits_soft_cap` C caps the attention logits to C * tanh(logits /
+C) (Gemma 2's), prompt and decode alike.
 
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
@@ -105,6 +106,26 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   # K/V at the next layer, masked but still multiplied) can carry a non-finite value.
   real = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
   return jnp.where(real[:, :, None, None], y, 0).astype(q.dtype)
+
+
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> np.ndarray:
+  """ALiBi's head slopes (Press et al., 2022), float32 [num_heads]: for n heads the
+  geometric sequence 2^(-max_bias / n), 2^(-2 max_bias / n), ... where n is a power of
+  two; otherwise those of the largest power of two below, then every other slope of twice
+  that many (the paper's code, BLOOM's `build_alibi_tensor`, MPT's `gen_slopes` with its
+  alibi_bias_max = max_bias, which all agree)."""
+  if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+    raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+  closest = 1 << (int(num_heads).bit_length() - 1)  # the largest power of two <= num_heads
+  slopes = 2.0 ** (-max_bias / closest * np.arange(1, closest + 1))
+  extra = 2.0 ** (-max_bias / (2 * closest) * np.arange(1, 2 * (num_heads - closest), 2))
+  return np.concatenate([slopes, extra]).astype(np.float32)
+
+
+class Constant(nnx.Variable):
+  """A layer's fixed array (not a trained parameter, never loaded from a checkpoint):
+  `PagedAttention.alibi_slopes`. A Variable rather than a static attribute, so that
+  `jax_paged.tensor_parallel` can give each device its heads' rows."""
 
 
 RopeType = Literal["default", "linear", "llama3", "yarn", "longrope"]
@@ -632,6 +653,9 @@ class PagedAttention(nnx.Module):
       (Mistral's window), at prefill and decode; None = every earlier position.
     logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the
       softmax (Gemma 2's soft-capping), at prefill and decode; None = no cap.
+    alibi_slopes: a `Constant` of float32 [num_heads] (`alibi_slopes(num_heads)`), or
+      None: ALiBi adds head h's slope times (key position - query position) to its
+      logits (after a cap), at prefill and decode.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
       XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
       kernel where it supports the head dim and page size, else the reference).
@@ -642,6 +666,7 @@ class PagedAttention(nnx.Module):
                qkv_bias: bool = True, out_bias: bool = True,
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
                logits_soft_cap: float | None = None,
+               alibi_slopes: Sequence[float] | np.ndarray | None = None,
                head_norm: Callable[[int], RMSNorm] | None = None,
                qk_norm_all_heads: bool = False, decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
@@ -665,6 +690,13 @@ class PagedAttention(nnx.Module):
                                                         optional=True)
     self.logits_soft_cap = validation.check_positive_number("logits_soft_cap",
                                                           logits_soft_cap, optional=True)
+    if alibi_slopes is not None:
+      alibi_slopes = np.asarray(alibi_slopes, np.float32)
+      if alibi_slopes.shape != (num_heads,) or not np.isfinite(alibi_slopes).all():
+        raise ValueError(f"alibi_slopes must be {num_heads} finite numbers (one per head), "
+                         f"got {alibi_slopes}")
+      alibi_slopes = Constant(jnp.asarray(alibi_slopes))
+    self.alibi_slopes = alibi_slopes
     self.decode_impl = decode_impl
     self.qk_norm_all_heads = bool(qk_norm_all_heads)
     if self.qk_norm_all_heads and head_norm is None:
@@ -725,8 +757,8 @@ class PagedAttention(nnx.Module):
       slots: int32 [B, T] from `reserve`; -1 at padding, which is never written.
       lengths: int32 [B], real new tokens per row (the rest is padding).
       start: None for fresh sequences (attention over the new tokens only: cuDNN's flash
-        attention on a GPU; with a soft cap, or on a GPU where cuDNN does not take q, the
-        paged prefill kernel over the pages they were just written to:
+        attention on a GPU; with a soft cap or ALiBi, or on a GPU where cuDNN does not
+        take q, the paged prefill kernel over the pages they were just written to:
         `_prompt_through_pages`); or int32 [B], tokens each sequence already holds in its
         pages, which the new ones (at positions start + t) attend to along with
         themselves, read from the pages.
@@ -758,17 +790,21 @@ class PagedAttention(nnx.Module):
           pool_query(q, kv), kv.k_pages, kv.v_pages, page_table,
           start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
           scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-          sliding_window=self.sliding_window).astype(q.dtype)
+          sliding_window=self.sliding_window, alibi_slopes=self._slopes()).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (projection(self.out, y, adapters=adapters) if project else y), kv
 
+  def _slopes(self) -> jax.Array | None:
+    return None if self.alibi_slopes is None else self.alibi_slopes[...]
+
   def _prompt_through_pages(self, q: jax.Array, kv: pool_lib.KVPool) -> bool:
     """Whether fresh prompts (q [B, T, H, D]) attend through the paged prefill kernel
-    over the pages just written rather than `prompt_attention`: with a soft cap, which
-    neither cuDNN's nor XLA's fused attention applies; and on a GPU where cuDNN does not
-    take q (head dims past 128, f32) but the kernel does, rather than XLA's attention,
-    which writes [B, H, T, T] f32 logits."""
-    return self.logits_soft_cap is not None or (
+    over the pages just written rather than `prompt_attention`: with a soft cap or ALiBi,
+    which neither cuDNN's nor XLA's fused attention applies (XLA's would take ALiBi as a
+    [B, H, T, T] bias); and on a GPU where cuDNN does not take q (head dims past 128,
+    f32) but the kernel does, rather than XLA's attention, which writes [B, H, T, T] f32
+    logits."""
+    return self.logits_soft_cap is not None or self.alibi_slopes is not None or (
         jax.default_backend() == "gpu" and not _cudnn_supports(q)
         and validation.kernel_supports(self.head_dim, kv.page_size))
 
@@ -818,6 +854,6 @@ class PagedAttention(nnx.Module):
     y = attend(pool_query(q, kv), kv.k_pages, kv.v_pages,
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
                scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-               sliding_window=self.sliding_window)
+               sliding_window=self.sliding_window, alibi_slopes=self._slopes())
     y = y.reshape(b, -1).astype(x.dtype)
     return (projection(self.out, y, adapters=adapters) if project else y), kv

@@ -236,7 +236,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
   """Splits a model's parameters over `mesh` (Megatron-style, see the module docstring).
 
   Every `nn.PagedAttention` is split by head (per-head q / k norm weights,
-  `nn.HeadLayerNorm`, with it); the model lists its other linears to split
+  `nn.HeadLayerNorm`, and ALiBi slopes with it); the model lists its other linears to split
   (`tensor_parallel_splits()`, e.g. its MLP's); every other parameter (embeddings,
   norms, the LM head, row-parallel biases) is replicated.
 
@@ -261,7 +261,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
       if pool_kv_heads(node.num_kv_heads, n) > node.num_kv_heads:
         replicated[id(node.qkv)] = _replicate_kv_heads(node, n)
   splits = attention_splits(local) + list(local.tensor_parallel_splits())
-  head_norms = []
+  head_norms, alibi = [], []
   for path, node in nnx.iter_graph(local):
     if isinstance(node, paged_nn.PagedAttention):
       where = "/".join(map(str, path))
@@ -273,10 +273,14 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
       node.num_kv_heads //= n
       head_norms += [m for m in (node.q_norm, node.k_norm)
                      if isinstance(m, paged_nn.HeadLayerNorm)]
+      if node.alibi_slopes is not None:
+        alibi.append(path)
   ids = {id(node): path for path, node in nnx.iter_graph(local)}
   specs, orders = {}, {}
   for norm in head_norms:  # (a weight per head: a device's heads' rows)
     specs[ids[id(norm)] + ("scale",)] = P(AXIS)
+  for path in alibi:  # (a slope per q head: a device's heads')
+    specs[path + ("alibi_slopes",)] = P(AXIS)
   for linear, split in splits:
     path = ids[id(linear)]
     where = "/".join(map(str, path))

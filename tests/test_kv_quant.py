@@ -276,7 +276,8 @@ def _poisoned_past_lengths(kq, vq, ks, vs, table, lengths):
 
 def test_quantized_kernels_lower_for_cuda():
   """Every quantized kernel lowers to Triton for a CUDA GPU (compute capability 9.0),
-  without a GPU: catches operations Pallas-Triton has no lowering for (e.g. `round`)."""
+  without a GPU: catches operations Pallas-Triton has no lowering for (e.g. `round`). The
+  attention kernels with ALiBi's slopes once each."""
   s = jax.ShapeDtypeStruct
   layers, hkv, pages, page_size, d = 2, 4, 16, 16, 64
   for dtype in QDTYPES:
@@ -295,15 +296,17 @@ def test_quantized_kernels_lower_for_cuda():
                             sliding_window=None, num_splits=2, return_lse=False,
                             interpret=False, block_n=32, num_warps=2, num_stages=2),
           (s((8, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
-           s((8,), jnp.int32), s((), jnp.int32), scales, scales))
-         for heads, q_dtype in ((hkv, jnp.bfloat16), (4 * hkv, jnp.float16))
+           s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi))
+         for heads, q_dtype, alibi in ((hkv, jnp.bfloat16, None),
+                                       (4 * hkv, jnp.float16, s((4 * hkv,), jnp.float32)))
     ] + [(functools.partial(pp._paged_prefill_pallas, scale=0.125, logits_soft_cap=None,
                             sliding_window=None,
                             interpret=False, block_q=16, block_n=32, num_warps=4,
                             num_stages=2),
           (s((8, 16, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
-           s((8,), jnp.int32), s((8,), jnp.int32), s((), jnp.int32), scales, scales))
-         for heads, q_dtype in ((hkv, jnp.bfloat16), (4 * hkv, jnp.float16))]
+           s((8,), jnp.int32), s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi))
+         for heads, q_dtype, alibi in ((hkv, jnp.bfloat16, s((hkv,), jnp.float32)),
+                                       (4 * hkv, jnp.float16, None))]
     with triton_backend.cuda_lowering_context():
       for fn, args in calls:
         if fn.func in (pa._paged_decode_pallas, pp._paged_prefill_pallas):

@@ -40,10 +40,14 @@ def make_inputs(batch, num_heads, num_kv_heads, head_dim, page_size, max_pages, 
   return q, k_pages, v_pages, table.astype(jnp.int32), lengths
 
 
-def check_against_reference(args, *, interpret, **kwargs):
+def check_against_reference(args, *, interpret, alibi=False, **kwargs):
+  """The kernel's (out, lse) vs the reference's; `alibi`: with BLOOM's slopes for q's
+  heads. Returns the kernel's out."""
   q, *_, lengths = args
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window")
-                if k in kwargs}
+  if alibi:
+    kwargs["alibi_slopes"] = jnp.asarray(jax_paged.nn.alibi_slopes(q.shape[1]))
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
+                                       "alibi_slopes") if k in kwargs}
   out, lse = jax_paged.paged_decode_attention(*args, return_lse=True, interpret=interpret,
                                               **kwargs)
   ref_out, ref_lse = reference.paged_decode_attention(*args, return_lse=True, **ref_kwargs)
@@ -56,6 +60,7 @@ def check_against_reference(args, *, interpret, **kwargs):
   chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32),
                               **_TOL[q.dtype.type])
   chex.assert_trees_all_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+  return out
 
 
 # (heads, kv heads, head dim, page size, dtype): MHA / GQA / MQA, every head dim, page
@@ -94,6 +99,19 @@ def test_matches_reference_interpret(num_heads, num_kv_heads, head_dim, page_siz
 def test_options_interpret(kwargs, num_heads, num_kv_heads):
   args = make_inputs(3, num_heads, num_kv_heads, 64, 8, 6, jnp.float32, [0, 45, 23])
   check_against_reference(args, interpret=True, block_n=16, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=3),
+                                    dict(sliding_window=13, logits_soft_cap=5.0, num_splits=2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_alibi_interpret(kwargs, num_heads, num_kv_heads):
+  """ALiBi's biases (BLOOM's slopes, the largest 2^-1.3..2^-8) in every split: the
+  reference's output, which they change."""
+  args = make_inputs(3, num_heads, num_kv_heads, 64, 8, 6, jnp.float32, [0, 45, 23])
+  out = check_against_reference(args, interpret=True, block_n=16, alibi=True, **kwargs)
+  plain = reference.paged_decode_attention(
+      *args, **{k: v for k, v in kwargs.items() if k != "num_splits"})
+  assert np.abs(np.asarray(out) - np.asarray(plain))[1:].max() > 1e-2
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=3),
@@ -239,6 +257,9 @@ def test_bad_layer_raises(pool_shape, layer, match):
     (dict(q=jnp.zeros((2, 4, 64), jnp.int8)), "q"),
     (dict(num_splits=0), "num_splits"),
     (dict(block_n=24), "block_n"),
+    (dict(alibi_slopes=jnp.ones((3,))), "alibi_slopes must be float32 of shape"),
+    (dict(alibi_slopes=jnp.ones((4,), jnp.bfloat16)), "alibi_slopes must be float32"),
+    (dict(alibi_slopes=jnp.full((4,), jnp.nan)), "alibi_slopes must be finite"),
 ])
 def test_bad_inputs_raise(change, name):
   kwargs = dict(q=jnp.zeros((2, 4, 64)), k_pages=jnp.zeros((4, 5, 8, 64)),
@@ -265,7 +286,9 @@ _GPU_GRID = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", _GPU_GRID)
 @pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=5), dict(),
-                                    dict(sliding_window=300, logits_soft_cap=20.0)])
+                                    dict(sliding_window=300, logits_soft_cap=20.0),
+                                    dict(alibi=True), dict(alibi=True, num_splits=3,
+                                                           sliding_window=300)])
 def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dtype, kwargs):
   rng = np.random.default_rng(next(_SEED))
   max_pages = 1024 // page_size + 1

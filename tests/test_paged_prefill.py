@@ -26,6 +26,7 @@ _SEED = iter(range(10**6))
 # Jitted (compiled once per shape): run eagerly, each of its ops would compile on its own.
 _reference = jax.jit(reference.paged_prefill_attention,
                      static_argnames=["scale", "logits_soft_cap", "sliding_window"])
+_alibi = lambda num_heads: jnp.asarray(jax_paged.nn.alibi_slopes(num_heads))
 
 
 def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, q_start,
@@ -73,9 +74,12 @@ def check_output(out, want, q_lengths, dtype):
   chex.assert_trees_all_close(out32, np.asarray(want, np.float32), **_TOL[dtype])
 
 
-def check_against_reference(args, *, interpret=True, **kwargs):
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window", "layer")
-                if k in kwargs}
+def check_against_reference(args, *, interpret=True, alibi=False, **kwargs):
+  """The kernel's output vs the reference's (`alibi`: with BLOOM's slopes for q's heads)."""
+  if alibi:
+    kwargs["alibi_slopes"] = _alibi(args[0].shape[2])
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window", "layer",
+                                       "alibi_slopes") if k in kwargs}
   out = jax_paged.paged_prefill_attention(*args, interpret=interpret, **kwargs)
   want = _reference(*args, **ref_kwargs)
   check_output(out, want, args[5], args[0].dtype.type)
@@ -127,6 +131,17 @@ def test_soft_cap_interpret(kwargs):
   assert np.abs(np.asarray(out) - np.asarray(uncapped))[:, :6].max() > 1e-2
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(logits_soft_cap=2.0, sliding_window=9)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_q", [(4, 4, 16), (6, 2, 4)])
+def test_alibi_interpret(kwargs, num_heads, num_kv_heads, block_q):
+  """ALiBi's biases (BLOOM's slopes) in masked and unmasked blocks, after a prefix and
+  not: the reference's output, which they change."""
+  args = make_inputs(20, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 37, 9],
+                     [20, 19, 6])
+  out = check_against_reference(args, block_q=block_q, block_n=16, alibi=True, **kwargs)
+  assert np.abs(np.asarray(out) - np.asarray(_reference(*args, **kwargs))).max() > 1e-2
+
+
 @pytest.mark.parametrize("kwargs", [dict(scale=0.3), dict(block_n=32), dict()])
 def test_knobs_and_defaults_interpret(kwargs):
   args = make_inputs(12, 8, 2, 64, 16, jnp.float32, [0, 30, 64], [12, 12, 1],
@@ -165,19 +180,20 @@ def test_layer_of_pool_interpret():
       check_output(got, want, q_lengths, jnp.float32)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap", [
-    (4, 4, None, None), (8, 2, None, None), (8, 2, 6, None), (8, 2, 6, 1.5)])
-def test_one_token_equals_decode_interpret(num_heads, num_kv_heads, sliding_window, soft_cap):
+@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap,alibi", [
+    (4, 4, None, None, False), (8, 2, None, None, False), (8, 2, 6, None, False),
+    (8, 2, 6, 1.5, False), (8, 2, None, None, True), (4, 4, 6, 1.5, True)])
+def test_one_token_equals_decode_interpret(num_heads, num_kv_heads, sliding_window, soft_cap,
+                                           alibi):
   """T = 1 at position q_start is a decode step over lengths = q_start + 1."""
   q, k_pages, v_pages, table, q_start, q_lengths = make_inputs(
       1, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 7, 8, 30], [1, 1, 1, 1])
+  options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap,
+                 alibi_slopes=_alibi(num_heads) if alibi else None, interpret=True)
   out = jax_paged.paged_prefill_attention(q, k_pages, v_pages, table, q_start, q_lengths,
-                                          sliding_window=sliding_window,
-                                          logits_soft_cap=soft_cap, interpret=True)
+                                          **options)
   decode = jax_paged.paged_decode_attention(q[:, 0], k_pages, v_pages, table, q_start + 1,
-                                            sliding_window=sliding_window,
-                                            logits_soft_cap=soft_cap, interpret=True,
-                                            block_n=16)
+                                            block_n=16, **options)
   chex.assert_trees_all_close(out[:, 0], decode, **_TOL[jnp.float32])
 
 
@@ -193,10 +209,13 @@ def _write_pages(x, table, page_size, num_pages):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(4, 4, jnp.float32),
                                                           (8, 2, jnp.bfloat16)])
-def test_fresh_prompt_equals_dense_causal_attention_interpret(num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize("alibi", [False, True])
+def test_fresh_prompt_equals_dense_causal_attention_interpret(num_heads, num_kv_heads, dtype,
+                                                              alibi):
   """q_start = 0: causal self-attention over the chunk, as jax.nn.dot_product_attention
-  computes it on contiguous K/V; and the same prompt in two chunks (the second attending
-  to the first through the pages) gives the same output."""
+  computes it on contiguous K/V (with ALiBi: its bias slope_h * (j - i), BLOOM's); and the
+  same prompt in two chunks (the second attending to the first through the pages) gives
+  the same output."""
   batch, seq, page_size, num_pages = 2, 24, 8, 9
   rng = np.random.default_rng(next(_SEED))
   q, k, v = (rng.standard_normal((batch, seq, heads, 64)).astype(np.float32)
@@ -205,10 +224,16 @@ def test_fresh_prompt_equals_dense_causal_attention_interpret(num_heads, num_kv_
   k_pages, v_pages = (jnp.asarray(_write_pages(x, table, page_size, num_pages), dtype)
                       for x in (k, v))
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-  want = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True))(q, k, v)
+  slopes, bias = None, None
+  if alibi:
+    slopes = _alibi(num_heads)
+    pos = np.arange(seq)
+    bias = jnp.asarray(slopes[:, None, None] * (pos[None, :] - pos[:, None])[None], dtype)
+  want = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True))(
+      q, k, v, None if bias is None else bias[None])
   fn = functools.partial(jax_paged.paged_prefill_attention, k_pages=k_pages, v_pages=v_pages,
                          page_table=jnp.asarray(table, jnp.int32), interpret=True,
-                         block_n=16)
+                         block_n=16, alibi_slopes=slopes)
   rows = lambda n: jnp.full((batch,), n, jnp.int32)
   check_output(fn(q, q_start=rows(0), q_lengths=rows(seq)), want, rows(seq), dtype)
   split = 12  # mid-page; both chunks of one shape (one interpret compile)
@@ -264,6 +289,7 @@ def _valid_kwargs():
      r"page ids in \[0, num_pages=5\).*got 5 at \[1, 0\]"),
     (dict(sliding_window=0), "sliding_window"),
     (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive finite number"),
+    (dict(alibi_slopes=jnp.ones((3,))), r"alibi_slopes must be float32 of shape \[num_heads=4\]"),
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_q=4), r"block_q x the q heads .* must be >= 16"),
     (dict(block_n=8), "block_n must be >= 16"),
@@ -313,7 +339,8 @@ _GPU_GRID = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", _GPU_GRID)
 @pytest.mark.parametrize("kwargs", [dict(), dict(sliding_window=100),
-                                    dict(logits_soft_cap=2.0, sliding_window=100)])
+                                    dict(logits_soft_cap=2.0, sliding_window=100),
+                                    dict(alibi=True), dict(alibi=True, sliding_window=100)])
 def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dtype, kwargs):
   rng = np.random.default_rng(next(_SEED))
   q_start = rng.integers(0, 700, size=6)

@@ -8,8 +8,11 @@ import pytest
 from jax_paged import reference
 
 
-def numpy_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, soft_cap, window):
-  """One sequence, one head, one position at a time: the definition, in float64."""
+def numpy_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, soft_cap, window,
+                       slopes=None):
+  """One sequence, one head, one position at a time: the definition, in float64 (ALiBi's
+  `slopes` times the keys' absolute positions, as BLOOM adds them: its lse is the
+  relative bias's plus slope * (L - 1))."""
   b, h, d = q.shape
   hkv, _, page_size, _ = k_pages.shape
   out = np.zeros((b, h, d))
@@ -26,6 +29,8 @@ def numpy_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, soft_cap
       logits = scale * ks.astype(np.float64) @ q[i, head].astype(np.float64)
       if soft_cap is not None:
         logits = soft_cap * np.tanh(logits / soft_cap)
+      if slopes is not None:
+        logits = logits + slopes[head] * np.asarray(positions, np.float64)
       m = logits.max()
       w = np.exp(logits - m)
       lse[i, head] = m + np.log(w.sum())
@@ -63,6 +68,28 @@ def test_paged_decode_matches_numpy(h, hkv, soft_cap, window):
   np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
   assert np.all(lse[0] == -np.inf) and np.all(np.asarray(out[0]) == 0)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("soft_cap,window", [(None, None), (3.0, 20)])
+def test_paged_decode_alibi_matches_numpy(h, hkv, soft_cap, window):
+  rng = np.random.default_rng([h, hkv, 7])
+  lengths = [0, 1, 8, 13, 40]
+  q, k, v, table, lens = random_paged_inputs(rng, len(lengths), h, hkv, 16, 8, 5, 32,
+                                             lengths)
+  slopes = rng.uniform(0.01, 1.0, h).astype(np.float32)
+  out, lse = reference.paged_decode_attention(
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), jnp.asarray(lens),
+      scale=0.3, logits_soft_cap=soft_cap, sliding_window=window,
+      alibi_slopes=jnp.asarray(slopes), return_lse=True)
+  want_out, want_lse = numpy_paged_decode(q, k, v, table, lens, 0.3, soft_cap, window,
+                                          slopes)
+  want_lse -= slopes[None, :] * (lens[:, None] - 1)
+  plain = numpy_paged_decode(q, k, v, table, lens, 0.3, soft_cap, window)[0]
+  assert np.abs(want_out - plain)[2:].max() > 1e-2  # the biases matter here
+  chex.assert_tree_all_finite(out)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_decode_default_scale_and_dtype():

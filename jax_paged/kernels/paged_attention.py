@@ -142,21 +142,23 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
                    sliding_window: int | None, num_kv_heads: int, num_pages: int,
                    max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
-                   block_n: int, num_splits: int, quantized: bool, interpret: bool):
+                   block_n: int, num_splits: int, quantized: bool, alibi: bool,
+                   interpret: bool):
   """One (kv head, split, sequence b) program.
 
   Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
   k [L * Hkv * num_pages * page_size, D], v the same or (quantized: token-minor pages)
   [L * Hkv * num_pages * D, page_size], (quantized) order [B] (the sequences, shortest
   first: program (h, s, i) serves sequence order[B - 1 - i]) and k/v scales f32 [L * Hkv
-  * num_pages * page_size], o [S, B, H, D], lse [S, B, H].
+  * num_pages * page_size], (alibi) slopes f32 [H], o [S, B, H, D], lse [S, B, H].
   """
   kv_head, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if quantized:
-    order_ref, ks_ref, vs_ref, o_ref, lse_ref = refs
+    order_ref, ks_ref, vs_ref, *refs = refs
     b = order_ref[order_ref.shape[0] - 1 - b]  # the longest first
-  else:
-    o_ref, lse_ref = refs
+  if alibi:
+    slopes_ref, *refs = refs
+  o_ref, lse_ref = refs
   # Clamped as the reference clamps: a traced length out of range never reads past the
   # sequence's page table row and gives the reference's result. (Traced page ids are
   # clamped by the wrapper, once per table: two integer ops per token here cost 3 points
@@ -205,6 +207,9 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     q, row_pow2 = kv_quant.f16_rows(q)
     row_scale = (row_scale * row_pow2)[:, None]
   pages_per_block = block_n // page_size
+  if alibi:  # each row's slope, in base 2: it multiplies the key's offset from the query
+    slopes = plgpu.load(slopes_ref.at[heads], mask=head_mask,
+                        other=None if head_mask is None else 0.0) * triton_backend.LOG2_E
 
   def body(i, carry):
     m, l, acc = carry
@@ -234,6 +239,8 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     if logits_soft_cap is not None:  # capped in natural units, then to base 2
       cap = logits_soft_cap
       logits = (cap * triton_backend.LOG2_E) * jnp.tanh(logits / cap)
+    if alibi:  # the query sits at position length - 1
+      logits += slopes[:, None] * (tok - (length - 1)).astype(jnp.float32)[None, :]
     logits = jnp.where(live, logits, -jnp.inf)
     # Every block holds at least one live token, so m_new is finite.
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
@@ -276,14 +283,14 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     "scale", "logits_soft_cap", "sliding_window", "num_splits", "return_lse", "interpret",
     "block_n", "num_warps", "num_stages"])
 def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales,
-                         *, scale: float,
+                         alibi_slopes, *, scale: float,
                          logits_soft_cap: float | None, sliding_window: int | None,
                          num_splits: int, return_lse: bool, interpret: bool, block_n: int,
                          num_warps: int, num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
   num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
   layer: int32 scalar; k_scales, v_scales: None, or float32 of k_pages' shape without D for
-  int8 / float8 pages."""
+  int8 / float8 pages; alibi_slopes: None or float32 [H]."""
   quantized = k_scales is not None
   if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
     k_pages, v_pages = k_pages[None], v_pages[None]
@@ -305,7 +312,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
-      num_splits=num_splits, quantized=quantized, interpret=interpret)
+      num_splits=num_splits, quantized=quantized, alibi=alibi_slopes is not None,
+      interpret=interpret)
   quant_refs = []
   if quantized:
     # Programs start in grid order, kv heads fastest: a sequence's programs start together,
@@ -319,6 +327,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
     work = lengths if sliding_window is None else jnp.minimum(lengths, sliding_window)
     quant_refs = [jnp.argsort(work).astype(jnp.int32)]
     quant_refs += [x.reshape(rows) for x in (k_scales, v_scales)]
+  alibi_refs = [] if alibi_slopes is None else [alibi_slopes]
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
   o, lse = pl.pallas_call(
@@ -331,7 +340,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       interpret=interpret,
       name="paged_decode_attention",
   )(lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows,
-    *quant_refs)
+    *quant_refs, *alibi_refs)
   if num_splits == 1:
     o, lse = o[0], lse[0]
   else:
@@ -391,7 +400,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
-                           sliding_window: int | None = None, num_splits: int | None = None,
+                           sliding_window: int | None = None,
+                           alibi_slopes: jax.Array | None = None,
+                           num_splits: int | None = None,
                            return_lse: bool = False, interpret: bool | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None):
@@ -426,6 +437,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     scale: logits = scale * q.k; defaults to D ** -0.5.
     logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
     sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
+    alibi_slopes: float32 [H] or None: ALiBi (BLOOM's, MPT's positions) adds slope_h *
+      (j - (L - 1)) to head h's logit of the key at position j (after a soft cap).
     num_splits: KV partitions per sequence (flash-decoding); None picks from B x Hkv
       against the GPU's SM count and max_pages_per_seq.
     return_lse: also return the log-sum-exp of the final logits.
@@ -442,7 +455,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-      strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales)
+      strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales,
+      alibi_slopes=alibi_slopes)
   validation.check_positive_int("block_n", block_n, optional=True, power_of_two=True)
   for name, knob in (("num_splits", num_splits), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
@@ -455,7 +469,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _paged_decode_reference(q, k_pages, v_pages, page_table, lengths, layer=layer,
                                    k_scales=k_scales, v_scales=v_scales,
                                    scale=scale, logits_soft_cap=logits_soft_cap,
-                                   sliding_window=sliding_window, return_lse=return_lse)
+                                   sliding_window=sliding_window,
+                                   alibi_slopes=alibi_slopes, return_lse=return_lse)
   if not mode:
     kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
@@ -479,8 +494,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if quantized:  # its blocks are whole pages of V
     default_n = max(default_n, page_size)
   return _paged_decode_pallas(
-      q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, scale=scale,
-      logits_soft_cap=logits_soft_cap,
+      q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, alibi_slopes,
+      scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
       interpret=mode, block_n=block_n or default_n, num_warps=num_warps or default_warps,
       num_stages=num_stages or default_stages)

@@ -68,7 +68,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
-                           sliding_window: int | None = None, return_lse: bool = False):
+                           sliding_window: int | None = None,
+                           alibi_slopes: jax.Array | None = None, return_lse: bool = False):
   """One query token per sequence attending to its paged K/V cache.
 
   Args:
@@ -91,6 +92,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     scale: logits = scale * q.k; defaults to D ** -0.5.
     logits_soft_cap: c > 0 gives logits = c * tanh(logits / c).
     sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
+    alibi_slopes: float32 [H] or None: ALiBi (Press et al.; BLOOM's, MPT's) adds
+      slope_h * (j - (L - 1)) to head h's logit of the key at position j (after a soft
+      cap), the query at position L - 1.
     return_lse: also return the log-sum-exp of the final logits.
 
   Returns:
@@ -100,7 +104,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   k_layer = validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
+      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
+      alibi_slopes=alibi_slopes)
   lengths = validation.clamp_lengths(lengths, page_table.shape[1] * k_layer.shape[2])
   b, h, d = q.shape
   hkv = k_layer.shape[0]
@@ -111,6 +116,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   pos = jnp.arange(k.shape[2])[None, :]
+  if alibi_slopes is not None:
+    offset = (pos - (lengths[:, None] - 1)).astype(jnp.float32)  # [B, S]
+    logits += alibi_slopes.reshape(hkv, h // hkv)[None, :, :, None] * offset[:, None, None]
   mask = pos < lengths[:, None]
   if sliding_window is not None:
     mask &= pos >= lengths[:, None] - sliding_window
@@ -133,7 +141,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             logits_soft_cap: float | None = None,
                             sliding_window: int | None = None,
                             k_scales: jax.Array | None = None,
-                            v_scales: jax.Array | None = None) -> jax.Array:
+                            v_scales: jax.Array | None = None,
+                            alibi_slopes: jax.Array | None = None) -> jax.Array:
   """Several query tokens per sequence attending causally to its paged K/V cache.
 
   Row b's query t (t < q_lengths[b]) sits at position p = q_start[b] + t and attends to the
@@ -160,6 +169,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     sliding_window: W > 0 limits the query at position p to keys [p - W + 1, p].
     k_scales, v_scales: for int8 / float8 pages, their scales (as `paged_decode_attention`
       takes them: the pages it gathers are dequantized in f32); else None.
+    alibi_slopes: float32 [H] or None: ALiBi adds slope_h * (j - p) to head h's logit of
+      the key at position j for the query at position p (after a soft cap).
 
   Returns:
     out [B, T, H, D] in q's dtype; padding queries (t >= q_lengths[b]) give exactly 0.
@@ -167,7 +178,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   k_layer = validation.check_prefill_call(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales)
+      strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
+      alibi_slopes=alibi_slopes)
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
@@ -186,6 +198,10 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   pos = q_start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+  if alibi_slopes is not None:
+    offset = (key_pos[None, None, :] - pos[:, :, None]).astype(jnp.float32)  # [B, T, S]
+    logits += (alibi_slopes.reshape(hkv, h // hkv)[None, :, :, None, None]
+               * offset[:, None, None])
   mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
   if sliding_window is not None:
     mask &= key_pos[None, None, :] > pos[:, :, None] - sliding_window

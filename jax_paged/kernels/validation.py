@@ -159,7 +159,7 @@ def check_layer(k_pages, v_pages, layer):
 
 
 def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits_soft_cap,
-                      sliding_window, strict_kernel_shapes: bool) -> None:
+                      sliding_window, strict_kernel_shapes: bool, alibi_slopes=None) -> None:
   """Validates the arguments of `paged_decode_attention` (kernel and reference).
 
   `strict_kernel_shapes` additionally enforces what the kernels support (head dims
@@ -202,6 +202,14 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
     raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
   check_positive_number("logits_soft_cap", logits_soft_cap, optional=True)
   check_positive_int("sliding_window", sliding_window, optional=True)
+  if alibi_slopes is not None and (_shape(alibi_slopes) != (h,) or jnp.dtype(
+      getattr(alibi_slopes, "dtype", None)) != jnp.dtype(jnp.float32)):
+    raise ValueError(f"alibi_slopes must be float32 of shape [num_heads={h}] or None, got "
+                     f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)} of "
+                     f"shape {_shape(alibi_slopes)}")
+  slopes = None if alibi_slopes is None else concrete(alibi_slopes)
+  if slopes is not None and not np.isfinite(slopes).all():
+    raise ValueError(f"alibi_slopes must be finite, got {slopes}")
   if strict_kernel_shapes:
     if d not in SUPPORTED_HEAD_DIMS:
       raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
@@ -212,14 +220,14 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
 
 def check_decode_call(q, k_pages, v_pages, page_table, lengths, *, layer, scale,
                       logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
-                      k_scales=None, v_scales=None):
+                      k_scales=None, v_scales=None, alibi_slopes=None):
   """All of `paged_decode_attention`'s checks (`check_layer`, `check_decode_args`,
   `check_scales`, `check_decode_values`); returns the shape-and-dtype of one layer of
   k_pages."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
   check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                     logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                    strict_kernel_shapes=strict_kernel_shapes)
+                    strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes)
   check_scales(k_pages, v_pages, k_scales, v_scales)
   check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
                       page_size=k_layer.shape[2])
@@ -284,10 +292,10 @@ def clamp_lengths(lengths, capacity: int):
 
 def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
                        logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
-                       k_scales=None, v_scales=None):
+                       k_scales=None, v_scales=None, alibi_slopes=None):
   """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
   k_pages. q is [B, T, H, D]; the pools, scales, page table, scale, cap and window are checked
-  as `paged_decode_attention` checks them (`check_layer`, `check_scales`,
+  as `paged_decode_attention` checks them (alibi slopes too; `check_layer`, `check_scales`,
   `check_decode_args` on one token's q), q_start / q_lengths here and, where concrete, by
   `check_prefill_values`."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
@@ -304,7 +312,7 @@ def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, l
   check_decode_args(jax.ShapeDtypeStruct((b, h, d), q.dtype), k_layer, v_layer, page_table,
                     q_start, scale=scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window,
-                    strict_kernel_shapes=strict_kernel_shapes)
+                    strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes)
   check_prefill_values(page_table, q_start, q_lengths, num_tokens=t,
                        num_pages=k_layer.shape[1], page_size=k_layer.shape[2])
   return k_layer
