@@ -28,7 +28,9 @@ head of 64, one LayerNorm for the parallel branches, exact GELU 18176, vocabular
 tied; a 2048-token context: pass `--context 1536`) or StarCoderBase-1B's / StarCoder-15B's
 (`models.gpt_bigcode`: 24 / 40 layers, hidden 2048 / 6144, 16 / 48 q heads over one kv
 head of 128 (multi-query), learned positions, tanh GELU 8192 / 24576, vocabulary 49152,
-tied).
+tied) or BLOOM-560M's / BLOOM-7B1's (`models.bloom`: 24 / 30 layers, hidden 1024 / 4096,
+16 / 32 heads of 64 / 128, ALiBi, an embedding LayerNorm, tanh GELU 4096 / 16384,
+vocabulary 250880, tied; served to 4096 positions here, BLOOM's 2048 by default).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -62,8 +64,8 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import (cohere, falcon, gemma, gpt_bigcode, gpt_neox, gptj, llama, nemotron, phi,
-                    stablelm, starcoder2)
+from models import (bloom, cohere, falcon, gemma, gpt_bigcode, gpt_neox, gptj, llama, nemotron,
+                    phi, stablelm, starcoder2)
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -146,6 +148,12 @@ SHAPES = {
         model_type="gpt_bigcode", vocab_size=49152, n_positions=8192, n_embd=6144, n_layer=40,
         n_head=48, n_inner=24576, multi_query=True, activation_function="gelu_pytorch_tanh",
         layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)),
+    "bloom-560m": (bloom.BloomConfig, bloom.BloomForCausalLM, dict(
+        model_type="bloom", vocab_size=250880, n_positions=4096, hidden_size=1024, n_layer=24,
+        n_head=16, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)),
+    "bloom-7b1": (bloom.BloomConfig, bloom.BloomForCausalLM, dict(
+        model_type="bloom", vocab_size=250880, n_positions=4096, hidden_size=4096, n_layer=30,
+        n_head=32, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)),
 }
 LLAMA_3_2_1B = llama.LlamaConfig.from_dict(SHAPES["llama-3.2-1b"][2])
 PAGE_SIZE = bench_decode_step.PAGE_SIZE

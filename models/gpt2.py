@@ -88,6 +88,12 @@ class GPT2Config:
     """K/V heads: one per head (a subclass's own: `models.gpt_bigcode`'s multi-query)."""
     return self.n_head
 
+  @property
+  def alibi(self) -> bool:
+    """ALiBi biases on the attention logits in place of learned positions (`wpe`): False
+    (a subclass's own: `models.bloom`'s)."""
+    return False
+
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "GPT2Config":
     """From a Hugging Face config dict; fields this model does not use are ignored."""
@@ -134,6 +140,7 @@ class Block(nnx.Module):
     self.attn = paged_nn.PagedAttention(
         config.n_embd, config.n_head, config.head_dim, num_kv_heads=config.num_kv_heads,
         scale=scale, decode_impl=decode_impl,
+        alibi_slopes=paged_nn.alibi_slopes(config.n_head) if config.alibi else None,
         kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
     self.ln_2 = norm()
@@ -177,8 +184,9 @@ class GPT2LMHeadModel(nnx.Module):
     init = nnx.initializers.normal(config.initializer_range)
     self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=init, dtype=dtype,
                          param_dtype=param_dtype, rngs=rngs)
-    self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=init, dtype=dtype,
-                         param_dtype=param_dtype, rngs=rngs)
+    if not config.alibi:
+      self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=init,
+                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.h = nnx.List([Block(config, i, dtype=dtype, param_dtype=param_dtype,
                              decode_impl=decode_impl, rngs=rngs)
                        for i in range(config.n_layer)])
@@ -215,13 +223,17 @@ class GPT2LMHeadModel(nnx.Module):
                attend: Attend, adapters: jax.Array | None
                ) -> tuple[jax.Array, pool_lib.KVPool]:
     """-> (ln_f of the final residual stream, pool)."""
-    x = self.wte(tokens) + self.wpe(positions)
+    x = self._embed(tokens, positions)
     norms = [block.ln_1 for block in self.h] + [self.ln_f]
     h = norms[0](x)
     for layer, block in enumerate(self.h):
       x, h, kv = block(x, h, kv, self.pool_layer_offset + layer, attend, norms[layer + 1],
                        adapters)
     return h, kv
+
+  def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """The residual stream's start: token plus position embeddings."""
+    return self.wte(tokens) + self.wpe(positions)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """float32 logits [..., vocab] of final hidden states h [..., n_embd] (`prefill_hidden`'s;

@@ -799,10 +799,11 @@ class _Checkpoint:
 
   def get(self, name: str) -> jax.Array:
     """The tensor `name` ("model.layers.0....", "lm_head.weight"), as a causal LM's
-    checkpoint names it, a base model's (without "model.") or an image-text model's
-    language model's ("language_model.model.layers.0...." as transformers saves it,
+    checkpoint names it, a base model's (without "model." or "transformer.": BLOOM's
+    checkpoints hold BloomModel's tensors) or an image-text model's language model's
+    ("language_model.model.layers.0...." as transformers saves it,
     "model.language_model.layers.0...." as its modules name it)."""
-    rest = name.removeprefix("model.")
+    rest = name.removeprefix("model.").removeprefix("transformer.")
     for key in (name, rest, f"language_model.{name}", f"model.language_model.{rest}"):
       if key in self.where:
         file = self.where[key]

@@ -280,8 +280,8 @@ def test_bad_files_are_named(capsys, tmp_path):
   assert status == 2 and f"{tmp_path / 'config.json'}: not a readable JSON file" in err
   (tmp_path / "config.json").write_text('{"model_type": "bert"}')
   status, _, err = _main(capsys, "--checkpoint", str(tmp_path), "--prompt", "x")
-  assert status == 2 and ("model_type 'bert' is not supported (supported: cohere, cohere2, "
-                          "deepseek_v2, deepseek_v3, falcon, gemma, gemma2, gemma3, "
+  assert status == 2 and ("model_type 'bert' is not supported (supported: bloom, cohere, "
+                          "cohere2, deepseek_v2, deepseek_v3, falcon, gemma, gemma2, gemma3, "
                           "gemma3_text, gpt2, gpt_bigcode, gpt_neox, gptj, granite, granitemoe, "
                           "llama") in err
 

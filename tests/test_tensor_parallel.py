@@ -132,6 +132,16 @@ def test_fewer_kv_heads_than_devices_are_replicated():
   assert result["hkv1"]["runs"]["1"]["lora_tokens"] != result["hkv1"]["base_tokens"]
 
 
+def test_alibi_slopes_are_split_with_the_heads():
+  """BLOOM (ALiBi): each device's slopes are its q heads' (6 heads' slopes, not one
+  geometric sequence), so TP 2 gives one device's tokens and TP 2 / 3 its logits."""
+  result = _run_case("alibi")
+  assert result["shard_slopes"] == [[0, 1, 2], [3, 4, 5]]
+  assert result["tokens"]["2"] == result["tokens"]["1"] and any(result["tokens"]["1"])
+  for n in ("2", "3"):
+    assert max(result["logit_errors"][n].values()) < 1e-5, n
+
+
 def test_the_model_is_left_unchanged():
   for model in ("gpt2", "llama"):
     assert _run_case("engine")[model]["model_unchanged"]
@@ -450,6 +460,41 @@ def case_replicated() -> dict:
       run["shard_heads"] = [int(sh.data.shape[1]) for sh in kv.k_pages.addressable_shards]
       res["runs"][str(n)] = run
     out[f"hkv{hkv}"] = res
+  return out
+
+
+def case_alibi() -> dict:
+  """A BLOOM of 6 heads of 8: per TP size, the engine's tokens (TP 1 and 2), three
+  forwards' logits' largest difference from TP 1's, and (TP 2) each device's slopes as
+  indices into the model's."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_paged import nn, tensor_parallel
+  from jax_paged.serving.runner import ModelRunner
+  from models import bloom
+  model = bloom.BloomForCausalLM(bloom.BloomConfig(
+      vocab_size=256, n_positions=128, n_embd=48, n_layer=2, n_head=6, bos_token_id=None,
+      eos_token_id=None), dtype=jnp.float32, rngs=nnx.Rngs(0))
+  slopes = list(nn.alibi_slopes(6))
+  out = {"tokens": {}, "logit_errors": {}}
+  ref = None
+  for n in (1, 2, 3):
+    mesh = None if n == 1 else tensor_parallel.make_mesh(n)
+    if n < 3:
+      out["tokens"][str(n)] = _engine(model, mesh).generate(_requests()[:4])[0]
+    runner = ModelRunner(model, mesh)
+    logits, _ = _forwards(runner, None)
+    ref = ref or logits
+    out["logit_errors"][str(n)] = {key: float(np.abs(x - ref[key]).max()
+                                              / np.abs(ref[key]).max())
+                                   for key, x in logits.items()}
+    if n == 2:
+      sharded = tensor_parallel.shard_model(model, mesh)
+      leaf = next(x for path, x in zip(sharded.paths, sharded.leaves)
+                  if "alibi_slopes" in jax.tree_util.keystr(path))
+      out["shard_slopes"] = [[slopes.index(float(s)) for s in np.asarray(sh.data)]
+                             for sh in leaf.addressable_shards]
   return out
 
 
