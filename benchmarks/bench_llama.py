@@ -25,7 +25,9 @@ pass `--context 1536`) or Minitron-4B's (`models.nemotron`: 32 layers, hidden 30
 heads over 8 kv heads of 128, RoPE on half of each, 1P LayerNorms, relu^2 9216, vocabulary
 256000) or Falcon-7B's (`models.falcon`: 32 layers, hidden 4544, 71 q heads over one kv
 head of 64, one LayerNorm for the parallel branches, exact GELU 18176, vocabulary 65024,
-tied; a 2048-token context: pass `--context 1536`) or StarCoderBase-1B's / StarCoder-15B's
+tied; a 2048-token context: pass `--context 1536`) or Falcon-RW-1B's (24 layers, hidden
+2048, 32 heads of 64, ALiBi, the sequential block, biases, exact GELU 8192, vocabulary
+50304, tied; served to 4096 positions here) or StarCoderBase-1B's / StarCoder-15B's
 (`models.gpt_bigcode`: 24 / 40 layers, hidden 2048 / 6144, 16 / 48 q heads over one kv
 head of 128 (multi-query), learned positions, tanh GELU 8192 / 24576, vocabulary 49152,
 tied) or BLOOM-560M's / BLOOM-7B1's (`models.bloom`: 24 / 30 layers, hidden 1024 / 4096,
@@ -140,6 +142,12 @@ SHAPES = {
         parallel_attn=True, bias=False, layer_norm_epsilon=1e-5, rope_theta=10000.0,
         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=11,
         eos_token_id=11)),
+    "falcon-rw-1b": (falcon.FalconConfig, falcon.FalconForCausalLM, dict(
+        model_type="falcon", vocab_size=50304, hidden_size=2048, num_hidden_layers=24,
+        num_attention_heads=32, multi_query=False, new_decoder_architecture=False,
+        parallel_attn=False, bias=True, alibi=True, layer_norm_epsilon=1e-5,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2)),
     "starcoderbase-1b": (gpt_bigcode.GPTBigCodeConfig, gpt_bigcode.GPTBigCodeForCausalLM, dict(
         model_type="gpt_bigcode", vocab_size=49152, n_positions=8192, n_embd=2048, n_layer=24,
         n_head=16, n_inner=8192, multi_query=True, activation_function="gelu_pytorch_tanh",

@@ -17,8 +17,14 @@ through `nn.PagedAttention`, its loader, engine and adapters) with:
   (multi_query) or one per head;
 * a plain MLP dense_4h_to_h(gelu(dense_h_to_4h(x))) (ffn_hidden_size, exact GELU), biases
   on every projection with bias, a tied head by default;
+* ALiBi in place of RoPE with alibi (Falcon-RW 1B / 7B: `nn.alibi_slopes` rounded to
+  bfloat16 and divided by sqrt(head_dim), as RW's code adds the biases before the logits'
+  scale). Hugging Face's eager attention adds them twice (transformers 5.24: once in its
+  mask, once in the scores); its sdpa path, the default, matches RW's original code,
+  and this model matches it (tests/test_falcon.py). HF also rounds each bias, slope x
+  position, to bfloat16; ours stay float32 (the two agree where HF's is exact: slopes
+  that are powers of two, few positions);
 * HF's FalconConfig defaults (Falcon-7B's shape) for the fields a config.json omits.
-ALiBi (alibi: Falcon-RW) is refused by name.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar, Mapping
 
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import lora
@@ -54,6 +63,7 @@ class FalconConfig(llama.LlamaConfig):
     layer_norm_eps: the LayerNorms' epsilon.
     new_decoder_architecture: query_key_value laid out per kv group, and the block's
       norms counted by num_ln_in_parallel_attn.
+    alibi: ALiBi biases on the attention logits, no RoPE (Falcon-RW).
     num_ln_in_parallel_attn: 1 (one norm for both branches) or 2 (ln_attn and ln_mlp).
     parallel_attn: the parallel block (without new_decoder_architecture).
   attention_bias and mlp_bias are HF's bias.
@@ -71,6 +81,7 @@ class FalconConfig(llama.LlamaConfig):
   new_decoder_architecture: bool = False
   num_ln_in_parallel_attn: int | None = None
   parallel_attn: bool = True
+  alibi: bool = False
   bos_token_id: int | None = 11
   eos_token_id: int | tuple[int, ...] | None = 11
   model_type: str = "falcon"
@@ -106,13 +117,25 @@ class FalconConfig(llama.LlamaConfig):
   def out_bias(self) -> bool:
     return self.attention_bias
 
+  @property
+  def alibi_slopes(self) -> np.ndarray | None:
+    """With alibi, RW's slopes (bfloat16, as its code rounds them) over sqrt(head_dim)."""
+    if not self.alibi:
+      return None
+    # (numpy's bfloat16, ml_dtypes': no jax op, so nothing traced under eval_shape)
+    slopes = paged_nn.alibi_slopes(self.num_attention_heads).astype(jnp.bfloat16)
+    slopes = slopes.astype(np.float32)
+    return slopes / math.sqrt(self.head_dim)
+
+  def layer_rope(self, layer: int) -> paged_nn.RotaryEmbedding | None:
+    """RoPE, or None with alibi."""
+    return None if self.alibi else super().layer_rope(layer)
+
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "FalconConfig":
     """From a Falcon config.json (omitted fields: HF's FalconConfig defaults): its names
-    read as Llama's, the kv heads as HF counts them; ValueError for alibi."""
+    read as Llama's, the kv heads as HF counts them."""
     config = dict(config)
-    if config.get("alibi"):
-      raise ValueError("alibi (ALiBi positions: Falcon-RW) is not supported")
     for theirs, ours in _HF_NAMES.items():
       if theirs in config:
         config[ours] = config.pop(theirs)
@@ -196,7 +219,9 @@ _NORMS = {2: {"input_layernorm": "ln_attn", "post_attention_layernorm": "ln_mlp"
 def hf_sources(path: tuple[str, ...], config: FalconConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.load_pretrained`'s `Sources` for Falcon's tensor names, query_key_value's rows
-  reordered (`qkv_rows`)."""
+  reordered (`qkv_rows`); ALiBi's slopes (no tensor) computed."""
+  if path[-1] == "alibi_slopes":
+    return [], lambda _: config.alibi_slopes
   if path == ("embed_tokens", "embedding"):
     return ["transformer.word_embeddings.weight"], llama.whole
   if path == ("lm_head", "embedding"):

@@ -326,6 +326,12 @@ class LlamaConfig:
     return self.model_type == "qwen2" or self.attention_bias
 
   @property
+  def alibi_slopes(self) -> np.ndarray | None:
+    """ALiBi's per-head slopes on the attention logits (`nn.PagedAttention`), or None (a
+    subclass's own: Falcon-RW's)."""
+    return None
+
+  @property
   def out_bias(self) -> bool:
     return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
                                                        "smollm3", *_GRANITES)
@@ -504,7 +510,7 @@ class DecoderLayer(nnx.Module):
         config.hidden_size, config.num_attention_heads, config.head_dim,
         num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
         qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.layer_rope(layer),
-        sliding_window=config.window(layer),
+        sliding_window=config.window(layer), alibi_slopes=config.alibi_slopes,
         head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
                                      param_dtype=param_dtype) if config.qk_norm else None),
         qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,

@@ -1,18 +1,21 @@
 """Falcon on the paged pool against Hugging Face transformers' FalconForCausalLM (CPU,
 f32), loaded from its `save_pretrained` directory: Falcon-7B's block (multi-query, one
 norm), Falcon-40B's (grouped kv heads, a norm per branch), Falcon2-11B's (grouped, one
-norm), and the sequential and multi-head variants.
+norm), the sequential and multi-head variants, and Falcon-RW's (ALiBi, against HF's sdpa
+attention: its eager path adds the biases twice).
 
 The HF models are random, their LayerNorms' weights and every bias too. Tolerance as
 test_llama's: 1e-4 on the logits.
 """
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers
 
 import jax_paged
+from jax_paged import nn as paged_nn
 from models import falcon
 from tests.test_llama import (_COMMON, assert_bf16_tracks_hf,
                               assert_generate_and_engines_give_hfs_tokens,
@@ -37,6 +40,10 @@ VARIANTS = {
     # Multi-head, [q, k, v] per head, sequential block.
     "mha-sequential": dict(new_decoder_architecture=False, multi_query=False,
                            num_kv_heads=None, parallel_attn=False),
+    # Falcon-RW: ALiBi in place of RoPE, multi-head, sequential, tied.
+    "rw": dict(alibi=True, new_decoder_architecture=False, multi_query=False,
+               num_kv_heads=None, parallel_attn=False, tie_word_embeddings=True,
+               attn_implementation="sdpa"),
 }
 
 
@@ -71,10 +78,13 @@ def test_other_blocks_track_hf(variant, tmp_path):
   hf = _hf_model(**VARIANTS[variant])
   hf.save_pretrained(tmp_path)
   model = falcon.from_pretrained(tmp_path)
-  assert model.layers[0].norms == {"7b": 1, "11b": 1, "mha-sequential": 0}[variant]
-  assert model.layers[0].self_attn.num_kv_heads == {"7b": 1, "11b": 2,
-                                                    "mha-sequential": 8}[variant]
+  attn = model.layers[0].self_attn
+  assert model.layers[0].norms == {"7b": 1, "11b": 1, "mha-sequential": 0, "rw": 0}[variant]
+  assert attn.num_kv_heads == {"7b": 1, "11b": 2, "mha-sequential": 8, "rw": 8}[variant]
+  assert (attn.rope is None) == (attn.alibi_slopes is not None) == (variant == "rw")
   assert_logits_track_hf(hf, model, [3, 8, 13], 7)
+  if variant == "rw":  # ALiBi through the engine: a cached prefix, chunks, preemption
+    assert_generate_and_engines_give_hfs_tokens(hf, model)
 
 
 def test_generate_and_engine_give_hfs_tokens(saved):
@@ -104,8 +114,15 @@ def test_config_reads_hf_and_its_defaults(saved):
   assert (d.vocab_size, d.hidden_size, d.num_attention_heads, d.num_key_value_heads,
           d.head_dim, d.intermediate_size, d.block_norms, d.tie_word_embeddings,
           d.eos_token_id) == (65024, 4544, 71, 1, 64, 18176, 1, True, 11)
-  for bad, message in (({"alibi": True}, "alibi .* is not supported"),
-                       ({"new_decoder_architecture": True, "num_ln_in_parallel_attn": 3},
+  rw = falcon.FalconConfig.from_dict({"alibi": True, "num_attention_heads": 32,
+                                      "hidden_size": 2048})
+  # RW's slopes rounded to bfloat16 (2^(-i / 4) is not a bfloat16 for most i), over 8.
+  exact = paged_nn.alibi_slopes(32)
+  np.testing.assert_array_equal(rw.alibi_slopes,
+                                exact.astype(jnp.bfloat16).astype(np.float32) / 8)
+  assert np.abs(rw.alibi_slopes - exact / 8).max() > 1e-4
+  assert rw.layer_rope(0) is None and d.alibi_slopes is None
+  for bad, message in (({"new_decoder_architecture": True, "num_ln_in_parallel_attn": 3},
                         "num_ln_in_parallel_attn must be 1 or 2"),
                        ({"activation": "swish"}, "hidden_act 'swish'")):
     with pytest.raises(ValueError, match=message):
@@ -123,11 +140,12 @@ def test_cli_finds_the_model_type(saved, capsys):
 
 
 @pytest.mark.gpu
-def test_triton_kernels_give_the_references_and_hfs_tokens_on_gpu(tmp_path):
-  """f32 on a GPU at head dim 64, Falcon-7B's multi-query block: the decode / prefill
-  kernels, the fused GELU GEMM and the LayerNorm-fused residual adds give the reference
-  path's and HF's tokens."""
-  hf = _hf_model(hidden_size=256, num_attention_heads=4, **VARIANTS["7b"])
+@pytest.mark.parametrize("variant", ["7b", "rw"])
+def test_triton_kernels_give_the_references_and_hfs_tokens_on_gpu(tmp_path, variant):
+  """f32 on a GPU at head dim 64, Falcon-7B's multi-query block and Falcon-RW's ALiBi:
+  the decode / prefill kernels, the fused GELU GEMM and the LayerNorm-fused residual adds
+  give the reference path's and HF's tokens."""
+  hf = _hf_model(hidden_size=256, num_attention_heads=4, **VARIANTS[variant])
   hf.save_pretrained(tmp_path)
   assert_kernels_give_references_and_hfs_tokens(
       hf, lambda **kw: falcon.from_pretrained(tmp_path, **kw))
