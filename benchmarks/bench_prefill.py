@@ -2,8 +2,10 @@
 
 Usage (device machine): PYTHONPATH=. python benchmarks/bench_prefill.py [--sweep]
     [--shapes a,b] [--sweep-seconds S]
-    [--cache-dtypes int8,float8_e4m3fn] [--sweep-dtypes bfloat16,int8]
+    [--cache-dtypes int8,float8_e4m3fn] [--sweep-dtypes bfloat16,int8] [--alibi]
 Prints a markdown table and writes prefill.json to $OUT (or the current directory).
+`--alibi` adds our kernel's time with ALiBi's biases (BLOOM's slopes, `nn.alibi_slopes`)
+over its time without, same shape, same run.
 
 Each shape is B rows of T new query tokens after `prefix` cached tokens, all K/V in random
 permuted pages of 16 tokens (bf16; and the same pages quantized to each of
@@ -48,6 +50,9 @@ SHAPES = {
     "gpt2-b16-t256-p512": (16, 256, 512, 12, 12, 64, 16),
     "gqa-b16-t256-p0": (16, 256, 0, 32, 8, 128, 16),
     "gqa-b16-t256-p512": (16, 256, 512, 32, 8, 128, 16),
+    # BLOOM-560M's heads (16 of 64; ALiBi: `--alibi`), a whole prompt and a chunk.
+    "bloom-b4-t2048-p0": (4, 2048, 0, 16, 16, 64, 16),
+    "bloom-b4-t512-p1536": (4, 512, 1536, 16, 16, 64, 16),
 }
 
 
@@ -114,6 +119,8 @@ def main():
                       help="quantized pages to time beside bf16's ('' for none)")
   parser.add_argument("--sweep-dtypes", default="bfloat16",
                       help="the pages' dtypes the sweep times (bfloat16, int8, float8_e4m3fn)")
+  parser.add_argument("--alibi", action="store_true",
+                      help="also time our kernel with ALiBi (BLOOM's slopes)")
   opts = parser.parse_args()
   cache_dtypes = [jnp.dtype(x) for x in opts.cache_dtypes.split(",") if x]
   print(f"# paged prefill attention: {common.header()}", flush=True)
@@ -151,6 +158,15 @@ def main():
         entry["cudnn_unmasked_flops"] = 4 * h * d * b * t * s
     except Exception as e:  # pylint: disable=broad-except
       entry["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if opts.alibi:
+      slopes = jnp.asarray(jax_paged.nn.alibi_slopes(h))
+      alibi = jax.jit(functools.partial(jax_paged.paged_prefill_attention,
+                                        alibi_slopes=slopes))
+      want = reference.paged_prefill_attention(*args, alibi_slopes=slopes)
+      entry["alibi"] = dict(
+          ours_us=common.kernel_seconds(alibi, *args) * 1e6,
+          max_err_vs_xla=float(jnp.max(jnp.abs(alibi(*args).astype(jnp.float32)
+                                               - want.astype(jnp.float32)))))
     for cache_dtype in cache_dtypes:
       qargs = quantized_inputs(args, cache_dtype)
       want = xla(*qargs[:6], **qargs[6])
@@ -193,6 +209,16 @@ def main():
         print(f"| {name} | {cache_dtype.name} | {c['ours_us']:.1f} | "
               f"{c['ours_us'] / e['ours_us']:.2f} | {tf(e['flops'], c['ours_us']):.0f} | "
               f"{c['xla_us']:.1f} | {c['max_err_vs_xla']:.2g} |", flush=True)
+
+  if opts.alibi:
+    print("\nALiBi's biases vs none, our kernel, bf16, same shape, same run (GPU kernel "
+          "time)\n")
+    print("| shape | µs without | µs with ALiBi | **with / without** | max err vs XLA |")
+    print("|---|---|---|---|---|")
+    for name, e in rows:
+      a = e["alibi"]
+      print(f"| {name} | {e['ours_us']:.1f} | {a['ours_us']:.1f} | "
+            f"**{a['ours_us'] / e['ours_us']:.3f}** | {a['max_err_vs_xla']:.2g} |", flush=True)
 
   if opts.sweep:
     deadline = time.monotonic() + opts.sweep_seconds
