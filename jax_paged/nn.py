@@ -656,6 +656,8 @@ class PagedAttention(nnx.Module):
     alibi_slopes: a `Constant` of float32 [num_heads] (`alibi_slopes(num_heads)`), or
       None: ALiBi adds head h's slope times (key position - query position) to its
       logits (after a cap), at prefill and decode.
+    clip_qkv: c > 0 clamps the q / k / v projection's outputs to [-c, c] before any norm
+      or RoPE (OLMo's, OLMoE's), or None.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
       XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
       kernel where it supports the head dim and page size, else the reference).
@@ -667,6 +669,7 @@ class PagedAttention(nnx.Module):
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
                logits_soft_cap: float | None = None,
                alibi_slopes: Sequence[float] | np.ndarray | None = None,
+               clip_qkv: float | None = None,
                head_norm: Callable[[int], RMSNorm] | None = None,
                qk_norm_all_heads: bool = False, decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
@@ -697,6 +700,7 @@ class PagedAttention(nnx.Module):
                          f"got {alibi_slopes}")
       alibi_slopes = Constant(jnp.asarray(alibi_slopes))
     self.alibi_slopes = alibi_slopes
+    self.clip_qkv = validation.check_positive_number("clip_qkv", clip_qkv, optional=True)
     self.decode_impl = decode_impl
     self.qk_norm_all_heads = bool(qk_norm_all_heads)
     if self.qk_norm_all_heads and head_norm is None:
@@ -717,11 +721,13 @@ class PagedAttention(nnx.Module):
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k each
     head (or all heads together: `qk_norm_all_heads`) normalised when the layer has
-    `q_norm` / `k_norm`, then rotated to `positions`
+    `q_norm` / `k_norm` (after a `clip_qkv` clamp), then rotated to `positions`
     (int [...], required with a `rope`) when it has a `rope`, and the rows' LoRA updates
     (`adapters`, see `dense`)."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d), adapters=adapters)
+    if self.clip_qkv is not None:
+      q, k, v = (jnp.clip(t, -self.clip_qkv, self.clip_qkv) for t in (q, k, v))
     lead = x.shape[:-1]
     if self.qk_norm_all_heads:
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
@@ -830,8 +836,8 @@ class PagedAttention(nnx.Module):
     """
     b = x.shape[0]
     d = self.head_dim
-    if self.rope is None and self.k_norm is None and (adapters is None
-                                                      or not lora.attached(self.qkv)):
+    if self.rope is None and self.k_norm is None and self.clip_qkv is None and (
+        adapters is None or not lora.attached(self.qkv)):
       x_c, kernel, quant = _operands(self.qkv, x)
       # On a GPU one kernel: the projection, K and V stored straight into the pages.
       q, kv = pool_lib.project_write_kv(
@@ -839,8 +845,8 @@ class PagedAttention(nnx.Module):
           None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d,
           **quant)
     else:
-      # K must be normalised, rotated or get its LoRA update before it is stored, which
-      # the fused kernel cannot do.
+      # K must be clamped, normalised, rotated or get its LoRA update before it is stored,
+      # which the fused kernel cannot do.
       q, k, v = self._project(x, jnp.maximum(lengths - 1, 0), adapters)
       kv = pool_lib.write_kv(kv, layer, slots, k, v)
     use_kernel = self.decode_impl == "kernel" or (

@@ -182,6 +182,8 @@ class LlamaConfig:
       "sliding_attention" (all of them when layer_types is None).
     no_rope_layers: SmolLM3's, one 1 (RoPE) or 0 (no position encoding: a NoPE layer)
       per layer, or None (RoPE on every layer).
+    clip_qkv: c > 0 clamps q, k and v to [-c, c] after their projection, or None (OLMo's:
+      `models.olmo` sets it; `from_dict` reads none).
     rope_scaling: HF's dict ({"rope_type": "linear" | "llama3" | "yarn" | "longrope",
       "factor": ...}) or None, kept as a sorted tuple of (key, value) pairs (lists as
       tuples) so that the config is hashable (a model's static structure).
@@ -225,6 +227,7 @@ class LlamaConfig:
   residual_multiplier: float = 1.0
   attention_multiplier: float | None = None
   logits_scaling: float = 1.0
+  clip_qkv: float | None = None
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
   # hidden_act -> the MLP's activation (a subclass's own: `models.starcoder2`'s GELUs).
@@ -276,6 +279,8 @@ class LlamaConfig:
       set_(name, validation.check_positive_number(name, getattr(self, name)))
     set_("attention_multiplier", validation.check_positive_number(
         "attention_multiplier", self.attention_multiplier, optional=True))
+    set_("clip_qkv", validation.check_positive_number("clip_qkv", self.clip_qkv,
+                                                      optional=True))
     if self.residual_multiplier != 1.0 and (self.attention_bias or self.mlp_bias):
       # (The branches are scaled at the projections' inputs, which would miss a bias.)
       raise ValueError(f"residual_multiplier {self.residual_multiplier} with attention_bias "
@@ -417,6 +422,7 @@ class LlamaConfig:
       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                    "logits_scaling"):
         config.pop(name, None)
+    config.pop("clip_qkv", None)  # (OLMo's: `models.olmo`)
     if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
@@ -511,6 +517,7 @@ class DecoderLayer(nnx.Module):
         num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
         qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.layer_rope(layer),
         sliding_window=config.window(layer), alibi_slopes=config.alibi_slopes,
+        clip_qkv=config.clip_qkv,
         head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
                                      param_dtype=param_dtype) if config.qk_norm else None),
         qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,

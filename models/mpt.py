@@ -11,12 +11,12 @@ block, loader, engine and adapters) with:
   whatever no_bias says), q / k / v in one Wqkv projection laid out [q | k | v] (our
   fused layout as it is), a plain MLP down_proj(gelu(up_proj(x))) of expansion_ratio x
   d_model (exact GELU), an LM head tied to wte;
-* softmax_scale (None: head_dim^-0.5) scaling the logits before the biases;
+* softmax_scale (None: head_dim^-0.5) scaling the logits before the biases; clip_qkv
+  clamping Wqkv's outputs (`nn.PagedAttention(clip_qkv=)`);
 * MPT's config names (d_model, n_heads, n_layers, max_seq_len, attn_config) and HF's
   MptConfig defaults for the fields a config.json omits.
 
-What HF's port silently ignores is refused by name: attn_config's clip_qkv, qk_ln,
-prefix_lm, alibi false (learned positions), alibi_bias_max other than 8 and multi-query
+What HF's port silently ignores is refused by name: attn_config's qk_ln, prefix_lm, alibi false (learned positions), alibi_bias_max other than 8 and multi-query
 attn_type, a logit_scale, no_bias false, and norm types other than LayerNorm.
 """
 
@@ -93,7 +93,7 @@ class MptConfig(llama.LlamaConfig):
       raise ValueError(f"model_type {model_type!r} is not supported by MptConfig; use one "
                        f"of {list(MODEL_TYPES)}")
     attn = dict(config.pop("attn_config", None) or {})
-    for name, allowed in (("clip_qkv", None), ("qk_ln", False), ("prefix_lm", False),
+    for name, allowed in (("qk_ln", False), ("prefix_lm", False),
                           ("alibi", True), ("alibi_bias_max", 8),
                           ("attn_type", "multihead_attention")):
       if attn.get(name, allowed) != allowed:
@@ -115,8 +115,9 @@ class MptConfig(llama.LlamaConfig):
     for unused in ("head_dim", "rope_theta", "rope_scaling", "rope_parameters"):
       config.pop(unused, None)
     result = llama.LlamaConfig.from_dict.__func__(cls, config)
-    # (Llama's from_dict keeps attention_multiplier for Granite's only.)
-    return dataclasses.replace(result, attention_multiplier=attn.get("softmax_scale"))
+    # (Llama's from_dict keeps attention_multiplier for Granite's only, clip_qkv for none.)
+    return dataclasses.replace(result, attention_multiplier=attn.get("softmax_scale"),
+                               clip_qkv=attn.get("clip_qkv"))
 
 
 class MptForCausalLM(llama.LlamaForCausalLM):

@@ -1,6 +1,7 @@
 """MPT on the paged pool against Hugging Face transformers' MptForCausalLM (CPU, f32),
 loaded from its `save_pretrained` directory (4 heads saved in shards; 6 heads, whose
-ALiBi slopes are not one geometric sequence, with a softmax_scale, in one file).
+ALiBi slopes are not one geometric sequence, with a softmax_scale and clip_qkv, in one
+file).
 
 The HF model is random, its LayerNorms' weights too (MPT has no biases). Tolerance as
 test_llama's: 1e-4 on the logits.
@@ -26,7 +27,7 @@ CONFIG = dict(vocab_size=_COMMON["vocab_size"], d_model=64, n_heads=4, n_layers=
               max_seq_len=64, layer_norm_epsilon=1e-4, initializer_range=0.1,
               bos_token_id=None, eos_token_id=None, attn_implementation="eager")
 VARIANTS = {"four": {}, "six": dict(d_model=96, n_heads=6,
-                                    attn_config=dict(softmax_scale=0.2))}
+                                    attn_config=dict(softmax_scale=0.2, clip_qkv=0.5))}
 
 
 def _hf_model(**overrides):
@@ -55,6 +56,7 @@ def test_prefill_and_decode_logits_match_hf(saved):
   c = hf.config
   np.testing.assert_array_equal(attn.alibi_slopes[...], paged_nn.alibi_slopes(c.n_heads))
   assert attn.scale == (c.attn_config.softmax_scale or 16 ** -0.5)
+  assert attn.clip_qkv == c.attn_config.clip_qkv
   assert_logits_track_hf(hf, model, [3, 8, 13], 7)
 
 
@@ -91,7 +93,8 @@ def test_config_reads_hf_and_its_defaults(saved):
   assert (d.vocab_size, d.hidden_size, d.num_attention_heads, d.num_hidden_layers,
           d.max_position_embeddings) == (hf_d.vocab_size, hf_d.d_model, hf_d.n_heads,
                                          hf_d.n_layers, hf_d.max_seq_len)
-  for bad, message in (({"attn_config": {"clip_qkv": 8.0}}, "clip_qkv=8.0 is not supported"),
+  assert mpt.MptConfig.from_dict({"attn_config": {"clip_qkv": 8.0}}).clip_qkv == 8.0
+  for bad, message in (({"attn_config": {"clip_qkv": -1.0}}, "clip_qkv must be a positive"),
                        ({"attn_config": {"qk_ln": True}}, "qk_ln=True"),
                        ({"attn_config": {"alibi": False}}, "alibi=False"),
                        ({"attn_config": {"alibi_bias_max": 16}}, "alibi_bias_max=16"),

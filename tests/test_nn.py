@@ -19,10 +19,12 @@ E, H, HKV, D, PAGE = 96, 4, 2, 64, 8
 
 
 def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                  window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
+                  window: int | None = None, soft_cap: float | None = None,
+                  slopes: np.ndarray | None = None) -> np.ndarray:
   """q [T, H, D], k/v [T, Hkv, D] -> causal GQA attention [T, H, D], in float64; with a
   window W, query i sees keys (i - W, i] (Hugging Face Mistral's mask); with a soft cap C,
-  logits are C * tanh(logits / C) (Gemma 2's)."""
+  logits are C * tanh(logits / C) (Gemma 2's); with ALiBi's slopes [H], head h's logit of
+  key j gets slopes[h] * j added (BLOOM's absolute form)."""
   t, h, d = q.shape
   group = h // k.shape[1]
   k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -30,6 +32,8 @@ def _dense_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
   if soft_cap is not None:
     logits = soft_cap * np.tanh(logits / soft_cap)
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  if slopes is not None:
+    logits = logits + slopes[:, None, None] * j[None]
   visible = (j <= i) & (j > i - (t if window is None else window))
   logits = np.where(visible, logits, -np.inf)
   probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -55,13 +59,16 @@ def _dense_attention(layer: nn.PagedAttention, x: np.ndarray) -> np.ndarray:
   float64 numpy."""
   w = np.asarray(layer.qkv.kernel[...], np.float64)
   qkv = x.astype(np.float64) @ w + _bias(layer.qkv)
+  if layer.clip_qkv is not None:
+    qkv = np.clip(qkv, -layer.clip_qkv, layer.clip_qkv)
   q, k, v = np.split(qkv, [H * D, (H + HKV) * D], axis=-1)
   t = x.shape[0]
   q, k, v = q.reshape(t, H, D), k.reshape(t, HKV, D), v.reshape(t, HKV, D)
   if layer.rope is not None:
     q, k = _rotate(q, layer.rope), _rotate(k, layer.rope)
-  y = _dense_causal(q, k, v, layer.scale, layer.sliding_window,
-                    layer.logits_soft_cap).reshape(t, H * D)
+  slopes = None if layer.alibi_slopes is None else np.asarray(layer.alibi_slopes[...])
+  y = _dense_causal(q, k, v, layer.scale, layer.sliding_window, layer.logits_soft_cap,
+                    slopes).reshape(t, H * D)
   return y @ np.asarray(layer.out.kernel[...], np.float64) + _bias(layer.out)
 
 
@@ -70,11 +77,16 @@ _ROPE_WINDOW = dict(rope=nn.RotaryEmbedding(D, theta=500.0), sliding_window=6, o
 # Gemma 2's: logits soft-capped (1.0 bites: the logits here are of order 1), which sends a
 # fresh prompt's attention through the paged prefill path.
 _ROPE_WINDOW_CAP = dict(_ROPE_WINDOW, logits_soft_cap=1.0)
+# BLOOM's / MPT's positions (ALiBi: a fresh prompt through the paged prefill path) with
+# OLMo's clamp of q / k / v (0.5 bites: the projections here are of order 1), no RoPE: the
+# clamp keeps decode off the fused projection-and-write kernel.
+_ALIBI_CLIP = dict(alibi_slopes=nn.alibi_slopes(H), clip_qkv=0.5)
 
 
 @pytest.mark.parametrize("decode_impl,options", [
     ("auto", {}), ("kernel", {}), ("reference", {}), ("kernel", _ROPE_WINDOW),
-    ("reference", _ROPE_WINDOW), ("kernel", _ROPE_WINDOW_CAP)])
+    ("reference", _ROPE_WINDOW), ("kernel", _ROPE_WINDOW_CAP), ("kernel", _ALIBI_CLIP),
+    ("reference", _ALIBI_CLIP)])
 def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
   rng = np.random.default_rng(0)
   layer = nn.PagedAttention(E, H, D, num_kv_heads=HKV, decode_impl=decode_impl,
@@ -95,12 +107,13 @@ def test_prefill_then_decode_matches_dense_attention(decode_impl, options):
                                                    jnp.asarray(lengths, jnp.int32))
   for i, s in enumerate(seqs):
     np.testing.assert_allclose(y[i, :len(s)], _dense_attention(layer, s), atol=1e-4)
-  if layer.logits_soft_cap is not None:  # the cap bites
-    uncapped = nn.PagedAttention(E, H, D, num_kv_heads=HKV, rngs=nnx.Rngs(0),
-                                 **{**options, "logits_soft_cap": None})
-    nnx.update(uncapped, nnx.state(layer))
-    assert np.abs(_dense_attention(uncapped, seqs[2])
-                  - _dense_attention(layer, seqs[2])).max() > 1e-2
+  for name in ("logits_soft_cap", "alibi_slopes", "clip_qkv"):
+    if name in options:  # the option bites
+      without = nn.PagedAttention(E, H, D, num_kv_heads=HKV, rngs=nnx.Rngs(0),
+                                  **{**options, name: None})
+      nnx.update(without, nnx.state(layer, nnx.Param))
+      assert np.abs(_dense_attention(without, seqs[2])
+                    - _dense_attention(layer, seqs[2])).max() > 1e-2, name
   # Padding was never written: only the real tokens' slots are non-zero in this layer.
   written = np.abs(np.asarray(kv.k_pages[layer_idx])).sum(axis=(0, 3)).reshape(-1) > 0
   assert written.sum() == lengths.sum()
@@ -132,6 +145,7 @@ def test_which_fresh_prompts_attend_through_the_pages(monkeypatch):
     return layer._prompt_through_pages(jnp.zeros((1, 4, 2, head_dim), dtype), kv)
 
   assert routed(D, jnp.float32, logits_soft_cap=5.0)
+  assert routed(D, jnp.float32, alibi_slopes=nn.alibi_slopes(2))
   assert not routed(256, jnp.bfloat16) and not routed(D, jnp.float32)  # on the CPU: XLA
   monkeypatch.setattr(nn.jax, "default_backend", lambda: "gpu")
   assert routed(256, jnp.bfloat16) and routed(D, jnp.float32)
@@ -193,6 +207,12 @@ def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number or None, "
                                        "got 0.0"):
     nn.PagedAttention(E, 4, D, logits_soft_cap=0.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="alibi_slopes must be 4 finite numbers"):
+    nn.PagedAttention(E, 4, D, alibi_slopes=nn.alibi_slopes(3), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="clip_qkv must be a positive finite number"):
+    nn.PagedAttention(E, 4, D, clip_qkv=-1.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_heads must be a positive int"):
+    nn.alibi_slopes(0)
   with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):
     nn.PagedAttention(E, 4, D, rope=nn.RotaryEmbedding(32), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"rope_type must be one of \('default', 'linear', "
