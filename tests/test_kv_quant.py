@@ -43,6 +43,11 @@ def _random(shape, dtype=jnp.float32, scale=1.0):
   return (scale * jax.random.normal(jax.random.key(next(_SEED)), shape)).astype(dtype)
 
 
+def _alibi(heads: int) -> jax.Array:
+  """BLOOM's ALiBi slopes for `heads` heads, as the attention kernels take them."""
+  return jnp.asarray(jax_paged.nn.alibi_slopes(heads))
+
+
 # ------------------------------------------------------------------ quantize / dequantize
 @pytest.mark.parametrize("dtype", QDTYPES)
 def test_quantize_error_is_within_one_rounding_step(dtype):
@@ -160,8 +165,8 @@ def _check_decode(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
   out, lse = jax_paged.paged_decode_attention(q, kq, vq, table, lengths, layer=layer,
                                               k_scales=ks, v_scales=vs, return_lse=True,
                                               interpret=interpret, **kwargs)
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window")
-                if k in kwargs}
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
+                                       "alibi_slopes") if k in kwargs}
   want, want_lse = reference.paged_decode_attention(
       q, kq, vq, table, lengths, layer=layer, k_scales=ks, v_scales=vs, return_lse=True,
       **ref_kwargs)
@@ -187,6 +192,9 @@ _CPU_CASES = [
     (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
     # A padded head dim, a window starting mid-page (float8: its zeroed first block).
     (4, 4, 80, 8, FP8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
+    # ALiBi's biases (BLOOM's slopes) beside the scales, with and without a window.
+    (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, alibi_slopes=_alibi(6))),
+    (8, 2, 128, 16, FP8, dict(num_splits=3, alibi_slopes=_alibi(8))),
 ]
 
 
@@ -383,8 +391,8 @@ def _check_prefill(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
   out = jax_paged.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
                                           k_scales=ks, v_scales=vs, interpret=interpret,
                                           **kwargs)
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window")
-                if k in kwargs}
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
+                                       "alibi_slopes") if k in kwargs}
   want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
                                            k_scales=ks, v_scales=vs, **ref_kwargs)
   dense = reference.paged_prefill_attention(
@@ -412,6 +420,11 @@ _PREFILL_CASES = [
     (8, 2, 64, 16, jnp.float16, INT8, dict(block_q=8, block_n=16), dict(atol=4e-3, rtol=4e-3)),
     # The defaults with pages wider than their block (128 keys over 16 query tokens).
     (4, 2, 64, 128, jnp.float32, INT8, dict(), _F32_TOL),
+    # ALiBi's biases (BLOOM's slopes) beside the scales.
+    (6, 2, 80, 8, jnp.float32, INT8, dict(block_q=4, block_n=32, sliding_window=13,
+                                          alibi_slopes=_alibi(6)), _F32_TOL),
+    (4, 4, 64, 8, jnp.bfloat16, FP8, dict(block_q=16, block_n=16, alibi_slopes=_alibi(4)),
+     _BF16_TOL),
 ]
 
 
