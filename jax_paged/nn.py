@@ -657,7 +657,7 @@ class PagedAttention(nnx.Module):
       None: ALiBi adds head h's slope times (key position - query position) to its
       logits (after a cap), at prefill and decode.
     clip_qkv: c > 0 clamps the q / k / v projection's outputs to [-c, c] before any norm
-      or RoPE (OLMo's, OLMoE's), or None.
+      or RoPE (OLMo's, MPT's), or None.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
       XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
       kernel where it supports the head dim and page size, else the reference).

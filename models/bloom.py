@@ -137,11 +137,8 @@ _MODEL_NAMES = {"wte": "word_embeddings", "ln_embed": "word_embeddings_layernorm
 def hf_sources(path: tuple[str, ...], config: BloomConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.load_pretrained`'s `Sources` for BLOOM's tensor names: Linear weights
-  transposed, query_key_value's head-by-head rows put q, k, v first; the ALiBi slopes
-  (no tensor) computed."""
+  transposed, query_key_value's head-by-head rows put q, k, v first."""
   *module, param = path
-  if param == "alibi_slopes":
-    return [], lambda _: paged_nn.alibi_slopes(config.n_head)
   param = "weight" if param in ("scale", "kernel", "embedding") else param
   if module[0] == "h":  # ("h", layer, ...): a block's
     _, layer, *inner = module

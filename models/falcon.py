@@ -30,9 +30,8 @@ through `nn.PagedAttention`, its loader, engine and adapters) with:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping
-
 import math
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -219,9 +218,7 @@ _NORMS = {2: {"input_layernorm": "ln_attn", "post_attention_layernorm": "ln_mlp"
 def hf_sources(path: tuple[str, ...], config: FalconConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.load_pretrained`'s `Sources` for Falcon's tensor names, query_key_value's rows
-  reordered (`qkv_rows`); ALiBi's slopes (no tensor) computed."""
-  if path[-1] == "alibi_slopes":
-    return [], lambda _: config.alibi_slopes
+  reordered (`qkv_rows`)."""
   if path == ("embed_tokens", "embedding"):
     return ["transformer.word_embeddings.weight"], llama.whole
   if path == ("lm_head", "embedding"):

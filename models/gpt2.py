@@ -94,6 +94,11 @@ class GPT2Config:
     (a subclass's own: `models.bloom`'s)."""
     return False
 
+  @property
+  def alibi_slopes(self) -> np.ndarray | None:
+    """With `alibi`, the attention layers' slopes (`nn.alibi_slopes`), else None."""
+    return paged_nn.alibi_slopes(self.n_head) if self.alibi else None
+
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "GPT2Config":
     """From a Hugging Face config dict; fields this model does not use are ignored."""
@@ -140,7 +145,7 @@ class Block(nnx.Module):
     self.attn = paged_nn.PagedAttention(
         config.n_embd, config.n_head, config.head_dim, num_kv_heads=config.num_kv_heads,
         scale=scale, decode_impl=decode_impl,
-        alibi_slopes=paged_nn.alibi_slopes(config.n_head) if config.alibi else None,
+        alibi_slopes=config.alibi_slopes,
         kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
     self.ln_2 = norm()

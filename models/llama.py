@@ -1013,7 +1013,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
       has a `model_type`.
     model_of: (config, rngs=) -> the model, whose parameters the checkpoint fills.
     sources: where each parameter comes from (`hf_sources`: Llama's names; a model with
-      other parameters, as Mixtral's experts, passes its own).
+      other parameters, as Mixtral's experts, passes its own). ALiBi's slopes (no
+      tensor) are the config's `alibi_slopes`.
     max_model_len: the config's max_model_len (`LlamaConfig`'s; None: its default).
 
   Raises:
@@ -1064,8 +1065,11 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
   graphdef, state = nnx.split(abstract)
 
   def load(key_path, spec: jax.ShapeDtypeStruct) -> jax.Array:
-    names, assemble = sources(tuple(str(k.key) for k in key_path
-                                    if isinstance(k, jax.tree_util.DictKey)), config)
+    names = tuple(str(k.key) for k in key_path if isinstance(k, jax.tree_util.DictKey))
+    if names[-1] == "alibi_slopes":  # (`nn.PagedAttention`'s, made from the config)
+      names, assemble = [], lambda _: config.alibi_slopes
+    else:
+      names, assemble = sources(names, config)
     parts = []
     for name in names:
       try:

@@ -146,9 +146,7 @@ _NAMES = {"input_layernorm": "norm_1", "self_attn.qkv": "attn.Wqkv",
 def hf_sources(path: tuple[str, ...], config: MptConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.load_pretrained`'s `Sources` for MPT's tensor names (torch Linear weights
-  transposed); ALiBi's slopes (no tensor) computed."""
-  if path[-1] == "alibi_slopes":
-    return [], lambda _: config.alibi_slopes
+  transposed)."""
   if path == ("embed_tokens", "embedding"):
     return ["transformer.wte.weight"], llama.whole
   *module, param = path
