@@ -1,14 +1,14 @@
 """Paged decode attention on the GPU: ours vs XLA gather+einsum vs jax's Pallas op.
 
 Usage (device machine): PYTHONPATH=. python benchmarks/bench_decode.py [--sweep] [--shapes a,b]
-    [--cache-dtypes bfloat16,int8,float8_e4m3fn] [--alibi]
+    [--cache-dtypes bfloat16,int8,float8_e4m3fn] [--alibi] [--sinks]
 Prints a markdown table (% of the HBM read ceiling measured in the same run) and writes
 <name>.png / <name>.json to $OUT (or the current directory). With quantized cache dtypes
 (int8 / float8_e4m3fn pages with per-token f32 scales, the bf16 K/V quantized), bytes count
 the scales, and a second table gives each quantized kernel's time over the bf16 kernel's
-on the same shape, same run (peers run on bf16 only). `--alibi` adds a table of our
-kernel's time with ALiBi's biases (BLOOM's slopes, `nn.alibi_slopes`) over its time
-without, same shape, same run.
+on the same shape, same run (peers run on bf16 only). `--alibi` / `--sinks` add a table of
+our kernel's time with ALiBi's biases (BLOOM's slopes, `nn.alibi_slopes`) / attention
+sinks (GPT-OSS's, random in [0, 3]) over its time without, same shape, same run.
 
 Two timings, each against the ceiling (`jnp.sum` over 4 GiB) timed the same way: "kernel",
 the GPU kernels' own durations from a profiler trace (device timestamps; no launch gaps or
@@ -51,6 +51,8 @@ SHAPES = {
     "falcon-b64-l2k": (64, 71, 1, 64, 2048, 16, False),
     # BLOOM-560M's heads (16 of 64; ALiBi: `--alibi`).
     "bloom-b64-l2k": (64, 16, 16, 64, 2048, 16, False),
+    # gpt-oss-20b's heads (64 q heads over 8 kv heads of 64; sinks: `--sinks`).
+    "gptoss-b64-l4k": (64, 64, 8, 64, 4096, 16, False),
     "gpt2-b64-l1k-ragged": (64, 12, 12, 64, 1024, 16, True),
     "gqa-b32-l4k-ragged": (32, 32, 8, 128, 4096, 16, True),
 }
@@ -161,16 +163,16 @@ def bench_shape(name, cache_dtype, opts, log, ceiling):
   best = max(entry["ours"], key=lambda r: r["gbs"])
   seconds = common.kernel_seconds(attention(**default["cfg"]), *args)
   default.update(kernel_us=seconds * 1e6, kernel_gbs=nbytes / seconds / 1e9)
-  if opts.alibi:
-    slopes = jnp.asarray(jax_paged.nn.alibi_slopes(h))
-    fn = attention(alibi_slopes=slopes, **default["cfg"])
+  for variant in variants(opts):
+    extra = VARIANTS[variant][1](h)
+    fn = attention(**extra, **default["cfg"])
     want = reference.paged_decode_attention(q, k, v, table, lengths, k_scales=k_scales,
-                                            v_scales=v_scales, alibi_slopes=slopes)
+                                            v_scales=v_scales, **extra)
     err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - want.astype(jnp.float32))))
-    alibi_seconds = common.kernel_seconds(fn, *args)
-    entry["alibi"] = {"kernel_us": alibi_seconds * 1e6, "max_err": err}
-    print(f"{label} ours with ALiBi: {alibi_seconds * 1e6:.1f} us (kernel) vs "
-          f"{seconds * 1e6:.1f} without, err {err:.3g}", flush=True)
+    variant_seconds = common.kernel_seconds(fn, *args)
+    entry[variant] = {"kernel_us": variant_seconds * 1e6, "max_err": err}
+    print(f"{label} ours with {VARIANTS[variant][0]}: {variant_seconds * 1e6:.1f} us "
+          f"(kernel) vs {seconds * 1e6:.1f} without, err {err:.3g}", flush=True)
   pallas_gbs = xla_kgbs = pallas_kgbs = float("nan")
   if not opts.no_peers and not kv_quant.is_quantized(cache_dtype):
     # Kernel time only: in one program XLA computes the page gather of the shared K/V
@@ -191,6 +193,20 @@ def bench_shape(name, cache_dtype, opts, log, ceiling):
   return name, cache_dtype, nbytes, default, best, pallas_gbs, xla_kgbs, pallas_kgbs
 
 
+# --alibi / --sinks: (what, num_heads -> the kernel's extra arguments)
+VARIANTS = {
+    "alibi": ("ALiBi's biases",
+              lambda h: dict(alibi_slopes=jnp.asarray(jax_paged.nn.alibi_slopes(h)))),
+    "sinks": ("attention sinks", lambda h: dict(sinks=jax.random.uniform(
+        jax.random.key(h), (h,), minval=0.0, maxval=3.0))),
+}
+
+
+def variants(opts) -> list[str]:
+  """The variants the flags ask for, in VARIANTS' order."""
+  return [name for name in VARIANTS if getattr(opts, name)]
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--sweep", action="store_true", help="also sweep our kernel's knobs")
@@ -201,6 +217,8 @@ def main():
   parser.add_argument("--no-peers", action="store_true", help="skip XLA and jax's Pallas op")
   parser.add_argument("--alibi", action="store_true",
                       help="also time our kernel with ALiBi (BLOOM's slopes)")
+  parser.add_argument("--sinks", action="store_true",
+                      help="also time our kernel with attention sinks (GPT-OSS's)")
   parser.add_argument("--name", default="decode", help="file name stem under $OUT")
   opts = parser.parse_args()
   cache_dtypes = [jnp.dtype(name) for name in opts.cache_dtypes.split(",")]
@@ -242,15 +260,18 @@ def main():
             f"{default['kernel_us']:.1f} | {ref['kernel_us']:.1f} | "
             f"**{default['kernel_us'] / ref['kernel_us']:.3f}** | "
             f"{default['us'] / ref['us']:.3f} | {kpct(default['kernel_gbs'])} |")
-  if opts.alibi:
-    print("\nALiBi's biases vs none, our kernel, same shape, same run (kernel time):\n")
-    print("| shape | cache | µs without | µs with ALiBi | **with / without** | max abs err |")
+  for variant in variants(opts):
+    what = VARIANTS[variant][0]
+    print(f"\n{what[0].upper() + what[1:]} vs none, our kernel, same shape, same run "
+          "(kernel time):\n")
+    print(f"| shape | cache | µs without | µs with {what} | **with / without** | "
+          "max abs err |")
     print("|---|---|---|---|---|---|")
     for name, dtype, _, default, *_ in rows:
-      alibi = log["shapes"][f"{name}/{dtype.name}"]["alibi"]
+      timed = log["shapes"][f"{name}/{dtype.name}"][variant]
       print(f"| {name} | {dtype.name} | {default['kernel_us']:.1f} | "
-            f"{alibi['kernel_us']:.1f} | **{alibi['kernel_us'] / default['kernel_us']:.3f}** "
-            f"| {alibi['max_err']:.3g} |")
+            f"{timed['kernel_us']:.1f} | **{timed['kernel_us'] / default['kernel_us']:.3f}** "
+            f"| {timed['max_err']:.3g} |")
   out = common.out_dir()
   with open(os.path.join(out, f"{opts.name}.json"), "w") as f:
     json.dump(log, f, indent=1, default=str)

@@ -75,7 +75,7 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
         return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
         num_stages=stages))
     with triton_backend.cuda_lowering_context():
-      fn.trace(q, kv, v, table, lengths, layer, scales, scales, None).lower(
+      fn.trace(q, kv, v, table, lengths, layer, scales, scales, None, None).lower(
           lowering_platforms=("cuda",))
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower

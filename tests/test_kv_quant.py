@@ -43,6 +43,11 @@ def _random(shape, dtype=jnp.float32, scale=1.0):
   return (scale * jax.random.normal(jax.random.key(next(_SEED)), shape)).astype(dtype)
 
 
+def _sinks(heads: int) -> jax.Array:
+  """Attention sinks (GPT-OSS's learned logits), float32 [heads], uniform in [-1, 4]."""
+  return jnp.asarray(np.random.default_rng(heads).uniform(-1, 4, heads), jnp.float32)
+
+
 def _alibi(heads: int) -> jax.Array:
   """BLOOM's ALiBi slopes for `heads` heads, as the attention kernels take them."""
   return jnp.asarray(jax_paged.nn.alibi_slopes(heads))
@@ -166,7 +171,7 @@ def _check_decode(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
                                               k_scales=ks, v_scales=vs, return_lse=True,
                                               interpret=interpret, **kwargs)
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
-                                       "alibi_slopes") if k in kwargs}
+                                       "alibi_slopes", "sinks") if k in kwargs}
   want, want_lse = reference.paged_decode_attention(
       q, kq, vq, table, lengths, layer=layer, k_scales=ks, v_scales=vs, return_lse=True,
       **ref_kwargs)
@@ -177,7 +182,8 @@ def _check_decode(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
   assert not np.isnan(np.asarray(out, np.float32)).any()
   empty = np.asarray(lengths) == 0
   np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
-  np.testing.assert_array_equal(np.asarray(lse)[empty], -np.inf)
+  # (-inf, or with sinks the sink's logit, through base 2: to f32 rounding)
+  np.testing.assert_allclose(np.asarray(lse)[empty], np.asarray(want_lse)[empty], rtol=1e-6)
   for expected in (want, dense):
     chex.assert_trees_all_close(out.astype(jnp.float32), expected.astype(jnp.float32), **tol)
   live = ~empty
@@ -195,6 +201,9 @@ _CPU_CASES = [
     # ALiBi's biases (BLOOM's slopes) beside the scales, with and without a window.
     (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, alibi_slopes=_alibi(6))),
     (8, 2, 128, 16, FP8, dict(num_splits=3, alibi_slopes=_alibi(8))),
+    # Attention sinks (GPT-OSS's), counted once over the splits.
+    (8, 2, 64, 8, INT8, dict(num_splits=3, sinks=_sinks(8))),
+    (4, 4, 128, 16, FP8, dict(num_splits=2, sliding_window=13, sinks=_sinks(4))),
 ]
 
 
@@ -304,17 +313,20 @@ def test_quantized_kernels_lower_for_cuda():
                             sliding_window=None, num_splits=2, return_lse=False,
                             interpret=False, block_n=32, num_warps=2, num_stages=2),
           (s((8, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
-           s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi))
-         for heads, q_dtype, alibi in ((hkv, jnp.bfloat16, None),
-                                       (4 * hkv, jnp.float16, s((4 * hkv,), jnp.float32)))
+           s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi, sinks))
+         for heads, q_dtype, alibi, sinks in (
+             (hkv, jnp.bfloat16, None, s((hkv,), jnp.float32)),
+             (4 * hkv, jnp.float16, s((4 * hkv,), jnp.float32), None))
     ] + [(functools.partial(pp._paged_prefill_pallas, scale=0.125, logits_soft_cap=None,
                             sliding_window=None,
                             interpret=False, block_q=16, block_n=32, num_warps=4,
                             num_stages=2),
           (s((8, 16, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
-           s((8,), jnp.int32), s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi))
-         for heads, q_dtype, alibi in ((hkv, jnp.bfloat16, s((hkv,), jnp.float32)),
-                                       (4 * hkv, jnp.float16, None))]
+           s((8,), jnp.int32), s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi,
+           sinks))
+         for heads, q_dtype, alibi, sinks in (
+             (hkv, jnp.bfloat16, s((hkv,), jnp.float32), None),
+             (4 * hkv, jnp.float16, None, s((4 * hkv,), jnp.float32)))]
     with triton_backend.cuda_lowering_context():
       for fn, args in calls:
         if fn.func in (pa._paged_decode_pallas, pp._paged_prefill_pallas):
@@ -392,7 +404,7 @@ def _check_prefill(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
                                           k_scales=ks, v_scales=vs, interpret=interpret,
                                           **kwargs)
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
-                                       "alibi_slopes") if k in kwargs}
+                                       "alibi_slopes", "sinks") if k in kwargs}
   want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
                                            k_scales=ks, v_scales=vs, **ref_kwargs)
   dense = reference.paged_prefill_attention(
@@ -425,6 +437,7 @@ _PREFILL_CASES = [
                                           alibi_slopes=_alibi(6)), _F32_TOL),
     (4, 4, 64, 8, jnp.bfloat16, FP8, dict(block_q=16, block_n=16, alibi_slopes=_alibi(4)),
      _BF16_TOL),
+    (8, 2, 64, 16, jnp.float32, INT8, dict(block_q=4, block_n=16, sinks=_sinks(8)), _F32_TOL),
 ]
 
 

@@ -40,14 +40,23 @@ def make_inputs(batch, num_heads, num_kv_heads, head_dim, page_size, max_pages, 
   return q, k_pages, v_pages, table.astype(jnp.int32), lengths
 
 
-def check_against_reference(args, *, interpret, alibi=False, **kwargs):
+def random_sinks(num_heads: int) -> jax.Array:
+  """Fresh attention sinks (GPT-OSS's learned logits), float32 [num_heads], uniform in
+  [-1, 4]: beside a few dozen keys' logits of about 1, some weigh much, some little."""
+  return jax.random.uniform(jax.random.key(next(_SEED)), (num_heads,), minval=-1.0,
+                            maxval=4.0)
+
+
+def check_against_reference(args, *, interpret, alibi=False, sinks=False, **kwargs):
   """The kernel's (out, lse) vs the reference's; `alibi`: with BLOOM's slopes for q's
-  heads. Returns the kernel's out."""
+  heads; `sinks`: with random attention sinks. Returns the kernel's out."""
   q, *_, lengths = args
   if alibi:
     kwargs["alibi_slopes"] = jnp.asarray(jax_paged.nn.alibi_slopes(q.shape[1]))
+  if sinks:
+    kwargs["sinks"] = random_sinks(q.shape[1])
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
-                                       "alibi_slopes") if k in kwargs}
+                                       "alibi_slopes", "sinks") if k in kwargs}
   out, lse = jax_paged.paged_decode_attention(*args, return_lse=True, interpret=interpret,
                                               **kwargs)
   ref_out, ref_lse = reference.paged_decode_attention(*args, return_lse=True, **ref_kwargs)
@@ -56,7 +65,9 @@ def check_against_reference(args, *, interpret, alibi=False, **kwargs):
   assert not np.isnan(np.asarray(lse)).any()
   empty = np.asarray(lengths) == 0
   np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
-  np.testing.assert_array_equal(np.asarray(lse)[empty], -np.inf)
+  empty_lse = -np.inf if not sinks else np.asarray(kwargs["sinks"])  # the sink alone
+  np.testing.assert_allclose(np.asarray(lse)[empty], np.broadcast_to(
+      empty_lse, lse[empty].shape), rtol=1e-6)
   chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32),
                               **_TOL[q.dtype.type])
   chex.assert_trees_all_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
@@ -111,6 +122,20 @@ def test_alibi_interpret(kwargs, num_heads, num_kv_heads):
   out = check_against_reference(args, interpret=True, block_n=16, alibi=True, **kwargs)
   plain = reference.paged_decode_attention(
       *args, **{k: v for k, v in kwargs.items() if k != "num_splits"})
+  assert np.abs(np.asarray(out) - np.asarray(plain))[1:].max() > 1e-2
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=3),
+                                    dict(num_splits=7),  # empty splits: no sink there
+                                    dict(sliding_window=13, logits_soft_cap=5.0, num_splits=2),
+                                    dict(alibi=True, num_splits=2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_sinks_interpret(kwargs, num_heads, num_kv_heads):
+  """Attention sinks (GPT-OSS's), counted once whatever the splits: the reference's
+  output, which they change."""
+  args = make_inputs(3, num_heads, num_kv_heads, 64, 8, 6, jnp.float32, [0, 45, 23])
+  out = check_against_reference(args, interpret=True, block_n=16, sinks=True, **kwargs)
+  plain = check_against_reference(args, interpret=True, block_n=16, **kwargs)
   assert np.abs(np.asarray(out) - np.asarray(plain))[1:].max() > 1e-2
 
 
@@ -260,6 +285,9 @@ def test_bad_layer_raises(pool_shape, layer, match):
     (dict(alibi_slopes=jnp.ones((3,))), "alibi_slopes must be float32 of shape"),
     (dict(alibi_slopes=jnp.ones((4,), jnp.bfloat16)), "alibi_slopes must be float32"),
     (dict(alibi_slopes=jnp.full((4,), jnp.nan)), "alibi_slopes must be finite"),
+    (dict(sinks=jnp.ones((8,))), r"sinks must be float32 of shape \[num_heads=4\]"),
+    (dict(sinks=jnp.ones((4,), jnp.bfloat16)), "sinks must be float32"),
+    (dict(sinks=jnp.array([0.0, 1.0, jnp.inf, 2.0])), "sinks must be finite"),
 ])
 def test_bad_inputs_raise(change, name):
   kwargs = dict(q=jnp.zeros((2, 4, 64)), k_pages=jnp.zeros((4, 5, 8, 64)),
@@ -288,7 +316,9 @@ _GPU_GRID = [
 @pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=5), dict(),
                                     dict(sliding_window=300, logits_soft_cap=20.0),
                                     dict(alibi=True), dict(alibi=True, num_splits=3,
-                                                           sliding_window=300)])
+                                                           sliding_window=300),
+                                    dict(sinks=True), dict(sinks=True, num_splits=4,
+                                                           sliding_window=128)])
 def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dtype, kwargs):
   rng = np.random.default_rng(next(_SEED))
   max_pages = 1024 // page_size + 1

@@ -29,6 +29,13 @@ _reference = jax.jit(reference.paged_prefill_attention,
 _alibi = lambda num_heads: jnp.asarray(jax_paged.nn.alibi_slopes(num_heads))
 
 
+def _sinks(num_heads: int) -> jax.Array:
+  """Fresh attention sinks (GPT-OSS's learned logits), float32 [num_heads], uniform in
+  [-1, 4]."""
+  return jnp.asarray(np.random.default_rng(next(_SEED)).uniform(-1, 4, num_heads),
+                     jnp.float32)
+
+
 def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, q_start,
                 q_lengths, *, max_pages=None, num_layers=None, seed=None):
   """q [B, T, H, D], poisoned K/V pages (one layer, or a pool of `num_layers`), a permuted
@@ -74,12 +81,15 @@ def check_output(out, want, q_lengths, dtype):
   chex.assert_trees_all_close(out32, np.asarray(want, np.float32), **_TOL[dtype])
 
 
-def check_against_reference(args, *, interpret=True, alibi=False, **kwargs):
-  """The kernel's output vs the reference's (`alibi`: with BLOOM's slopes for q's heads)."""
+def check_against_reference(args, *, interpret=True, alibi=False, sinks=False, **kwargs):
+  """The kernel's output vs the reference's (`alibi`: with BLOOM's slopes for q's heads;
+  `sinks`: with random attention sinks)."""
   if alibi:
     kwargs["alibi_slopes"] = _alibi(args[0].shape[2])
+  if sinks:
+    kwargs["sinks"] = _sinks(args[0].shape[2])
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window", "layer",
-                                       "alibi_slopes") if k in kwargs}
+                                       "alibi_slopes", "sinks") if k in kwargs}
   out = jax_paged.paged_prefill_attention(*args, interpret=interpret, **kwargs)
   want = _reference(*args, **ref_kwargs)
   check_output(out, want, args[5], args[0].dtype.type)
@@ -142,6 +152,18 @@ def test_alibi_interpret(kwargs, num_heads, num_kv_heads, block_q):
   assert np.abs(np.asarray(out) - np.asarray(_reference(*args, **kwargs))).max() > 1e-2
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(sliding_window=9), dict(alibi=True)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_q", [(4, 4, 16), (6, 2, 4)])
+def test_sinks_interpret(kwargs, num_heads, num_kv_heads, block_q):
+  """Attention sinks (GPT-OSS's) on every query row, after a prefix and not: the
+  reference's output, which they change."""
+  args = make_inputs(20, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 37, 9],
+                     [20, 19, 6])
+  out = check_against_reference(args, block_q=block_q, block_n=16, sinks=True, **kwargs)
+  plain = check_against_reference(args, block_q=block_q, block_n=16, **kwargs)
+  assert np.abs(np.asarray(out) - np.asarray(plain)).max() > 1e-2
+
+
 @pytest.mark.parametrize("kwargs", [dict(scale=0.3), dict(block_n=32), dict()])
 def test_knobs_and_defaults_interpret(kwargs):
   args = make_inputs(12, 8, 2, 64, 16, jnp.float32, [0, 30, 64], [12, 12, 1],
@@ -180,16 +202,19 @@ def test_layer_of_pool_interpret():
       check_output(got, want, q_lengths, jnp.float32)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap,alibi", [
-    (4, 4, None, None, False), (8, 2, None, None, False), (8, 2, 6, None, False),
-    (8, 2, 6, 1.5, False), (8, 2, None, None, True), (4, 4, 6, 1.5, True)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap,alibi,sinks", [
+    (4, 4, None, None, False, False), (8, 2, None, None, False, False),
+    (8, 2, 6, None, False, False), (8, 2, 6, 1.5, False, False),
+    (8, 2, None, None, True, False), (4, 4, 6, 1.5, True, False),
+    (8, 2, 6, None, False, True), (4, 4, None, None, True, True)])
 def test_one_token_equals_decode_interpret(num_heads, num_kv_heads, sliding_window, soft_cap,
-                                           alibi):
+                                           alibi, sinks):
   """T = 1 at position q_start is a decode step over lengths = q_start + 1."""
   q, k_pages, v_pages, table, q_start, q_lengths = make_inputs(
       1, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 7, 8, 30], [1, 1, 1, 1])
   options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap,
-                 alibi_slopes=_alibi(num_heads) if alibi else None, interpret=True)
+                 alibi_slopes=_alibi(num_heads) if alibi else None,
+                 sinks=_sinks(num_heads) if sinks else None, interpret=True)
   out = jax_paged.paged_prefill_attention(q, k_pages, v_pages, table, q_start, q_lengths,
                                           **options)
   decode = jax_paged.paged_decode_attention(q[:, 0], k_pages, v_pages, table, q_start + 1,
@@ -290,6 +315,8 @@ def _valid_kwargs():
     (dict(sliding_window=0), "sliding_window"),
     (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive finite number"),
     (dict(alibi_slopes=jnp.ones((3,))), r"alibi_slopes must be float32 of shape \[num_heads=4\]"),
+    (dict(sinks=jnp.ones((4, 1))), r"sinks must be float32 of shape \[num_heads=4\]"),
+    (dict(sinks=jnp.full((4,), -jnp.inf)), "sinks must be finite"),
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_q=4), r"block_q x the q heads .* must be >= 16"),
     (dict(block_n=8), "block_n must be >= 16"),
@@ -340,7 +367,8 @@ _GPU_GRID = [
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", _GPU_GRID)
 @pytest.mark.parametrize("kwargs", [dict(), dict(sliding_window=100),
                                     dict(logits_soft_cap=2.0, sliding_window=100),
-                                    dict(alibi=True), dict(alibi=True, sliding_window=100)])
+                                    dict(alibi=True), dict(alibi=True, sliding_window=100),
+                                    dict(sinks=True, sliding_window=128)])
 def test_matches_reference_gpu(num_heads, num_kv_heads, head_dim, page_size, dtype, kwargs):
   rng = np.random.default_rng(next(_SEED))
   q_start = rng.integers(0, 700, size=6)

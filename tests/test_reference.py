@@ -9,14 +9,15 @@ from jax_paged import reference
 
 
 def numpy_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, soft_cap, window,
-                       slopes=None):
+                       slopes=None, sinks=None):
   """One sequence, one head, one position at a time: the definition, in float64 (ALiBi's
   `slopes` times the keys' absolute positions, as BLOOM adds them: its lse is the
-  relative bias's plus slope * (L - 1))."""
+  relative bias's plus slope * (L - 1); `sinks` as GPT-OSS's eager attention counts them:
+  a last logit per head, concatenated, whose probability is dropped)."""
   b, h, d = q.shape
   hkv, _, page_size, _ = k_pages.shape
   out = np.zeros((b, h, d))
-  lse = np.full((b, h), -np.inf)
+  lse = np.full((b, h), -np.inf) if sinks is None else np.tile(sinks.astype(np.float64), (b, 1))
   for i in range(b):
     start = 0 if window is None else max(0, lengths[i] - window)
     positions = range(start, lengths[i])
@@ -31,10 +32,12 @@ def numpy_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, soft_cap
         logits = soft_cap * np.tanh(logits / soft_cap)
       if slopes is not None:
         logits = logits + slopes[head] * np.asarray(positions, np.float64)
+      if sinks is not None:
+        logits = np.append(logits, sinks[head])
       m = logits.max()
       w = np.exp(logits - m)
       lse[i, head] = m + np.log(w.sum())
-      out[i, head] = (w / w.sum()) @ vs.astype(np.float64)
+      out[i, head] = (w / w.sum())[:len(positions)] @ vs.astype(np.float64)
   return out, lse
 
 
@@ -90,6 +93,28 @@ def test_paged_decode_alibi_matches_numpy(h, hkv, soft_cap, window):
   chex.assert_tree_all_finite(out)
   np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("soft_cap,window", [(None, None), (3.0, 20)])
+def test_paged_decode_sinks_match_numpy(h, hkv, soft_cap, window):
+  rng = np.random.default_rng([h, hkv, 11])
+  lengths = [0, 1, 8, 13, 40]
+  q, k, v, table, lens = random_paged_inputs(rng, len(lengths), h, hkv, 16, 8, 5, 32,
+                                             lengths)
+  sinks = (2 * rng.standard_normal(h)).astype(np.float32)
+  out, lse = reference.paged_decode_attention(
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), jnp.asarray(lens),
+      scale=0.3, logits_soft_cap=soft_cap, sliding_window=window, sinks=jnp.asarray(sinks),
+      return_lse=True)
+  want_out, want_lse = numpy_paged_decode(q, k, v, table, lens, 0.3, soft_cap, window,
+                                          sinks=sinks)
+  plain = numpy_paged_decode(q, k, v, table, lens, 0.3, soft_cap, window)[0]
+  assert np.abs(want_out - plain)[1:].max() > 1e-2  # the sinks matter here
+  chex.assert_tree_all_finite(out)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out[0]), 0.0)  # empty: the sink alone
 
 
 def test_paged_decode_default_scale_and_dtype():

@@ -143,14 +143,15 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
                    max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                    block_n: int, num_splits: int, quantized: bool, alibi: bool,
-                   interpret: bool):
+                   sinks: bool, interpret: bool):
   """One (kv head, split, sequence b) program.
 
   Refs are whole arrays: lengths [B], page_table [B, max_pages], layer [1], q [B, H, D],
   k [L * Hkv * num_pages * page_size, D], v the same or (quantized: token-minor pages)
   [L * Hkv * num_pages * D, page_size], (quantized) order [B] (the sequences, shortest
   first: program (h, s, i) serves sequence order[B - 1 - i]) and k/v scales f32 [L * Hkv
-  * num_pages * page_size], (alibi) slopes f32 [H], o [S, B, H, D], lse [S, B, H].
+  * num_pages * page_size], (alibi) slopes f32 [H], (sinks) sinks f32 [H], o [S, B, H,
+  D], lse [S, B, H].
   """
   kv_head, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if quantized:
@@ -158,6 +159,8 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     b = order_ref[order_ref.shape[0] - 1 - b]  # the longest first
   if alibi:
     slopes_ref, *refs = refs
+  if sinks:
+    sinks_ref, *refs = refs
   o_ref, lse_ref = refs
   # Clamped as the reference clamps: a traced length out of range never reads past the
   # sequence's page table row and gives the reference's result. (Traced page ids are
@@ -272,6 +275,12 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
           jnp.zeros((block_g, block_d), jnp.float32))
   m, l, acc = lax.fori_loop(0, num_blocks, body, init)
 
+  if sinks:  # split 0 counts each head's sink (a logit without a value) once, in base 2
+    sink = plgpu.load(sinks_ref.at[heads], mask=head_mask,
+                      other=None if head_mask is None else 0.0) * triton_backend.LOG2_E
+    if num_splits > 1:
+      sink = jnp.where(split == 0, sink, -jnp.inf)
+    m, l, acc = count_sink(m, l, acc, sink, interpret)
   nonempty = l > 0
   out = acc / jnp.where(nonempty, l, 1.0)[:, None]
   lse = jnp.where(nonempty, (m + jnp.log2(l)) * triton_backend.LN_2, -jnp.inf)
@@ -279,18 +288,28 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   plgpu.store(lse_ref.at[split, b, heads], lse, mask=head_mask)
 
 
+def count_sink(m, l, acc, sink, interpret: bool):
+  """Inside a kernel: an online softmax's state (m, l, acc: f32 [rows], [rows], [rows, D],
+  base 2) with each row's `sink` logit (f32 [rows], base 2; -inf: none) counted in l and
+  no value in acc (attention sinks; the prefill kernel's too)."""
+  m_new = jnp.maximum(m, sink)
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with neither: l stays 0
+  alpha = triton_backend.exp2(m - m_safe, interpret)
+  return m_new, l * alpha + triton_backend.exp2(sink - m_safe, interpret), acc * alpha[:, None]
+
+
 @functools.partial(jax.jit, static_argnames=[
     "scale", "logits_soft_cap", "sliding_window", "num_splits", "return_lse", "interpret",
     "block_n", "num_warps", "num_stages"])
 def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales,
-                         alibi_slopes, *, scale: float,
+                         alibi_slopes, sinks, *, scale: float,
                          logits_soft_cap: float | None, sliding_window: int | None,
                          num_splits: int, return_lse: bool, interpret: bool, block_n: int,
                          num_warps: int, num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
   num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
   layer: int32 scalar; k_scales, v_scales: None, or float32 of k_pages' shape without D for
-  int8 / float8 pages; alibi_slopes: None or float32 [H]."""
+  int8 / float8 pages; alibi_slopes, sinks: None or float32 [H]."""
   quantized = k_scales is not None
   if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
     k_pages, v_pages = k_pages[None], v_pages[None]
@@ -313,7 +332,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
       num_splits=num_splits, quantized=quantized, alibi=alibi_slopes is not None,
-      interpret=interpret)
+      sinks=sinks is not None, interpret=interpret)
   quant_refs = []
   if quantized:
     # Programs start in grid order, kv heads fastest: a sequence's programs start together,
@@ -327,7 +346,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
     work = lengths if sliding_window is None else jnp.minimum(lengths, sliding_window)
     quant_refs = [jnp.argsort(work).astype(jnp.int32)]
     quant_refs += [x.reshape(rows) for x in (k_scales, v_scales)]
-  alibi_refs = [] if alibi_slopes is None else [alibi_slopes]
+  head_refs = [x for x in (alibi_slopes, sinks) if x is not None]
   # One split writes the final output directly; partials stay f32 for the merge.
   part_dtype = q.dtype if num_splits == 1 else jnp.float32
   o, lse = pl.pallas_call(
@@ -340,7 +359,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
       interpret=interpret,
       name="paged_decode_attention",
   )(lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_rows, v_rows,
-    *quant_refs, *alibi_refs)
+    *quant_refs, *head_refs)
   if num_splits == 1:
     o, lse = o[0], lse[0]
   else:
@@ -402,6 +421,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None,
                            alibi_slopes: jax.Array | None = None,
+                           sinks: jax.Array | None = None,
                            num_splits: int | None = None,
                            return_lse: bool = False, interpret: bool | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
@@ -439,9 +459,12 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     sliding_window: W > 0 limits a sequence of length L to positions [L - W, L).
     alibi_slopes: float32 [H] or None: ALiBi (BLOOM's, MPT's positions) adds slope_h *
       (j - (L - 1)) to head h's logit of the key at position j (after a soft cap).
+    sinks: float32 [H] or None: attention sinks (GPT-OSS's): head h's softmax also counts
+      a logit sinks[h] (natural units, not scaled or capped) that has no value, so its
+      weights sum to less than 1 (`reference.paged_decode_attention`).
     num_splits: KV partitions per sequence (flash-decoding); None picks from B x Hkv
       against the GPU's SM count and max_pages_per_seq.
-    return_lse: also return the log-sum-exp of the final logits.
+    return_lse: also return the log-sum-exp of the final logits (the sinks' included).
     interpret: None = Triton kernel on GPU, plain XLA elsewhere; True = Pallas interpret
       mode (tests); False = Triton kernel.
     block_n, num_warps, num_stages: kernel tuning knobs (tokens per step, Triton warps,
@@ -450,13 +473,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
   Returns:
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
-    A sequence of length 0 gives out 0 and lse -inf.
+    A sequence of length 0 gives out 0 and lse -inf (with sinks: the sink's logit).
   """
   validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes)
+      alibi_slopes=alibi_slopes, sinks=sinks)
   validation.check_positive_int("block_n", block_n, optional=True, power_of_two=True)
   for name, knob in (("num_splits", num_splits), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
@@ -470,7 +493,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                    k_scales=k_scales, v_scales=v_scales,
                                    scale=scale, logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window,
-                                   alibi_slopes=alibi_slopes, return_lse=return_lse)
+                                   alibi_slopes=alibi_slopes, sinks=sinks,
+                                   return_lse=return_lse)
   if not mode:
     kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
@@ -495,7 +519,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     default_n = max(default_n, page_size)
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, alibi_slopes,
-      scale=scale, logits_soft_cap=logits_soft_cap,
+      sinks, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
       interpret=mode, block_n=block_n or default_n, num_warps=num_warps or default_warps,
       num_stages=num_stages or default_stages)

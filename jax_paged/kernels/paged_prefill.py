@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged.kernels import kv_quant
+from jax_paged.kernels import paged_attention
 from jax_paged.kernels import reference
 from jax_paged.kernels import triton_backend
 from jax_paged.kernels import validation
@@ -82,19 +83,21 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
                     num_heads: int, num_kv_heads: int, num_pages: int, max_pages: int,
                     page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                     block_q: int, block_n: int, num_q_blocks: int, quantized: bool,
-                    alibi: bool, interpret: bool):
+                    alibi: bool, sinks: bool, interpret: bool):
   """One (query block, kv head, sequence b) program.
 
   Refs are whole arrays: q_start, q_len [B], page_table [B, max_pages], layer [1],
   q / o [B, T, H, D], k / v [L * Hkv * num_pages * page_size, D] (row ((layer * Hkv +
   kv head) * num_pages + page) * page_size + offset); quantized: v token-minor [L * Hkv *
   num_pages * D, page_size] and k / v scales f32 [L * Hkv * num_pages * page_size] (by
-  k's row), then (alibi) slopes f32 [H], before o.
+  k's row), then (alibi) slopes f32 [H] and (sinks) sinks f32 [H], before o.
   """
   if quantized:
     ks_ref, vs_ref, *refs = refs
   if alibi:
     slopes_ref, *refs = refs
+  if sinks:
+    sinks_ref, *refs = refs
   (o_ref,) = refs
   q_block = num_q_blocks - 1 - pl.program_id(0)
   kv_head, b = pl.program_id(1), pl.program_id(2)
@@ -217,7 +220,11 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   if sliding_window is not None:
     carry = lax.fori_loop(start, full_lo, masked_body, carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-  _, l, acc = lax.fori_loop(full_hi, end, masked_body, carry)
+  m, l, acc = lax.fori_loop(full_hi, end, masked_body, carry)
+  if sinks:  # each row's head's sink: a logit without a value, in base 2
+    sink = plgpu.load(sinks_ref.at[kv_head * group + g], mask=g < group,
+                      other=0.0) * triton_backend.LOG2_E
+    _, l, acc = paged_attention.count_sink(m, l, acc, sink, interpret)
 
   # Every real query sees at least its own key, so l > 0 there; padding rows store 0.
   out = jnp.where(real[:, None], acc / jnp.where(real, l, 1.0)[:, None], 0.0)
@@ -230,14 +237,14 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
     "scale", "logits_soft_cap", "sliding_window", "interpret", "block_q", "block_n",
     "num_warps", "num_stages"])
 def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, layer,
-                          k_scales, v_scales, alibi_slopes, *, scale: float,
+                          k_scales, v_scales, alibi_slopes, sinks, *, scale: float,
                           logits_soft_cap: float | None, sliding_window: int | None,
                           interpret: bool, block_q: int, block_n: int, num_warps: int,
                           num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
   num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
   layer: int32 scalar; k_scales, v_scales: None, or float32 of k_pages' shape without D for
-  int8 / float8 pages; alibi_slopes: None or float32 [H]."""
+  int8 / float8 pages; alibi_slopes, sinks: None or float32 [H]."""
   quantized = k_scales is not None
   if k_pages.ndim == 4:  # a pool of one layer (free: a reshape inside jit)
     k_pages, v_pages = k_pages[None], v_pages[None]
@@ -251,7 +258,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
   v_rows = (v_pages.reshape(rows // page_size * head_dim, page_size) if quantized
             else v_pages.reshape(rows, head_dim))
   scale_refs = [x.reshape(rows) for x in (k_scales, v_scales)] if quantized else []
-  alibi_refs = [] if alibi_slopes is None else [alibi_slopes]
+  head_refs = [x for x in (alibi_slopes, sinks) if x is not None]
   num_q_blocks = pl.cdiv(num_tokens, block_q)
   kernel = functools.partial(
       _prefill_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
@@ -261,7 +268,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
       block_d=pl.next_power_of_2(head_dim), group=group,
       block_g=pl.next_power_of_2(group), block_q=block_q, block_n=block_n,
       num_q_blocks=num_q_blocks, quantized=quantized, alibi=alibi_slopes is not None,
-      interpret=interpret)
+      sinks=sinks is not None, interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=(num_q_blocks, num_kv_heads, batch),
@@ -271,7 +278,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
       interpret=interpret,
       name="paged_prefill_attention",
   )(q_start, q_lengths, page_table, jnp.reshape(layer, (1,)).astype(jnp.int32),
-    q, k_pages.reshape(rows, head_dim), v_rows, *scale_refs, *alibi_refs)
+    q, k_pages.reshape(rows, head_dim), v_rows, *scale_refs, *head_refs)
 
 
 _paged_prefill_reference = jax.jit(reference.paged_prefill_attention,
@@ -287,6 +294,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             scale: float | None = None, logits_soft_cap: float | None = None,
                             sliding_window: int | None = None,
                             alibi_slopes: jax.Array | None = None,
+                            sinks: jax.Array | None = None,
                             interpret: bool | None = None, block_q: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None) -> jax.Array:
@@ -327,6 +335,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       convention: a sequence of length L = p + 1 sees [L - W, L)).
     alibi_slopes: float32 [H] or None: ALiBi (BLOOM's, MPT's positions) adds slope_h *
       (j - p) to head h's logit of the key at position j (after a soft cap).
+    sinks: float32 [H] or None: attention sinks (GPT-OSS's), as `paged_decode_attention`
+      counts them.
     interpret: None = Triton kernel on GPU, plain XLA elsewhere; True = Pallas interpret
       mode (tests); False = Triton kernel. Shapes the kernel does not take
       (`validation.kernel_supports`: head dims 64, 80, 96, 128, 256, page sizes 8..128,
@@ -342,7 +352,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes)
+      alibi_slopes=alibi_slopes, sinks=sinks)
   for name, knob in (("block_q", block_q), ("block_n", block_n)):
     validation.check_positive_int(name, knob, optional=True, power_of_two=True)
   for name, knob in (("num_warps", num_warps), ("num_stages", num_stages)):
@@ -366,7 +376,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                                     layer=layer, k_scales=k_scales, v_scales=v_scales,
                                     scale=scale, logits_soft_cap=logits_soft_cap,
                                     sliding_window=sliding_window,
-                                    alibi_slopes=alibi_slopes)
+                                    alibi_slopes=alibi_slopes, sinks=sinks)
   if not mode:
     kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
@@ -380,7 +390,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       min_block_n=1 if k_scales is None else page_size)
   return _paged_prefill_pallas(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer, k_scales, v_scales,
-      alibi_slopes, scale=scale, logits_soft_cap=logits_soft_cap,
+      alibi_slopes, sinks, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, interpret=mode, block_q=block_q or d_q,
       block_n=block_n or d_n, num_warps=num_warps or d_warps,
       num_stages=num_stages or d_stages)

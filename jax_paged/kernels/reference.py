@@ -69,7 +69,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            v_scales: jax.Array | None = None,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None,
-                           alibi_slopes: jax.Array | None = None, return_lse: bool = False):
+                           alibi_slopes: jax.Array | None = None,
+                           sinks: jax.Array | None = None, return_lse: bool = False):
   """One query token per sequence attending to its paged K/V cache.
 
   Args:
@@ -95,17 +96,19 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     alibi_slopes: float32 [H] or None: ALiBi (Press et al.; BLOOM's, MPT's) adds
       slope_h * (j - (L - 1)) to head h's logit of the key at position j (after a soft
       cap), the query at position L - 1.
-    return_lse: also return the log-sum-exp of the final logits.
+    sinks: float32 [H] or None: attention sinks (GPT-OSS's): head h's softmax also counts
+      a logit sinks[h] that has no value, so its weights sum to less than 1.
+    return_lse: also return the log-sum-exp of the final logits (the sink's included).
 
   Returns:
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
-    A sequence of length 0 gives out 0 and lse -inf.
+    A sequence of length 0 gives out 0 and lse -inf (with sinks: the sink's logit).
   """
   k_layer = validation.check_decode_call(
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes)
+      alibi_slopes=alibi_slopes, sinks=sinks)
   lengths = validation.clamp_lengths(lengths, page_table.shape[1] * k_layer.shape[2])
   b, h, d = q.shape
   hkv = k_layer.shape[0]
@@ -124,7 +127,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     mask &= pos >= lengths[:, None] - sliding_window
   mask = mask[:, None, None, :]
   logits = jnp.where(mask, logits, -jnp.inf)
-  lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty sequence
+  lse = _with_sinks(jax.nn.logsumexp(logits, axis=-1), sinks, (1, hkv, h // hkv))
   probs = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]),
                     0.0)
   out = jnp.einsum("bkgt,bktd->bkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
@@ -142,7 +145,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             sliding_window: int | None = None,
                             k_scales: jax.Array | None = None,
                             v_scales: jax.Array | None = None,
-                            alibi_slopes: jax.Array | None = None) -> jax.Array:
+                            alibi_slopes: jax.Array | None = None,
+                            sinks: jax.Array | None = None) -> jax.Array:
   """Several query tokens per sequence attending causally to its paged K/V cache.
 
   Row b's query t (t < q_lengths[b]) sits at position p = q_start[b] + t and attends to the
@@ -171,6 +175,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       takes them: the pages it gathers are dequantized in f32); else None.
     alibi_slopes: float32 [H] or None: ALiBi adds slope_h * (j - p) to head h's logit of
       the key at position j for the query at position p (after a soft cap).
+    sinks: float32 [H] or None: attention sinks, as `paged_decode_attention` counts them.
 
   Returns:
     out [B, T, H, D] in q's dtype; padding queries (t >= q_lengths[b]) give exactly 0.
@@ -179,7 +184,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes)
+      alibi_slopes=alibi_slopes, sinks=sinks)
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
@@ -208,11 +213,19 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   mask &= (jnp.arange(t)[None, :] < q_lengths[:, None])[:, :, None]
   mask = mask[:, None, None]  # [B, 1, 1, T, S]
   logits = jnp.where(mask, logits, -jnp.inf)
-  lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for a padding query
+  # -inf for a padding query (with sinks: the sink's logit; its weights are masked)
+  lse = _with_sinks(jax.nn.logsumexp(logits, axis=-1), sinks, (1, hkv, h // hkv, 1))
   probs = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]),
                     0.0)
   out = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
   return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _with_sinks(lse: jax.Array, sinks: jax.Array | None, shape: tuple[int, ...]
+                ) -> jax.Array:
+  """The log-sum-exp `lse` of a softmax's logits with each head's sink logit counted
+  (`sinks` [H] reshaped to `shape`, broadcasting against lse), or lse itself."""
+  return lse if sinks is None else jnp.logaddexp(lse, sinks.reshape(shape))
 
 
 def paged_latent_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -159,7 +159,8 @@ def check_layer(k_pages, v_pages, layer):
 
 
 def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits_soft_cap,
-                      sliding_window, strict_kernel_shapes: bool, alibi_slopes=None) -> None:
+                      sliding_window, strict_kernel_shapes: bool, alibi_slopes=None,
+                      sinks=None) -> None:
   """Validates the arguments of `paged_decode_attention` (kernel and reference).
 
   `strict_kernel_shapes` additionally enforces what the kernels support (head dims
@@ -202,14 +203,8 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
     raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
   check_positive_number("logits_soft_cap", logits_soft_cap, optional=True)
   check_positive_int("sliding_window", sliding_window, optional=True)
-  if alibi_slopes is not None and (_shape(alibi_slopes) != (h,) or jnp.dtype(
-      getattr(alibi_slopes, "dtype", None)) != jnp.dtype(jnp.float32)):
-    raise ValueError(f"alibi_slopes must be float32 of shape [num_heads={h}] or None, got "
-                     f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)} of "
-                     f"shape {_shape(alibi_slopes)}")
-  slopes = None if alibi_slopes is None else concrete(alibi_slopes)
-  if slopes is not None and not np.isfinite(slopes).all():
-    raise ValueError(f"alibi_slopes must be finite, got {slopes}")
+  for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+    check_head_values(name, x, h)
   if strict_kernel_shapes:
     if d not in SUPPORTED_HEAD_DIMS:
       raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
@@ -218,16 +213,31 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
                        f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
 
 
+def check_head_values(name: str, x, num_heads: int) -> None:
+  """Raises ValueError unless x (named `name`) is None or float32 [num_heads], finite
+  where concrete: a value per q head (ALiBi's slopes, attention sinks)."""
+  if x is None:
+    return
+  if _shape(x) != (num_heads,) or jnp.dtype(getattr(x, "dtype", None)) != jnp.dtype(
+      jnp.float32):
+    raise ValueError(f"{name} must be float32 of shape [num_heads={num_heads}] or None, got "
+                     f"{getattr(x, 'dtype', type(x).__name__)} of shape {_shape(x)}")
+  values = concrete(x)
+  if values is not None and not np.isfinite(values).all():
+    raise ValueError(f"{name} must be finite, got {values}")
+
+
 def check_decode_call(q, k_pages, v_pages, page_table, lengths, *, layer, scale,
                       logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
-                      k_scales=None, v_scales=None, alibi_slopes=None):
+                      k_scales=None, v_scales=None, alibi_slopes=None, sinks=None):
   """All of `paged_decode_attention`'s checks (`check_layer`, `check_decode_args`,
   `check_scales`, `check_decode_values`); returns the shape-and-dtype of one layer of
   k_pages."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
   check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                     logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                    strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes)
+                    strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes,
+                    sinks=sinks)
   check_scales(k_pages, v_pages, k_scales, v_scales)
   check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
                       page_size=k_layer.shape[2])
@@ -292,12 +302,12 @@ def clamp_lengths(lengths, capacity: int):
 
 def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
                        logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
-                       k_scales=None, v_scales=None, alibi_slopes=None):
+                       k_scales=None, v_scales=None, alibi_slopes=None, sinks=None):
   """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
   k_pages. q is [B, T, H, D]; the pools, scales, page table, scale, cap and window are checked
-  as `paged_decode_attention` checks them (alibi slopes too; `check_layer`, `check_scales`,
-  `check_decode_args` on one token's q), q_start / q_lengths here and, where concrete, by
-  `check_prefill_values`."""
+  as `paged_decode_attention` checks them (alibi slopes and sinks too; `check_layer`,
+  `check_scales`, `check_decode_args` on one token's q), q_start / q_lengths here and, where
+  concrete, by `check_prefill_values`."""
   k_layer, v_layer = check_layer(k_pages, v_pages, layer)
   check_scales(k_pages, v_pages, k_scales, v_scales)
   if len(_shape(q)) != 4:
@@ -312,7 +322,8 @@ def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, l
   check_decode_args(jax.ShapeDtypeStruct((b, h, d), q.dtype), k_layer, v_layer, page_table,
                     q_start, scale=scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window,
-                    strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes)
+                    strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes,
+                    sinks=sinks)
   check_prefill_values(page_table, q_start, q_lengths, num_tokens=t,
                        num_pages=k_layer.shape[1], page_size=k_layer.shape[2])
   return k_layer
