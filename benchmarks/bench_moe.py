@@ -31,6 +31,7 @@ from benchmarks import common
 from jax_paged import weight_quant
 from jax_paged.kernels import grouped_matmul as gm
 from models import deepseek
+from models import gpt_oss
 from models import moe
 
 # Whole models' shapes (HF's config.json; `benchmarks/profile_decode_step.py` steps them).
@@ -53,6 +54,11 @@ DEEPSEEK_V2_LITE = deepseek.DeepseekConfig(
     max_position_embeddings=163840, rope_scaling={
         "rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+# gpt-oss-20b (HF's config.json): 24 layers alternating a 128-token window and full
+# attention with sinks, 64 q heads of 64 over 8, 32 experts of 2880 (4 per token).
+GPT_OSS_20B = gpt_oss.GptOssConfig(
+    num_hidden_layers=24, num_local_experts=32, eos_token_id=200002,
+    layer_types=("sliding_attention", "full_attention") * 12)
 # (hidden, experts' intermediate width, experts, experts per token)
 SHAPES = {name: (c.hidden_size, c.expert_width, c.num_local_experts, c.num_experts_per_tok)
           for name, c in (("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B))}

@@ -18,8 +18,9 @@ Position information, where a model has it in attention, comes from a `RotaryEmb
 (RoPE: default, "linear" and "llama3" frequencies) applied by the layer to q and k before
 K is cached, or from ALiBi (`alibi_slopes`: BLOOM's, MPT's linear biases on the logits,
 each head's slope times the key's distance); a `sliding_window` limits every token to the
-last W positions, and a `logits_soft_cap` C caps the attention logits to C * tanh(logits /
-C) (Gemma 2's), prompt and decode alike.
+last W positions, a `logits_soft_cap` C caps the attention logits to C * tanh(logits /
+C) (Gemma 2's), and `sinks` adds a learned logit per head to every softmax (GPT-OSS's
+attention sinks), prompt and decode alike.
 
 `project_add_norm` is a pre-LN block's "x = x + proj(h); h = norm(x)" with the
 projection's split-K reduction, the residual add and the norm in one kernel at decode's
@@ -556,19 +557,22 @@ def project_add(proj: Linear, h: jax.Array, residual: jax.Array, *,
 
 
 class GroupedLinear(nnx.Module):
-  """Linear maps without bias, one per group, over rows sorted by group: a mixture of
-  experts' projections (`models.moe`).
+  """Linear maps, one per group, over rows sorted by group: a mixture of experts'
+  projections (`models.moe`).
 
   Attributes:
     kernel: [groups, in_features, out_features] in `param_dtype`; after `quantize_int8`
       int8 [groups, out_features, in_features] (`transposed`).
+    bias: None, or with `use_bias` [groups, out_features] in `param_dtype` (GPT-OSS's
+      experts'), each row getting its group's.
     kernel_scale: None, or for int8 weights f32 [groups, out_features] (each group's
       column steps, as `weight_quant.Int8Linear`'s).
     transposed: whether the kernel is stored [groups, out_features, in_features] (int8).
     dtype: the compute dtype (None: the inputs').
     reduce_axis: None, or under tensor parallelism the mesh axis a row-parallel stack's
       partial outputs are summed over (set by `jax_paged.tensor_parallel`; the caller sums,
-      after combining the rows, where it is cheapest).
+      after combining the rows, where it is cheapest, and adds a bias once after the sum:
+      the call then leaves it out).
   """
 
   reduce_axis: str | None = None
@@ -576,13 +580,14 @@ class GroupedLinear(nnx.Module):
   transposed: bool = False
 
   def __init__(self, groups: int, in_features: int, out_features: int, *,
-               kernel_init=nnx.initializers.lecun_normal(), dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               use_bias: bool = False, kernel_init=nnx.initializers.lecun_normal(),
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     for name, value in (("groups", groups), ("in_features", in_features),
                         ("out_features", out_features)):
       validation.check_positive_int(name, value)
     self.kernel = nnx.Param(kernel_init(rngs.params(), (groups, in_features, out_features),
                                         param_dtype))
+    self.bias = nnx.Param(jnp.zeros((groups, out_features), param_dtype)) if use_bias else None
     self.in_features, self.out_features = in_features, out_features
     self.dtype = dtype
 
@@ -590,12 +595,22 @@ class GroupedLinear(nnx.Module):
                interpret: bool | None = None) -> jax.Array:
     """x [rows, in_features] sorted by group, group_sizes int32 [groups] -> float32 [rows,
     out_features]: each group's rows times its kernel (`grouped_matmul`: on a GPU only
-    the groups with rows are read); rows past the groups' total are zero."""
+    the groups with rows are read), plus its bias (not under row parallelism:
+    `reduce_axis`); rows past the groups' total are zero."""
     dtype = self.dtype or x.dtype
     scale = None if self.kernel_scale is None else self.kernel_scale[...]
     kernel = self.kernel[...] if scale is not None else self.kernel[...].astype(dtype)
-    return grouped_matmul.grouped_matmul(x.astype(dtype), kernel, group_sizes, scale=scale,
-                                         transposed=self.transposed, interpret=interpret)
+    y = grouped_matmul.grouped_matmul(x.astype(dtype), kernel, group_sizes, scale=scale,
+                                      transposed=self.transposed, interpret=interpret)
+    if self.bias is None or self.reduce_axis is not None:
+      return y
+    # Each row's group: the number of groups ending at or before it (groups past the last
+    # row's: no bias, as the rows past the total are zero).
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.sum(jnp.arange(x.shape[0])[:, None] >= ends[None, :], axis=1)
+    bias = jnp.take(self.bias[...].astype(jnp.float32), group, axis=0, mode="fill",
+                    fill_value=0.0)
+    return y + bias
 
   def quantize_int8(self) -> bool:
     """Makes the weights int8, in place: per group and output column (`weight_quant`'s
@@ -658,6 +673,10 @@ class PagedAttention(nnx.Module):
       logits (after a cap), at prefill and decode.
     clip_qkv: c > 0 clamps the q / k / v projection's outputs to [-c, c] before any norm
       or RoPE (OLMo's, MPT's), or None.
+    sinks: an `nnx.Param` [num_heads] in param_dtype (made zero with `sinks=True`: a
+      checkpoint fills it), or None: attention sinks (GPT-OSS's), a learned logit per head
+      that each softmax also counts, without a value (its weights then sum to less than
+      1), at prefill and decode.
     decode_impl: "kernel" (`jax_paged.paged_attention`: the Triton kernel on a GPU, plain
       XLA elsewhere), "reference" (`jax_paged.reference`, for comparisons) or "auto" (the
       kernel where it supports the head dim and page size, else the reference).
@@ -669,7 +688,7 @@ class PagedAttention(nnx.Module):
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
                logits_soft_cap: float | None = None,
                alibi_slopes: Sequence[float] | np.ndarray | None = None,
-               clip_qkv: float | None = None,
+               clip_qkv: float | None = None, sinks: bool = False,
                head_norm: Callable[[int], RMSNorm] | None = None,
                qk_norm_all_heads: bool = False, decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
@@ -701,6 +720,7 @@ class PagedAttention(nnx.Module):
       alibi_slopes = Constant(jnp.asarray(alibi_slopes))
     self.alibi_slopes = alibi_slopes
     self.clip_qkv = validation.check_positive_number("clip_qkv", clip_qkv, optional=True)
+    self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
     self.decode_impl = decode_impl
     self.qk_norm_all_heads = bool(qk_norm_all_heads)
     if self.qk_norm_all_heads and head_norm is None:
@@ -763,8 +783,8 @@ class PagedAttention(nnx.Module):
       slots: int32 [B, T] from `reserve`; -1 at padding, which is never written.
       lengths: int32 [B], real new tokens per row (the rest is padding).
       start: None for fresh sequences (attention over the new tokens only: cuDNN's flash
-        attention on a GPU; with a soft cap or ALiBi, or on a GPU where cuDNN does not
-        take q, the paged prefill kernel over the pages they were just written to:
+        attention on a GPU; with a soft cap, ALiBi or sinks, or on a GPU where cuDNN does
+        not take q, the paged prefill kernel over the pages they were just written to:
         `_prompt_through_pages`); or int32 [B], tokens each sequence already holds in its
         pages, which the new ones (at positions start + t) attend to along with
         themselves, read from the pages.
@@ -796,21 +816,26 @@ class PagedAttention(nnx.Module):
           pool_query(q, kv), kv.k_pages, kv.v_pages, page_table,
           start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
           scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-          sliding_window=self.sliding_window, alibi_slopes=self._slopes()).astype(q.dtype)
+          sliding_window=self.sliding_window, alibi_slopes=self._slopes(),
+          sinks=self._sinks()).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (projection(self.out, y, adapters=adapters) if project else y), kv
 
   def _slopes(self) -> jax.Array | None:
     return None if self.alibi_slopes is None else self.alibi_slopes[...]
 
+  def _sinks(self) -> jax.Array | None:
+    return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+
   def _prompt_through_pages(self, q: jax.Array, kv: pool_lib.KVPool) -> bool:
     """Whether fresh prompts (q [B, T, H, D]) attend through the paged prefill kernel
-    over the pages just written rather than `prompt_attention`: with a soft cap or ALiBi,
-    which neither cuDNN's nor XLA's fused attention applies (XLA's would take ALiBi as a
-    [B, H, T, T] bias); and on a GPU where cuDNN does not take q (head dims past 128,
+    over the pages just written rather than `prompt_attention`: with a soft cap, ALiBi or
+    sinks, which neither cuDNN's nor XLA's fused attention applies (XLA's would take ALiBi
+    as a [B, H, T, T] bias); and on a GPU where cuDNN does not take q (head dims past 128,
     f32) but the kernel does, rather than XLA's attention, which writes [B, H, T, T] f32
     logits."""
-    return self.logits_soft_cap is not None or self.alibi_slopes is not None or (
+    return (self.logits_soft_cap is not None or self.alibi_slopes is not None
+            or self.sinks is not None) or (
         jax.default_backend() == "gpu" and not _cudnn_supports(q)
         and validation.kernel_supports(self.head_dim, kv.page_size))
 
@@ -860,6 +885,7 @@ class PagedAttention(nnx.Module):
     y = attend(pool_query(q, kv), kv.k_pages, kv.v_pages,
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
                scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-               sliding_window=self.sliding_window, alibi_slopes=self._slopes())
+               sliding_window=self.sliding_window, alibi_slopes=self._slopes(),
+               sinks=self._sinks())
     y = y.reshape(b, -1).astype(x.dtype)
     return (projection(self.out, y, adapters=adapters) if project else y), kv

@@ -261,7 +261,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
       if pool_kv_heads(node.num_kv_heads, n) > node.num_kv_heads:
         replicated[id(node.qkv)] = _replicate_kv_heads(node, n)
   splits = attention_splits(local) + list(local.tensor_parallel_splits())
-  head_norms, alibi = [], []
+  head_norms, per_head = [], []  # (the paths of per-q-head vectors: slopes, sinks)
   for path, node in nnx.iter_graph(local):
     if isinstance(node, paged_nn.PagedAttention):
       where = "/".join(map(str, path))
@@ -273,14 +273,14 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
       node.num_kv_heads //= n
       head_norms += [m for m in (node.q_norm, node.k_norm)
                      if isinstance(m, paged_nn.HeadLayerNorm)]
-      if node.alibi_slopes is not None:
-        alibi.append(path)
+      per_head += [path + (name,) for name in ("alibi_slopes", "sinks")
+                   if getattr(node, name) is not None]
   ids = {id(node): path for path, node in nnx.iter_graph(local)}
   specs, orders = {}, {}
   for norm in head_norms:  # (a weight per head: a device's heads' rows)
     specs[ids[id(norm)] + ("scale",)] = P(AXIS)
-  for path in alibi:  # (a slope per q head: a device's heads')
-    specs[path + ("alibi_slopes",)] = P(AXIS)
+  for path in per_head:  # (a slope or a sink per q head: a device's heads')
+    specs[path] = P(AXIS)
   for linear, split in splits:
     path = ids[id(linear)]
     where = "/".join(map(str, path))
@@ -304,7 +304,8 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
         orders[path] = replicated.get(id(linear), np.arange(width))[order]
         _take_columns(linear, order)
       specs[path + ("kernel",)] = _spec(kernel.ndim, col_axis)
-      specs[path + ("bias",)] = P(AXIS)
+      # (a bias [N], or a grouped linear's [groups, N]: its columns split)
+      specs[path + ("bias",)] = _spec(kernel.ndim - 1, kernel.ndim - 2)
       if scaled:  # (a row's scales whole)
         specs[path + ("kernel_scale",)] = _spec(kernel.ndim - 1, kernel.ndim - 2)
       specs[path + ("lora_b",)] = P(None, AXIS)  # (LoRA's A replicated: x A is whole)

@@ -337,6 +337,12 @@ class LlamaConfig:
     return None
 
   @property
+  def attention_sinks(self) -> bool:
+    """Whether each attention head has a learned sink logit (`nn.PagedAttention(sinks=)`;
+    a subclass's own: GPT-OSS's)."""
+    return False
+
+  @property
   def out_bias(self) -> bool:
     return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
                                                        "smollm3", *_GRANITES)
@@ -517,7 +523,7 @@ class DecoderLayer(nnx.Module):
         num_kv_heads=config.num_key_value_heads, scale=config.attention_multiplier,
         qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.layer_rope(layer),
         sliding_window=config.window(layer), alibi_slopes=config.alibi_slopes,
-        clip_qkv=config.clip_qkv,
+        clip_qkv=config.clip_qkv, sinks=config.attention_sinks,
         head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
                                      param_dtype=param_dtype) if config.qk_norm else None),
         qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
@@ -769,10 +775,14 @@ class _Checkpoint:
 
   With `fp8_block` (a checkpoint of Hugging Face's "fp8" quantization: DeepSeek-V3's,
   Qwen3's *-FP8), a float8_e4m3fn weight is returned dequantized, in float32: each
-  [fp8_block] block of it times its entry of the `<name>_scale_inv` tensor beside it."""
+  [fp8_block] block of it times its entry of the `<name>_scale_inv` tensor beside it.
+  With `mxfp4` (HF's "mxfp4": GPT-OSS's expert weights), a tensor stored as
+  `<name>_blocks` and `<name>_scales` is returned dequantized (`_mxfp4_weight`)."""
 
-  def __init__(self, path: str, fp8_block: tuple[int, int] | None = None):
+  def __init__(self, path: str, fp8_block: tuple[int, int] | None = None,
+               mxfp4: bool = False):
     self.fp8_block = fp8_block
+    self.mxfp4 = mxfp4
     from safetensors import safe_open  # an optional dependency: imported when used
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
@@ -826,7 +836,33 @@ class _Checkpoint:
           return self.handles[file].get_tensor(key)
         except Exception as e:  # a tensor past a truncated file's end
           raise ValueError(f"{file}: tensor {key!r} cannot be read ({e})") from e
+      if self.mxfp4 and f"{key}_blocks" in self.where:
+        return self._mxfp4_weight(key)
     raise KeyError(name)
+
+  def _mxfp4_weight(self, key: str) -> jax.Array:
+    """The MXFP4 tensor `key`, float32, as HF's `convert_moe_packed_tensors` makes it:
+    `key`_blocks uint8 [E, rows, G, 16] holds 32 e2m1 values per row group (two per byte,
+    the low nibble first), `key`_scales uint8 [E, rows, G] each group's power of two
+    (2^(s - 127)); the [E, rows, G * 32] values are returned [E, G * 32, rows] (torch's
+    transposed parameter layout: gate_up_proj [E, hidden, 2 * intermediate])."""
+    blocks = self.get(f"{key}_blocks")
+    scale_name = f"{key}_scales"
+    try:
+      scales = self.get(scale_name)
+    except KeyError:
+      raise ValueError(f"{self.where[f'{key}_blocks']}: MXFP4 tensor {key!r} has no "
+                       f"{scale_name!r} beside its blocks") from None
+    if (blocks.dtype != jnp.uint8 or scales.dtype != jnp.uint8 or blocks.ndim != 4
+        or blocks.shape[-1] != 16 or scales.shape != blocks.shape[:-1]):
+      raise ValueError(f"MXFP4 tensor {key!r}: expected uint8 blocks [E, rows, G, 16] and "
+                       f"scales [E, rows, G], got {blocks.dtype} {tuple(blocks.shape)} and "
+                       f"{scales.dtype} {tuple(scales.shape)}")
+    values = jnp.take(_FP4_VALUES, jnp.stack([blocks & 0xF, blocks >> 4], axis=-1)
+                      .astype(jnp.int32))  # [E, rows, G, 16, 2]
+    values = jnp.ldexp(values, scales.astype(jnp.int32)[..., None, None] - 127)
+    e, rows, groups, _ = blocks.shape
+    return jnp.swapaxes(values.reshape(e, rows, groups * 32), 1, 2)
 
   def _fp8_weight(self, file: str, key: str) -> jax.Array:
     """The float8_e4m3fn weight `key` of `file` times its blocks' scales, float32."""
@@ -852,6 +888,11 @@ class _Checkpoint:
                        f"{key} {w.shape} in blocks of {self.fp8_block}")
     blocks = jnp.repeat(jnp.repeat(scales, rows, axis=0), cols, axis=1)
     return w * blocks[:w.shape[0], :w.shape[1]]
+
+
+# e2m1's 16 values by code (MXFP4's elements: sign, 2 exponent bits, 1 mantissa bit).
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 def _safetensors_header(file: str) -> tuple[dict[str, Any], int]:
@@ -1007,8 +1048,8 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     path: a directory with config.json and model.safetensors, or shards listed in
       model.safetensors.index.json, as `transformers`' `save_pretrained` writes them;
       generation_config.json's eos_token_id, where present, replaces config.json's. A
-      checkpoint of HF's block-scaled fp8 (quantization_config quant_method "fp8") loads
-      dequantized (`_Checkpoint`).
+      checkpoint of HF's block-scaled fp8 (quantization_config quant_method "fp8") or
+      MXFP4 ("mxfp4") loads dequantized (`_Checkpoint`).
     config_of: config.json's dict -> the model's config (ValueError if unsupported); it
       has a `model_type`.
     model_of: (config, rngs=) -> the model, whose parameters the checkpoint fills.
@@ -1022,7 +1063,7 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
       missing.
     ValueError: a file is unreadable, an index names a file that lacks the tensor, the
       model_type or a setting is unsupported or the checkpoint is pre-quantized other than
-      as block-scaled fp8 (each naming the file), or a weight is missing from the
+      as block-scaled fp8 or MXFP4 (each naming the file), or a weight is missing from the
       checkpoint or has the wrong shape.
   """
   path = os.fspath(path)
@@ -1032,20 +1073,21 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
   config = _read_json(config_file)
   fp8_block = None
   quantization = config.get("quantization_config")
-  if quantization is not None:
+  method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+  if quantization is not None and method != "mxfp4":
     # Their weights are stored narrow beside scales (or packed) under the same names: read
     # as floats they would load without error and compute nonsense. Block-scaled fp8
-    # (HF's "fp8": DeepSeek-V3's and Qwen3's FP8 checkpoints) loads dequantized.
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    # (HF's "fp8": DeepSeek-V3's and Qwen3's FP8 checkpoints) and MXFP4 (GPT-OSS's
+    # experts, under names of their own) load dequantized.
     # (HF's FineGrainedFP8Config: blocks of 128 x 128 unless weight_block_size says.)
     block = quantization.get("weight_block_size", [128, 128]) if method == "fp8" else None
     if not (isinstance(block, (list, tuple)) and len(block) == 2
             and all(isinstance(x, int) and x > 0 for x in block)):
       raise ValueError(f"{config_file}: pre-quantized checkpoints (quantization_config, "
                        f"quant_method {method!r}) are not supported but block-scaled fp8's "
-                       "(quant_method 'fp8' with a weight_block_size of two sizes); load "
-                       "the float checkpoint (int8 serving quantizes it: --quantization "
-                       "int8)")
+                       "(quant_method 'fp8' with a weight_block_size of two sizes) and "
+                       "mxfp4's; load the float checkpoint (int8 serving quantizes it: "
+                       "--quantization int8)")
     fp8_block = tuple(block)
   generation_file = os.path.join(path, "generation_config.json")
   if os.path.isfile(generation_file):
@@ -1058,7 +1100,7 @@ def load_pretrained(path: str | os.PathLike, config_of: Callable[[dict], Any],
     config = config_of(config)
   except (TypeError, ValueError, AttributeError) as e:
     raise ValueError(f"{config_file}: {e}") from e
-  checkpoint = _Checkpoint(path, fp8_block)
+  checkpoint = _Checkpoint(path, fp8_block, mxfp4=method == "mxfp4")
 
   # Shapes only: the checkpoint supplies every value, so nothing is initialised twice.
   abstract = nnx.eval_shape(lambda: model_of(config, rngs=nnx.Rngs(0)))

@@ -31,6 +31,7 @@ MLPs' projections are).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, ClassVar
 
 import jax
@@ -151,15 +152,20 @@ class SparseMoE(nnx.Module):
 
   # Whether a shared expert's output is scaled by a sigmoid gate (Qwen2-MoE's).
   gated_shared_expert: ClassVar[bool] = True
+  # Whether the router and the experts' projections have biases (GPT-OSS's: `router_bias`,
+  # `gate_up.bias`, `down.bias`).
+  biases: ClassVar[bool] = False
 
   def __init__(self, config: MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, d, f = config.num_local_experts, config.hidden_size, config.expert_width
     init = nnx.initializers.normal(config.initializer_range)
     self.router = nnx.Param(init(rngs.params(), (d, e), param_dtype))
-    self.gate_up = paged_nn.GroupedLinear(e, d, 2 * f, kernel_init=init, dtype=dtype,
-                                          param_dtype=param_dtype, rngs=rngs)
-    self.down = paged_nn.GroupedLinear(e, f, d, kernel_init=init, dtype=dtype,
-                                       param_dtype=param_dtype, rngs=rngs)
+    self.router_bias = nnx.Param(jnp.zeros((e,), param_dtype)) if self.biases else None
+    grouped = functools.partial(paged_nn.GroupedLinear, e, use_bias=self.biases,
+                                kernel_init=init, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
+    self.gate_up = grouped(d, 2 * f)
+    self.down = grouped(f, d)
     shared = config.shared_expert_intermediate_size
     self.shared = None if shared is None else llama.MLP(
         dataclasses.replace(config, intermediate_size=shared), dtype=dtype,
@@ -188,12 +194,15 @@ class SparseMoE(nnx.Module):
     # two more small kernels per layer on a GPU).
     sizes = jnp.sum(experts.reshape(-1, 1) == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
     gate, up = jnp.split(self.gate_up(x[rows], sizes, interpret=interpret), 2, axis=-1)
-    y = self.down((self.activation(gate) * up).astype(dtype), sizes, interpret=interpret)
+    y = self.down(self.glu(gate, up).astype(dtype), sizes, interpret=interpret)
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((x.shape[0], d), jnp.float32).at[rows].add(y)
     if self.down.reduce_axis is not None:  # tensor parallel: each device's intermediate
       # columns' share, summed once per layer in the compute dtype (as nn's projections)
       out = lax.psum(out.astype(dtype), self.down.reduce_axis).astype(jnp.float32)
+      if self.down.bias is not None:  # (left out of the partial sums: added once)
+        bias = self.down.bias[...].astype(jnp.float32)[experts]  # [tokens, top_k, hidden]
+        out += jnp.sum(weights[..., None] * bias, axis=1)
     if self.shared is not None:
       hidden = self.shared.hidden(x)
       # Row-parallel under tensor parallelism (summed over the devices), else the linear
@@ -206,6 +215,11 @@ class SparseMoE(nnx.Module):
         shared = jax.nn.sigmoid(x @ self.shared_gate[...].astype(dtype)) * shared
       out += shared.astype(jnp.float32)
     return out.reshape(lead + (d,))
+
+  def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated unit of an expert's gate and up projections (float32 [rows, width]):
+    activation(gate) * up (a subclass's own: GPT-OSS's clamped one)."""
+    return self.activation(gate) * up
 
   def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Tokens x [tokens, hidden] in the compute dtype -> (float32 weights, int32 experts),

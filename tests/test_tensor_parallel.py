@@ -142,6 +142,17 @@ def test_alibi_slopes_are_split_with_the_heads():
     assert max(result["logit_errors"][n].values()) < 1e-5, n
 
 
+def test_gpt_oss_sinks_and_expert_biases_split():
+  """GPT-OSS (random biases and sinks): each device's sinks are its q heads', its share
+  of the experts' gate / up biases their columns', the down biases added once after the
+  sum: TP 2 / 4 give one device's logits (TP 4 replicating the 2 kv heads) and tokens."""
+  result = _run_case("gpt_oss")
+  assert result["shard_sinks"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert result["tokens"]["2"] == result["tokens"]["1"] and any(result["tokens"]["1"])
+  for n in ("2", "4"):
+    assert max(result["logit_errors"][n].values()) < 1e-5, n
+
+
 def test_the_model_is_left_unchanged():
   for model in ("gpt2", "llama"):
     assert _run_case("engine")[model]["model_unchanged"]
@@ -495,6 +506,45 @@ def case_alibi() -> dict:
                   if "alibi_slopes" in jax.tree_util.keystr(path))
       out["shard_slopes"] = [[slopes.index(float(s)) for s in np.asarray(sh.data)]
                              for sh in leaf.addressable_shards]
+  return out
+
+
+def case_gpt_oss() -> dict:
+  """A GPT-OSS of 8 q heads over 2 kv heads, 4 experts with random biases, random sinks:
+  per TP size the engine's tokens (TP 1 and 2), three forwards' logits' largest relative
+  difference from TP 1's, and (TP 2) each device's sinks as indices into the model's."""
+  import jax
+  from flax import nnx
+  from jax_paged import tensor_parallel
+  from jax_paged.serving.runner import ModelRunner
+  from models import gpt_oss
+  model = gpt_oss.GptOssForCausalLM(gpt_oss.GptOssConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+      num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+      num_experts_per_tok=2, sliding_window=5, max_position_embeddings=128,
+      initializer_range=0.1), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  for path, param in nnx.iter_graph(model):  # (zero biases and sinks would hide a split)
+    if path and path[-1] in ("bias", "router_bias", "sinks"):
+      param[...] = rng.normal(1.0, 0.5, param.shape).astype(np.float32)
+  sinks = [float(s) for s in np.asarray(model.layers[0].self_attn.sinks[...])]
+  out = {"tokens": {}, "logit_errors": {}}
+  ref = None
+  with jax.default_matmul_precision("highest"):
+    for n in (1, 2, 4):
+      mesh = None if n == 1 else tensor_parallel.make_mesh(n)
+      if n < 4:
+        out["tokens"][str(n)] = _engine(model, mesh).generate(_requests()[:4])[0]
+      logits, _ = _forwards(ModelRunner(model, mesh), None)
+      ref = ref or logits
+      out["logit_errors"][str(n)] = {key: float(np.abs(x - ref[key]).max()
+                                                / np.abs(ref[key]).max())
+                                     for key, x in logits.items()}
+  sharded = tensor_parallel.shard_model(model, tensor_parallel.make_mesh(2))
+  leaf = next(x for path, x in zip(sharded.paths, sharded.leaves)
+              if tensor_parallel._path(path) == ("layers", 0, "self_attn", "sinks"))
+  out["shard_sinks"] = [[sinks.index(float(s)) for s in np.asarray(sh.data)]
+                        for sh in leaf.addressable_shards]
   return out
 
 
