@@ -31,6 +31,7 @@ from benchmarks import common
 from jax_paged import weight_quant
 from jax_paged.kernels import grouped_matmul as gm
 from models import deepseek
+from models import glm4_moe
 from models import gpt_oss
 from models import moe
 
@@ -59,6 +60,13 @@ DEEPSEEK_V2_LITE = deepseek.DeepseekConfig(
 GPT_OSS_20B = gpt_oss.GptOssConfig(
     num_hidden_layers=24, num_local_experts=32, eos_token_id=200002,
     layer_types=("sliding_attention", "full_attention") * 12)
+# GLM-4.5-Air (HF's config.json): 46 layers (layer 0 dense), 96 q heads of 128 over 8 with
+# RoPE on half of each head and q / k / v biases, 128 experts of 1408 (8 per token) and a
+# shared one, DeepSeek-V3's router over one group.
+GLM_4_5_AIR = glm4_moe.Glm4MoeConfig(
+    hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+    head_dim=128, attention_bias=True, rope_theta=1e6,
+    eos_token_id=(151329, 151336, 151338))
 # (hidden, experts' intermediate width, experts, experts per token)
 SHAPES = {name: (c.hidden_size, c.expert_width, c.num_local_experts, c.num_experts_per_tok)
           for name, c in (("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B))}

@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes (GPT-2 124M, any `bench_llama --shape` of every
 family, the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B,
-Qwen3-30B-A3B, DeepSeek-V2-Lite and gpt-oss-20b shapes; bf16 or int8 weights): a
-per-kernel breakdown from a profiler trace.
+Qwen3-30B-A3B, DeepSeek-V2-Lite, gpt-oss-20b and GLM-4.5-Air shapes; bf16 or int8
+weights): a per-kernel breakdown from a profiler trace.
 
 Runs the engine's on-device decode loop (`steps` decode steps in one jitted call, as in
 `jax_paged.Engine`) at a fixed batch and context under `jax.profiler`, then reads the
@@ -14,7 +14,7 @@ by-name table sums every "linear").
     PYTHONPATH=. python benchmarks/profile_decode_step.py
         [--model gpt2 | llama-3.2-1b | falcon-7b | ... (bench_llama's shapes) |
                  llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b | deepseek-v2-lite |
-                 gpt-oss-20b]
+                 gpt-oss-20b | glm-4.5-air]
         [--layers N] [--quantization int8] [--kv-cache-dtype auto|int8|fp8] [--batch 128]
         [--context 512] [--steps 32]
         [--top 40] [--layer]
@@ -43,6 +43,7 @@ from jax_paged import cli
 from jax_paged import weight_quant
 from jax_paged.serving import runner as runner_lib
 from models import deepseek
+from models import glm4_moe
 from models import gpt2
 from models import gpt_oss
 from models import llama
@@ -56,7 +57,8 @@ MODELS.update({
     "mixtral-8x7b": (bench_moe.MIXTRAL_8X7B, moe.MoeForCausalLM),
     "qwen3-30b-a3b": (bench_moe.QWEN3_30B_A3B, moe.MoeForCausalLM),
     "deepseek-v2-lite": (bench_moe.DEEPSEEK_V2_LITE, deepseek.DeepseekForCausalLM),
-    "gpt-oss-20b": (bench_moe.GPT_OSS_20B, gpt_oss.GptOssForCausalLM)})
+    "gpt-oss-20b": (bench_moe.GPT_OSS_20B, gpt_oss.GptOssForCausalLM),
+    "glm-4.5-air": (bench_moe.GLM_4_5_AIR, glm4_moe.Glm4MoeForCausalLM)})
 
 
 def main():

@@ -118,14 +118,7 @@ class DeepseekConfig(moe.MoeConfig):
       raise ValueError(f"topk_method {self.topk_method!r} does not go with {self.model_type}"
                        " (V3's router is noaux_tc, V2's greedy or group_limited_greedy)")
     if self.topk_method != "greedy":
-      e = self.num_local_experts
-      if not (self.n_group and self.topk_group and e % self.n_group == 0
-              and self.topk_group <= self.n_group
-              and self.num_experts_per_tok <= self.topk_group * (e // self.n_group)):
-        raise ValueError(
-            f"{self.topk_method} needs n_group dividing the {e} experts, topk_group <= "
-            f"n_group and num_experts_per_tok ({self.num_experts_per_tok}) <= the kept "
-            f"groups' experts, got n_group={self.n_group}, topk_group={self.topk_group}")
+      check_groups(self)
 
   def sparse(self, layer: int) -> bool:
     """Whether layer `layer`'s MLP is the experts (from first_k_dense_replace on)."""
@@ -171,9 +164,24 @@ class DeepseekConfig(moe.MoeConfig):
     return llama.LlamaConfig.from_dict.__func__(cls, config)
 
 
+def check_groups(config: moe.MoeConfig) -> None:
+  """ValueError unless a grouped router's config (its topk_method, n_group, topk_group,
+  num_local_experts, num_experts_per_tok) can choose its experts: n_group dividing the
+  experts, topk_group <= n_group, and enough experts in the kept groups."""
+  e, k = config.num_local_experts, config.num_experts_per_tok
+  n_group, topk_group = config.n_group, config.topk_group
+  if not (n_group and topk_group and e % n_group == 0 and topk_group <= n_group
+          and k <= topk_group * (e // n_group)):
+    raise ValueError(
+        f"{config.topk_method} needs n_group dividing the {e} experts, topk_group <= "
+        f"n_group and num_experts_per_tok ({k}) <= the kept groups' experts, got "
+        f"n_group={n_group}, topk_group={topk_group}")
+
+
 class DeepseekMoE(moe.SparseMoE):
   """DeepSeek's experts: `moe.SparseMoE` with DeepSeek's routers (the module docstring)
-  and ungated shared experts. V3's `correction_bias` [experts] (HF's
+  and ungated shared experts (GLM-4.5's too: `models.glm4_moe`, whose config has the
+  router's fields: topk_method, n_group, topk_group, routed_scaling_factor). V3's `correction_bias` [experts] (HF's
   e_score_correction_bias) is a parameter; it and the router are float32 whatever the
   param_dtype, and the router runs in float32, as HF's."""
 
@@ -302,9 +310,16 @@ def hf_sources(path: tuple[str, ...], config: DeepseekConfig
         w = w[order]
       return w.T if param == "kernel" else w
     return [name], assemble
+  return experts_sources(path, config)
+
+
+def experts_sources(path: tuple[str, ...], config: moe.MoeConfig
+                    ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+  """`llama.Sources` of a `DeepseekMoE`'s checkpoint tensors and of all but the attention:
+  the experts as Qwen-MoE's, the shared experts' module shared_experts
+  (`models.moe.hf_sources`), V3's correction bias (GLM-4.5's too)."""
   if path[2:4] == ("mlp", "correction_bias"):
-    return ([f"model.layers.{path[1]}.mlp.gate.e_score_correction_bias"],
-            lambda parts: parts[0])
+    return ([f"model.layers.{path[1]}.mlp.gate.e_score_correction_bias"], llama.whole)
   return moe.hf_sources(path, config, moe.QWEN_EXPERTS, shared_name="shared_experts")
 
 

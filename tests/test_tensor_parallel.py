@@ -153,6 +153,16 @@ def test_gpt_oss_sinks_and_expert_biases_split():
     assert max(result["logit_errors"][n].values()) < 1e-5, n
 
 
+def test_glm4_moe_grouped_router_and_shared_expert_split():
+  """GLM-4.5 (DeepSeek's grouped sigmoid router, replicated with its correction bias; a
+  shared expert; q / k norms and biases split by head): TP 2 / 4 give one device's logits
+  and tokens."""
+  result = _run_case("glm4_moe")
+  assert result["tokens"]["2"] == result["tokens"]["1"] and any(result["tokens"]["1"])
+  for n in ("2", "4"):
+    assert max(result["logit_errors"][n].values()) < 1e-5, n
+
+
 def test_the_model_is_left_unchanged():
   for model in ("gpt2", "llama"):
     assert _run_case("engine")[model]["model_unchanged"]
@@ -509,25 +519,12 @@ def case_alibi() -> dict:
   return out
 
 
-def case_gpt_oss() -> dict:
-  """A GPT-OSS of 8 q heads over 2 kv heads, 4 experts with random biases, random sinks:
-  per TP size the engine's tokens (TP 1 and 2), three forwards' logits' largest relative
-  difference from TP 1's, and (TP 2) each device's sinks as indices into the model's."""
+def _split_runs(model) -> dict:
+  """Per TP size (1, 2, 4) the engine's tokens (TP 1 and 2) and three forwards' logits'
+  largest relative difference from TP 1's (f32, highest precision)."""
   import jax
-  from flax import nnx
   from jax_paged import tensor_parallel
   from jax_paged.serving.runner import ModelRunner
-  from models import gpt_oss
-  model = gpt_oss.GptOssForCausalLM(gpt_oss.GptOssConfig(
-      vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-      num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-      num_experts_per_tok=2, sliding_window=5, max_position_embeddings=128,
-      initializer_range=0.1), rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(3)
-  for path, param in nnx.iter_graph(model):  # (zero biases and sinks would hide a split)
-    if path and path[-1] in ("bias", "router_bias", "sinks"):
-      param[...] = rng.normal(1.0, 0.5, param.shape).astype(np.float32)
-  sinks = [float(s) for s in np.asarray(model.layers[0].self_attn.sinks[...])]
   out = {"tokens": {}, "logit_errors": {}}
   ref = None
   with jax.default_matmul_precision("highest"):
@@ -540,6 +537,46 @@ def case_gpt_oss() -> dict:
       out["logit_errors"][str(n)] = {key: float(np.abs(x - ref[key]).max()
                                                 / np.abs(ref[key]).max())
                                      for key, x in logits.items()}
+  return out
+
+
+def case_glm4_moe() -> dict:
+  """A GLM-4.5 of 8 q heads over 2 kv heads (q / k norms, q / k / v biases), layer 0
+  dense, 8 experts in 4 groups with a random correction bias and a shared expert:
+  `_split_runs`."""
+  from flax import nnx
+  from models import glm4_moe
+  model = glm4_moe.Glm4MoeForCausalLM(glm4_moe.Glm4MoeConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+      num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+      n_group=4, topk_group=2, routed_scaling_factor=2.5, use_qk_norm=True,
+      attention_bias=True, max_position_embeddings=128, initializer_range=0.1),
+      rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  for path, param in nnx.iter_graph(model):  # (zeros would hide a split)
+    if path and path[-1] in ("bias", "correction_bias") and param is not None:
+      param[...] = rng.normal(0.0, 0.3, param.shape).astype(np.float32)
+  return _split_runs(model)
+
+
+def case_gpt_oss() -> dict:
+  """A GPT-OSS of 8 q heads over 2 kv heads, 4 experts with random biases, random sinks:
+  `_split_runs`, and (TP 2) each device's sinks as indices into the model's."""
+  from flax import nnx
+  from jax_paged import tensor_parallel
+  from models import gpt_oss
+  model = gpt_oss.GptOssForCausalLM(gpt_oss.GptOssConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+      num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+      num_experts_per_tok=2, sliding_window=5, max_position_embeddings=128,
+      initializer_range=0.1), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  for path, param in nnx.iter_graph(model):  # (zero biases and sinks would hide a split)
+    if path and path[-1] in ("bias", "router_bias", "sinks"):
+      param[...] = rng.normal(1.0, 0.5, param.shape).astype(np.float32)
+  sinks = [float(s) for s in np.asarray(model.layers[0].self_attn.sinks[...])]
+  out = _split_runs(model)
   sharded = tensor_parallel.shard_model(model, tensor_parallel.make_mesh(2))
   leaf = next(x for path, x in zip(sharded.paths, sharded.leaves)
               if tensor_parallel._path(path) == ("layers", 0, "self_attn", "sinks"))
