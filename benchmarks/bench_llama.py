@@ -32,7 +32,10 @@ tied; a 2048-token context: pass `--context 1536`) or Falcon-RW-1B's (24 layers,
 head of 128 (multi-query), learned positions, tanh GELU 8192 / 24576, vocabulary 49152,
 tied) or BLOOM-560M's / BLOOM-7B1's (`models.bloom`: 24 / 30 layers, hidden 1024 / 4096,
 16 / 32 heads of 64 / 128, ALiBi, an embedding LayerNorm, tanh GELU 4096 / 16384,
-vocabulary 250880, tied; served to 4096 positions here, BLOOM's 2048 by default).
+vocabulary 250880, tied; served to 4096 positions here, BLOOM's 2048 by default) or
+GLM-4-9B-0414's (`models.glm`: 40 layers, hidden 4096, 32 q heads over 2 kv heads of 128,
+interleaved RoPE on half of each, q / k / v biases, post norms, SwiGLU 13696, vocabulary
+151552).
 
 * Decode step, every sequence at `--context` tokens (pages randomly permuted), at each
   `--batches`: timed inside the engine's device loop (`--iters` greedy steps per jitted
@@ -66,8 +69,8 @@ from benchmarks import bench_generate
 from benchmarks import common
 from jax_paged import Engine, Request
 from jax_paged.serving import runner as runner_lib
-from models import (bloom, cohere, falcon, gemma, gpt_bigcode, gpt_neox, gptj, llama, nemotron,
-                    phi, stablelm, starcoder2)
+from models import (bloom, cohere, falcon, gemma, glm, gpt_bigcode, gpt_neox, gptj, llama,
+                    nemotron, phi, stablelm, starcoder2)
 
 # --shape -> (config class, model class, Hugging Face config.json fields): ours read from
 # the fields by the config's from_dict, Hugging Face's model built from the same fields.
@@ -156,6 +159,11 @@ SHAPES = {
         model_type="gpt_bigcode", vocab_size=49152, n_positions=8192, n_embd=6144, n_layer=40,
         n_head=48, n_inner=24576, multi_query=True, activation_function="gelu_pytorch_tanh",
         layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)),
+    "glm-4-9b": (glm.GlmConfig, glm.GlmForCausalLM, dict(
+        model_type="glm4", vocab_size=151552, hidden_size=4096, intermediate_size=13696,
+        num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=32768, partial_rotary_factor=0.5, rms_norm_eps=1e-5,
+        attention_bias=True, tie_word_embeddings=False, eos_token_id=[151329, 151336, 151338])),
     "bloom-560m": (bloom.BloomConfig, bloom.BloomForCausalLM, dict(
         model_type="bloom", vocab_size=250880, n_positions=4096, hidden_size=1024, n_layer=24,
         n_head=16, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)),

@@ -163,6 +163,15 @@ def test_glm4_moe_grouped_router_and_shared_expert_split():
     assert max(result["logit_errors"][n].values()) < 1e-5, n
 
 
+def test_glm_half_rotated_heads_and_post_norms_split():
+  """GLM-4-0414 (q / k rows reordered within each head, biases, post norms): TP 2 / 4
+  give one device's logits and tokens."""
+  result = _run_case("glm")
+  assert result["tokens"]["2"] == result["tokens"]["1"] and any(result["tokens"]["1"])
+  for n in ("2", "4"):
+    assert max(result["logit_errors"][n].values()) < 1e-5, n
+
+
 def test_the_model_is_left_unchanged():
   for model in ("gpt2", "llama"):
     assert _run_case("engine")[model]["model_unchanged"]
@@ -557,6 +566,23 @@ def case_glm4_moe() -> dict:
   for path, param in nnx.iter_graph(model):  # (zeros would hide a split)
     if path and path[-1] in ("bias", "correction_bias") and param is not None:
       param[...] = rng.normal(0.0, 0.3, param.shape).astype(np.float32)
+  return _split_runs(model)
+
+
+def case_glm() -> dict:
+  """A GLM-4-0414 of 8 q heads over 2 kv heads (RoPE on half of each, its q / k rows
+  reordered at load; random q / k / v biases and post norms): `_split_runs`."""
+  from flax import nnx
+  from models import glm
+  model = glm.GlmForCausalLM(glm.GlmConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+      max_position_embeddings=128, initializer_range=0.1, eos_token_id=None,
+      model_type="glm4"), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  for path, param in nnx.iter_graph(model):  # (zeros and ones would hide a split)
+    if path and path[-1] in ("bias", "weight") and param is not None:
+      param[...] = rng.normal(1.0, 0.3, param.shape).astype(np.float32)
   return _split_runs(model)
 
 
