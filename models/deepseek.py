@@ -181,9 +181,9 @@ def check_groups(config: moe.MoeConfig) -> None:
 class DeepseekMoE(moe.SparseMoE):
   """DeepSeek's experts: `moe.SparseMoE` with DeepSeek's routers (the module docstring)
   and ungated shared experts (GLM-4.5's too: `models.glm4_moe`, whose config has the
-  router's fields: topk_method, n_group, topk_group, routed_scaling_factor). V3's `correction_bias` [experts] (HF's
-  e_score_correction_bias) is a parameter; it and the router are float32 whatever the
-  param_dtype, and the router runs in float32, as HF's."""
+  router's fields: topk_method, n_group, topk_group, routed_scaling_factor). V3's
+  `correction_bias` [experts] (HF's e_score_correction_bias) is a parameter; it and the
+  router are float32 whatever the param_dtype, and the router runs in float32, as HF's."""
 
   gated_shared_expert = False
 

@@ -1,5 +1,5 @@
-"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3) in Flax NNX, decoding from a
-paged KV cache (`jax_paged.KVPool`).
+"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS) in Flax NNX,
+decoding from a paged KV cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
@@ -12,8 +12,9 @@ RMS-normalises each head of q and k before RoPE (q_norm, k_norm), Phi-3 (Phi-3-m
 one gate_up_proj, optionally attending within a sliding window on every layer (LongRoPE and
 RoPE on part of each head: any of these configs may have them), Granite (IBM's Granite
 3.x) scales the embeddings, the attention's scores, each residual branch and the logits
-by four multipliers of its config, and SmolLM3 leaves RoPE out of the layers its
-no_rope_layers marks 0 (every fourth by default: NoPE layers).
+by four multipliers of its config, SmolLM3 leaves RoPE out of the layers its
+no_rope_layers marks 0 (every fourth by default: NoPE layers), and Seed-OSS (ByteDance's
+Seed-OSS-36B) has q/k/v biases and, apart from them, optionally o's (attention_out_bias).
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -53,9 +54,13 @@ from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
 _GRANITES = ("granite", "granitemoe")
+_SEED_OSS_DEFAULTS = dict(
+    vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
+    num_attention_heads=80, num_key_value_heads=8, head_dim=128, max_position_embeddings=524288,
+    rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, attention_bias=True)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -167,10 +172,11 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite" or "smollm3",
-      which decides the biases, Qwen3's q / k norms and the checkpoint's names: Llama's,
-      Qwen3's, Granite's and SmolLM3's `attention_bias` puts one on q, k, v and o; Qwen2
-      always has q/k/v biases and none on o; Mistral and Phi-3 have none.
+    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3" or
+      "seed_oss", which decides the biases, Qwen3's q / k norms and the checkpoint's
+      names: Llama's, Qwen3's, Granite's and SmolLM3's `attention_bias` puts one on q, k,
+      v and o; Qwen2 always has q/k/v biases and none on o; Seed-OSS's attention_bias is
+      q/k/v's and attention_out_bias o's; Mistral and Phi-3 have none.
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
       Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
       multiplied by embedding_multiplier, each attention and MLP output by
@@ -228,6 +234,7 @@ class LlamaConfig:
   attention_multiplier: float | None = None
   logits_scaling: float = 1.0
   clip_qkv: float | None = None
+  attention_out_bias: bool = False  # (Seed-OSS's o bias)
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
   # hidden_act -> the MLP's activation (a subclass's own: `models.starcoder2`'s GELUs).
@@ -344,6 +351,8 @@ class LlamaConfig:
 
   @property
   def out_bias(self) -> bool:
+    if self.model_type == "seed_oss":
+      return self.attention_out_bias
     return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
                                                        "smollm3", *_GRANITES)
 
@@ -406,6 +415,8 @@ class LlamaConfig:
     config["rope_scaling"] = hf_rope_scaling(scaling)
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
+    if model_type == "seed_oss":  # HF's SeedOssConfig defaults (Seed-OSS-36B's shape)
+      config = {**_SEED_OSS_DEFAULTS, **config}
     if model_type == "smollm3":
       # HF's SmolLM3Config defaults: its own RoPE base; a NoPE layer every
       # no_rope_layer_interval layers; windows (with use_sliding_window) on NoPE layers.
@@ -987,7 +998,7 @@ def _read_json(file: str) -> dict[str, Any]:
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                     decode_impl: paged_nn.DecodeImpl = "auto",
                     max_model_len: int | None = None) -> LlamaForCausalLM:
-  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite or SmolLM3
+  """Loads a Hugging Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3 or Seed-OSS
   checkpoint directory (`load_pretrained`).
 
   Args:

@@ -83,6 +83,10 @@ MODELS = {
         num_attention_heads=8, num_key_value_heads=2, no_rope_layers=[1, 0],
         use_sliding_window=True, sliding_window=5, attention_bias=True, pad_token_id=None),
         {}),
+    # q/k/v biases and o's apart (attention_out_bias), MLP biases, GQA.
+    "seed_oss": (transformers.SeedOssForCausalLM, transformers.SeedOssConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        attention_out_bias=True, mlp_bias=True, pad_token_id=None), {}),
 }
 
 
@@ -462,6 +466,21 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
   assert c.tie_word_embeddings and c.qkv_bias and c.out_bias
   with pytest.raises(ValueError, match="no_rope_layers must give 1 .* for each of the 8"):
     llama.LlamaConfig.from_dict({**smol, "no_rope_layers": [1, 2] * 4})
+  # Seed-OSS: q/k/v biases from attention_bias, o's from attention_out_bias; an empty
+  # config HF's SeedOssConfig defaults (Seed-OSS-36B's shape).
+  seed = {**base, "model_type": "seed_oss", "num_key_value_heads": 2}
+  c = llama.LlamaConfig.from_dict({**seed, "attention_bias": True})
+  assert c.qkv_bias and not c.out_bias and c.head_dim == 128
+  assert llama.LlamaConfig.from_dict({**seed, "attention_out_bias": True}).out_bias
+  c, hf = llama.LlamaConfig.from_dict({"model_type": "seed_oss"}), transformers.SeedOssConfig()
+  assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+          c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+          c.max_position_embeddings, c.eos_token_id, c.qkv_bias, c.out_bias, c.mlp_bias,
+          c.rope_theta) == (
+              hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+              hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.rms_norm_eps,
+              hf.max_position_embeddings, hf.eos_token_id, hf.attention_bias,
+              hf.attention_out_bias, hf.mlp_bias, hf.rope_parameters["rope_theta"])
   with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
     llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
   with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
