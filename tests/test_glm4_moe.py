@@ -41,15 +41,19 @@ VARIANTS = {
 }
 
 
-def _hf_model(**overrides):
-  torch.manual_seed(0)
-  hf = randomised(transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
-      **{**CONFIG, **overrides})))
+def _randomise_correction_bias(hf):
+  """`hf` with random routers' correction biases (HF's zeros would hide them)."""
   with torch.no_grad():
     for name, b in hf.named_buffers():
-      if "e_score_correction_bias" in name:  # (HF's zeros would hide it)
+      if "e_score_correction_bias" in name:
         b.normal_(0.0, 0.1)
   return hf
+
+
+def _hf_model(**overrides):
+  torch.manual_seed(0)
+  return _randomise_correction_bias(randomised(transformers.Glm4MoeForCausalLM(
+      transformers.Glm4MoeConfig(**{**CONFIG, **overrides}))))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
