@@ -55,6 +55,8 @@ class GlmConfig(llama.LlamaConfig):
   model_type: str = "glm"
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+  # Whether the checkpoint holds gate and up as one gate_up_proj (GLM's; ERNIE's apart).
+  fused_gate_up: ClassVar[bool] = True
 
   @property
   def post_norms(self) -> bool:
@@ -102,7 +104,7 @@ class GlmForCausalLM(llama.LlamaForCausalLM):
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands: Llama's, but q_proj's and
     k_proj's columns where the load's RoPE reorder put their rows (`_rotated_rows`), and
-    the fused gate_up_proj whole."""
+    the fused gate_up_proj (`fused_gate_up`) whole."""
     c = self.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     targets = super().lora_targets()
@@ -112,6 +114,8 @@ class GlmForCausalLM(llama.LlamaForCausalLM):
         columns = offset + np.argsort(_rotated_rows(c, width))
         targets[f"{prefix}self_attn.{name}"] = lora.Target(
             layer.self_attn.qkv, columns=tuple(columns.tolist()))
+      if not c.fused_gate_up:
+        continue
       del targets[f"{prefix}mlp.gate_proj"], targets[f"{prefix}mlp.up_proj"]
       targets[f"{prefix}mlp.gate_up_proj"] = lora.Target(layer.mlp.gate_up)
     return targets
@@ -126,10 +130,10 @@ def _rotated_rows(config: GlmConfig, width: int) -> np.ndarray:
 def hf_sources(path: tuple[str, ...], config: GlmConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
   """`llama.Sources` of GLM-4's checkpoints: q / k / v with q's and k's rows (weights and
-  biases) reordered (`_rotated_rows`), gate_up_proj as it is, the rest as
-  `llama.hf_sources` (the post norms under their HF names)."""
+  biases) reordered (`_rotated_rows`), gate_up_proj as it is (`fused_gate_up`), the rest
+  as `llama.hf_sources` (the post norms under their HF names)."""
   module = path[2:-1]
-  if module == ("mlp", "gate_up"):  # (no bias)
+  if config.fused_gate_up and module == ("mlp", "gate_up"):  # (no bias)
     return [f"model.layers.{path[1]}.mlp.gate_up_proj.weight"], llama.linear_rows
   names, assemble = llama.hf_sources(path, config)
   if module != ("self_attn", "qkv"):

@@ -163,10 +163,12 @@ def test_glm4_moe_grouped_router_and_shared_expert_split():
     assert max(result["logit_errors"][n].values()) < 1e-5, n
 
 
-def test_glm_half_rotated_heads_and_post_norms_split():
-  """GLM-4-0414 (q / k rows reordered within each head, biases, post norms): TP 2 / 4
-  give one device's logits and tokens."""
-  result = _run_case("glm")
+@pytest.mark.parametrize("model", ["glm4", "ernie4_5"])
+def test_glm_reordered_rope_rows_biases_and_post_norms_split(model):
+  """GLM-4-0414 (q / k rows reordered within each head, biases, post norms) and ERNIE 4.5
+  (all of each head reordered; biases on every projection, o's and down's in the
+  row-parallel layers): TP 2 / 4 give one device's logits and tokens."""
+  result = _run_case("glm")[model]
   assert result["tokens"]["2"] == result["tokens"]["1"] and any(result["tokens"]["1"])
   for n in ("2", "4"):
     assert max(result["logit_errors"][n].values()) < 1e-5, n
@@ -570,20 +572,26 @@ def case_glm4_moe() -> dict:
 
 
 def case_glm() -> dict:
-  """A GLM-4-0414 of 8 q heads over 2 kv heads (RoPE on half of each, its q / k rows
-  reordered at load; random q / k / v biases and post norms): `_split_runs`."""
+  """`_split_runs` of a GLM-4-0414 ("glm4": RoPE on half of each head, its q / k rows
+  reordered at load; random q / k / v biases and post norms) and an ERNIE 4.5
+  ("ernie4_5": RoPE on whole heads; random biases on every projection), both of 8 q heads
+  over 2 kv heads."""
   from flax import nnx
-  from models import glm
-  model = glm.GlmForCausalLM(glm.GlmConfig(
-      vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-      num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-      max_position_embeddings=128, initializer_range=0.1, eos_token_id=None,
-      model_type="glm4"), rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(3)
-  for path, param in nnx.iter_graph(model):  # (zeros and ones would hide a split)
-    if path and path[-1] in ("bias", "weight") and param is not None:
-      param[...] = rng.normal(1.0, 0.3, param.shape).astype(np.float32)
-  return _split_runs(model)
+  from models import ernie4_5, glm
+  shape = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+               max_position_embeddings=128, initializer_range=0.1, eos_token_id=None)
+  out = {}
+  for name, config in (("glm4", glm.GlmConfig(**shape, model_type="glm4")),
+                       ("ernie4_5", ernie4_5.Ernie4_5Config(**shape, attention_bias=True,
+                                                            mlp_bias=True))):
+    model = glm.GlmForCausalLM(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    for path, param in nnx.iter_graph(model):  # (zeros and ones would hide a split)
+      if path and path[-1] in ("bias", "weight") and param is not None:
+        param[...] = rng.normal(1.0, 0.3, param.shape).astype(np.float32)
+    out[name] = _split_runs(model)
+  return out
 
 
 def case_gpt_oss() -> dict:
