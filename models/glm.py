@@ -103,22 +103,30 @@ class GlmForCausalLM(llama.LlamaForCausalLM):
 
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands: Llama's, but q_proj's and
-    k_proj's columns where the load's RoPE reorder put their rows (`_rotated_rows`), and
-    the fused gate_up_proj (`fused_gate_up`) whole."""
-    c = self.config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    targets = super().lora_targets()
-    for i, layer in enumerate(self.layers):
-      prefix = f"model.layers.{i}."
-      for name, offset, width in (("q_proj", 0, q), ("k_proj", q, kv)):
-        columns = offset + np.argsort(_rotated_rows(c, width))
-        targets[f"{prefix}self_attn.{name}"] = lora.Target(
-            layer.self_attn.qkv, columns=tuple(columns.tolist()))
-      if not c.fused_gate_up:
-        continue
-      del targets[f"{prefix}mlp.gate_proj"], targets[f"{prefix}mlp.up_proj"]
-      targets[f"{prefix}mlp.gate_up_proj"] = lora.Target(layer.mlp.gate_up)
+    k_proj's columns where the load's RoPE reorder put their rows (`reordered_targets`),
+    and the fused gate_up_proj (`fused_gate_up`) whole."""
+    targets = reordered_targets(self, super().lora_targets())
+    if self.config.fused_gate_up:
+      for i, layer in enumerate(self.layers):
+        prefix = f"model.layers.{i}.mlp."
+        del targets[f"{prefix}gate_proj"], targets[f"{prefix}up_proj"]
+        targets[f"{prefix}gate_up_proj"] = lora.Target(layer.mlp.gate_up)
     return targets
+
+
+def reordered_targets(model: llama.LlamaForCausalLM, targets: dict[str, lora.Target]
+                      ) -> dict[str, lora.Target]:
+  """`targets` (Llama's `lora_targets` of `model`) with q_proj's and k_proj's columns
+  where `rope_reordered`'s load put their rows."""
+  c = model.config
+  q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+  targets = dict(targets)
+  for i, layer in enumerate(model.layers):
+    for name, offset, width in (("q_proj", 0, q), ("k_proj", q, kv)):
+      columns = offset + np.argsort(_rotated_rows(c, width))
+      targets[f"model.layers.{i}.self_attn.{name}"] = lora.Target(
+          layer.self_attn.qkv, columns=tuple(columns.tolist()))
+  return targets
 
 
 def _rotated_rows(config: GlmConfig, width: int) -> np.ndarray:
@@ -127,21 +135,33 @@ def _rotated_rows(config: GlmConfig, width: int) -> np.ndarray:
   return llama.deinterleave(width, config.rotary_dim, config.head_dim, first=True)
 
 
+def rope_reordered(sources: llama.Sources) -> llama.Sources:
+  """`sources` with q_proj's and k_proj's rows (weights and biases) reordered from
+  interleaved-pair RoPE into rotate-half order (`_rotated_rows`; the config's rotary_dim
+  features of each head)."""
+
+  def reordered(path: tuple[str, ...], config: llama.LlamaConfig
+                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+    names, assemble = sources(path, config)
+    if path[2:-1] != ("self_attn", "qkv"):
+      return names, assemble
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    q_rows, k_rows = _rotated_rows(config, q), _rotated_rows(config, kv)
+    return names, lambda parts: assemble([parts[0][q_rows], parts[1][k_rows], parts[2]])
+
+  return reordered
+
+
+@rope_reordered
 def hf_sources(path: tuple[str, ...], config: GlmConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
-  """`llama.Sources` of GLM-4's checkpoints: q / k / v with q's and k's rows (weights and
-  biases) reordered (`_rotated_rows`), gate_up_proj as it is (`fused_gate_up`), the rest
-  as `llama.hf_sources` (the post norms under their HF names)."""
-  module = path[2:-1]
-  if config.fused_gate_up and module == ("mlp", "gate_up"):  # (no bias)
+  """`llama.Sources` of GLM-4's checkpoints: q / k / v with q's and k's rows reordered
+  (`rope_reordered`), gate_up_proj as it is (`fused_gate_up`), the rest as
+  `llama.hf_sources` (the post norms under their HF names)."""
+  if config.fused_gate_up and path[2:-1] == ("mlp", "gate_up"):  # (no bias)
     return [f"model.layers.{path[1]}.mlp.gate_up_proj.weight"], llama.linear_rows
-  names, assemble = llama.hf_sources(path, config)
-  if module != ("self_attn", "qkv"):
-    return names, assemble
-  q = config.num_attention_heads * config.head_dim
-  kv = config.num_key_value_heads * config.head_dim
-  q_rows, k_rows = _rotated_rows(config, q), _rotated_rows(config, kv)
-  return names, lambda parts: assemble([parts[0][q_rows], parts[1][k_rows], parts[2]])
+  return llama.hf_sources(path, config)
 
 
 from_pretrained = llama.loader(GlmConfig, GlmForCausalLM, hf_sources)
