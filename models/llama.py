@@ -1,4 +1,4 @@
-"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS) in Flax NNX,
+"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, InternLM3) in Flax NNX,
 decoding from a paged KV cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
@@ -14,7 +14,9 @@ RoPE on part of each head: any of these configs may have them), Granite (IBM's G
 3.x) scales the embeddings, the attention's scores, each residual branch and the logits
 by four multipliers of its config, SmolLM3 leaves RoPE out of the layers its
 no_rope_layers marks 0 (every fourth by default: NoPE layers), and Seed-OSS (ByteDance's
-Seed-OSS-36B) has q/k/v biases and, apart from them, optionally o's (attention_out_bias).
+Seed-OSS-36B) has q/k/v biases and, apart from them, optionally o's (attention_out_bias);
+InternLM3 (internlm3-8b-instruct: HF serves it as Llama) names Llama's attention_bias
+qkv_bias and its mlp_bias bias.
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -54,13 +56,18 @@ from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss",
+               "internlm3")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
 _GRANITES = ("granite", "granitemoe")
 _SEED_OSS_DEFAULTS = dict(
     vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
     num_attention_heads=80, num_key_value_heads=8, head_dim=128, max_position_embeddings=524288,
     rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, attention_bias=True)
+_INTERNLM3_DEFAULTS = dict(  # (HF's InternLM3Config: internlm3-8b's shape)
+    vocab_size=128512, hidden_size=4096, intermediate_size=10240, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=32768,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -172,10 +179,10 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3" or
-      "seed_oss", which decides the biases, Qwen3's q / k norms and the checkpoint's
-      names: Llama's, Qwen3's, Granite's and SmolLM3's `attention_bias` puts one on q, k,
-      v and o; Qwen2 always has q/k/v biases and none on o; Seed-OSS's attention_bias is
+    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
+      "seed_oss" or "internlm3", which decides the biases, Qwen3's q / k norms and the
+      checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
+      `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none on o; Seed-OSS's attention_bias is
       q/k/v's and attention_out_bias o's; Mistral and Phi-3 have none.
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
       Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
@@ -354,7 +361,7 @@ class LlamaConfig:
     if self.model_type == "seed_oss":
       return self.attention_out_bias
     return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe",
-                                                       "smollm3", *_GRANITES)
+                                                       "smollm3", "internlm3", *_GRANITES)
 
   def make_norm(self, param_dtype) -> paged_nn.RMSNorm | paged_nn.LayerNorm:
     """A new norm over hidden_size of the blocks' kind: RMSNorm(rms_norm_eps) (a
@@ -417,6 +424,15 @@ class LlamaConfig:
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
     if model_type == "seed_oss":  # HF's SeedOssConfig defaults (Seed-OSS-36B's shape)
       config = {**_SEED_OSS_DEFAULTS, **config}
+    if model_type == "internlm3":  # HF's defaults, and its names (attribute_map) for the biases
+      config = {**_INTERNLM3_DEFAULTS, **config}
+      for theirs, ours in (("qkv_bias", "attention_bias"), ("bias", "mlp_bias")):
+        if theirs in config:
+          config[ours] = config.pop(theirs)
+      if config.get("attention_bias", False) != config.get("mlp_bias", False):
+        raise ValueError("InternLM3 with qkv_bias different from bias is not supported "
+                         "(HF's Llama model gives q / k / v / o and the MLP one setting each, "
+                         "and refuses them apart)")
     if model_type == "smollm3":
       # HF's SmolLM3Config defaults: its own RoPE base; a NoPE layer every
       # no_rope_layer_interval layers; windows (with use_sliding_window) on NoPE layers.
@@ -433,7 +449,7 @@ class LlamaConfig:
     # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any);
     # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
     # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
-    if model_type in ("llama", *_GRANITES):
+    if model_type in ("llama", "internlm3", *_GRANITES):
       config.pop("sliding_window", None)
     if model_type not in _GRANITES:  # (their HF classes have no such fields)
       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",

@@ -87,6 +87,11 @@ MODELS = {
     "seed_oss": (transformers.SeedOssForCausalLM, transformers.SeedOssConfig, dict(
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
         attention_out_bias=True, mlp_bias=True, pad_token_id=None), {}),
+    # InternLM3 (HF serves it as Llama): biases on q/k/v/o and the MLP under its names
+    # (qkv_bias, bias), GQA.
+    "internlm3": (transformers.LlamaForCausalLM, transformers.InternLM3Config, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, qkv_bias=True, bias=True,
+        pad_token_id=None), {}),
 }
 
 
@@ -481,6 +486,22 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
               hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.rms_norm_eps,
               hf.max_position_embeddings, hf.eos_token_id, hf.attention_bias,
               hf.attention_out_bias, hf.mlp_bias, hf.rope_parameters["rope_theta"])
+  # InternLM3: its config.json's bias names (qkv_bias, bias); HF's InternLM3Config defaults.
+  intern = {**base, "model_type": "internlm3", "num_key_value_heads": 2}
+  c = llama.LlamaConfig.from_dict({**intern, "qkv_bias": True, "bias": True})
+  assert c.qkv_bias and c.out_bias and c.mlp_bias and c.head_dim == 128
+  with pytest.raises(ValueError, match="InternLM3 with qkv_bias different from bias"):
+    llama.LlamaConfig.from_dict({**intern, "qkv_bias": True})
+  c, hf = llama.LlamaConfig.from_dict({"model_type": "internlm3"}), transformers.InternLM3Config()
+  assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+          c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+          c.max_position_embeddings, c.bos_token_id, c.eos_token_id, c.qkv_bias,
+          c.mlp_bias, c.tie_word_embeddings, c.rope_theta) == (
+              hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+              hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.rms_norm_eps,
+              hf.max_position_embeddings, hf.bos_token_id, hf.eos_token_id,
+              hf.attention_bias, hf.mlp_bias, hf.tie_word_embeddings,
+              hf.rope_parameters["rope_theta"])
   with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
     llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
   with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
