@@ -81,11 +81,12 @@ class NemotronConfig(llama.LlamaConfig):
 
 class NemotronForCausalLM(llama.LlamaForCausalLM):
   """Nemotron with an LM head, attending through a `KVPool`: `LlamaForCausalLM` over a
-  `NemotronConfig` (its LayerNorms and relu^2 MLP; its Args)."""
+  `NemotronConfig` (its LayerNorms and relu^2 MLP; its Args). (Arcee's model too:
+  `models.arcee`.)"""
 
   def lora_targets(self) -> dict[str, lora.Target]:
-    """`LlamaForCausalLM.lora_targets` under HF's Nemotron names: q / k / v / o_proj,
-    up_proj and down_proj."""
+    """`LlamaForCausalLM.lora_targets` under HF's Nemotron (and Arcee) names: q / k / v /
+    o_proj, up_proj and down_proj."""
     renames = {".mlp.c_fc": ".mlp.up_proj", ".mlp.c_proj": ".mlp.down_proj"}
     targets = {}
     for name, target in super().lora_targets().items():
@@ -104,16 +105,23 @@ def _plus_one(parts: list[jax.Array]) -> jax.Array:
   return llama.whole(parts).astype(jnp.float32) + 1.0
 
 
-def hf_sources(path: tuple[str, ...], config: NemotronConfig
-               ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
-  """`llama.load_pretrained`'s `Sources` for Nemotron's tensor names: Llama's, the MLP's
-  up_proj / down_proj, and each LayerNorm's weight plus one."""
+def plain_mlp_sources(path: tuple[str, ...], config: llama.LlamaConfig
+                      ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+  """`llama.hf_sources` with the plain MLP's linears under HF's names up_proj / down_proj
+  (Nemotron's, Arcee's: `models.arcee`)."""
   if path[0] == "layers" and path[2] == "mlp":
     name = f"model.layers.{path[1]}.mlp.{_MLP[path[3]]}"
     if path[-1] == "kernel":
       return [f"{name}.weight"], llama.linear_rows
     return [f"{name}.{path[-1]}"], llama.whole
-  names, assemble = llama.hf_sources(path, config)
+  return llama.hf_sources(path, config)
+
+
+def hf_sources(path: tuple[str, ...], config: NemotronConfig
+               ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+  """`llama.load_pretrained`'s `Sources` for Nemotron's tensor names: `plain_mlp_sources`,
+  each LayerNorm's weight plus one."""
+  names, assemble = plain_mlp_sources(path, config)
   return names, _plus_one if path[-1] == "scale" else assemble
 
 
