@@ -182,8 +182,9 @@ class LlamaConfig:
     model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
       "seed_oss" or "internlm3", which decides the biases, Qwen3's q / k norms and the
       checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
-      `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none on o; Seed-OSS's attention_bias is
-      q/k/v's and attention_out_bias o's; Mistral and Phi-3 have none.
+      `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
+      on o; Seed-OSS's attention_bias is q/k/v's and attention_out_bias o's; Mistral and
+      Phi-3 have none.
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
       Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
       multiplied by embedding_multiplier, each attention and MLP output by
