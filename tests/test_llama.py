@@ -315,37 +315,48 @@ def test_beam_search_matches_hf(saved, name):
 
 def assert_generate_and_engines_give_hfs_tokens(hf, model, engines: bool = True) -> None:
   """`jax_paged.generate` over prompts of 1-15 tokens (12 new each); with `engines`, also
-  an engine preempting in a tiny pool and one whose prompts share a cached prefix and
-  whose long prompt is prefilled in chunks: HF's greedy tokens each."""
+  an engine preempting in a tiny pool, then the same engine (its compiled steps reused)
+  over prompts sharing a cached prefix, a long one prefilled in chunks: HF's greedy
+  tokens each."""
   rng = np.random.default_rng(2)
   prompts = _prompts(rng, [1, 7, 9, 15])
   want = [_hf_generate(hf, p, 12) for p in prompts]
   assert jax_paged.generate(model, prompts, 12, page_size=PAGE) == want
   if engines:
-    assert_preempting_engine_gives(model, prompts, want)
-    assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9]) >= 2 * PAGE
+    eng = _preempting_engine(model)
+    assert_preempting_engine_gives(model, prompts, want, eng)
+    assert assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, [4, 9],
+                                                          eng) >= 2 * PAGE
 
 
-def assert_preempting_engine_gives(model, prompts: list[list[int]],
-                                   want: list[list[int]]) -> None:
-  """An engine of 3 slots over 7 pages (it preempts) gives `want`, 12 new tokens per
-  prompt, and every page back."""
-  eng = jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4)
+def _preempting_engine(model) -> jax_paged.Engine:
+  """An engine of 3 slots over 7 pages (12 new tokens for prompts of 1-15 preempt),
+  prefilling in chunks of 16."""
+  return jax_paged.Engine(model, max_batch=3, num_pages=7, page_size=PAGE, steps_per_call=4,
+                          max_prefill_tokens=16)
+
+
+def assert_preempting_engine_gives(model, prompts: list[list[int]], want: list[list[int]],
+                                   engine: jax_paged.Engine | None = None) -> None:
+  """`engine` (default: `_preempting_engine`'s) gives `want`, 12 new tokens per prompt,
+  preempting, and every page back."""
+  eng = engine or _preempting_engine(model)
   outputs, report = eng.generate([jax_paged.Request(p, 12) for p in prompts])
   assert outputs == want and report.preemptions > 0
   assert_pages_back(eng)
 
 
-def assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng,
-                                                   suffixes: list[int]) -> int:
+def assert_prefix_cache_and_chunks_give_hfs_tokens(hf, model, rng, suffixes: list[int],
+                                                   engine: jax_paged.Engine | None = None
+                                                   ) -> int:
   """Prompts sharing a prefix of 2 pages and 3 tokens (attached to cached pages, then
   prefilled from a rotated offset), with suffixes of these lengths, and a long one
-  prefilled in chunks of 16: HF's greedy tokens. Returns the prompt tokens read from the
-  cache."""
+  prefilled in chunks of 16, through `engine` (default: 2 slots over 32 pages): HF's
+  greedy tokens. Returns the prompt tokens read from the cache."""
   system = _prompts(rng, [2 * PAGE + 3])[0]
   prompts = [system + p for p in _prompts(rng, suffixes)] + _prompts(rng, [40])
-  eng = jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
-                         max_prefill_tokens=16)
+  eng = engine or jax_paged.Engine(model, max_batch=2, num_pages=32, page_size=PAGE,
+                                   max_prefill_tokens=16)
   outputs, report = eng.generate([jax_paged.Request(p, 6) for p in prompts])
   assert outputs == [_hf_generate(hf, p, 6) for p in prompts]
   return report.cached_prompt_tokens
