@@ -664,6 +664,8 @@ class PagedAttention(nnx.Module):
       (`HeadLayerNorm`: a weight per head, StableLM's). (A norm across heads cannot run
       on a tensor parallel device's heads alone: `jax_paged.tensor_parallel` refuses such
       a layer.)
+    qk_norm_after_rope: whether each head's q / k norm applies after RoPE instead of
+      before (Hunyuan's query_layernorm / key_layernorm).
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
     logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the
@@ -690,7 +692,8 @@ class PagedAttention(nnx.Module):
                alibi_slopes: Sequence[float] | np.ndarray | None = None,
                clip_qkv: float | None = None, sinks: bool = False,
                head_norm: Callable[[int], RMSNorm] | None = None,
-               qk_norm_all_heads: bool = False, decode_impl: DecodeImpl = "auto",
+               qk_norm_all_heads: bool = False, qk_norm_after_rope: bool = False,
+               decode_impl: DecodeImpl = "auto",
                kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -725,6 +728,10 @@ class PagedAttention(nnx.Module):
     self.qk_norm_all_heads = bool(qk_norm_all_heads)
     if self.qk_norm_all_heads and head_norm is None:
       raise ValueError("qk_norm_all_heads needs a head_norm to make the norms")
+    self.qk_norm_after_rope = bool(qk_norm_after_rope)
+    if self.qk_norm_after_rope and (head_norm is None or self.qk_norm_all_heads):
+      raise ValueError("qk_norm_after_rope needs a head_norm of each head (not "
+                       "qk_norm_all_heads)")
     q_width, k_width = ((num_heads * head_dim, num_kv_heads * head_dim)
                         if self.qk_norm_all_heads else (head_dim, head_dim))
     self.q_norm = None if head_norm is None else head_norm(q_width)
@@ -742,7 +749,8 @@ class PagedAttention(nnx.Module):
     """x [..., in_features] -> q [..., H, D], k and v [..., Hkv, D], with q and k each
     head (or all heads together: `qk_norm_all_heads`) normalised when the layer has
     `q_norm` / `k_norm` (after a `clip_qkv` clamp), then rotated to `positions`
-    (int [...], required with a `rope`) when it has a `rope`, and the rows' LoRA updates
+    (int [...], required with a `rope`) when it has a `rope` (with
+    `qk_norm_after_rope`, rotated first, then normalised), and the rows' LoRA updates
     (`adapters`, see `dense`)."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     q, k, v = dense(self.qkv, x, sections=(h * d, hkv * d, hkv * d), adapters=adapters)
@@ -752,12 +760,15 @@ class PagedAttention(nnx.Module):
     if self.qk_norm_all_heads:
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     q, k, v = q.reshape(lead + (h, d)), k.reshape(lead + (hkv, d)), v.reshape(lead + (hkv, d))
-    if self.q_norm is not None and not self.qk_norm_all_heads:
+    head_norms = self.q_norm is not None and not self.qk_norm_all_heads
+    if head_norms and not self.qk_norm_after_rope:
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     if self.rope is not None:
       if positions is None:
         raise ValueError("a layer with a rope needs the tokens' positions")
       q, k = self.rope(q, positions), self.rope(k, positions)
+    if head_norms and self.qk_norm_after_rope:
+      q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     return q, k, v
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,

@@ -382,6 +382,11 @@ class LlamaConfig:
     return self.model_type in ("qwen3", "qwen3_moe", "olmoe")
 
   @property
+  def qk_norm_after_rope(self) -> bool:
+    """Whether the q / k norms of each head apply after RoPE (`models.hunyuan`'s)."""
+    return False
+
+  @property
   def qk_norm_all_heads(self) -> bool:
     """Whether the q / k norms span all heads together (OLMoE's) rather than each head."""
     return self.model_type == "olmoe"
@@ -554,7 +559,8 @@ class DecoderLayer(nnx.Module):
         clip_qkv=config.clip_qkv, sinks=config.attention_sinks,
         head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
                                      param_dtype=param_dtype) if config.qk_norm else None),
-        qk_norm_all_heads=config.qk_norm_all_heads, decode_impl=decode_impl,
+        qk_norm_all_heads=config.qk_norm_all_heads,
+        qk_norm_after_rope=config.qk_norm_after_rope, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range),
         param_dtype=param_dtype, **kwargs)
 

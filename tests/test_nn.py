@@ -213,6 +213,8 @@ def test_rejects_bad_arguments():
     nn.PagedAttention(E, 4, D, clip_qkv=-1.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="num_heads must be a positive int"):
     nn.alibi_slopes(0)
+  with pytest.raises(ValueError, match="qk_norm_after_rope needs a head_norm of each head"):
+    nn.PagedAttention(E, 4, D, qk_norm_after_rope=True, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rope must be a RotaryEmbedding of head_dim=64"):
     nn.PagedAttention(E, 4, D, rope=nn.RotaryEmbedding(32), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"rope_type must be one of \('default', 'linear', "
