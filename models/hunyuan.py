@@ -64,30 +64,46 @@ class HunyuanConfig(llama.LlamaConfig):
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "HunyuanConfig":
     """`llama.LlamaConfig.from_dict`, a "dynamic" RoPE with an alpha read as HF's
-    HunYuanDenseV1RotaryEmbedding reads it (the module docstring)."""
-    config = dict(config)
-    config.pop("sliding_window", None)  # (HF's Hunyuan has none)
-    rope = config.get("rope_parameters") or config.get("rope_scaling")
-    if (isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) == "dynamic"
-        and rope.get("alpha")):
-      alpha = validation.check_positive_number("rope alpha", rope["alpha"])
-      dim = config.get("head_dim") or (config.get("hidden_size", cls.hidden_size)
-                                       // config.get("num_attention_heads",
-                                                     cls.num_attention_heads))
-      theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-      config.pop("rope_parameters", None)
-      config["rope_scaling"] = None
-      config["rope_theta"] = theta * alpha ** (dim / (dim - 2))
-    return llama.LlamaConfig.from_dict.__func__(cls, config)
+    HunYuanDenseV1RotaryEmbedding reads it (`ntk_alpha_rope`)."""
+    return llama.LlamaConfig.from_dict.__func__(cls, ntk_alpha_rope(config, cls))
 
 
-def hf_sources(path: tuple[str, ...], config: HunyuanConfig
-               ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
-  """`llama.hf_sources` with the q / k norms under HF's Hunyuan names."""
-  names, assemble = llama.hf_sources(path, config)
-  for ours, theirs in _NORMS.items():
-    names = [n.replace(ours, theirs) for n in names]
-  return names, assemble
+def ntk_alpha_rope(config: Mapping[str, Any], config_class: type) -> dict[str, Any]:
+  """A copy of an HF Hunyuan config dict (defaults: `config_class`'s) without a
+  sliding_window (HF's Hunyuan has none) and with a "dynamic" RoPE of NTK alpha a (in
+  rope_parameters or rope_scaling) made the default RoPE of base rope_theta * a **
+  (head_dim / (head_dim - 2)), as HF's rotary embedding makes it."""
+  config = dict(config)
+  config.pop("sliding_window", None)
+  rope = config.get("rope_parameters") or config.get("rope_scaling")
+  if (isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) == "dynamic"
+      and rope.get("alpha")):
+    alpha = validation.check_positive_number("rope alpha", rope["alpha"])
+    dim = config.get("head_dim") or (
+        config.get("hidden_size", config_class.hidden_size)
+        // config.get("num_attention_heads", config_class.num_attention_heads))
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = None
+    config["rope_theta"] = theta * alpha ** (dim / (dim - 2))
+  return config
+
+
+def norm_names(sources: llama.Sources) -> llama.Sources:
+  """`sources` with the q / k norms under HF's Hunyuan names (query_layernorm,
+  key_layernorm)."""
+
+  def renamed(path: tuple[str, ...], config: llama.LlamaConfig
+              ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
+    names, assemble = sources(path, config)
+    for ours, theirs in _NORMS.items():
+      names = [n.replace(ours, theirs) for n in names]
+    return names, assemble
+
+  return renamed
+
+
+hf_sources = norm_names(llama.hf_sources)
 
 
 from_pretrained = llama.loader(HunyuanConfig, llama.LlamaForCausalLM, hf_sources)
