@@ -1,11 +1,12 @@
-"""Llama (and Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, InternLM3) in Flax NNX,
-decoding from a paged KV cache (`jax_paged.KVPool`).
+"""Llama (and Mistral, Ministral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, InternLM3)
+in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
 a SwiGLU MLP, and an LM head (its own matrix, or tied to the embedding). The attention is
 `jax_paged.nn.PagedAttention`, so the K/V cache lives in the pool's pages. Its relatives
-differ in configuration and checkpoint names: Mistral attends within a sliding window,
+differ in configuration and checkpoint names: Mistral attends within a sliding window
+(Ministral, Ministral-8B, on the layers its layer_types name),
 Qwen2 has q/k/v biases (and optionally a sliding window on its upper layers), Qwen3
 RMS-normalises each head of q and k before RoPE (q_norm, k_norm), Phi-3 (Phi-3-mini
 / medium, Phi-3.5-mini, Phi-4, Phi-4-mini) stores q/k/v as one qkv_proj and gate / up as
@@ -57,7 +58,7 @@ from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss",
-               "internlm3")
+               "internlm3", "ministral")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
 _GRANITES = ("granite", "granitemoe")
 _SEED_OSS_DEFAULTS = dict(
@@ -179,12 +180,12 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-      "seed_oss" or "internlm3", which decides the biases, Qwen3's q / k norms and the
+    model_type: "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "granite",
+      "smollm3", "seed_oss" or "internlm3", which decides the biases, Qwen3's q / k norms and the
       checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
       `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
       on o; Seed-OSS's attention_bias is q/k/v's and attention_out_bias o's; Mistral and
-      Phi-3 have none.
+      Phi-3 (and Ministral) have none.
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
       Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
       multiplied by embedding_multiplier, each attention and MLP output by
@@ -452,7 +453,8 @@ class LlamaConfig:
         config["layer_types"] = [
             "sliding_attention" if config.get("sliding_window") is not None
             and not config["no_rope_layers"][i] else "full_attention" for i in range(layers)]
-    # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any);
+    # Windows: Llama has none; Mistral, Phi-3 and Mixtral one on every layer (if any),
+    # Ministral on its layer_types' sliding layers (without them, every layer);
     # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
     # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
     if model_type in ("llama", "internlm3", *_GRANITES):
@@ -465,15 +467,16 @@ class LlamaConfig:
     if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
-    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3"):
+    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3", "ministral"):
       config.pop("layer_types", None)
-    elif config.get("layer_types") is None and config.get("sliding_window") is not None:
+    elif (model_type != "ministral" and config.get("layer_types") is None
+          and config.get("sliding_window") is not None):
       first = config.get("max_window_layers", 28)
       config["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
                                for i in range(config.get("num_hidden_layers", 32))]
-    # Biases: Mistral, Phi-3 and Mixtral have none; Qwen2 always q/k/v's, never o's
-    # (`qkv_bias`, `out_bias`); the others attention_bias's.
-    if model_type in ("mistral", "phi3", "mixtral", "qwen2"):
+    # Biases: Mistral, Ministral, Phi-3 and Mixtral have none; Qwen2 always q/k/v's, never
+    # o's (`qkv_bias`, `out_bias`); the others attention_bias's.
+    if model_type in ("mistral", "ministral", "phi3", "mixtral", "qwen2"):
       config.pop("attention_bias", None)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})

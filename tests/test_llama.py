@@ -87,6 +87,12 @@ MODELS = {
     "seed_oss": (transformers.SeedOssForCausalLM, transformers.SeedOssConfig, dict(
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
         attention_out_bias=True, mlp_bias=True, pad_token_id=None), {}),
+    # Ministral: layer 0 windowed to 5 positions, layer 1 not (layer_types), GQA. (head_dim
+    # given: HF's MinistralAttention reads a None one as it is.)
+    "ministral": (transformers.MinistralForCausalLM, transformers.MinistralConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0}), {}),
     # InternLM3 (HF serves it as Llama): biases on q/k/v/o and the MLP under its names
     # (qkv_bias, bias), GQA.
     "internlm3": (transformers.LlamaForCausalLM, transformers.InternLM3Config, dict(
@@ -497,6 +503,14 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
               hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.rms_norm_eps,
               hf.max_position_embeddings, hf.eos_token_id, hf.attention_bias,
               hf.attention_out_bias, hf.mlp_bias, hf.rope_parameters["rope_theta"])
+  # Ministral: windows on its layer_types' sliding layers, on every layer without them.
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "ministral", "sliding_window": 4,
+                                   "layer_types": ["full_attention", "sliding_attention",
+                                                   "full_attention"],
+                                   "attention_bias": True})
+  assert (c.window(0), c.window(1), c.window(2), c.qkv_bias) == (None, 4, None, False)
+  c = llama.LlamaConfig.from_dict({**base, "model_type": "ministral", "sliding_window": 4})
+  assert (c.window(0), c.window(1)) == (4, 4)
   # InternLM3: its config.json's bias names (qkv_bias, bias); HF's InternLM3Config defaults.
   intern = {**base, "model_type": "internlm3", "num_key_value_heads": 2}
   c = llama.LlamaConfig.from_dict({**intern, "qkv_bias": True, "bias": True})
