@@ -1,5 +1,5 @@
-"""Llama (and Mistral, Ministral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, InternLM3)
-in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+"""Llama (and Mistral, Ministral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, InternLM3,
+IQuest-Coder, CWM) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
@@ -17,7 +17,9 @@ by four multipliers of its config, SmolLM3 leaves RoPE out of the layers its
 no_rope_layers marks 0 (every fourth by default: NoPE layers), and Seed-OSS (ByteDance's
 Seed-OSS-36B) has q/k/v biases and, apart from them, optionally o's (attention_out_bias);
 InternLM3 (internlm3-8b-instruct: HF serves it as Llama) names Llama's attention_bias
-qkv_bias and its mlp_bias bias.
+qkv_bias and its mlp_bias bias, IQuest-Coder (HF serves it as Llama too) is Llama of its
+own default shape, and CWM (Meta's Code World Model) attends within a window on three of
+every four layers (layer_types).
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -58,17 +60,36 @@ from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss",
-               "internlm3", "ministral")
+               "internlm3", "ministral", "iquestcoder", "cwm")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
 _GRANITES = ("granite", "granitemoe")
-_SEED_OSS_DEFAULTS = dict(
-    vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
-    num_attention_heads=80, num_key_value_heads=8, head_dim=128, max_position_embeddings=524288,
-    rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, attention_bias=True)
-_INTERNLM3_DEFAULTS = dict(  # (HF's InternLM3Config: internlm3-8b's shape)
-    vocab_size=128512, hidden_size=4096, intermediate_size=10240, num_hidden_layers=48,
-    num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=32768,
-    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+# HF's config defaults of the model types whose shape is not `LlamaConfig`'s, which a
+# config.json omitting a field gets there too: Seed-OSS-36B's, internlm3-8b's,
+# IQuest-Coder's, CWM's (Meta's Code World Model: llama3 RoPE unless a config gives one).
+_HF_DEFAULTS = {
+    "seed_oss": dict(
+        vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=80, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=524288, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2,
+        attention_bias=True),
+    "internlm3": dict(
+        vocab_size=128512, hidden_size=4096, intermediate_size=10240, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "iquestcoder": dict(
+        vocab_size=76800, hidden_size=5120, intermediate_size=27648, num_hidden_layers=80,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "cwm": dict(
+        vocab_size=128256, hidden_size=6144, intermediate_size=21504, num_hidden_layers=64,
+        num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
+        sliding_window=8192),
+}
+_CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0,
+             "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+             "original_max_position_embeddings": 8192}
+_CWM_EOS = [128001, 128008, 128009]  # (HF's CwmConfig gives these for a null eos_token_id)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -181,11 +202,11 @@ class LlamaConfig:
 
   Attributes beyond HF's LlamaConfig:
     model_type: "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "granite",
-      "smollm3", "seed_oss" or "internlm3", which decides the biases, Qwen3's q / k norms and the
+      "smollm3", "seed_oss", "internlm3", "iquestcoder" or "cwm", which decides the biases, Qwen3's q / k norms and the
       checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
       `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
       on o; Seed-OSS's attention_bias is q/k/v's and attention_out_bias o's; Mistral and
-      Phi-3 (and Ministral) have none.
+      Phi-3 (and Ministral, CWM) have none.
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
       Granite's (HF's GraniteConfig; 1.0 and None elsewhere): the token embeddings are
       multiplied by embedding_multiplier, each attention and MLP output by
@@ -402,6 +423,21 @@ class LlamaConfig:
     if model_type not in cls.model_types:
       raise ValueError(f"model_type {model_type!r} is not supported; use one of "
                        f"{cls.model_types}")
+    config = {**_HF_DEFAULTS.get(model_type, {}), **config}
+    if model_type == "cwm":
+      if not any(config.get(k) is not None
+                 for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+        config["rope_parameters"] = _CWM_ROPE
+      if config.get("eos_token_id") is None:
+        config["eos_token_id"] = _CWM_EOS
+      if config.get("layer_types") is None:  # HF's: every fourth layer full, from layer 0
+        config["layer_types"] = ["full_attention" if i % 4 == 0 else "sliding_attention"
+                                 for i in range(config["num_hidden_layers"])]
+      config["sliding_window"] = config.get("sliding_window") or None
+    if model_type == "iquestcoder":  # (HF's IQuestCoderConfig refuses both)
+      for name in ("clip_qkv", "use_sliding_window"):
+        if config.get(name):
+          raise ValueError(f"{name} {config[name]!r} is not supported for IQuest-Coder")
     rope = config.pop("rope_parameters", None)
     if rope is not None:  # transformers 5: theta and scaling in one dict
       if not isinstance(rope, Mapping) or not isinstance(rope.get("rope_type", ""), str):
@@ -429,10 +465,7 @@ class LlamaConfig:
     config["rope_scaling"] = hf_rope_scaling(scaling)
     if model_type == "qwen3":
       config.setdefault("head_dim", 128)  # HF's Qwen3Config default, not hidden / heads
-    if model_type == "seed_oss":  # HF's SeedOssConfig defaults (Seed-OSS-36B's shape)
-      config = {**_SEED_OSS_DEFAULTS, **config}
-    if model_type == "internlm3":  # HF's defaults, and its names (attribute_map) for the biases
-      config = {**_INTERNLM3_DEFAULTS, **config}
+    if model_type == "internlm3":  # its names (HF's attribute_map) for the biases
       for theirs, ours in (("qkv_bias", "attention_bias"), ("bias", "mlp_bias")):
         if theirs in config:
           config[ours] = config.pop(theirs)
@@ -457,7 +490,7 @@ class LlamaConfig:
     # Ministral on its layer_types' sliding layers (without them, every layer);
     # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
     # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
-    if model_type in ("llama", "internlm3", *_GRANITES):
+    if model_type in ("llama", "internlm3", "iquestcoder", *_GRANITES):
       config.pop("sliding_window", None)
     if model_type not in _GRANITES:  # (their HF classes have no such fields)
       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -467,16 +500,16 @@ class LlamaConfig:
     if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
-    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3", "ministral"):
+    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3", "ministral", "cwm"):
       config.pop("layer_types", None)
-    elif (model_type != "ministral" and config.get("layer_types") is None
+    elif (model_type not in ("ministral", "cwm") and config.get("layer_types") is None
           and config.get("sliding_window") is not None):
       first = config.get("max_window_layers", 28)
       config["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
                                for i in range(config.get("num_hidden_layers", 32))]
     # Biases: Mistral, Ministral, Phi-3 and Mixtral have none; Qwen2 always q/k/v's, never
     # o's (`qkv_bias`, `out_bias`); the others attention_bias's.
-    if model_type in ("mistral", "ministral", "phi3", "mixtral", "qwen2"):
+    if model_type in ("mistral", "ministral", "cwm", "phi3", "mixtral", "qwen2"):
       config.pop("attention_bias", None)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})

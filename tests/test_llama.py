@@ -93,6 +93,14 @@ MODELS = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=5,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0}), {}),
+    # CWM: layers 0 full, 1 windowed to 5 positions (HF's default layer_types: every
+    # fourth full from layer 0), its default llama3 RoPE at a small original context.
+    "cwm": (transformers.CwmForCausalLM, transformers.CwmConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=5,
+        bos_token_id=1,  # (HF's CwmConfig takes no None)
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}), {}),
     # InternLM3 (HF serves it as Llama): biases on q/k/v/o and the MLP under its names
     # (qkv_bias, bias), GQA.
     "internlm3": (transformers.LlamaForCausalLM, transformers.InternLM3Config, dict(
@@ -511,6 +519,27 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
   assert (c.window(0), c.window(1), c.window(2), c.qkv_bias) == (None, 4, None, False)
   c = llama.LlamaConfig.from_dict({**base, "model_type": "ministral", "sliding_window": 4})
   assert (c.window(0), c.window(1)) == (4, 4)
+  # CWM and IQuest-Coder: HF's defaults (CWM's RoPE, eos ids and layer_types); IQuest-Coder
+  # refusing what HF's refuses.
+  for model_type, config_class in (("cwm", transformers.CwmConfig),
+                                   ("iquestcoder", transformers.IQuestCoderConfig)):
+    c, hf = llama.LlamaConfig.from_dict({"model_type": model_type}), config_class()
+    window = getattr(hf, "sliding_window", None)
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+            c.max_position_embeddings, c.bos_token_id, c.eos_token_id, c.rope_theta,
+            [c.window(i) for i in range(8)]) == (
+                hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+                hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.rms_norm_eps,
+                hf.max_position_embeddings, hf.bos_token_id,
+                tuple(hf.eos_token_id) if isinstance(hf.eos_token_id, list) else hf.eos_token_id,
+                hf.rope_parameters["rope_theta"],
+                [window if t == "sliding_attention" else None
+                 for t in getattr(hf, "layer_types", ["full_attention"] * 8)[:8]]), model_type
+  assert dict(llama.LlamaConfig.from_dict({"model_type": "cwm"}).rope_scaling)["rope_type"] == (
+      "llama3")
+  with pytest.raises(ValueError, match="clip_qkv 8.0 is not supported for IQuest-Coder"):
+    llama.LlamaConfig.from_dict({"model_type": "iquestcoder", "clip_qkv": 8.0})
   # InternLM3: its config.json's bias names (qkv_bias, bias); HF's InternLM3Config defaults.
   intern = {**base, "model_type": "internlm3", "num_key_value_heads": 2}
   c = llama.LlamaConfig.from_dict({**intern, "qkv_bias": True, "bias": True})
