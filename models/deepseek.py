@@ -1,6 +1,8 @@
-"""DeepSeek-V2 / V3 (Hugging Face's DeepseekV2ForCausalLM, DeepseekV3ForCausalLM) on the
-paged pool: multi-head latent attention (`jax_paged.latent_attention`: one latent vector
-per token cached) and routed experts with always-on shared experts.
+"""DeepSeek-V2 / V3 (Hugging Face's DeepseekV2ForCausalLM, DeepseekV3ForCausalLM) and
+GLM-4.7-Flash (Glm4MoeLiteForCausalLM, "glm4_moe_lite": V3's model, its dense and sparse
+layers listed by mlp_layer_types) on the paged pool: multi-head latent attention
+(`jax_paged.latent_attention`: one latent vector per token cached) and routed experts with
+always-on shared experts.
 
 The blocks are `models.moe`'s (pre-norm RMSNorm, a SwiGLU MLP on the first
 first_k_dense_replace layers, experts after) with `LatentAttention` for attention. The
@@ -32,9 +34,12 @@ from jax_paged.kernels import validation
 from jax_paged.paged_model import ModelFamily, ModelSpec
 from models import llama, moe
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-# Hugging Face's DeepseekV2Config / DeepseekV3Config defaults (transformers 5.x), which a
+# The model types whose router is V3's (noaux_tc).
+_V3_ROUTED = ("deepseek_v3", "glm4_moe_lite")
+# Hugging Face's DeepseekV2Config / DeepseekV3Config / Glm4MoeLiteConfig defaults
+# (transformers 5.x; GLM-4.7-Flash's shape for the last), which a
 # config.json omitting a field gets there too (HF's V2 has no num_experts_per_tok default:
 # required here). rope_theta, rms_norm_eps, kv_lora_rank, the head widths, hidden_act
 # and attention_bias default alike in both and in `DeepseekConfig`.
@@ -52,6 +57,13 @@ _HF_DEFAULTS = {
         q_lora_rank=1536, first_k_dense_replace=3, topk_method="noaux_tc",
         routed_scaling_factor=2.5, norm_topk_prob=True, n_group=8, topk_group=4,
         rope_interleave=True, bos_token_id=0, eos_token_id=1),
+    "glm4_moe_lite": dict(
+        vocab_size=154880, hidden_size=2048, intermediate_size=10240, num_hidden_layers=47,
+        num_attention_heads=20, max_position_embeddings=202752, rms_norm_eps=1e-5,
+        n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=1536,
+        n_shared_experts=1, q_lora_rank=768, qk_nope_head_dim=192, v_head_dim=256,
+        topk_method="noaux_tc", routed_scaling_factor=1.8, norm_topk_prob=True, n_group=1,
+        topk_group=1, rope_interleave=True, bos_token_id=0, eos_token_id=1),
 }
 
 
@@ -67,6 +79,8 @@ class DeepseekConfig(moe.MoeConfig):
     kv_lora_rank, q_lora_rank (None: q projected directly), qk_nope_head_dim,
       qk_rope_head_dim, v_head_dim: MLA's widths.
     first_k_dense_replace: layers below it have a dense MLP, the rest experts.
+    mlp_layer_types: "dense" or "sparse" per layer (GLM-4.7-Flash's), which decides over
+      first_k_dense_replace; None: first_k_dense_replace decides.
     topk_method: "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3's sigmoid
       router with e_score_correction_bias), over n_group groups of which topk_group are
       kept.
@@ -94,6 +108,7 @@ class DeepseekConfig(moe.MoeConfig):
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
   first_k_dense_replace: int = 1
+  mlp_layer_types: tuple[str, ...] | None = None
   topk_method: str = "greedy"
   n_group: int | None = None
   topk_group: int | None = None
@@ -114,14 +129,23 @@ class DeepseekConfig(moe.MoeConfig):
     if self.topk_method not in _TOPK_METHODS:
       raise ValueError(f"topk_method {self.topk_method!r} is not supported; use one of "
                        f"{_TOPK_METHODS}")
-    if (self.model_type == "deepseek_v3") != (self.topk_method == "noaux_tc"):
+    if (self.model_type in _V3_ROUTED) != (self.topk_method == "noaux_tc"):
       raise ValueError(f"topk_method {self.topk_method!r} does not go with {self.model_type}"
                        " (V3's router is noaux_tc, V2's greedy or group_limited_greedy)")
+    if self.mlp_layer_types is not None:
+      object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
+      if (len(self.mlp_layer_types) != self.num_hidden_layers
+          or any(t not in ("dense", "sparse") for t in self.mlp_layer_types)):
+        raise ValueError(f"mlp_layer_types must give 'dense' or 'sparse' for each of the "
+                         f"{self.num_hidden_layers} layers, got {self.mlp_layer_types}")
     if self.topk_method != "greedy":
       check_groups(self)
 
   def sparse(self, layer: int) -> bool:
-    """Whether layer `layer`'s MLP is the experts (from first_k_dense_replace on)."""
+    """Whether layer `layer`'s MLP is the experts (mlp_layer_types', else from
+    first_k_dense_replace on)."""
+    if self.mlp_layer_types is not None:
+      return self.mlp_layer_types[layer] == "sparse"
     return layer >= self.first_k_dense_replace
 
   @property
@@ -158,6 +182,12 @@ class DeepseekConfig(moe.MoeConfig):
         else shared * config.get("moe_intermediate_size", cls.moe_intermediate_size))
     if model_type == "deepseek_v2":
       config["rope_interleave"] = True
+    if model_type == "glm4_moe_lite":
+      if config.get("mlp_layer_types") is None:  # HF's: layer 0 dense, the rest sparse
+        layers = config["num_hidden_layers"]
+        config["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+    else:
+      config.pop("mlp_layer_types", None)
     for name in ("num_key_value_heads", "head_dim", "decoder_sparse_step", "mlp_only_layers",
                  "sliding_window", "layer_types"):
       config.pop(name, None)

@@ -1,11 +1,13 @@
-"""DeepSeek-V2 / V3 (multi-head latent attention, routed and shared experts) on the paged
-pool against Hugging Face transformers' models (CPU, f32), loaded from their
-`save_pretrained` directories.
+"""DeepSeek-V2 / V3 and GLM-4.7-Flash (multi-head latent attention, routed and shared
+experts) on the paged pool against Hugging Face transformers' models (CPU, f32), loaded
+from their `save_pretrained` directories.
 
 The HF models are random (norms, V3's correction bias too): 8 experts in 4 groups, 2
 kept groups, 2 experts per token. V2: q projected directly, YaRN RoPE with DeepSeek's
 mscales, group-limited greedy routing scaled by 1.5; V3: q through its low-rank
-bottleneck, the sigmoid router with its correction bias, renormalised and scaled by 2.5.
+bottleneck, the sigmoid router with its correction bias, renormalised and scaled by 2.5;
+GLM-4.7-Flash ("glm4_moe_lite") V3's with its dense / sparse layers from mlp_layer_types
+and a scale of 1.8.
 """
 
 import functools
@@ -42,6 +44,9 @@ VARIANTS = {
                       "mscale_all_dim": 0.8, "original_max_position_embeddings": 16})),
     "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, dict(
         q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "glm4_moe_lite": (transformers.Glm4MoeLiteForCausalLM, transformers.Glm4MoeLiteConfig,
+                      dict(q_lora_rank=24, routed_scaling_factor=1.8, norm_topk_prob=True,
+                           mlp_layer_types=["dense", "sparse"])),
 }
 
 
@@ -80,11 +85,11 @@ def test_prefill_and_decode_logits_match_hf(saved):
 def test_generate_and_engine_give_hfs_tokens(saved):
   """generate; an engine preempting in a tiny pool; one whose prompts share a cached
   prefix and whose long prompt is prefilled in chunks: HF's greedy tokens (V2: the
-  engine's paths are the model's prefill and decode, which V3 shares)."""
+  engine's paths are the model's prefill and decode, which V3 and GLM-4.7-Flash share)."""
   hf, path = saved
   model = deepseek.from_pretrained(path)
   assert_generate_and_engines_give_hfs_tokens(
-      hf, model, engines=model.config.model_type != "deepseek_v3")
+      hf, model, engines=model.config.model_type == "deepseek_v2")
 
 
 def _logits_over_steps(model, prompts: list[list[int]], dtype, page_size: int) -> np.ndarray:
@@ -354,6 +359,21 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
         hf_defaults["first_k_dense_replace"], 1536,
         hf_defaults["n_shared_experts"] * hf_defaults["moe_intermediate_size"])
     assert latent_attention.spec_head_dim(d.kv_lora_rank, d.qk_rope_head_dim) == 288
+  # GLM-4.7-Flash's defaults: V3's model of its own shape, layer 0 dense.
+  d = deepseek.DeepseekConfig.from_dict({"model_type": "glm4_moe_lite"})
+  hf_defaults = transformers.Glm4MoeLiteConfig().to_dict()
+  assert d == deepseek.DeepseekConfig.from_dict(hf_defaults)
+  assert (d.hidden_size, d.num_hidden_layers, d.num_local_experts, d.num_experts_per_tok,
+          d.q_lora_rank, d.qk_nope_head_dim, d.v_head_dim, d.routed_scaling_factor,
+          d.mlp_layer_types, d.topk_method, d.eos_token_id) == (
+              hf_defaults["hidden_size"], hf_defaults["num_hidden_layers"],
+              hf_defaults["n_routed_experts"], hf_defaults["num_experts_per_tok"],
+              hf_defaults["q_lora_rank"], hf_defaults["qk_nope_head_dim"],
+              hf_defaults["v_head_dim"], hf_defaults["routed_scaling_factor"],
+              tuple(hf_defaults["mlp_layer_types"]), "noaux_tc", hf_defaults["eos_token_id"])
+  with pytest.raises(ValueError, match="mlp_layer_types must give 'dense' or 'sparse'"):
+    deepseek.DeepseekConfig.from_dict({"model_type": "glm4_moe_lite", "num_hidden_layers": 2,
+                                       "mlp_layer_types": ["dense", "moe"]})
   with pytest.raises(ValueError, match="deepseek_v2 config needs num_experts_per_tok"):
     deepseek.DeepseekConfig.from_dict({"model_type": "deepseek_v2"})
   for bad, message in (
@@ -366,7 +386,7 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
       ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported")):
     with pytest.raises(ValueError, match=message):
       deepseek.DeepseekConfig.from_dict({**config, **bad})
-  other = "greedy" if c.model_type == "deepseek_v3" else "noaux_tc"
+  other = "greedy" if c.topk_method == "noaux_tc" else "noaux_tc"
   with pytest.raises(ValueError, match=f"topk_method '{other}' does not go with"):
     deepseek.DeepseekConfig.from_dict({**config, "topk_method": other})
 
