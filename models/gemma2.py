@@ -1,4 +1,4 @@
-"""Gemma 2 in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+"""Gemma 2 and VaultGemma in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
 
 Hugging Face's `Gemma2ForCausalLM` (`model_type` "gemma2": Gemma 2 2B, 9B, 27B) is Gemma
 3's text decoder (`models.gemma3`: four unit-offset RMS norms per block, scores scaled by
@@ -10,6 +10,10 @@ query_pre_attn_scalar^-1/2, GeGLU, scaled embeddings, sliding and full layers) w
 * no q / k norms;
 * one RoPE (rope_theta, and any scaling) for every layer, sliding and full alternating
   (layer 0 sliding) unless layer_types says otherwise.
+
+`VaultGemmaForCausalLM` ("vaultgemma": Google's VaultGemma 1B, trained with differential
+privacy) is Gemma 2's model without the branch outputs' norms (post_attention_layernorm,
+post_feedforward_layernorm): each block normalises only its inputs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from jax_paged.paged_model import ModelFamily
 from models import gemma3
 from models import llama
 
-MODEL_TYPES = ("gemma2",)
+MODEL_TYPES = ("gemma2", "vaultgemma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,10 @@ class Gemma2Config(gemma3.Gemma3Config):
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
   qk_norm: ClassVar[bool] = False
+
+  @property
+  def post_norms(self) -> bool:
+    return self.model_type != "vaultgemma"
 
   def rope(self, layer: int) -> paged_nn.RotaryEmbedding:
     """Every layer's rotary embedding (sliding or not)."""

@@ -91,6 +91,13 @@ class Gemma3Config:
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
   qk_norm: ClassVar[bool] = True
 
+  @property
+  def post_norms(self) -> bool:
+    """Whether each branch's output is normalised before its residual add
+    (post_attention_layernorm, post_feedforward_layernorm: Gemma 2's and 3's; not
+    VaultGemma's, `models.gemma2`)."""
+    return True
+
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
     if isinstance(self.rope_scaling, Mapping):
@@ -232,10 +239,10 @@ class DecoderLayer(nnx.Module):
         head_norm=norm_of if config.qk_norm else None, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
-    self.post_attention_layernorm = norm()
+    self.post_attention_layernorm = norm() if config.post_norms else None
     self.pre_feedforward_layernorm = norm()
     self.mlp = llama.MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.post_feedforward_layernorm = norm()
+    self.post_feedforward_layernorm = norm() if config.post_norms else None
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
                attend: llama.Attend, next_norm: paged_nn.RMSNorm,

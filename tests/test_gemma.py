@@ -1,6 +1,7 @@
-"""Gemma 3 (text) and Gemma 2 on the paged pool against Hugging Face transformers'
-Gemma3ForCausalLM and Gemma2ForCausalLM (CPU, f32), loaded from their `save_pretrained`
-directories; Gemma 3's image-text checkpoints against Gemma3ForConditionalGeneration.
+"""Gemma 3 (text), Gemma 2 and VaultGemma on the paged pool against Hugging Face
+transformers' Gemma3ForCausalLM, Gemma2ForCausalLM and VaultGemmaForCausalLM (CPU, f32),
+loaded from their `save_pretrained` directories; Gemma 3's image-text checkpoints against
+Gemma3ForConditionalGeneration.
 
 The HF models are random, their norms' weights too (HF initialises them to 0, Gemma's
 identity, which would hide a norm applied wrongly or not at all); Gemma 2's soft caps are
@@ -46,6 +47,10 @@ VARIANTS = {
     "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config, gemma2, dict(
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
         attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
+    # VaultGemma: Gemma 2 without the post-norms.
+    "vaultgemma": (transformers.VaultGemmaForCausalLM, transformers.VaultGemmaConfig, gemma2,
+                   dict(rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+                        attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
 }
 
 
@@ -84,6 +89,9 @@ def test_prefill_and_decode_logits_match_hf(saved):
   model = module.from_pretrained(path)
   assert isinstance(model, jax_paged.PagedModel)
   assert [b.self_attn.sliding_window for b in model.layers] == [5, 5, None]
+  vault = model.config.model_type == "vaultgemma"  # (no post-norms)
+  assert [m is None for m in (model.layers[0].post_attention_layernorm,
+                              model.layers[0].post_feedforward_layernorm)] == [vault] * 2
   assert_logits_track_hf(hf, model, [3, 8, 13], 10)  # across pages, past the window
 
 
