@@ -58,28 +58,35 @@ class Exaone4Config(llama.LlamaConfig):
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "Exaone4Config":
-    """`llama.LlamaConfig.from_dict` with HF's Exaone4Config reading of the windows: without
-    layer_types, layer i sliding unless (i + 1) % sliding_window_pattern == 0 (an int;
-    every layer global without a sliding_window)."""
+    """`llama.LlamaConfig.from_dict` with HF's Exaone4Config reading of the windows
+    (`hf_layer_types`)."""
     config = dict(config)
     for name in ("attention_bias", "mlp_bias"):  # (HF's EXAONE 4 has no biases)
       config.pop(name, None)
-    window = config.setdefault("sliding_window", cls.sliding_window)
-    layers = config.get("num_hidden_layers", cls.num_hidden_layers)
-    layer_types = config.pop("layer_types", None)
-    if layer_types is None:
-      pattern = config.get("sliding_window_pattern", 4)
-      if window is None:
-        layer_types = ["full_attention"] * layers
-      elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
-        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                       for i in range(layers)]
-      else:
-        raise ValueError(f"sliding_window_pattern must be a positive int when layer_types "
-                         f"is not given, got {pattern!r}")
+    layer_types = hf_layer_types(config, cls)
     # (past Llama's from_dict, which keeps layer_types for the Qwens and SmolLM3 alone)
     return dataclasses.replace(llama.LlamaConfig.from_dict.__func__(cls, config),
                                layer_types=tuple(layer_types))
+
+
+def hf_layer_types(config: dict[str, Any], config_class: type) -> list[str]:
+  """The layer_types of an HF EXAONE config dict (defaults: `config_class`'s), popped from
+  it, with its sliding_window set (HF's default where absent): without layer_types,
+  layer i sliding unless (i + 1) % sliding_window_pattern == 0 (an int; every layer
+  global without a sliding_window), as HF's Exaone4Config reads it."""
+  window = config.setdefault("sliding_window", config_class.sliding_window)
+  layers = config.get("num_hidden_layers", config_class.num_hidden_layers)
+  layer_types = config.pop("layer_types", None)
+  if layer_types is not None:
+    return list(layer_types)
+  pattern = config.get("sliding_window_pattern", 4)
+  if window is None:
+    return ["full_attention"] * layers
+  if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)]
+  raise ValueError(f"sliding_window_pattern must be a positive int when layer_types is "
+                   f"not given, got {pattern!r}")
 
 
 from_pretrained = llama.loader(Exaone4Config, olmo2.Olmo2ForCausalLM)
