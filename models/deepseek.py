@@ -132,12 +132,7 @@ class DeepseekConfig(moe.MoeConfig):
     if (self.model_type in _V3_ROUTED) != (self.topk_method == "noaux_tc"):
       raise ValueError(f"topk_method {self.topk_method!r} does not go with {self.model_type}"
                        " (V3's router is noaux_tc, V2's greedy or group_limited_greedy)")
-    if self.mlp_layer_types is not None:
-      object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
-      if (len(self.mlp_layer_types) != self.num_hidden_layers
-          or any(t not in ("dense", "sparse") for t in self.mlp_layer_types)):
-        raise ValueError(f"mlp_layer_types must give 'dense' or 'sparse' for each of the "
-                         f"{self.num_hidden_layers} layers, got {self.mlp_layer_types}")
+    check_mlp_layer_types(self)
     if self.topk_method != "greedy":
       check_groups(self)
 
@@ -192,6 +187,18 @@ class DeepseekConfig(moe.MoeConfig):
                  "sliding_window", "layer_types"):
       config.pop(name, None)
     return llama.LlamaConfig.from_dict.__func__(cls, config)
+
+
+def check_mlp_layer_types(config: moe.MoeConfig) -> None:
+  """Makes a config's mlp_layer_types (None, or "dense" / "sparse" per layer) a tuple;
+  ValueError unless it names each layer's MLP (GLM-4.7-Flash's, K-EXAONE's field)."""
+  if config.mlp_layer_types is None:
+    return
+  object.__setattr__(config, "mlp_layer_types", tuple(config.mlp_layer_types))
+  if (len(config.mlp_layer_types) != config.num_hidden_layers
+      or any(t not in ("dense", "sparse") for t in config.mlp_layer_types)):
+    raise ValueError(f"mlp_layer_types must give 'dense' or 'sparse' for each of the "
+                     f"{config.num_hidden_layers} layers, got {config.mlp_layer_types}")
 
 
 def check_groups(config: moe.MoeConfig) -> None:

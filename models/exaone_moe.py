@@ -64,25 +64,16 @@ class ExaoneMoeConfig(glm4_moe.Glm4MoeConfig):
   # EXAONE 4.0's attention: per-head q / k norms; NoPE on the global layers.
   layer_rope = exaone4.Exaone4Config.layer_rope
 
+  # Whether layer i's MLP is the experts: mlp_layer_types', else from first_k_dense_replace.
+  sparse = deepseek.DeepseekConfig.sparse
+
   def __post_init__(self):
     super().__post_init__()
-    if self.mlp_layer_types is not None:
-      object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
-      if (len(self.mlp_layer_types) != self.num_hidden_layers
-          or any(t not in ("dense", "sparse") for t in self.mlp_layer_types)):
-        raise ValueError(f"mlp_layer_types must give 'dense' or 'sparse' for each of the "
-                         f"{self.num_hidden_layers} layers, got {self.mlp_layer_types}")
+    deepseek.check_mlp_layer_types(self)
 
   @property
   def qk_norm(self) -> bool:
     return True
-
-  def sparse(self, layer: int) -> bool:
-    """Whether layer `layer`'s MLP is the experts (mlp_layer_types', else from
-    first_k_dense_replace on)."""
-    if self.mlp_layer_types is not None:
-      return self.mlp_layer_types[layer] == "sparse"
-    return super().sparse(layer)
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "ExaoneMoeConfig":
