@@ -158,10 +158,16 @@ class DecoderLayer(llama.DecoderLayer):
     post = self.post_attention_layernorm
     x, _ = paged_nn.project_add_norm(self.self_attn.out, a, x, post, adapters=adapters,
                                      parts_norm=post)
+    x = self._mlp_add(x, adapters)
+    return x, next_norm(x), kv
+
+  def _mlp_add(self, x: jax.Array, adapters: jax.Array | None) -> jax.Array:
+    """x + post_feedforward_layernorm(mlp(x)), the norm and the add one kernel after the
+    down projection (a subclass's own: `models.flex_olmo`'s experts)."""
     post = self.post_feedforward_layernorm
     x, _ = paged_nn.project_add_norm(self.mlp.down, self.mlp.hidden(x, adapters), x, post,
                                      adapters=adapters, parts_norm=post)
-    return x, next_norm(x), kv
+    return x
 
 
 class Olmo2ForCausalLM(llama.LlamaForCausalLM):
