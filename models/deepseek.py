@@ -222,8 +222,6 @@ class DeepseekMoE(moe.SparseMoE):
   `correction_bias` [experts] (HF's e_score_correction_bias) is a parameter; it and the
   router are float32 whatever the param_dtype, and the router runs in float32, as HF's."""
 
-  gated_shared_expert = False
-
   def __init__(self, config: DeepseekConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.router = nnx.Param(self.router[...].astype(jnp.float32))  # (HF keeps it f32)

@@ -62,7 +62,7 @@ from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss",
                "internlm3", "ministral", "iquestcoder", "cwm")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
-_GRANITES = ("granite", "granitemoe")
+_GRANITES = ("granite", "granitemoe", "granitemoeshared")
 # HF's config defaults of the model types whose shape is not `LlamaConfig`'s, which a
 # config.json omitting a field gets there too: Seed-OSS-36B's, internlm3-8b's,
 # IQuest-Coder's, CWM's (Meta's Code World Model: llama3 RoPE unless a config gives one).

@@ -8,7 +8,9 @@ Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms), `OlmoeForCausalL
 ("olmoe": OLMoE-1B-7B) Llama's with q and k each RMS-normalised over all heads together
 (`nn.PagedAttention(qk_norm_all_heads=True)`; no tensor parallelism) and
 `GraniteMoeForCausalLM` ("granitemoe": Granite-3.x-1B-A400M / 3B-A800M) Granite's (its
-four multipliers, `llama.LlamaConfig`; every expert's weights in one tensor), whose MLP
+four multipliers, `llama.LlamaConfig`; every expert's weights in one tensor; with
+`GraniteMoeSharedForCausalLM`, "granitemoeshared", an ungated shared expert of
+shared_intermediate_size beside them), whose MLP
 is a sparse mixture of SwiGLU experts (the Qwens': on the layers decoder_sparse_step and
 mlp_only_layers leave it, a dense MLP on the others): a router scores the experts for
 each token (softmax in f32), the num_experts_per_tok best run on it, and its output is
@@ -44,7 +46,7 @@ from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from models import llama
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,7 @@ class MoeConfig(llama.LlamaConfig):
     moe_intermediate_size: each expert's width; None: intermediate_size (Mixtral's).
     norm_topk_prob: whether the chosen experts' scores are renormalised to sum to 1.
     shared_expert_intermediate_size: the width of a shared expert every token runs
-      (Qwen2-MoE's), or None: none.
+      (Qwen2-MoE's, gated: `shared_expert_gated`; Granite-MoE-Shared's), or None: none.
     decoder_sparse_step, mlp_only_layers: layer i is sparse unless i is in
       mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen3-MoE's), dense (an
       MLP of intermediate_size) otherwise.
@@ -91,6 +93,11 @@ class MoeConfig(llama.LlamaConfig):
     if self.num_experts_per_tok > self.num_local_experts:
       raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                        f"num_local_experts ({self.num_local_experts})")
+
+  @property
+  def shared_expert_gated(self) -> bool:
+    """Whether a shared expert's output is scaled by a sigmoid gate (Qwen2-MoE's)."""
+    return self.model_type == "qwen2_moe"
 
   @property
   def expert_width(self) -> int:
@@ -132,6 +139,8 @@ class MoeConfig(llama.LlamaConfig):
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 and i < below
                                  else "full_attention"
                                  for i in range(config.get("num_hidden_layers", 24))]
+    elif model_type == "granitemoeshared":  # (HF's 0: none)
+      config["shared_expert_intermediate_size"] = config.get("shared_intermediate_size") or None
     else:
       config.pop("shared_expert_intermediate_size", None)
     return super().from_dict(config)
@@ -144,14 +153,13 @@ class SparseMoE(nnx.Module):
   Parameters: `router` [hidden, experts]; `gate_up`, a `jax_paged.nn.GroupedLinear`
   [experts, hidden, 2 * intermediate] (each expert's gate columns, then up's); `down`, one
   [experts, intermediate, hidden]; with a shared expert, `shared` (a `llama.MLP`) and, if
-  `gated_shared_expert`, `shared_gate` [hidden, 1]; in `param_dtype`, computed in `dtype`.
+  the config's `shared_expert_gated`, `shared_gate` [hidden, 1]; in `param_dtype`,
+  computed in `dtype`.
   Under tensor parallelism gate_up is column-parallel (gate and up each split) and down
   row-parallel: each device holds every expert's share of the intermediate columns
   (`MoeForCausalLM.tensor_parallel_splits`).
   """
 
-  # Whether a shared expert's output is scaled by a sigmoid gate (Qwen2-MoE's).
-  gated_shared_expert: ClassVar[bool] = True
   # Whether the router and the experts' projections have biases (GPT-OSS's: `router_bias`,
   # `gate_up.bias`, `down.bias`).
   biases: ClassVar[bool] = False
@@ -170,7 +178,7 @@ class SparseMoE(nnx.Module):
     self.shared = None if shared is None else llama.MLP(
         dataclasses.replace(config, intermediate_size=shared), dtype=dtype,
         param_dtype=param_dtype, rngs=rngs)
-    self.shared_gate = None if shared is None or not self.gated_shared_expert else nnx.Param(
+    self.shared_gate = None if shared is None or not config.shared_expert_gated else nnx.Param(
         init(rngs.params(), (d, 1), param_dtype))
     self.top_k = config.num_experts_per_tok
     self.normalize = config.norm_topk_prob
@@ -280,7 +288,8 @@ _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
                "qwen2_moe": QWEN_EXPERTS, "qwen3_moe": QWEN_EXPERTS, "olmoe": QWEN_EXPERTS,
                # Every expert's in one tensor: input_linear [E, 2 I, H] (gate's rows, then
                # up's), output_linear [E, H, I].
-               "granitemoe": ("block_sparse_moe", "router.layer", None)}
+               "granitemoe": ("block_sparse_moe", "router.layer", None),
+               "granitemoeshared": ("block_sparse_moe", "router.layer", None)}
 _GRANITE_FUSED = {"gate_up": "input_linear", "down": "output_linear"}
 
 
@@ -293,6 +302,10 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig,
   `experts_names` of that form) stacked by expert, the rest (a dense layer's MLP, a
   shared expert as the MLP `shared_name`: Qwen2-MoE's shared_expert) as
   `llama.hf_sources`."""
+  if path[2:4] == ("mlp", "shared") and config.model_type == "granitemoeshared":
+    # (the block's shared_mlp, gate and up fused in input_linear, no biases)
+    return [f"model.layers.{path[1]}.shared_mlp.{_GRANITE_FUSED[path[4]]}.weight"], (
+        llama.linear_rows)
   if path[2:4] == ("mlp", "shared"):  # ("layers", i, "mlp", "shared", module, param)
     names, assemble = llama.hf_sources(path[:3] + path[4:], config)  # a dense MLP's
     return [n.replace(".mlp.", f".mlp.{shared_name}.") for n in names], assemble
