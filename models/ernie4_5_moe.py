@@ -109,9 +109,7 @@ class Ernie4_5MoeConfig(glm4_moe.Glm4MoeConfig):  # pylint: disable=invalid-name
     if config.pop("use_bias", False):
       raise ValueError("use_bias true is not supported for ERNIE 4.5 MoE (no released "
                        "checkpoint has biases; HF's would bias the LM head too)")
-    if config.get("head_dim") is None:
-      config["head_dim"] = (config.get("hidden_size", cls.hidden_size)
-                            // config.get("num_attention_heads", cls.num_attention_heads))
+    config["head_dim"] = llama.hf_head_dim(config, cls)
     for ours, theirs in (("num_local_experts", "moe_num_experts"),
                          ("num_experts_per_tok", "moe_k")):
       if config.get(theirs) is not None:

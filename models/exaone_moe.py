@@ -82,9 +82,7 @@ class ExaoneMoeConfig(glm4_moe.Glm4MoeConfig):
     (dense below first_k_dense_replace)."""
     config = dict(config)
     layer_types = exaone4.hf_layer_types(config, cls)
-    if config.get("head_dim") is None:
-      config["head_dim"] = (config.get("hidden_size", cls.hidden_size)
-                            // config.get("num_attention_heads", cls.num_attention_heads))
+    config["head_dim"] = llama.hf_head_dim(config, cls)
     if "num_experts" in config:
       config["num_local_experts"] = config.pop("num_experts")
     shared = config.pop("num_shared_experts", 1)

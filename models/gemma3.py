@@ -177,14 +177,7 @@ class Gemma3Config:
         raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported in Gemma 3")
     rope = config.pop("rope_parameters", None)
     if rope is not None:  # transformers 5: one dict per layer type
-      if not (isinstance(rope, Mapping) and all(
-          isinstance(rope.get(t), Mapping) for t in _LAYER_TYPES)):
-        raise ValueError(f"rope_parameters must hold a dict for each of {_LAYER_TYPES}, "
-                         f"got {rope!r}")
-      local, full = dict(rope["sliding_attention"]), dict(rope["full_attention"])
-      if llama.hf_rope_scaling({"rope_type": "default", **local}) is not None:
-        raise ValueError(f"the sliding layers' rope_type {local['rope_type']!r} is not "
-                         "supported; use default")
+      local, full = llama.per_layer_type_rope(rope)
       config["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
       config["rope_theta"] = full.get("rope_theta", 1_000_000.0)
       config["rope_scaling"] = full

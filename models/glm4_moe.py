@@ -101,9 +101,7 @@ class Glm4MoeConfig(moe.MoeConfig):
     fields ignored. Without head_dim, HF's attention's hidden_size // heads rounded down
     (for HF's default shape, 4096 over 96 heads, a width whose half RoPE refuses)."""
     config = dict(config)
-    if config.get("head_dim") is None:
-      config["head_dim"] = (config.get("hidden_size", cls.hidden_size)
-                            // config.get("num_attention_heads", cls.num_attention_heads))
+    config["head_dim"] = llama.hf_head_dim(config, cls)
     config["num_local_experts"] = config.pop("n_routed_experts", cls.num_local_experts)
     shared = config.pop("n_shared_experts", 1)
     config["shared_expert_intermediate_size"] = (

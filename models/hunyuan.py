@@ -79,9 +79,7 @@ def ntk_alpha_rope(config: Mapping[str, Any], config_class: type) -> dict[str, A
   if (isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) == "dynamic"
       and rope.get("alpha")):
     alpha = validation.check_positive_number("rope alpha", rope["alpha"])
-    dim = config.get("head_dim") or (
-        config.get("hidden_size", config_class.hidden_size)
-        // config.get("num_attention_heads", config_class.num_attention_heads))
+    dim = llama.hf_head_dim(config, config_class)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     config.pop("rope_parameters", None)
     config["rope_scaling"] = None

@@ -176,6 +176,30 @@ def yarn_scaling(scaling: Mapping[str, Any], max_position_embeddings: int) -> di
               truncate=bool(scaling.get("truncate", True)))
 
 
+def per_layer_type_rope(rope: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(the sliding layers', the full layers') RoPE dicts of transformers 5's per-layer-type
+  rope_parameters (Gemma 3's, OLMo 3's); ValueError unless it holds a dict for each layer
+  type, or if the sliding layers' is not the default RoPE."""
+  if not (isinstance(rope, Mapping) and all(isinstance(rope.get(t), Mapping)
+                                            for t in _LAYER_TYPES)):
+    raise ValueError(f"rope_parameters must hold a dict for each of {_LAYER_TYPES}, "
+                     f"got {rope!r}")
+  sliding, full = dict(rope["sliding_attention"]), dict(rope["full_attention"])
+  if hf_rope_scaling({"rope_type": "default", **sliding}) is not None:
+    raise ValueError(f"the sliding layers' rope_type {sliding['rope_type']!r} is not "
+                     "supported; use default")
+  return sliding, full
+
+
+def hf_head_dim(config: Mapping[str, Any], config_class: type) -> int:
+  """An HF config dict's head_dim, or (absent or null) hidden_size // num_attention_heads,
+  rounded down as HF's attention modules read it (defaults: `config_class`'s)."""
+  if config.get("head_dim") is not None:
+    return config["head_dim"]
+  return (config.get("hidden_size", config_class.hidden_size)
+          // config.get("num_attention_heads", config_class.num_attention_heads))
+
+
 def hf_rope_scaling(scaling: Any) -> Any:
   """A config.json's RoPE scaling dict as `rotary` takes it: None for HF's "default" type
   (no scaling)."""
@@ -202,8 +226,8 @@ class LlamaConfig:
 
   Attributes beyond HF's LlamaConfig:
     model_type: "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "granite",
-      "smollm3", "seed_oss", "internlm3", "iquestcoder" or "cwm", which decides the biases, Qwen3's q / k norms and the
-      checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
+      "smollm3", "seed_oss", "internlm3", "iquestcoder" or "cwm", which decides the
+      biases, Qwen3's q / k norms and the checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
       `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
       on o; Seed-OSS's attention_bias is q/k/v's and attention_out_bias o's; Mistral and
       Phi-3 (and Ministral, CWM) have none.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import jax
 from flax import nnx
@@ -43,7 +43,6 @@ MODEL_TYPES = ("olmo2", "olmo3")
 _HF_DEFAULTS = dict(vocab_size=50304, rms_norm_eps=1e-5, bos_token_id=None,
                     eos_token_id=50279)
 _OLMO3_DEFAULTS = dict(rope_theta=500000.0, sliding_window=4096)
-_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +104,7 @@ class Olmo2Config(llama.LlamaConfig):
     config = {**_OLMO3_DEFAULTS, **config}
     rope = config.pop("rope_parameters", None)
     if rope is not None:
-      if not (isinstance(rope, Mapping) and all(isinstance(rope.get(t), Mapping)
-                                                for t in _LAYER_TYPES)):
-        raise ValueError(f"rope_parameters must hold a dict for each of {_LAYER_TYPES}, "
-                         f"got {rope!r}")
-      sliding = dict(rope["sliding_attention"])
-      if llama.hf_rope_scaling({"rope_type": "default", **sliding}) is not None:
-        raise ValueError(f"the sliding layers' rope_type {sliding['rope_type']!r} is not "
-                         "supported; use default")
-      full = dict(rope["full_attention"])
+      sliding, full = llama.per_layer_type_rope(rope)
       config["rope_theta"] = full.setdefault("rope_theta", config["rope_theta"])
       config["sliding_rope_theta"] = sliding.get("rope_theta", config["rope_theta"])
       config["rope_parameters"] = full
@@ -171,8 +162,8 @@ class DecoderLayer(llama.DecoderLayer):
 
 
 class Olmo2ForCausalLM(llama.LlamaForCausalLM):
-  """OLMo 2 / OLMo 3 with an LM head, attending through a `KVPool`: `LlamaForCausalLM`'s forwards,
-  pool, loader names and LoRA targets over OLMo 2's blocks (its Args)."""
+  """OLMo 2 / OLMo 3 with an LM head, attending through a `KVPool`: `LlamaForCausalLM`'s
+  forwards, pool, loader names and LoRA targets over OLMo 2's blocks (its Args)."""
 
   decoder_layer = DecoderLayer
 
