@@ -26,7 +26,8 @@ MODEL_TYPES = ("flex_olmo",)
 @dataclasses.dataclass(frozen=True)
 class FlexOlmoConfig(moe.MoeConfig):
   """FlexOlmo hyperparameters (`moe.MoeConfig`'s fields; `from_dict` reads HF's
-  num_experts as num_local_experts). The defaults are HF's FlexOlmoConfig's."""
+  num_experts as num_local_experts; every layer sparse, MoeConfig's default). The
+  defaults are HF's FlexOlmoConfig's."""
 
   vocab_size: int = 100352
   hidden_size: int = 4096
@@ -49,11 +50,6 @@ class FlexOlmoConfig(moe.MoeConfig):
   qk_norm = olmo2.Olmo2Config.qk_norm
   qk_norm_all_heads = olmo2.Olmo2Config.qk_norm_all_heads
   out_bias = olmo2.Olmo2Config.out_bias
-
-  def sparse(self, layer: int) -> bool:
-    """Every layer's MLP is the experts."""
-    del layer
-    return True
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "FlexOlmoConfig":

@@ -30,7 +30,8 @@ MODEL_TYPES = ("hunyuan_v1_moe",)
 class HunyuanMoeConfig(moe.MoeConfig):
   """Hunyuan MoE hyperparameters (`moe.MoeConfig`'s fields; `from_dict` reads HF's
   num_experts as num_local_experts, moe_topk as num_experts_per_tok, and gives the experts
-  and the shared MLP intermediate_size). The defaults are HF's HunYuanMoEV1Config's."""
+  and the shared MLP intermediate_size; every layer sparse, MoeConfig's default). The
+  defaults are HF's HunYuanMoEV1Config's."""
 
   vocab_size: int = 290943
   hidden_size: int = 4096
@@ -54,11 +55,6 @@ class HunyuanMoeConfig(moe.MoeConfig):
   n_group: ClassVar[None] = None
   topk_group: ClassVar[None] = None
   routed_scaling_factor: ClassVar[float] = 1.0
-
-  def sparse(self, layer: int) -> bool:
-    """Every layer's MLP is the experts."""
-    del layer
-    return True
 
   # Hunyuan's attention: per-head q / k norms after RoPE, o's bias with attention_bias.
   qk_norm = hunyuan.HunyuanConfig.qk_norm
