@@ -71,8 +71,9 @@ def decode_kernel_ttir(batch: int, heads: int, kv_heads: int, head_dim: int, war
     layer = jax.ShapeDtypeStruct((), jnp.int32)
     # pylint: disable-next=protected-access
     fn = jax.jit(lambda *a: paged_attention._paged_decode_pallas(
-        *a, scale=head_dim ** -0.5, logits_soft_cap=None, sliding_window=None, num_splits=1,
-        return_lse=False, interpret=False, block_n=block_n, num_warps=warps,
+        *a, scale=head_dim ** -0.5, logits_soft_cap=None, sliding_window=None,
+        attention_chunk=None, num_splits=1, return_lse=False, interpret=False,
+        block_n=block_n, num_warps=warps,
         num_stages=stages))
     with triton_backend.cuda_lowering_context():
       fn.trace(q, kv, v, table, lengths, layer, scales, scales, None, None).lower(

@@ -171,7 +171,8 @@ def _check_decode(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
                                               k_scales=ks, v_scales=vs, return_lse=True,
                                               interpret=interpret, **kwargs)
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
-                                       "alibi_slopes", "sinks") if k in kwargs}
+                                       "attention_chunk", "alibi_slopes", "sinks")
+                if k in kwargs}
   want, want_lse = reference.paged_decode_attention(
       q, kq, vq, table, lengths, layer=layer, k_scales=ks, v_scales=vs, return_lse=True,
       **ref_kwargs)
@@ -198,6 +199,9 @@ _CPU_CASES = [
     (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
     # A padded head dim, a window starting mid-page (float8: its zeroed first block).
     (4, 4, 80, 8, FP8, dict(num_splits=2, sliding_window=13, logits_soft_cap=5.0)),
+    # Chunked attention (Llama 4's): chunks starting mid-page.
+    (6, 3, 80, 8, INT8, dict(num_splits=2, attention_chunk=12)),
+    (4, 4, 64, 8, FP8, dict(num_splits=1, attention_chunk=10, sliding_window=7)),
     # ALiBi's biases (BLOOM's slopes) beside the scales, with and without a window.
     (6, 3, 80, 8, INT8, dict(num_splits=2, sliding_window=13, alibi_slopes=_alibi(6))),
     (8, 2, 128, 16, FP8, dict(num_splits=3, alibi_slopes=_alibi(8))),
@@ -310,7 +314,8 @@ def test_quantized_kernels_lower_for_cuda():
          (s((8, 96), jnp.bfloat16), s((96, 3 * hkv * d), jnp.bfloat16), None, k_pool,
           v_pool, s((), jnp.int32), s((8,), jnp.int32))),
     ] + [(functools.partial(pa._paged_decode_pallas, scale=0.125, logits_soft_cap=None,
-                            sliding_window=None, num_splits=2, return_lse=False,
+                            sliding_window=None, attention_chunk=None, num_splits=2,
+                            return_lse=False,
                             interpret=False, block_n=32, num_warps=2, num_stages=2),
           (s((8, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
            s((8,), jnp.int32), s((), jnp.int32), scales, scales, alibi, sinks))
@@ -318,7 +323,7 @@ def test_quantized_kernels_lower_for_cuda():
              (hkv, jnp.bfloat16, None, s((hkv,), jnp.float32)),
              (4 * hkv, jnp.float16, s((4 * hkv,), jnp.float32), None))
     ] + [(functools.partial(pp._paged_prefill_pallas, scale=0.125, logits_soft_cap=None,
-                            sliding_window=None,
+                            sliding_window=None, attention_chunk=None,
                             interpret=False, block_q=16, block_n=32, num_warps=4,
                             num_stages=2),
           (s((8, 16, heads, d), q_dtype), k_pool, v_pool, s((8, 4), jnp.int32),
@@ -404,7 +409,8 @@ def _check_prefill(args, *, interpret, layer=None, tol=_F32_TOL, **kwargs):
                                           k_scales=ks, v_scales=vs, interpret=interpret,
                                           **kwargs)
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
-                                       "alibi_slopes", "sinks") if k in kwargs}
+                                       "attention_chunk", "alibi_slopes", "sinks")
+                if k in kwargs}
   want = reference.paged_prefill_attention(q, kq, vq, table, q_start, q_lengths, layer=layer,
                                            k_scales=ks, v_scales=vs, **ref_kwargs)
   dense = reference.paged_prefill_attention(
@@ -429,6 +435,7 @@ _PREFILL_CASES = [
     (6, 2, 80, 8, jnp.float32, INT8, dict(block_q=4, block_n=32, sliding_window=13,
                                           logits_soft_cap=2.0), _F32_TOL),
     (4, 4, 64, 8, jnp.bfloat16, FP8, dict(block_q=16, block_n=16, sliding_window=5), _BF16_TOL),
+    (6, 2, 80, 8, jnp.float32, INT8, dict(block_q=4, block_n=32, attention_chunk=12), _F32_TOL),
     (8, 2, 64, 16, jnp.float16, INT8, dict(block_q=8, block_n=16), dict(atol=4e-3, rtol=4e-3)),
     # The defaults with pages wider than their block (128 keys over 16 query tokens).
     (4, 2, 64, 128, jnp.float32, INT8, dict(), _F32_TOL),

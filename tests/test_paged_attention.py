@@ -56,6 +56,7 @@ def check_against_reference(args, *, interpret, alibi=False, sinks=False, **kwar
   if sinks:
     kwargs["sinks"] = random_sinks(q.shape[1])
   ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
+                                       "attention_chunk",
                                        "alibi_slopes", "sinks") if k in kwargs}
   out, lse = jax_paged.paged_decode_attention(*args, return_lse=True, interpret=interpret,
                                               **kwargs)
@@ -103,6 +104,10 @@ def test_matches_reference_interpret(num_heads, num_kv_heads, head_dim, page_siz
     dict(logits_soft_cap=3.0, num_splits=2),
     dict(sliding_window=13, num_splits=2),
     dict(sliding_window=40, logits_soft_cap=7.0, scale=0.3),
+    # Chunked attention (Llama 4's): chunks shorter than a block, mid-page, with a window.
+    dict(attention_chunk=5, num_splits=1),
+    dict(attention_chunk=24, num_splits=2),
+    dict(attention_chunk=16, sliding_window=9, num_splits=3),
     dict(num_splits=None),
     dict(num_splits=7),  # more splits than blocks: some splits are empty
 ])
@@ -110,6 +115,21 @@ def test_matches_reference_interpret(num_heads, num_kv_heads, head_dim, page_siz
 def test_options_interpret(kwargs, num_heads, num_kv_heads):
   args = make_inputs(3, num_heads, num_kv_heads, 64, 8, 6, jnp.float32, [0, 45, 23])
   check_against_reference(args, interpret=True, block_n=16, **kwargs)
+
+
+@pytest.mark.parametrize("attention_chunk", [1, 5, 16, 24])
+def test_chunked_attention_is_a_window_back_to_the_chunks_start(attention_chunk):
+  """The reference's chunked attention is, for a sequence of length L, a sliding window
+  of (L - 1) % C + 1 tokens: the keys of its last token's chunk."""
+  lengths = [0, 45, 23, 16, 17]
+  args = make_inputs(5, 8, 2, 64, 8, 6, jnp.float32, lengths)
+  out = reference.paged_decode_attention(*args, attention_chunk=attention_chunk)
+  for b, length in enumerate(lengths[1:], 1):
+    window = reference.paged_decode_attention(
+        *args, sliding_window=(length - 1) % attention_chunk + 1)
+    np.testing.assert_allclose(out[b], window[b], rtol=1e-6, atol=1e-7)
+  if attention_chunk < 45:  # it changes what a long sequence sees
+    assert np.abs(out[1] - reference.paged_decode_attention(*args)[1]).max() > 1e-3
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=3),
@@ -282,6 +302,8 @@ def test_bad_layer_raises(pool_shape, layer, match):
     (dict(q=jnp.zeros((2, 4, 64), jnp.int8)), "q"),
     (dict(num_splits=0), "num_splits"),
     (dict(block_n=24), "block_n"),
+    (dict(attention_chunk=0), "attention_chunk must be a positive int or None, got 0"),
+    (dict(attention_chunk=2.5), "attention_chunk must be a positive int"),
     (dict(alibi_slopes=jnp.ones((3,))), "alibi_slopes must be float32 of shape"),
     (dict(alibi_slopes=jnp.ones((4,), jnp.bfloat16)), "alibi_slopes must be float32"),
     (dict(alibi_slopes=jnp.full((4,), jnp.nan)), "alibi_slopes must be finite"),

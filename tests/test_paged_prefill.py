@@ -25,7 +25,8 @@ _TOL = {jnp.float32: dict(atol=2e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, r
 _SEED = iter(range(10**6))
 # Jitted (compiled once per shape): run eagerly, each of its ops would compile on its own.
 _reference = jax.jit(reference.paged_prefill_attention,
-                     static_argnames=["scale", "logits_soft_cap", "sliding_window"])
+                     static_argnames=["scale", "logits_soft_cap", "sliding_window",
+                                      "attention_chunk"])
 _alibi = lambda num_heads: jnp.asarray(jax_paged.nn.alibi_slopes(num_heads))
 
 
@@ -88,7 +89,8 @@ def check_against_reference(args, *, interpret=True, alibi=False, sinks=False, *
     kwargs["alibi_slopes"] = _alibi(args[0].shape[2])
   if sinks:
     kwargs["sinks"] = _sinks(args[0].shape[2])
-  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window", "layer",
+  ref_kwargs = {k: kwargs[k] for k in ("scale", "logits_soft_cap", "sliding_window",
+                                       "attention_chunk", "layer",
                                        "alibi_slopes", "sinks") if k in kwargs}
   out = jax_paged.paged_prefill_attention(*args, interpret=interpret, **kwargs)
   want = _reference(*args, **ref_kwargs)
@@ -128,6 +130,40 @@ def test_sliding_window_interpret(sliding_window, num_heads, num_kv_heads, block
   args = make_inputs(20, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 37, 9],
                      [20, 19, 6])
   check_against_reference(args, block_q=block_q, block_n=16, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("attention_chunk,sliding_window", [(1, None), (5, None), (8, None),
+                                                            (13, None), (40, None), (13, 7)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_q", [(4, 4, 16), (8, 2, 4)])
+def test_chunked_attention_interpret(attention_chunk, sliding_window, num_heads, num_kv_heads,
+                                     block_q):
+  """Llama 4's chunked attention: chunks shorter than a query block, one page, a key
+  block, past most rows; with a window inside them."""
+  args = make_inputs(20, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 37, 9],
+                     [20, 19, 6])
+  check_against_reference(args, block_q=block_q, block_n=16, attention_chunk=attention_chunk,
+                          sliding_window=sliding_window)
+
+
+def test_chunked_reference_is_dense_attention_within_each_chunk():
+  """A fresh prompt under chunked attention: every chunk of C tokens attends causally to
+  itself alone (numpy's dense attention per chunk)."""
+  chunk, t = 6, 20
+  q, k_pages, v_pages, table, q_start, q_lengths = make_inputs(
+      t, 4, 2, 64, 8, jnp.float32, [0], [t], seed=3)
+  out = np.asarray(_reference(q, k_pages, v_pages, table, q_start, q_lengths,
+                              attention_chunk=chunk))
+  pos = np.arange(t)
+  k = np.asarray(k_pages)[:, np.asarray(table)[0, pos // 8], pos % 8]  # [Hkv, T, D]
+  v = np.asarray(v_pages)[:, np.asarray(table)[0, pos // 8], pos % 8]
+  qh = np.asarray(q)[0].reshape(t, 2, 2, 64)  # [T, Hkv, group, D]
+  logits = np.einsum("tkgd,ksd->tkgs", qh, k) / 8.0
+  visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] // chunk == pos[:, None] // chunk)
+  logits = np.where(visible[:, None, None, :], logits, -np.inf)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  want = np.einsum("tkgs,ksd->tkgd", weights, v).reshape(t, 4, 64)
+  np.testing.assert_allclose(out[0], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs", [dict(logits_soft_cap=1.5),
@@ -202,17 +238,19 @@ def test_layer_of_pool_interpret():
       check_output(got, want, q_lengths, jnp.float32)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap,alibi,sinks", [
-    (4, 4, None, None, False, False), (8, 2, None, None, False, False),
-    (8, 2, 6, None, False, False), (8, 2, 6, 1.5, False, False),
-    (8, 2, None, None, True, False), (4, 4, 6, 1.5, True, False),
-    (8, 2, 6, None, False, True), (4, 4, None, None, True, True)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,soft_cap,alibi,sinks,chunk", [
+    (4, 4, None, None, False, False, None), (8, 2, None, None, False, False, None),
+    (8, 2, 6, None, False, False, None), (8, 2, 6, 1.5, False, False, None),
+    (8, 2, None, None, True, False, None), (4, 4, 6, 1.5, True, False, None),
+    (8, 2, 6, None, False, True, None), (4, 4, None, None, True, True, None),
+    (8, 2, None, None, False, False, 8), (4, 4, None, 1.5, False, True, 12)])
 def test_one_token_equals_decode_interpret(num_heads, num_kv_heads, sliding_window, soft_cap,
-                                           alibi, sinks):
+                                           alibi, sinks, chunk):
   """T = 1 at position q_start is a decode step over lengths = q_start + 1."""
   q, k_pages, v_pages, table, q_start, q_lengths = make_inputs(
       1, num_heads, num_kv_heads, 64, 8, jnp.float32, [0, 7, 8, 30], [1, 1, 1, 1])
-  options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap,
+  options = dict(sliding_window=sliding_window, attention_chunk=chunk,
+                 logits_soft_cap=soft_cap,
                  alibi_slopes=_alibi(num_heads) if alibi else None,
                  sinks=_sinks(num_heads) if sinks else None, interpret=True)
   out = jax_paged.paged_prefill_attention(q, k_pages, v_pages, table, q_start, q_lengths,
@@ -313,6 +351,7 @@ def _valid_kwargs():
     (dict(page_table=jnp.array([[0, 1], [5, 3]], jnp.int32)),
      r"page ids in \[0, num_pages=5\).*got 5 at \[1, 0\]"),
     (dict(sliding_window=0), "sliding_window"),
+    (dict(attention_chunk=0), "attention_chunk must be a positive int"),
     (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive finite number"),
     (dict(alibi_slopes=jnp.ones((3,))), r"alibi_slopes must be float32 of shape \[num_heads=4\]"),
     (dict(sinks=jnp.ones((4, 1))), r"sinks must be float32 of shape \[num_heads=4\]"),

@@ -139,8 +139,8 @@ def default_config(num_programs: int, group: int, head_dim: int, *,
 
 def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, logits_soft_cap: float | None,
-                   sliding_window: int | None, num_kv_heads: int, num_pages: int,
-                   max_pages: int,
+                   sliding_window: int | None, attention_chunk: int | None,
+                   num_kv_heads: int, num_pages: int, max_pages: int,
                    page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                    block_n: int, num_splits: int, quantized: bool, alibi: bool,
                    sinks: bool, interpret: bool):
@@ -170,7 +170,9 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
   # The first page of this (layer, kv head): the pool is [L, Hkv, pages, ...].
   head_page = (layer_ref[0] * num_kv_heads + kv_head) * num_pages
   head_base = head_page * page_size  # its first K row
-  start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+  # The first token the new one (at length - 1) attends to.
+  start = validation.first_visible_key(length - 1, sliding_window, attention_chunk)
+  windowed = sliding_window is not None or attention_chunk is not None
   # A quantized block reads whole pages of V: blocks start on a page.
   first = start // page_size * page_size if quantized else start
   # Split the live tokens evenly (rounded to whole blocks) over the splits.
@@ -218,7 +220,7 @@ def _decode_kernel(lengths_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref, 
     m, l, acc = carry
     tok = lo + i * block_n + jnp.arange(block_n)
     live = tok < hi
-    if quantized and sliding_window is not None:  # the block may start before the window
+    if quantized and windowed:  # the block may start before the window
       live &= tok >= start
     pages = plgpu.load(page_table_ref.at[b, tok // page_size], mask=live, other=0)
     rows = head_base + pages * page_size + tok % page_size
@@ -299,11 +301,12 @@ def count_sink(m, l, acc, sink, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=[
-    "scale", "logits_soft_cap", "sliding_window", "num_splits", "return_lse", "interpret",
-    "block_n", "num_warps", "num_stages"])
+    "scale", "logits_soft_cap", "sliding_window", "attention_chunk", "num_splits",
+    "return_lse", "interpret", "block_n", "num_warps", "num_stages"])
 def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales,
                          alibi_slopes, sinks, *, scale: float,
                          logits_soft_cap: float | None, sliding_window: int | None,
+                         attention_chunk: int | None,
                          num_splits: int, return_lse: bool, interpret: bool, block_n: int,
                          num_warps: int, num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
@@ -328,7 +331,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
             else v_pages.reshape(rows, head_dim))
   kernel = functools.partial(
       _decode_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
-      sliding_window=sliding_window, num_kv_heads=num_kv_heads, num_pages=num_pages,
+      sliding_window=sliding_window, attention_chunk=attention_chunk,
+      num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group, block_g=block_g, block_n=block_n,
       num_splits=num_splits, quantized=quantized, alibi=alibi_slopes is not None,
@@ -343,7 +347,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
     # "2026-11-25 night, second"). Float pages gain 1-3% on ragged batches, less than the
     # argsort costs a single call (3.7 µs at B = 256, H200; in a jitted step XLA merges the
     # layers' copies of it). Ascending, read from the end: descending adds a negation.
-    work = lengths if sliding_window is None else jnp.minimum(lengths, sliding_window)
+    work = lengths - validation.first_visible_key(lengths - 1, sliding_window,
+                                                  attention_chunk)
     quant_refs = [jnp.argsort(work).astype(jnp.int32)]
     quant_refs += [x.reshape(rows) for x in (k_scales, v_scales)]
   head_refs = [x for x in (alibi_slopes, sinks) if x is not None]
@@ -372,7 +377,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, layer, k_scal
 
 _paged_decode_reference = jax.jit(
     reference.paged_decode_attention,
-    static_argnames=["scale", "logits_soft_cap", "sliding_window", "return_lse"])
+    static_argnames=["scale", "logits_soft_cap", "sliding_window", "attention_chunk",
+                     "return_lse"])
 
 
 def auto_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, *,
@@ -422,6 +428,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            sliding_window: int | None = None,
                            alibi_slopes: jax.Array | None = None,
                            sinks: jax.Array | None = None,
+                           attention_chunk: int | None = None,
                            num_splits: int | None = None,
                            return_lse: bool = False, interpret: bool | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
@@ -462,6 +469,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     sinks: float32 [H] or None: attention sinks (GPT-OSS's): head h's softmax also counts
       a logit sinks[h] (natural units, not scaled or capped) that has no value, so its
       weights sum to less than 1 (`reference.paged_decode_attention`).
+    attention_chunk: C > 0 limits a sequence of length L to the positions of its last
+      token's chunk of C, [floor((L - 1) / C) * C, L) (Llama 4's chunked attention).
     num_splits: KV partitions per sequence (flash-decoding); None picks from B x Hkv
       against the GPU's SM count and max_pages_per_seq.
     return_lse: also return the log-sum-exp of the final logits (the sinks' included).
@@ -479,7 +488,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=True, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes, sinks=sinks)
+      alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk)
   validation.check_positive_int("block_n", block_n, optional=True, power_of_two=True)
   for name, knob in (("num_splits", num_splits), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
@@ -494,7 +503,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                    scale=scale, logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window,
                                    alibi_slopes=alibi_slopes, sinks=sinks,
-                                   return_lse=return_lse)
+                                   return_lse=return_lse, attention_chunk=attention_chunk)
   if not mode:
     kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
@@ -505,8 +514,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
   max_tokens = page_table.shape[1] * page_size
-  if sliding_window is not None:
-    max_tokens = min(max_tokens, sliding_window + page_size)
+  for width in (sliding_window, attention_chunk):  # the most a sequence attends to
+    if width is not None:
+      max_tokens = min(max_tokens, width + page_size)
   if num_splits is None:
     num_splits = auto_num_splits(batch, num_kv_heads, max_tokens, block_n or _BLOCK_N,
                                  head_dim=head_dim, group=num_heads // num_kv_heads)
@@ -520,6 +530,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return _paged_decode_pallas(
       q, k_pages, v_pages, page_table, lengths, layer, k_scales, v_scales, alibi_slopes,
       sinks, scale=scale, logits_soft_cap=logits_soft_cap,
-      sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
+      sliding_window=sliding_window, attention_chunk=attention_chunk,
+      num_splits=num_splits, return_lse=return_lse,
       interpret=mode, block_n=block_n or default_n, num_warps=num_warps or default_warps,
       num_stages=num_stages or default_stages)

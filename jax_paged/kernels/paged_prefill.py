@@ -79,7 +79,8 @@ def query_block(block_m: int, block_g: int, num_tokens: int) -> int:
 
 def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
                     *refs, scale: float, logits_soft_cap: float | None,
-                    sliding_window: int | None, num_tokens: int,
+                    sliding_window: int | None, attention_chunk: int | None,
+                    num_tokens: int,
                     num_heads: int, num_kv_heads: int, num_pages: int, max_pages: int,
                     page_size: int, head_dim: int, block_d: int, group: int, block_g: int,
                     block_q: int, block_n: int, num_q_blocks: int, quantized: bool,
@@ -128,15 +129,19 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   first_pos = q_start + q_block * block_q
   last_pos = q_start + jnp.minimum(q_len, (q_block + 1) * block_q) - 1
   end = jnp.where(last_pos >= first_pos, last_pos // block_n + 1, 0)  # blocks [.., end)
-  # Blocks [start, full_lo) hold keys below some query's window, [full_lo, full_hi) keys
-  # every query sees, [full_hi, end) keys past some query's position: only the first and
-  # the last range are masked.
-  if sliding_window is None:
+  # Blocks [start, full_lo) hold keys below some query's window (or chunk), [full_lo,
+  # full_hi) keys every query sees, [full_hi, end) keys past some query's position: only
+  # the first and the last range are masked. (A row's first visible key never decreases
+  # with its position: the tile's first and last rows bound them.)
+  windowed = sliding_window is not None or attention_chunk is not None
+  if not windowed:
     start = full_lo = 0
   else:
-    start = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // block_n, end)
-    full_lo = pl.cdiv(jnp.maximum(last_pos - sliding_window + 1, 0), block_n)
-    full_lo = jnp.clip(full_lo, start, end)
+    first_key = functools.partial(validation.first_visible_key,
+                                  sliding_window=sliding_window,
+                                  attention_chunk=attention_chunk)
+    start = jnp.minimum(first_key(first_pos) // block_n, end)
+    full_lo = jnp.clip(pl.cdiv(first_key(last_pos), block_n), start, end)
   full_hi = jnp.clip((first_pos + 1) // block_n, full_lo, end)
 
   # exp2 below: the softmax runs in base 2, so the logits are scaled by log2(e) (with a
@@ -181,8 +186,8 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
       s += slopes[:, None] * (key[None, :] - pos[:, None]).astype(jnp.float32)
     if masked:
       visible = key[None, :] <= pos[:, None]
-      if sliding_window is not None:
-        visible &= key[None, :] > pos[:, None] - sliding_window
+      if windowed:
+        visible &= key[None, :] >= first_key(pos)[:, None]
       s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     # In a masked block a row may have seen no visible key yet (below its window): its
@@ -217,7 +222,7 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
   carry = (jnp.full((block_m,), -jnp.inf, jnp.float32), jnp.zeros((block_m,), jnp.float32),
            jnp.zeros((block_m, block_d), jnp.float32))
   masked_body = functools.partial(body, masked=True)
-  if sliding_window is not None:
+  if windowed:
     carry = lax.fori_loop(start, full_lo, masked_body, carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
   m, l, acc = lax.fori_loop(full_hi, end, masked_body, carry)
@@ -234,12 +239,12 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
 
 
 @functools.partial(jax.jit, static_argnames=[
-    "scale", "logits_soft_cap", "sliding_window", "interpret", "block_q", "block_n",
-    "num_warps", "num_stages"])
+    "scale", "logits_soft_cap", "sliding_window", "attention_chunk", "interpret",
+    "block_q", "block_n", "num_warps", "num_stages"])
 def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, layer,
                           k_scales, v_scales, alibi_slopes, sinks, *, scale: float,
                           logits_soft_cap: float | None, sliding_window: int | None,
-                          interpret: bool, block_q: int, block_n: int, num_warps: int,
+                          attention_chunk: int | None, interpret: bool, block_q: int, block_n: int, num_warps: int,
                           num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
   num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
@@ -262,7 +267,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
   num_q_blocks = pl.cdiv(num_tokens, block_q)
   kernel = functools.partial(
       _prefill_kernel, scale=scale, logits_soft_cap=logits_soft_cap,
-      sliding_window=sliding_window, num_tokens=num_tokens,
+      sliding_window=sliding_window, attention_chunk=attention_chunk, num_tokens=num_tokens,
       num_heads=num_heads, num_kv_heads=num_kv_heads, num_pages=num_pages,
       max_pages=page_table.shape[1], page_size=page_size, head_dim=head_dim,
       block_d=pl.next_power_of_2(head_dim), group=group,
@@ -283,7 +288,7 @@ def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, l
 
 _paged_prefill_reference = jax.jit(reference.paged_prefill_attention,
                                    static_argnames=["scale", "logits_soft_cap",
-                                                    "sliding_window"])
+                                                    "sliding_window", "attention_chunk"])
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -295,6 +300,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             sliding_window: int | None = None,
                             alibi_slopes: jax.Array | None = None,
                             sinks: jax.Array | None = None,
+                            attention_chunk: int | None = None,
                             interpret: bool | None = None, block_q: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None) -> jax.Array:
@@ -337,6 +343,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       (j - p) to head h's logit of the key at position j (after a soft cap).
     sinks: float32 [H] or None: attention sinks (GPT-OSS's), as `paged_decode_attention`
       counts them.
+    attention_chunk: C > 0 limits the query at position p to keys [floor(p / C) * C, p]
+      (Llama 4's chunked attention).
     interpret: None = Triton kernel on GPU, plain XLA elsewhere; True = Pallas interpret
       mode (tests); False = Triton kernel. Shapes the kernel does not take
       (`validation.kernel_supports`: head dims 64, 80, 96, 128, 256, page sizes 8..128,
@@ -352,7 +360,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes, sinks=sinks)
+      alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk)
   for name, knob in (("block_q", block_q), ("block_n", block_n)):
     validation.check_positive_int(name, knob, optional=True, power_of_two=True)
   for name, knob in (("num_warps", num_warps), ("num_stages", num_stages)):
@@ -376,7 +384,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                                     layer=layer, k_scales=k_scales, v_scales=v_scales,
                                     scale=scale, logits_soft_cap=logits_soft_cap,
                                     sliding_window=sliding_window,
-                                    alibi_slopes=alibi_slopes, sinks=sinks)
+                                    alibi_slopes=alibi_slopes, sinks=sinks,
+                                    attention_chunk=attention_chunk)
   if not mode:
     kv_quant.check_compiled(k_pages, "k_pages")
   if layer is None:
@@ -391,6 +400,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   return _paged_prefill_pallas(
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer, k_scales, v_scales,
       alibi_slopes, sinks, scale=scale, logits_soft_cap=logits_soft_cap,
-      sliding_window=sliding_window, interpret=mode, block_q=block_q or d_q,
+      sliding_window=sliding_window, attention_chunk=attention_chunk, interpret=mode,
+      block_q=block_q or d_q,
       block_n=block_n or d_n, num_warps=num_warps or d_warps,
       num_stages=num_stages or d_stages)

@@ -70,7 +70,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            scale: float | None = None, logits_soft_cap: float | None = None,
                            sliding_window: int | None = None,
                            alibi_slopes: jax.Array | None = None,
-                           sinks: jax.Array | None = None, return_lse: bool = False):
+                           sinks: jax.Array | None = None, return_lse: bool = False,
+                           attention_chunk: int | None = None):
   """One query token per sequence attending to its paged K/V cache.
 
   Args:
@@ -99,6 +100,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     sinks: float32 [H] or None: attention sinks (GPT-OSS's): head h's softmax also counts
       a logit sinks[h] that has no value, so its weights sum to less than 1.
     return_lse: also return the log-sum-exp of the final logits (the sink's included).
+    attention_chunk: C > 0 limits a sequence of length L to the positions of its last
+      token's chunk of C, [floor((L - 1) / C) * C, L) (Llama 4's chunked attention).
 
   Returns:
     out [B, H, D] in q's dtype, and if `return_lse`, lse float32 [B, H] (natural log).
@@ -108,7 +111,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q, k_pages, v_pages, page_table, lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes, sinks=sinks)
+      alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk)
   lengths = validation.clamp_lengths(lengths, page_table.shape[1] * k_layer.shape[2])
   b, h, d = q.shape
   hkv = k_layer.shape[0]
@@ -123,8 +126,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     offset = (pos - (lengths[:, None] - 1)).astype(jnp.float32)  # [B, S]
     logits += alibi_slopes.reshape(hkv, h // hkv)[None, :, :, None] * offset[:, None, None]
   mask = pos < lengths[:, None]
-  if sliding_window is not None:
-    mask &= pos >= lengths[:, None] - sliding_window
+  mask &= pos >= validation.first_visible_key(lengths[:, None] - 1, sliding_window,
+                                              attention_chunk)
   mask = mask[:, None, None, :]
   logits = jnp.where(mask, logits, -jnp.inf)
   lse = _with_sinks(jax.nn.logsumexp(logits, axis=-1), sinks, (1, hkv, h // hkv))
@@ -146,12 +149,14 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             k_scales: jax.Array | None = None,
                             v_scales: jax.Array | None = None,
                             alibi_slopes: jax.Array | None = None,
-                            sinks: jax.Array | None = None) -> jax.Array:
+                            sinks: jax.Array | None = None,
+                            attention_chunk: int | None = None) -> jax.Array:
   """Several query tokens per sequence attending causally to its paged K/V cache.
 
   Row b's query t (t < q_lengths[b]) sits at position p = q_start[b] + t and attends to the
-  keys at positions [0, p] (with `sliding_window` W: [p - W + 1, p]), all read from the
-  pages: this chunk's own K/V are already written there.
+  keys at positions [0, p] (with `sliding_window` W: [p - W + 1, p]; with
+  `attention_chunk` C: [floor(p / C) * C, p]), all read from the pages: this chunk's own
+  K/V are already written there.
 
   Args:
     q: [B, T, H, D] float32 / bfloat16 / float16.
@@ -176,6 +181,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     alibi_slopes: float32 [H] or None: ALiBi adds slope_h * (j - p) to head h's logit of
       the key at position j for the query at position p (after a soft cap).
     sinks: float32 [H] or None: attention sinks, as `paged_decode_attention` counts them.
+    attention_chunk: C > 0 limits the query at position p to keys [floor(p / C) * C, p]
+      (Llama 4's chunked attention: its chunk's keys).
 
   Returns:
     out [B, T, H, D] in q's dtype; padding queries (t >= q_lengths[b]) give exactly 0.
@@ -184,7 +191,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       q, k_pages, v_pages, page_table, q_start, q_lengths, layer=layer, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
       strict_kernel_shapes=False, k_scales=k_scales, v_scales=v_scales,
-      alibi_slopes=alibi_slopes, sinks=sinks)
+      alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk)
   b, t, h, d = q.shape
   q_start, q_lengths = validation.clamp_prefill(
       q_start, q_lengths, num_tokens=t, capacity=page_table.shape[1] * k_layer.shape[2])
@@ -208,8 +215,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     logits += (alibi_slopes.reshape(hkv, h // hkv)[None, :, :, None, None]
                * offset[:, None, None])
   mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
-  if sliding_window is not None:
-    mask &= key_pos[None, None, :] > pos[:, :, None] - sliding_window
+  mask &= key_pos[None, None, :] >= validation.first_visible_key(
+      pos[:, :, None], sliding_window, attention_chunk)
   mask &= (jnp.arange(t)[None, :] < q_lengths[:, None])[:, :, None]
   mask = mask[:, None, None]  # [B, 1, 1, T, S]
   logits = jnp.where(mask, logits, -jnp.inf)

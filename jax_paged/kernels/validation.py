@@ -160,7 +160,7 @@ def check_layer(k_pages, v_pages, layer):
 
 def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits_soft_cap,
                       sliding_window, strict_kernel_shapes: bool, alibi_slopes=None,
-                      sinks=None) -> None:
+                      sinks=None, attention_chunk=None) -> None:
   """Validates the arguments of `paged_decode_attention` (kernel and reference).
 
   `strict_kernel_shapes` additionally enforces what the kernels support (head dims
@@ -203,6 +203,7 @@ def check_decode_args(q, k_pages, v_pages, page_table, lengths, *, scale, logits
     raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
   check_positive_number("logits_soft_cap", logits_soft_cap, optional=True)
   check_positive_int("sliding_window", sliding_window, optional=True)
+  check_positive_int("attention_chunk", attention_chunk, optional=True)
   for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
     check_head_values(name, x, h)
   if strict_kernel_shapes:
@@ -229,7 +230,8 @@ def check_head_values(name: str, x, num_heads: int) -> None:
 
 def check_decode_call(q, k_pages, v_pages, page_table, lengths, *, layer, scale,
                       logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
-                      k_scales=None, v_scales=None, alibi_slopes=None, sinks=None):
+                      k_scales=None, v_scales=None, alibi_slopes=None, sinks=None,
+                      attention_chunk=None):
   """All of `paged_decode_attention`'s checks (`check_layer`, `check_decode_args`,
   `check_scales`, `check_decode_values`); returns the shape-and-dtype of one layer of
   k_pages."""
@@ -237,7 +239,7 @@ def check_decode_call(q, k_pages, v_pages, page_table, lengths, *, layer, scale,
   check_decode_args(q, k_layer, v_layer, page_table, lengths, scale=scale,
                     logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                     strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes,
-                    sinks=sinks)
+                    sinks=sinks, attention_chunk=attention_chunk)
   check_scales(k_pages, v_pages, k_scales, v_scales)
   check_decode_values(page_table, lengths, num_pages=k_layer.shape[1],
                       page_size=k_layer.shape[2])
@@ -295,6 +297,20 @@ def clamp_unchecked_page_ids(page_table, num_pages: int, *lengths):
   return page_table
 
 
+def first_visible_key(pos, sliding_window: int | None, attention_chunk: int | None):
+  """The first key position that the query at position `pos` (an int array; -1 for an
+  empty sequence's) attends to, never below 0: 0; with a sliding window W, pos - W + 1;
+  with chunked attention of C tokens (Llama 4's local layers), the start of pos's chunk,
+  floor(pos / C) * C; with both, the later. The kernels and the references mask keys
+  below it."""
+  first = 0
+  if sliding_window is not None:
+    first = jnp.maximum(pos - sliding_window + 1, 0)
+  if attention_chunk is not None:
+    first = jnp.maximum(pos // attention_chunk * attention_chunk, first)
+  return first
+
+
 def clamp_lengths(lengths, capacity: int):
   """Sequence lengths into [0, capacity] (capacity = max_pages_per_seq * page_size)."""
   return jnp.clip(lengths, 0, capacity)
@@ -302,7 +318,8 @@ def clamp_lengths(lengths, capacity: int):
 
 def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, layer, scale,
                        logits_soft_cap, sliding_window, strict_kernel_shapes: bool,
-                       k_scales=None, v_scales=None, alibi_slopes=None, sinks=None):
+                       k_scales=None, v_scales=None, alibi_slopes=None, sinks=None,
+                       attention_chunk=None):
   """All of `paged_prefill_attention`'s checks; returns the shape-and-dtype of one layer of
   k_pages. q is [B, T, H, D]; the pools, scales, page table, scale, cap and window are checked
   as `paged_decode_attention` checks them (alibi slopes and sinks too; `check_layer`,
@@ -323,7 +340,7 @@ def check_prefill_call(q, k_pages, v_pages, page_table, q_start, q_lengths, *, l
                     q_start, scale=scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window,
                     strict_kernel_shapes=strict_kernel_shapes, alibi_slopes=alibi_slopes,
-                    sinks=sinks)
+                    sinks=sinks, attention_chunk=attention_chunk)
   check_prefill_values(page_table, q_start, q_lengths, num_tokens=t,
                        num_pages=k_layer.shape[1], page_size=k_layer.shape[2])
   return k_layer
