@@ -146,7 +146,8 @@ class RotaryEmbedding:
     "linear": divided by `factor` (positions interpolated `factor` times);
     "llama3": Llama 3.1's: wavelengths above original_max_position_embeddings /
       low_freq_factor divided by `factor`, below original_max_position_embeddings /
-      high_freq_factor kept, and smoothly interpolated between;
+      high_freq_factor kept, and smoothly interpolated between (with the two factors
+      equal, Llama 4's, no band between: each kept or divided);
     "yarn": YaRN's (Qwen's and DeepSeek's long contexts): the pairs turning fewer than
       `beta_slow` times over original_max_position_embeddings divided by `factor`, those
       turning more than `beta_fast` times kept, a linear ramp between (over pair indices,
@@ -199,9 +200,9 @@ class RotaryEmbedding:
                        f"original_max_position_embeddings > 0, got {self.beta_slow}, "
                        f"{self.beta_fast}, {self.original_max_position_embeddings}")
     if self.rope_type == "llama3" and not (
-        0 < self.low_freq_factor < self.high_freq_factor
+        0 < self.low_freq_factor <= self.high_freq_factor
         and self.original_max_position_embeddings > 0):
-      raise ValueError("llama3 rope needs 0 < low_freq_factor < high_freq_factor and "
+      raise ValueError("llama3 rope needs 0 < low_freq_factor <= high_freq_factor and "
                        f"original_max_position_embeddings > 0, got {self.low_freq_factor}, "
                        f"{self.high_freq_factor}, {self.original_max_position_embeddings}")
     pairs = (self.rotary_dim or self.head_dim) // 2
@@ -231,12 +232,13 @@ class RotaryEmbedding:
       low_freq_wavelen = old / self.low_freq_factor
       high_freq_wavelen = old / self.high_freq_factor
       wavelen = f32(2 * math.pi) / inv_freq
-      scaled = np.where(wavelen > low_freq_wavelen, inv_freq / f32(self.factor), inv_freq)
-      smooth = ((f32(old) / wavelen - f32(self.low_freq_factor))
-                / f32(self.high_freq_factor - self.low_freq_factor))
-      smoothed = (1 - smooth) * scaled / f32(self.factor) + smooth * scaled
-      medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-      inv_freq = np.where(medium, smoothed, scaled)
+      inv_freq = np.where(wavelen > low_freq_wavelen, inv_freq / f32(self.factor), inv_freq)
+      if self.high_freq_factor > self.low_freq_factor:
+        smooth = ((f32(old) / wavelen - f32(self.low_freq_factor))
+                  / f32(self.high_freq_factor - self.low_freq_factor))
+        smoothed = (1 - smooth) * inv_freq / f32(self.factor) + smooth * inv_freq
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, inv_freq)
     elif self.rope_type == "yarn":
       # The pair index at which a frequency turns `rotations` times over the original
       # context (YaRN's correction dims), in float64 as HF's Python math.
@@ -668,6 +670,12 @@ class PagedAttention(nnx.Module):
       before (Hunyuan's query_layernorm / key_layernorm).
     sliding_window: W > 0 limits each token to the last W positions, itself included
       (Mistral's window), at prefill and decode; None = every earlier position.
+    attention_chunk: C > 0 limits the token at position p to the earlier positions of its
+      chunk of C, [floor(p / C) * C, p] (Llama 4's chunked local attention), at prefill
+      and decode; None = no chunks.
+    query_temperature: (floor_scale, attn_scale), or None: the query at position p is
+      scaled by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (Llama 4's
+      temperature tuning of its NoPE layers), at prefill and decode.
     logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the
       softmax (Gemma 2's soft-capping), at prefill and decode; None = no cap.
     alibi_slopes: a `Constant` of float32 [num_heads] (`alibi_slopes(num_heads)`), or
@@ -688,6 +696,8 @@ class PagedAttention(nnx.Module):
                num_kv_heads: int | None = None, scale: float | None = None,
                qkv_bias: bool = True, out_bias: bool = True,
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
+               attention_chunk: int | None = None,
+               query_temperature: tuple[int, float] | None = None,
                logits_soft_cap: float | None = None,
                alibi_slopes: Sequence[float] | np.ndarray | None = None,
                clip_qkv: float | None = None, sinks: bool = False,
@@ -713,6 +723,18 @@ class PagedAttention(nnx.Module):
     self.rope = rope
     self.sliding_window = validation.check_positive_int("sliding_window", sliding_window,
                                                         optional=True)
+    self.attention_chunk = validation.check_positive_int("attention_chunk", attention_chunk,
+                                                         optional=True)
+    if query_temperature is not None:
+      if not (isinstance(query_temperature, (tuple, list)) and len(query_temperature) == 2):
+        raise ValueError("query_temperature must be (floor_scale, attn_scale) or None, got "
+                         f"{query_temperature!r}")
+      query_temperature = (
+          validation.check_positive_int("query_temperature's floor_scale",
+                                        query_temperature[0]),
+          validation.check_positive_number("query_temperature's attn_scale",
+                                           query_temperature[1]))
+    self.query_temperature = query_temperature
     self.logits_soft_cap = validation.check_positive_number("logits_soft_cap",
                                                           logits_soft_cap, optional=True)
     if alibi_slopes is not None:
@@ -769,7 +791,19 @@ class PagedAttention(nnx.Module):
       q, k = self.rope(q, positions), self.rope(k, positions)
     if head_norms and self.qk_norm_after_rope:
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
-    return q, k, v
+    return self._temper(q, positions), k, v
+
+  def _temper(self, q: jax.Array, positions: jax.Array | None) -> jax.Array:
+    """q [..., H, D] at `positions` (int [...]) scaled by its `query_temperature` (in
+    float32, rounded back to q's dtype, as Hugging Face's Llama 4), or q itself."""
+    if self.query_temperature is None:
+      return q
+    if positions is None:
+      raise ValueError("a layer with a query_temperature needs the tokens' positions")
+    floor_scale, attn_scale = self.query_temperature
+    temperature = 1.0 + attn_scale * jnp.log1p(
+        jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale))
+    return (q * temperature[..., None, None]).astype(q.dtype)
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,
@@ -828,7 +862,7 @@ class PagedAttention(nnx.Module):
           start, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
           scale=self.scale, logits_soft_cap=self.logits_soft_cap,
           sliding_window=self.sliding_window, alibi_slopes=self._slopes(),
-          sinks=self._sinks()).astype(q.dtype)
+          sinks=self._sinks(), attention_chunk=self.attention_chunk).astype(q.dtype)
     y = y.reshape(x.shape[:2] + (-1,))
     return (projection(self.out, y, adapters=adapters) if project else y), kv
 
@@ -840,13 +874,13 @@ class PagedAttention(nnx.Module):
 
   def _prompt_through_pages(self, q: jax.Array, kv: pool_lib.KVPool) -> bool:
     """Whether fresh prompts (q [B, T, H, D]) attend through the paged prefill kernel
-    over the pages just written rather than `prompt_attention`: with a soft cap, ALiBi or
-    sinks, which neither cuDNN's nor XLA's fused attention applies (XLA's would take ALiBi
-    as a [B, H, T, T] bias); and on a GPU where cuDNN does not take q (head dims past 128,
-    f32) but the kernel does, rather than XLA's attention, which writes [B, H, T, T] f32
-    logits."""
+    over the pages just written rather than `prompt_attention`: with a soft cap, ALiBi,
+    sinks or chunks, which neither cuDNN's nor XLA's fused attention applies (XLA's would
+    take ALiBi as a [B, H, T, T] bias, chunks as a [T, T] mask); and on a GPU where cuDNN
+    does not take q (head dims past 128, f32) but the kernel does, rather than XLA's
+    attention, which writes [B, H, T, T] f32 logits."""
     return (self.logits_soft_cap is not None or self.alibi_slopes is not None
-            or self.sinks is not None) or (
+            or self.sinks is not None or self.attention_chunk is not None) or (
         jax.default_backend() == "gpu" and not _cudnn_supports(q)
         and validation.kernel_supports(self.head_dim, kv.page_size))
 
@@ -880,6 +914,7 @@ class PagedAttention(nnx.Module):
           kv, layer, slots, x_c, kernel,
           None if self.qkv.bias is None else self.qkv.bias[...], q_width=self.num_heads * d,
           **quant)
+      q = self._temper(q.reshape(b, -1, d), jnp.maximum(lengths - 1, 0))
     else:
       # K must be clamped, normalised, rotated or get its LoRA update before it is stored,
       # which the fused kernel cannot do.
@@ -897,6 +932,6 @@ class PagedAttention(nnx.Module):
                page_table, lengths, layer=layer, k_scales=kv.k_scales, v_scales=kv.v_scales,
                scale=self.scale, logits_soft_cap=self.logits_soft_cap,
                sliding_window=self.sliding_window, alibi_slopes=self._slopes(),
-               sinks=self._sinks())
+               sinks=self._sinks(), attention_chunk=self.attention_chunk)
     y = y.reshape(b, -1).astype(x.dtype)
     return (projection(self.out, y, adapters=adapters) if project else y), kv

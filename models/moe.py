@@ -163,6 +163,9 @@ class SparseMoE(nnx.Module):
   # Whether the router and the experts' projections have biases (GPT-OSS's: `router_bias`,
   # `gate_up.bias`, `down.bias`).
   biases: ClassVar[bool] = False
+  # Whether a token's routing weight scales its input to the expert rather than the
+  # expert's output (Llama 4's).
+  weights_scale_input: ClassVar[bool] = False
 
   def __init__(self, config: MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, d, f = config.num_local_experts, config.hidden_size, config.expert_width
@@ -201,9 +204,15 @@ class SparseMoE(nnx.Module):
     # Counted as one compare-and-sum (bincount's scatter-add copies a zeroed buffer first:
     # two more small kernels per layer on a GPU).
     sizes = jnp.sum(experts.reshape(-1, 1) == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
-    gate, up = jnp.split(self.gate_up(x[rows], sizes, interpret=interpret), 2, axis=-1)
+    pair_weights = weights.reshape(-1)[order][:, None]
+    inputs = x[rows]
+    if self.weights_scale_input:
+      inputs = inputs * pair_weights.astype(dtype)
+    gate, up = jnp.split(self.gate_up(inputs, sizes, interpret=interpret), 2, axis=-1)
     y = self.down(self.glu(gate, up).astype(dtype), sizes, interpret=interpret)
-    y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    y = y.astype(dtype).astype(jnp.float32)
+    if not self.weights_scale_input:
+      y = y * pair_weights
     out = jnp.zeros((x.shape[0], d), jnp.float32).at[rows].add(y)
     if self.down.reduce_axis is not None:  # tensor parallel: each device's intermediate
       # columns' share, summed once per layer in the compute dtype (as nn's projections)

@@ -204,6 +204,12 @@ def test_rejects_bad_arguments():
     nn.PagedAttention(E, 4, D, decode_impl="triton", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="sliding_window must be a positive int or None, got 0"):
     nn.PagedAttention(E, 4, D, sliding_window=0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="attention_chunk must be a positive int or None, got -8"):
+    nn.PagedAttention(E, 4, D, attention_chunk=-8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"query_temperature must be \(floor_scale, attn_scale\)"):
+    nn.PagedAttention(E, 4, D, query_temperature=8192, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="query_temperature's attn_scale must be a positive"):
+    nn.PagedAttention(E, 4, D, query_temperature=(8192, 0.0), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number or None, "
                                        "got 0.0"):
     nn.PagedAttention(E, 4, D, logits_soft_cap=0.0, rngs=nnx.Rngs(0))
@@ -230,7 +236,7 @@ def test_rejects_bad_arguments():
     nn.RotaryEmbedding(D, rope_type="yarn", beta_fast=1.0, beta_slow=32.0)
   with pytest.raises(ValueError, match="head_dim must be a positive even int"):
     nn.RotaryEmbedding(7)
-  with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+  with pytest.raises(ValueError, match="low_freq_factor <= high_freq_factor"):
     nn.RotaryEmbedding(D, rope_type="llama3", factor=8.0, low_freq_factor=4.0,
                        high_freq_factor=1.0)
 
