@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,29 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> np.ndarray:
   slopes = 2.0 ** (-max_bias / closest * np.arange(1, closest + 1))
   extra = 2.0 ** (-max_bias / (2 * closest) * np.arange(1, 2 * (num_heads - closest), 2))
   return np.concatenate([slopes, extra]).astype(np.float32)
+
+
+class QueryTemperature(NamedTuple):
+  """A query scale growing with the position p (Llama 4's temperature tuning of its NoPE
+  layers; Mistral 3's llama_4_scaling on every layer): 1 + beta * log(1 + floor((p +
+  offset) / floor_scale))."""
+
+  floor_scale: int
+  beta: float
+  offset: int = 0
+
+  def check(self) -> "QueryTemperature":
+    """Itself, with its fields checked (ValueError naming the one out of range)."""
+    validation.check_positive_int("query_temperature's floor_scale", self.floor_scale)
+    validation.check_positive_number("query_temperature's beta", self.beta)
+    if not isinstance(self.offset, (int, np.integer)) or self.offset < 0:
+      raise ValueError(f"query_temperature's offset must be an int >= 0, got {self.offset!r}")
+    return self
+
+  def __call__(self, positions: jax.Array) -> jax.Array:
+    """Positions int [...] -> the scales, float32 [...]."""
+    steps = jnp.floor((positions.astype(jnp.float32) + self.offset) / self.floor_scale)
+    return 1.0 + self.beta * jnp.log1p(steps)
 
 
 class Constant(nnx.Variable):
@@ -673,9 +696,8 @@ class PagedAttention(nnx.Module):
     attention_chunk: C > 0 limits the token at position p to the earlier positions of its
       chunk of C, [floor(p / C) * C, p] (Llama 4's chunked local attention), at prefill
       and decode; None = no chunks.
-    query_temperature: (floor_scale, attn_scale), or None: the query at position p is
-      scaled by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (Llama 4's
-      temperature tuning of its NoPE layers), at prefill and decode.
+    query_temperature: a `QueryTemperature` scaling the query at each position (after
+      RoPE and the q norm), at prefill and decode, or None.
     logits_soft_cap: C > 0 caps the attention logits to C * tanh(logits / C) before the
       softmax (Gemma 2's soft-capping), at prefill and decode; None = no cap.
     alibi_slopes: a `Constant` of float32 [num_heads] (`alibi_slopes(num_heads)`), or
@@ -697,7 +719,7 @@ class PagedAttention(nnx.Module):
                qkv_bias: bool = True, out_bias: bool = True,
                rope: RotaryEmbedding | None = None, sliding_window: int | None = None,
                attention_chunk: int | None = None,
-               query_temperature: tuple[int, float] | None = None,
+               query_temperature: QueryTemperature | None = None,
                logits_soft_cap: float | None = None,
                alibi_slopes: Sequence[float] | np.ndarray | None = None,
                clip_qkv: float | None = None, sinks: bool = False,
@@ -725,16 +747,10 @@ class PagedAttention(nnx.Module):
                                                         optional=True)
     self.attention_chunk = validation.check_positive_int("attention_chunk", attention_chunk,
                                                          optional=True)
-    if query_temperature is not None:
-      if not (isinstance(query_temperature, (tuple, list)) and len(query_temperature) == 2):
-        raise ValueError("query_temperature must be (floor_scale, attn_scale) or None, got "
-                         f"{query_temperature!r}")
-      query_temperature = (
-          validation.check_positive_int("query_temperature's floor_scale",
-                                        query_temperature[0]),
-          validation.check_positive_number("query_temperature's attn_scale",
-                                           query_temperature[1]))
-    self.query_temperature = query_temperature
+    if query_temperature is not None and not isinstance(query_temperature, QueryTemperature):
+      raise ValueError(f"query_temperature must be a QueryTemperature or None, got "
+                       f"{query_temperature!r}")
+    self.query_temperature = None if query_temperature is None else query_temperature.check()
     self.logits_soft_cap = validation.check_positive_number("logits_soft_cap",
                                                           logits_soft_cap, optional=True)
     if alibi_slopes is not None:
@@ -800,10 +816,7 @@ class PagedAttention(nnx.Module):
       return q
     if positions is None:
       raise ValueError("a layer with a query_temperature needs the tokens' positions")
-    floor_scale, attn_scale = self.query_temperature
-    temperature = 1.0 + attn_scale * jnp.log1p(
-        jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale))
-    return (q * temperature[..., None, None]).astype(q.dtype)
+    return (q * self.query_temperature(positions)[..., None, None]).astype(q.dtype)
 
   def prefill(self, x: jax.Array, kv: pool_lib.KVPool, layer: int, slots: jax.Array,
               lengths: jax.Array, *, start: jax.Array | None = None,

@@ -166,12 +166,7 @@ class Gemma3Config:
     tie_word_embeddings where it has them (HF's generate and weight tying read those)."""
     config = cls._hf_common(config)
     if config["model_type"] == "gemma3":
-      text = config.get("text_config", {})  # HF's Gemma3Config: all defaults when absent
-      if not isinstance(text, Mapping):
-        raise ValueError(f"text_config must be a dict, got {text!r}")
-      top = {k: config[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
-             if k in config}
-      config = cls._hf_common({**text, **top, "model_type": "gemma3"})
+      config = cls._hf_common(llama.hf_text_config(config, "gemma3"))
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
       if config.get(name) is not None:
         raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported in Gemma 3")

@@ -1,5 +1,5 @@
-"""Llama (and Mistral, Ministral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, InternLM3,
-IQuest-Coder, CWM) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
+"""Llama (and Mistral, Ministral, Ministral 3, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS,
+InternLM3, IQuest-Coder, CWM) in Flax NNX, decoding from a paged KV cache (`jax_paged.KVPool`).
 
 The model is Hugging Face's `LlamaForCausalLM`: token embeddings, pre-RMSNorm blocks whose
 attention rotates q and k (RoPE) and shares each kv head among a group of q heads (GQA),
@@ -18,8 +18,10 @@ no_rope_layers marks 0 (every fourth by default: NoPE layers), and Seed-OSS (Byt
 Seed-OSS-36B) has q/k/v biases and, apart from them, optionally o's (attention_out_bias);
 InternLM3 (internlm3-8b-instruct: HF serves it as Llama) names Llama's attention_bias
 qkv_bias and its mlp_bias bias, IQuest-Coder (HF serves it as Llama too) is Llama of its
-own default shape, and CWM (Meta's Code World Model) attends within a window on three of
-every four layers (layer_types).
+own default shape, CWM (Meta's Code World Model) attends within a window on three of
+every four layers (layer_types), and Ministral 3 scales each query by its position
+(llama_4_scaling_beta); an image-text "mistral3" config (Ministral 3, Mistral Small 3.x)
+gives its text_config's model, the vision tower not loaded.
 
 It meets `jax_paged.PagedModel`: `spec` gives the pool's shape, `prefill` and `decode` are
 the forwards over the pool that `jax_paged`'s runner jits. Serve it with
@@ -60,7 +62,7 @@ from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss",
-               "internlm3", "ministral", "iquestcoder", "cwm")
+               "internlm3", "ministral", "iquestcoder", "cwm", "ministral3", "mistral3")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
 _GRANITES = ("granite", "granitemoe", "granitemoeshared")
 # HF's config defaults of the model types whose shape is not `LlamaConfig`'s, which a
@@ -85,7 +87,17 @@ _HF_DEFAULTS = {
         num_attention_heads=48, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
         sliding_window=8192),
+    "ministral3": dict(
+        vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_hidden_layers=34,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=262144, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
 }
+# HF's Ministral3Config RoPE for a config without one: YaRN, and the llama_4_scaling of
+# the queries (`LlamaConfig.llama_4_scaling_beta`).
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                    "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                    "llama_4_scaling_beta": 0.1}
 _CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0,
              "high_freq_factor": 4.0, "low_freq_factor": 1.0,
              "original_max_position_embeddings": 8192}
@@ -200,6 +212,21 @@ def hf_head_dim(config: Mapping[str, Any], config_class: type) -> int:
           // config.get("num_attention_heads", config_class.num_attention_heads))
 
 
+def hf_text_config(config: Mapping[str, Any], model_type: str | None = None
+                   ) -> dict[str, Any]:
+  """An image-text config dict's text_config (HF's defaults, {}, when absent) with the top
+  level's eos / bos ids and tie_word_embeddings where it has them (HF's generate and weight
+  tying read those), its model_type `model_type` where given (else text_config's own);
+  ValueError unless text_config is a dict."""
+  text = config.get("text_config")
+  text = {} if text is None else text
+  if not isinstance(text, Mapping):
+    raise ValueError(f"text_config must be a dict, got {text!r}")
+  top = {k: config[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+         if k in config}
+  return {**text, **top, **({} if model_type is None else {"model_type": model_type})}
+
+
 def hf_rope_scaling(scaling: Any) -> Any:
   """A config.json's RoPE scaling dict as `rotary` takes it: None for HF's "default" type
   (no scaling)."""
@@ -225,8 +252,9 @@ class LlamaConfig:
   """Llama hyperparameters under Hugging Face's field names (defaults: Llama 2 7B's).
 
   Attributes beyond HF's LlamaConfig:
-    model_type: "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "granite",
-      "smollm3", "seed_oss", "internlm3", "iquestcoder" or "cwm", which decides the
+    model_type: "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3",
+      "granite", "smollm3", "seed_oss", "internlm3", "iquestcoder" or "cwm" (a "mistral3"
+      config reads as its text_config's type), which decides the
       biases, Qwen3's q / k norms and the checkpoint's names: Llama's, Qwen3's, Granite's, SmolLM3's and InternLM3's
       `attention_bias` puts one on q, k, v and o; Qwen2 always has q/k/v biases and none
       on o; Seed-OSS's attention_bias is q/k/v's and attention_out_bias o's; Mistral and
@@ -244,6 +272,9 @@ class LlamaConfig:
       per layer, or None (RoPE on every layer).
     clip_qkv: c > 0 clamps q, k and v to [-c, c] after their projection, or None (OLMo's:
       `models.olmo` sets it; `from_dict` reads none).
+    llama_4_scaling_beta: Ministral 3's (from its RoPE dict): each query at position p
+      scaled by 1 + beta * log(1 + floor(p / the RoPE's original_max_position_embeddings))
+      (`query_temperature`), or None.
     rope_scaling: HF's dict ({"rope_type": "linear" | "llama3" | "yarn" | "longrope",
       "factor": ...}) or None, kept as a sorted tuple of (key, value) pairs (lists as
       tuples) so that the config is hashable (a model's static structure).
@@ -289,6 +320,7 @@ class LlamaConfig:
   logits_scaling: float = 1.0
   clip_qkv: float | None = None
   attention_out_bias: bool = False  # (Seed-OSS's o bias)
+  llama_4_scaling_beta: float | None = None
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
   # hidden_act -> the MLP's activation (a subclass's own: `models.starcoder2`'s GELUs).
@@ -355,6 +387,7 @@ class LlamaConfig:
       raise ValueError(f"layer_types must list one of {_LAYER_TYPES} per layer "
                        f"({self.num_hidden_layers}), got {self.layer_types}")
     self.rope  # validates rope_theta and rope_scaling
+    self.query_temperature  # validates llama_4_scaling_beta
 
   @property
   def rotary_dim(self) -> int:
@@ -380,6 +413,17 @@ class LlamaConfig:
     if self.no_rope_layers is not None and not self.no_rope_layers[layer]:
       return None
     return self.rope
+
+  @property
+  def query_temperature(self) -> paged_nn.QueryTemperature | None:
+    """The queries' scale by position (`llama_4_scaling_beta`), or None."""
+    if self.llama_4_scaling_beta is None:
+      return None
+    original = dict(self.rope_scaling or ()).get("original_max_position_embeddings")
+    if original is None:
+      raise ValueError("llama_4_scaling_beta needs the RoPE's "
+                       "original_max_position_embeddings")
+    return paged_nn.QueryTemperature(original, self.llama_4_scaling_beta).check()
 
   def window(self, layer: int) -> int | None:
     """Layer `layer`'s sliding window (None: full causal attention)."""
@@ -447,7 +491,16 @@ class LlamaConfig:
     if model_type not in cls.model_types:
       raise ValueError(f"model_type {model_type!r} is not supported; use one of "
                        f"{cls.model_types}")
+    if model_type == "mistral3":  # (Mistral Small 3.x, Ministral 3: the vision tower unread)
+      config = hf_text_config(config)
+      model_type = config.setdefault("model_type", "mistral")  # (HF's Mistral3Config's)
+      if model_type not in ("mistral", "ministral3"):
+        raise ValueError(f"mistral3's text_config model_type must be 'mistral' or "
+                         f"'ministral3', got {model_type!r}")
     config = {**_HF_DEFAULTS.get(model_type, {}), **config}
+    if model_type == "ministral3" and not any(
+        config.get(k) is not None for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+      config["rope_parameters"] = _MINISTRAL3_ROPE
     if model_type == "cwm":
       if not any(config.get(k) is not None
                  for k in ("rope_parameters", "rope_scaling", "rope_theta")):
@@ -472,6 +525,9 @@ class LlamaConfig:
     scaling = config.get("rope_scaling")
     if isinstance(scaling, Mapping):
       scaling = dict(scaling)
+      if model_type == "ministral3":  # (HF's Ministral 3 attention reads it there)
+        config["llama_4_scaling_beta"] = scaling.pop("llama_4_scaling_beta", None)
+      scaling.pop("max_position_embeddings", None)  # (Ministral 3's copy of the config's)
       if scaling.get("partial_rotary_factor") is not None:  # (transformers 5 keeps it here)
         config["partial_rotary_factor"] = scaling["partial_rotary_factor"]
       # HF's order: rope_type, else the older "type", else "default".
@@ -533,8 +589,10 @@ class LlamaConfig:
                                for i in range(config.get("num_hidden_layers", 32))]
     # Biases: Mistral, Ministral, Phi-3 and Mixtral have none; Qwen2 always q/k/v's, never
     # o's (`qkv_bias`, `out_bias`); the others attention_bias's.
-    if model_type in ("mistral", "ministral", "cwm", "phi3", "mixtral", "qwen2"):
+    if model_type in ("mistral", "ministral", "ministral3", "cwm", "phi3", "mixtral", "qwen2"):
       config.pop("attention_bias", None)
+    if model_type != "ministral3":
+      config.pop("llama_4_scaling_beta", None)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})
 
@@ -620,7 +678,8 @@ class DecoderLayer(nnx.Module):
         head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
                                      param_dtype=param_dtype) if config.qk_norm else None),
         qk_norm_all_heads=config.qk_norm_all_heads,
-        qk_norm_after_rope=config.qk_norm_after_rope, decode_impl=decode_impl,
+        qk_norm_after_rope=config.qk_norm_after_rope,
+        query_temperature=config.query_temperature, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range),
         param_dtype=param_dtype, **kwargs)
 

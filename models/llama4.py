@@ -11,7 +11,7 @@ is not loaded) are Llama's decoder with
   are RMS-normalised without a weight after RoPE (use_qk_norm);
 - NoPE layers between them (no_rope_layers 0), attending to the whole context, with their
   queries' temperature tuned by position (attn_temperature_tuning:
-  `nn.PagedAttention(query_temperature=(floor_scale, attn_scale))`);
+  `nn.QueryTemperature(floor_scale, attn_scale, offset=1)`);
 - on the moe_layers (every layer of Scout's, every other of Maverick's) an MLP of
   num_local_experts SwiGLU experts of intermediate_size, each token run through its
   num_experts_per_tok best by the router's logits and its input scaled by the sigmoid of
@@ -23,7 +23,7 @@ is not loaded) are Llama's decoder with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -128,13 +128,7 @@ class Llama4Config(moe.MoeConfig):
     refused."""
     config = dict(config)
     if config.get("model_type") == "llama4":
-      text = config.get("text_config")
-      text = {} if text is None else text  # (HF's Llama4Config: all defaults when absent)
-      if not isinstance(text, Mapping):
-        raise ValueError(f"text_config must be a dict, got {text!r}")
-      top = {k: config[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
-             if k in config}
-      config = {**text, **top, "model_type": "llama4"}
+      config = llama.hf_text_config(config, "llama4")
     config.setdefault("model_type", cls.model_type)
     for name in ("attention_bias", "router_jitter_noise"):
       if config.get(name):
@@ -202,8 +196,9 @@ class DecoderLayer(moe.DecoderLayer):
         config.hidden_size, config.num_attention_heads, config.head_dim,
         num_kv_heads=config.num_key_value_heads, qkv_bias=False, out_bias=False, rope=rope,
         attention_chunk=config.chunk(layer),
-        query_temperature=((config.floor_scale, config.attn_scale)
-                           if rope is None and config.attn_temperature_tuning else None),
+        query_temperature=(
+            paged_nn.QueryTemperature(config.floor_scale, config.attn_scale, offset=1)
+            if rope is None and config.attn_temperature_tuning else None),
         head_norm=(lambda width: L2Norm(width, epsilon=config.rms_norm_eps)) if norm else None,
         qk_norm_after_rope=norm, decode_impl=decode_impl,
         kernel_init=nnx.initializers.normal(config.initializer_range),

@@ -101,6 +101,16 @@ MODELS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 16}), {}),
+    # Ministral 3: every layer windowed to 5 positions, YaRN RoPE from an original context of
+    # 8 and the llama_4_scaling of the queries (1 + 0.5 log(1 + floor(p / 8)): from 1 to
+    # 1.69 over the positions tested), GQA.
+    "ministral3": (transformers.Ministral3ForCausalLM, transformers.Ministral3Config, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=5,
+        pad_token_id=None, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+            "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
+            "max_position_embeddings": 64}), {}),
     # InternLM3 (HF serves it as Llama): biases on q/k/v/o and the MLP under its names
     # (qkv_bias, bias), GQA.
     "internlm3": (transformers.LlamaForCausalLM, transformers.InternLM3Config, dict(
@@ -297,6 +307,9 @@ def test_prefill_and_decode_logits_match_hf(checkpoint):
   if name == "qwen2":  # loaded from shards, and windowed on its upper layer only
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
     assert [b.self_attn.sliding_window for b in model.layers] == [None, 6]
+  if name == "ministral3":  # windowed and tempered on every layer
+    assert [(b.self_attn.sliding_window, b.self_attn.query_temperature)
+            for b in model.layers] == [(5, jax_paged.nn.QueryTemperature(8, 0.5))] * 2
   # Prompts ending inside, at and past a page boundary, to lengths 13, 18, 23: across
   # pages 2 and 3.
   assert_logits_track_hf(hf, model, [3, 8, 13], 10)
@@ -560,6 +573,40 @@ def test_config_from_dict_reads_each_model_type_as_hf_does():
     llama.LlamaConfig.from_dict({**base, "model_type": "gemma"})
   with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
     llama.LlamaConfig.from_dict({**base, "hidden_act": "gelu"})
+
+
+def test_mistral3_image_text_checkpoints_load_their_text_model(tmp_path):
+  """Mistral3ForConditionalGeneration ("mistral3": Ministral 3, Mistral Small 3.x) saved
+  with a (tiny) Pixtral vision tower: its text model (Ministral 3's here: the YaRN RoPE and
+  the queries' llama_4_scaling) loads alone under language_model.*, HF's text logits; its
+  default ministral3 RoPE (HF's); Mistral Small's "mistral" text_config; errors."""
+  text = {**_COMMON, **MODELS["ministral3"][2], "model_type": "ministral3"}
+  del text["attn_implementation"]
+  vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, head_dim=8, image_size=32, patch_size=16)
+  torch.manual_seed(0)
+  hf = randomised(transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+      text_config=text, vision_config=vision, image_token_index=VOCAB - 1)))
+  hf.save_pretrained(tmp_path)
+  model = llama.from_pretrained(tmp_path)
+  assert model.config.model_type == "ministral3"
+  assert model.layers[0].self_attn.query_temperature == jax_paged.nn.QueryTemperature(8, 0.5)
+  assert_logits_track_hf(hf, model, [3, 13], 6)
+  c = llama.LlamaConfig.from_dict({"model_type": "mistral3", "text_config": {
+      "model_type": "ministral3"}, "eos_token_id": 7})
+  want = transformers.Ministral3Config()
+  assert (c.rope_theta, dict(c.rope_scaling)["factor"], c.llama_4_scaling_beta,
+          c.hidden_size, c.eos_token_id) == (
+              want.rope_parameters["rope_theta"], want.rope_parameters["factor"],
+              want.rope_parameters["llama_4_scaling_beta"], want.hidden_size, 7)
+  small = llama.LlamaConfig.from_dict({"model_type": "mistral3", "text_config": {
+      "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "rope_theta": 1e9,
+      "sliding_window": None, "vocab_size": 10}})
+  assert (small.model_type, small.query_temperature, small.rope_theta) == ("mistral", None, 1e9)
+  with pytest.raises(ValueError, match="text_config model_type must be 'mistral' or"):
+    llama.LlamaConfig.from_dict({"model_type": "mistral3", "text_config": {"model_type": "llama"}})
+  with pytest.raises(ValueError, match="text_config must be a dict"):
+    llama.LlamaConfig.from_dict({"model_type": "mistral3", "text_config": "ministral3"})
 
 
 def test_from_pretrained_errors(saved, tmp_path):

@@ -56,7 +56,7 @@ def test_prefill_and_decode_logits_match_hf(saved):
   assert (rope_layer.attention_chunk, rope_layer.query_temperature) == (8, None)
   assert isinstance(rope_layer.q_norm, llama4.L2Norm) and rope_layer.qk_norm_after_rope
   assert nope_layer.rope is None and nope_layer.attention_chunk is None
-  assert nope_layer.query_temperature == (4, 0.3) and nope_layer.q_norm is None
+  assert nope_layer.query_temperature == (4, 0.3, 1) and nope_layer.q_norm is None
   assert isinstance(model.layers[1].mlp, llama4.Llama4MoE)
   assert model.layers[0].mlp.down.in_features == 96
   np.testing.assert_array_equal(

@@ -206,10 +206,14 @@ def test_rejects_bad_arguments():
     nn.PagedAttention(E, 4, D, sliding_window=0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="attention_chunk must be a positive int or None, got -8"):
     nn.PagedAttention(E, 4, D, attention_chunk=-8, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"query_temperature must be \(floor_scale, attn_scale\)"):
-    nn.PagedAttention(E, 4, D, query_temperature=8192, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="query_temperature's attn_scale must be a positive"):
-    nn.PagedAttention(E, 4, D, query_temperature=(8192, 0.0), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="query_temperature must be a QueryTemperature"):
+    nn.PagedAttention(E, 4, D, query_temperature=(8192, 0.1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="query_temperature's beta must be a positive"):
+    nn.PagedAttention(E, 4, D, query_temperature=nn.QueryTemperature(8192, 0.0),
+                      rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="query_temperature's offset must be an int >= 0"):
+    nn.PagedAttention(E, 4, D, query_temperature=nn.QueryTemperature(8192, 0.1, -1),
+                      rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number or None, "
                                        "got 0.0"):
     nn.PagedAttention(E, 4, D, logits_soft_cap=0.0, rngs=nnx.Rngs(0))

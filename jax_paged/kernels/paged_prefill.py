@@ -244,8 +244,8 @@ def _prefill_kernel(q_start_ref, q_len_ref, page_table_ref, layer_ref, q_ref, k_
 def _paged_prefill_pallas(q, k_pages, v_pages, page_table, q_start, q_lengths, layer,
                           k_scales, v_scales, alibi_slopes, sinks, *, scale: float,
                           logits_soft_cap: float | None, sliding_window: int | None,
-                          attention_chunk: int | None, interpret: bool, block_q: int, block_n: int, num_warps: int,
-                          num_stages: int):
+                          attention_chunk: int | None, interpret: bool, block_q: int,
+                          block_n: int, num_warps: int, num_stages: int):
   """k_pages, v_pages: one layer [Hkv, num_pages, page_size, D] (layer 0) or a pool [L, Hkv,
   num_pages, page_size, D], a quantized pool's v_pages token-minor [..., D, page_size];
   layer: int32 scalar; k_scales, v_scales: None, or float32 of k_pages' shape without D for
