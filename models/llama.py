@@ -13,8 +13,10 @@ RMS-normalises each head of q and k before RoPE (q_norm, k_norm), Phi-3 (Phi-3-m
 one gate_up_proj, optionally attending within a sliding window on every layer (LongRoPE and
 RoPE on part of each head: any of these configs may have them), Granite (IBM's Granite
 3.x) scales the embeddings, the attention's scores, each residual branch and the logits
-by four multipliers of its config, SmolLM3 leaves RoPE out of the layers its
-no_rope_layers marks 0 (every fourth by default: NoPE layers), and Seed-OSS (ByteDance's
+by four multipliers of its config (Granite SWA, "granite_swa", also attends within a
+window on the layers its layer_types name, with a learned sink logit per head and a RoPE
+base per layer, 0 for a NoPE layer: layer_rope_theta), SmolLM3 leaves RoPE out of the
+layers its no_rope_layers marks 0 (every fourth by default: NoPE layers), and Seed-OSS (ByteDance's
 Seed-OSS-36B) has q/k/v biases and, apart from them, optionally o's (attention_out_bias);
 InternLM3 (internlm3-8b-instruct: HF serves it as Llama) names Llama's attention_bias
 qkv_bias and its mlp_bias bias, IQuest-Coder (HF serves it as Llama too) is Llama of its
@@ -62,9 +64,12 @@ from jax_paged.paged_model import ModelFamily, ModelSpec, last_tokens
 
 # config.json `model_type` values this module loads.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss",
-               "internlm3", "ministral", "iquestcoder", "cwm", "ministral3", "mistral3")
+               "internlm3", "ministral", "iquestcoder", "cwm", "ministral3", "mistral3",
+               "granite_swa")
 # Model types with Granite's multipliers (`LlamaConfig.embedding_multiplier`...).
-_GRANITES = ("granite", "granitemoe", "granitemoeshared")
+_GRANITES = ("granite", "granitemoe", "granitemoeshared", "granite_swa", "granitemoe_swa")
+# Granites with windows (layer_types), attention sinks and per-layer RoPE bases.
+_GRANITE_SWAS = ("granite_swa", "granitemoe_swa")
 # HF's config defaults of the model types whose shape is not `LlamaConfig`'s, which a
 # config.json omitting a field gets there too: Seed-OSS-36B's, internlm3-8b's,
 # IQuest-Coder's, CWM's (Meta's Code World Model: llama3 RoPE unless a config gives one).
@@ -91,6 +96,9 @@ _HF_DEFAULTS = {
         vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_hidden_layers=34,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=262144, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    # (HF's Granite classes scale the scores by their attention_multiplier, default 1.)
+    **{t: dict(attention_multiplier=1.0) for t in _GRANITES if t not in _GRANITE_SWAS},
+    **{t: dict(attention_multiplier=1.0, sliding_window=128) for t in _GRANITE_SWAS},
 }
 # HF's Ministral3Config RoPE for a config without one: YaRN, and the llama_4_scaling of
 # the queries (`LlamaConfig.llama_4_scaling_beta`).
@@ -270,6 +278,8 @@ class LlamaConfig:
       "sliding_attention" (all of them when layer_types is None).
     no_rope_layers: SmolLM3's, one 1 (RoPE) or 0 (no position encoding: a NoPE layer)
       per layer, or None (RoPE on every layer).
+    layer_rope_theta: Granite SWA's RoPE base per layer (0: a NoPE layer; rope_scaling
+      applies to every base), or None (rope_theta on every layer).
     clip_qkv: c > 0 clamps q, k and v to [-c, c] after their projection, or None (OLMo's:
       `models.olmo` sets it; `from_dict` reads none).
     llama_4_scaling_beta: Ministral 3's (from its RoPE dict): each query at position p
@@ -310,6 +320,7 @@ class LlamaConfig:
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
   no_rope_layers: tuple[int, ...] | None = None
+  layer_rope_theta: tuple[float, ...] | None = None
   model_type: str = "llama"
   initializer_range: float = 0.02
   bos_token_id: int | None = 1
@@ -367,6 +378,12 @@ class LlamaConfig:
           or any(x not in (0, 1) for x in self.no_rope_layers)):
         raise ValueError(f"no_rope_layers must give 1 (RoPE) or 0 (NoPE) for each of the "
                          f"{self.num_hidden_layers} layers, got {self.no_rope_layers}")
+    if self.layer_rope_theta is not None:
+      set_("layer_rope_theta", tuple(self.layer_rope_theta))
+      if (len(self.layer_rope_theta) != self.num_hidden_layers
+          or any(not (isinstance(t, (int, float)) and t >= 0) for t in self.layer_rope_theta)):
+        raise ValueError(f"layer_rope_theta must give a RoPE base >= 0 (0: NoPE) for each of "
+                         f"the {self.num_hidden_layers} layers, got {self.layer_rope_theta}")
     check_type_and_heads(self, self.model_types)
     for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
       set_(name, validation.check_positive_number(name, getattr(self, name)))
@@ -399,19 +416,27 @@ class LlamaConfig:
     """The rotary embedding of rope_theta and rope_scaling over `rotary_dim` features, for
     sequences of up to max_model_len; ValueError naming partial_rotary_factor where
     `rotary_dim` is not a positive even number."""
+    return self._rope_of(self.rope_theta)
+
+  def _rope_of(self, theta: float) -> paged_nn.RotaryEmbedding:
+    """`rope` with the base `theta`."""
     dim = self.rotary_dim
     if dim < 2 or dim % 2:
       raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim "
                        f"{self.head_dim} rotates {dim} features; RoPE needs a positive even "
                        "number")
-    return rotary(self.head_dim, self.rope_theta, self.rope_scaling,
+    return rotary(self.head_dim, theta, self.rope_scaling,
                   self.max_position_embeddings, rotary_dim=None if dim == self.head_dim
                   else dim, max_model_len=self.max_model_len)
 
   def layer_rope(self, layer: int) -> paged_nn.RotaryEmbedding | None:
-    """Layer `layer`'s rotary embedding (None: a NoPE layer of SmolLM3's)."""
+    """Layer `layer`'s rotary embedding (None: a NoPE layer of SmolLM3's or Granite
+    SWA's)."""
     if self.no_rope_layers is not None and not self.no_rope_layers[layer]:
       return None
+    if self.layer_rope_theta is not None:
+      theta = self.layer_rope_theta[layer]
+      return self._rope_of(theta) if theta else None
     return self.rope
 
   @property
@@ -443,9 +468,9 @@ class LlamaConfig:
 
   @property
   def attention_sinks(self) -> bool:
-    """Whether each attention head has a learned sink logit (`nn.PagedAttention(sinks=)`;
-    a subclass's own: GPT-OSS's)."""
-    return False
+    """Whether each attention head has a learned sink logit (`nn.PagedAttention(sinks=)`:
+    Granite SWA's; a subclass's own: GPT-OSS's)."""
+    return self.model_type in _GRANITE_SWAS
 
   @property
   def out_bias(self) -> bool:
@@ -511,6 +536,12 @@ class LlamaConfig:
         config["layer_types"] = ["full_attention" if i % 4 == 0 else "sliding_attention"
                                  for i in range(config["num_hidden_layers"])]
       config["sliding_window"] = config.get("sliding_window") or None
+    if model_type in _GRANITE_SWAS and config.get("layer_types") is None:
+      # HF's: every fourth layer full, from layer 0
+      config["layer_types"] = ["full_attention" if i % 4 == 0 else "sliding_attention"
+                               for i in range(config.get("num_hidden_layers", 32))]
+    if model_type not in _GRANITE_SWAS:
+      config.pop("layer_rope_theta", None)
     if model_type == "iquestcoder":  # (HF's IQuestCoderConfig refuses both)
       for name in ("clip_qkv", "use_sliding_window"):
         if config.get(name):
@@ -570,7 +601,8 @@ class LlamaConfig:
     # Ministral on its layer_types' sliding layers (without them, every layer);
     # Qwen2 / Qwen3 one with use_sliding_window, from max_window_layers on (Qwen2-MoE's
     # layer_types: `models.moe`); Qwen3-MoE one with use_sliding_window, on every layer.
-    if model_type in ("llama", "internlm3", "iquestcoder", *_GRANITES):
+    if model_type in ("llama", "internlm3", "iquestcoder", *_GRANITES) and (
+        model_type not in _GRANITE_SWAS):
       config.pop("sliding_window", None)
     if model_type not in _GRANITES:  # (their HF classes have no such fields)
       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -580,9 +612,11 @@ class LlamaConfig:
     if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
         and not config.get("use_sliding_window", False)):
       config["sliding_window"] = None
-    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3", "ministral", "cwm"):
+    if model_type not in ("qwen2", "qwen2_moe", "qwen3", "smollm3", "ministral", "cwm",
+                          *_GRANITE_SWAS):
       config.pop("layer_types", None)
-    elif (model_type not in ("ministral", "cwm") and config.get("layer_types") is None
+    elif (model_type not in ("ministral", "cwm", *_GRANITE_SWAS)
+          and config.get("layer_types") is None
           and config.get("sliding_window") is not None):
       first = config.get("max_window_layers", 28)
       config["layer_types"] = ["sliding_attention" if i >= first else "full_attention"

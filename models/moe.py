@@ -10,7 +10,8 @@ Qwen3-30B-A3B, Qwen3-235B-A22B) Qwen3's (per-head q / k norms), `OlmoeForCausalL
 `GraniteMoeForCausalLM` ("granitemoe": Granite-3.x-1B-A400M / 3B-A800M) Granite's (its
 four multipliers, `llama.LlamaConfig`; every expert's weights in one tensor; with
 `GraniteMoeSharedForCausalLM`, "granitemoeshared", an ungated shared expert of
-shared_intermediate_size beside them), whose MLP
+shared_intermediate_size beside them; `GraniteMoeSWAForCausalLM`, "granitemoe_swa", that
+with Granite SWA's attention: `models.llama`), whose MLP
 is a sparse mixture of SwiGLU experts (the Qwens': on the layers decoder_sparse_step and
 mlp_only_layers leave it, a dense MLP on the others): a router scores the experts for
 each token (softmax in f32), the num_experts_per_tok best run on it, and its output is
@@ -46,7 +47,10 @@ from jax_paged import tensor_parallel
 from jax_paged.kernels import validation
 from models import llama
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
+               "granitemoe_swa")
+# Granite-MoEs with a shared_mlp of shared_intermediate_size (0: none).
+_GRANITE_SHARED = ("granitemoeshared", "granitemoe_swa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +143,7 @@ class MoeConfig(llama.LlamaConfig):
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 and i < below
                                  else "full_attention"
                                  for i in range(config.get("num_hidden_layers", 24))]
-    elif model_type == "granitemoeshared":  # (HF's 0: none)
+    elif model_type in _GRANITE_SHARED:  # (HF's 0: none)
       config["shared_expert_intermediate_size"] = config.get("shared_intermediate_size") or None
     else:
       config.pop("shared_expert_intermediate_size", None)
@@ -291,15 +295,20 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 
 
 # model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
-# down projections, or None: `_GRANITE_FUSED`'s tensors)
+# down projections, or None: every expert's in one tensor, `_FUSED_EXPERTS`')
 QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
                "qwen2_moe": QWEN_EXPERTS, "qwen3_moe": QWEN_EXPERTS, "olmoe": QWEN_EXPERTS,
-               # Every expert's in one tensor: input_linear [E, 2 I, H] (gate's rows, then
-               # up's), output_linear [E, H, I].
                "granitemoe": ("block_sparse_moe", "router.layer", None),
-               "granitemoeshared": ("block_sparse_moe", "router.layer", None)}
-_GRANITE_FUSED = {"gate_up": "input_linear", "down": "output_linear"}
+               "granitemoeshared": ("block_sparse_moe", "router.layer", None),
+               "granitemoe_swa": ("block_sparse_moe", "router", None)}
+# Every expert's weights in one tensor, [E, 2 I, H] (gate's rows, then up's) and [E, H, I]
+# (torch Linear weights stacked): Granite-MoE's input_linear / output_linear,
+# transformers 5's experts.gate_up_proj / down_proj (Granite-MoE-SWA's checkpoints).
+_GRANITE_FUSED = {"gate_up": "input_linear.weight", "down": "output_linear.weight"}
+_FUSED_EXPERTS = {"granitemoe": _GRANITE_FUSED, "granitemoeshared": _GRANITE_FUSED,
+                  "granitemoe_swa": {"gate_up": "experts.gate_up_proj",
+                                     "down": "experts.down_proj"}}
 
 
 def hf_sources(path: tuple[str, ...], config: MoeConfig,
@@ -311,9 +320,9 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig,
   `experts_names` of that form) stacked by expert, the rest (a dense layer's MLP, a
   shared expert as the MLP `shared_name`: Qwen2-MoE's shared_expert) as
   `llama.hf_sources`."""
-  if path[2:4] == ("mlp", "shared") and config.model_type == "granitemoeshared":
+  if path[2:4] == ("mlp", "shared") and config.model_type in _GRANITE_SHARED:
     # (the block's shared_mlp, gate and up fused in input_linear, no biases)
-    return [f"model.layers.{path[1]}.shared_mlp.{_GRANITE_FUSED[path[4]]}.weight"], (
+    return [f"model.layers.{path[1]}.shared_mlp.{_GRANITE_FUSED[path[4]]}"], (
         llama.linear_rows)
   if path[2:4] == ("mlp", "shared"):  # ("layers", i, "mlp", "shared", module, param)
     names, assemble = llama.hf_sources(path[:3] + path[4:], config)  # a dense MLP's
@@ -328,7 +337,7 @@ def hf_sources(path: tuple[str, ...], config: MoeConfig,
   if path[3] == "shared_gate":
     return [f"{prefix}shared_expert_gate.weight"], llama.linear_rows
   if per_expert is None:  # every expert's in one tensor
-    return ([f"{prefix}{_GRANITE_FUSED[path[3]]}.weight"],
+    return ([f"{prefix}{_FUSED_EXPERTS[config.model_type][path[3]]}"],
             lambda parts: jnp.swapaxes(parts[0], 1, 2))
   gate, up, down = per_expert
   if path[3] == "gate_up":

@@ -77,6 +77,14 @@ MODELS = {
         num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=6.0,
         residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0,
         tie_word_embeddings=True), {}),
+    # Granite SWA: Granite's multipliers, layer 0 full with RoPE, layer 1 windowed to 5
+    # positions (HF's layer_types: every fourth full from layer 0) and a NoPE layer
+    # (layer_rope_theta 0), a sink logit per head (HF's zeros: each softmax's weights then
+    # sum to S / (S + 1)), GQA.
+    "granite_swa": (transformers.GraniteSWAForCausalLM, transformers.GraniteSWAConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=6.0,
+        residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0,
+        sliding_window=5, layer_rope_theta=[10000.0, 0]), {}),
     # Layer 1 a NoPE layer (no RoPE) and windowed to 5 positions (SmolLM3 windows NoPE
     # layers), biases on q/k/v/o, GQA, tied head (its default).
     "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config, dict(
@@ -307,6 +315,9 @@ def test_prefill_and_decode_logits_match_hf(checkpoint):
   if name == "qwen2":  # loaded from shards, and windowed on its upper layer only
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
     assert [b.self_attn.sliding_window for b in model.layers] == [None, 6]
+  if name == "granite_swa":  # layer 1 windowed, without RoPE; sinks on both
+    assert [(b.self_attn.sliding_window, b.self_attn.rope is None, b.self_attn.sinks is None)
+            for b in model.layers] == [(None, False, False), (5, True, False)]
   if name == "ministral3":  # windowed and tempered on every layer
     assert [(b.self_attn.sliding_window, b.self_attn.query_temperature)
             for b in model.layers] == [(5, jax_paged.nn.QueryTemperature(8, 0.5))] * 2

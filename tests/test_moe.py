@@ -58,6 +58,13 @@ VARIANTS = {
         intermediate_size=32, num_local_experts=4, shared_intermediate_size=48,
         embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2,
         logits_scaling=4.0)),
+    # Granite-MoE-SWA: that with layer 1 windowed to 5 positions (HF's layer_types: every
+    # fourth full from layer 0) and a NoPE layer (layer_rope_theta 0), attention sinks.
+    "granitemoe_swa": (transformers.GraniteMoeSWAForCausalLM,
+                       transformers.GraniteMoeSWAConfig, dict(
+        intermediate_size=32, num_local_experts=4, shared_intermediate_size=48,
+        embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2,
+        logits_scaling=4.0, sliding_window=5, layer_rope_theta=[10000.0, 0])),
 }
 
 
@@ -127,10 +134,13 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
     v4 = moe.MoeConfig.from_dict({k: v for k, v in config.items()
                                   if k not in ("qkv_bias", "layer_types")})
     assert v4.qkv_bias and [v4.window(i) for i in range(2)] == [5, None]
-  elif c.model_type in ("granitemoe", "granitemoeshared"):
+  elif c.model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (32, True, True)
     assert (c.shared_expert_intermediate_size, c.shared_expert_gated) == (
-        48 if c.model_type == "granitemoeshared" else None, False)
+        None if c.model_type == "granitemoe" else 48, False)
+    if c.model_type == "granitemoe_swa":
+      assert ([c.window(i) for i in range(2)], c.layer_rope(1), c.attention_sinks) == (
+          [None, 5], None, True)
     assert (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier,
             c.logits_scaling) == (6.0, 0.3, 0.2, 4.0)
   elif c.model_type == "olmoe":
@@ -141,7 +151,7 @@ def test_config_reads_hf_and_refuses_what_it_lacks(saved):
   else:
     assert (c.expert_width, c.norm_topk_prob, c.sparse(1)) == (24, False, False)
     assert c.qk_norm and not c.qk_norm_all_heads
-  if c.model_type not in ("mixtral", "granitemoe", "granitemoeshared"):
+  if c.model_type not in ("mixtral", "granitemoe", "granitemoeshared", "granitemoe_swa"):
     # transformers 4's name for the experts' count; HF's default: no renormalisation.
     v4 = {k: v for k, v in config.items() if k not in ("num_local_experts",
                                                         "norm_topk_prob")}
@@ -164,7 +174,8 @@ def test_missing_or_misshapen_expert_is_named(saved, tmp_path):
   tensors = load_file(path / "model.safetensors")
   up = [k for k in tensors if k.startswith("model.layers.0.") and "shared_mlp" not in k
         and k.endswith(("experts.3.w3.weight", "experts.3.up_proj.weight",
-                        "input_linear.weight"))]  # (Granite's: every expert's gate and up)
+                        "input_linear.weight", "experts.gate_up_proj"))]  # (Granites':
+  # every expert's gate and up in one tensor)
   assert len(up) == 1
   whole = tensors[up[0]]
   del tensors[up[0]]
@@ -195,8 +206,8 @@ def test_experts_under_quantization_lora_and_tensor_parallel(saved):
   assert dense == ([1] if model.config.model_type == "qwen3_moe" else [])
   shared = [i for i, layer in enumerate(model.layers)
             if not isinstance(layer.mlp, llama.MLP) and layer.mlp.shared is not None]
-  assert shared == ([0, 1] if model.config.model_type in ("qwen2_moe", "granitemoeshared")
-                    else [])
+  assert shared == ([0, 1] if model.config.model_type in ("qwen2_moe", "granitemoeshared",
+                                                         "granitemoe_swa") else [])
   assert all((layer.mlp.shared_gate is not None) == (model.config.model_type == "qwen2_moe")
              for i, layer in enumerate(model.layers) if i in shared)
   # qkv and o per layer, gate_up and down per MLP: dense, shared expert or the experts'.
