@@ -133,23 +133,32 @@ Attend = Callable[[paged_nn.PagedAttention, jax.Array, pool_lib.KVPool, int],
 
 
 class Block(nnx.Module):
+  """A pre-LayerNorm block: ln_1, the attention (`_make_attention`'s: a subclass's own),
+  ln_2, the MLP, each branch added to the residual stream."""
+
   def __init__(self, config: GPT2Config, layer: int, *, dtype, param_dtype,
                decode_impl: paged_nn.DecodeImpl, rngs: nnx.Rngs):
-    scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
-    if config.scale_attn_by_inverse_layer_idx:
-      scale /= layer + 1
     norm = functools.partial(paged_nn.LayerNorm, config.n_embd,
                              epsilon=config.layer_norm_epsilon, dtype=dtype,
                              param_dtype=param_dtype)
     self.ln_1 = norm()
-    self.attn = paged_nn.PagedAttention(
-        config.n_embd, config.n_head, config.head_dim, num_kv_heads=config.num_kv_heads,
-        scale=scale, decode_impl=decode_impl,
-        alibi_slopes=config.alibi_slopes,
-        kernel_init=nnx.initializers.normal(config.initializer_range), dtype=dtype,
-        param_dtype=param_dtype, rngs=rngs)
+    self.attn = self._make_attention(config, layer, decode_impl=decode_impl, dtype=dtype,
+                                     param_dtype=param_dtype, rngs=rngs)
     self.ln_2 = norm()
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def _make_attention(self, config: GPT2Config, layer: int, **kwargs
+                      ) -> paged_nn.PagedAttention:
+    """Block `layer`'s attention (kwargs: decode_impl, dtype, param_dtype, rngs): GPT-2's
+    c_attn (q / k / v biases) and c_proj, its logits scaled per scale_attn_weights and
+    scale_attn_by_inverse_layer_idx, ALiBi where the config has it."""
+    scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+    if config.scale_attn_by_inverse_layer_idx:
+      scale /= layer + 1
+    return paged_nn.PagedAttention(
+        config.n_embd, config.n_head, config.head_dim, num_kv_heads=config.num_kv_heads,
+        scale=scale, alibi_slopes=config.alibi_slopes,
+        kernel_init=nnx.initializers.normal(config.initializer_range), **kwargs)
 
   def __call__(self, x: jax.Array, h: jax.Array, kv: pool_lib.KVPool, layer: int,
                attend: Attend, next_norm: paged_nn.LayerNorm,
@@ -180,6 +189,7 @@ class GPT2LMHeadModel(nnx.Module):
   # The pool layer of the first block (`jax_paged.PagedModel`: a draft model's sit after
   # its target's).
   pool_layer_offset = 0
+  block = Block  # (a subclass's own: `models.gpt_neo`'s)
 
   def __init__(self, config: GPT2Config, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
@@ -192,8 +202,8 @@ class GPT2LMHeadModel(nnx.Module):
     if not config.alibi:
       self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=init,
                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.h = nnx.List([Block(config, i, dtype=dtype, param_dtype=param_dtype,
-                             decode_impl=decode_impl, rngs=rngs)
+    self.h = nnx.List([self.block(config, i, dtype=dtype, param_dtype=param_dtype,
+                                  decode_impl=decode_impl, rngs=rngs)
                        for i in range(config.n_layer)])
     self.ln_f = paged_nn.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon,
                                    dtype=dtype, param_dtype=param_dtype)
