@@ -190,6 +190,8 @@ class GPT2LMHeadModel(nnx.Module):
   # its target's).
   pool_layer_offset = 0
   block = Block  # (a subclass's own: `models.gpt_neo`'s)
+  # Rows of `wpe` before position 0's (OPT's learned positions start at row 2).
+  position_offset = 0
 
   def __init__(self, config: GPT2Config, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
@@ -200,8 +202,9 @@ class GPT2LMHeadModel(nnx.Module):
     self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=init, dtype=dtype,
                          param_dtype=param_dtype, rngs=rngs)
     if not config.alibi:
-      self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=init,
-                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.wpe = nnx.Embed(config.n_positions + self.position_offset, config.n_embd,
+                           embedding_init=init, dtype=dtype, param_dtype=param_dtype,
+                           rngs=rngs)
     self.h = nnx.List([self.block(config, i, dtype=dtype, param_dtype=param_dtype,
                                   decode_impl=decode_impl, rngs=rngs)
                        for i in range(config.n_layer)])
@@ -248,7 +251,7 @@ class GPT2LMHeadModel(nnx.Module):
 
   def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     """The residual stream's start: token plus position embeddings."""
-    return self.wte(tokens) + self.wpe(positions)
+    return self.wte(tokens) + self.wpe(positions + self.position_offset)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """float32 logits [..., vocab] of final hidden states h [..., n_embd] (`prefill_hidden`'s;
