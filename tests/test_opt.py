@@ -6,7 +6,6 @@ The HF model is random, its LayerNorms and biases too: 4 heads of 16, a ReLU MLP
 the learned positions offset by two rows. Tolerance as test_llama's: 1e-4 on the logits.
 """
 
-
 import jax.numpy as jnp
 import pytest
 import torch
