@@ -181,7 +181,8 @@ class RotaryEmbedding:
   They are computed in float32 in Hugging Face's order of operations (`inv_freq`), so
   float32 models reproduce its angles. The rotated values are multiplied by
   `attention_factor` (YaRN's and LongRoPE's cos / sin scaling, so q.k by its square; 1
-  elsewhere).
+  elsewhere). With `reverse` each pair turns by minus its angle (NanoChat's rotate_half,
+  (x2, -x1)).
 
   Frozen and hashable: a layer holds it as static configuration, not as parameters.
   """
@@ -199,6 +200,7 @@ class RotaryEmbedding:
   attention_factor: float = 1.0
   rotary_dim: int | None = None  # None: head_dim
   ext_factors: tuple[float, ...] = ()  # longrope's, one per rotated pair
+  reverse: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0):
@@ -291,6 +293,8 @@ class RotaryEmbedding:
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [..., 1, D/2]
     if self.attention_factor != 1.0:
       cos, sin = cos * self.attention_factor, sin * self.attention_factor
+    if self.reverse:  # (cos is even)
+      sin = -sin
     rotated = self.rotary_dim or self.head_dim
     x1, x2 = jnp.split(x[..., :rotated].astype(jnp.float32), 2, axis=-1)
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
