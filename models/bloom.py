@@ -38,7 +38,6 @@ from flax import nnx
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import gpt_neox
 from models import llama

@@ -22,7 +22,6 @@ from typing import Any, Callable, ClassVar
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
