@@ -33,6 +33,7 @@ from jax_paged.kernels import grouped_matmul as gm
 from models import deepseek
 from models import glm4_moe
 from models import gpt_oss
+from models import llama4
 from models import moe
 
 # Whole models' shapes (HF's config.json; `benchmarks/profile_decode_step.py` steps them).
@@ -67,6 +68,17 @@ GLM_4_5_AIR = glm4_moe.Glm4MoeConfig(
     hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
     head_dim=128, attention_bias=True, rope_theta=1e6,
     eos_token_id=(151329, 151336, 151338))
+# Llama-4-Scout-17B-16E (its text_config): 48 layers, 40 q heads of 128 over 8, chunked
+# attention (8192) on three layers of four, NoPE layers between, 16 experts of 8192 (one
+# per token, its input scaled) beside a shared one on every layer.
+LLAMA_4_SCOUT = llama4.Llama4Config.from_dict({
+    "attention_chunk_size": 8192, "head_dim": 128, "hidden_size": 5120,
+    "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+    "max_position_embeddings": 10485760, "num_attention_heads": 40, "num_experts_per_tok": 1,
+    "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "vocab_size": 202048, "eos_token_id": [200001, 200007, 200008]})
 # (hidden, experts' intermediate width, experts, experts per token)
 SHAPES = {name: (c.hidden_size, c.expert_width, c.num_local_experts, c.num_experts_per_tok)
           for name, c in (("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B))}

@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes (GPT-2 124M, any `bench_llama --shape` of every
 family, the Llama-3.1-8B shape of bench_tensor_parallel, or bench_moe's Mixtral-8x7B,
-Qwen3-30B-A3B, DeepSeek-V2-Lite, gpt-oss-20b and GLM-4.5-Air shapes; bf16 or int8
-weights): a per-kernel breakdown from a profiler trace.
+Qwen3-30B-A3B, DeepSeek-V2-Lite, gpt-oss-20b, GLM-4.5-Air and Llama-4-Scout shapes; bf16
+or int8 weights): a per-kernel breakdown from a profiler trace.
 
 Runs the engine's on-device decode loop (`steps` decode steps in one jitted call, as in
 `jax_paged.Engine`) at a fixed batch and context under `jax.profiler`, then reads the
@@ -14,7 +14,7 @@ by-name table sums every "linear").
     PYTHONPATH=. python benchmarks/profile_decode_step.py
         [--model gpt2 | llama-3.2-1b | falcon-7b | ... (bench_llama's shapes) |
                  llama-3.1-8b | mixtral-8x7b | qwen3-30b-a3b | deepseek-v2-lite |
-                 gpt-oss-20b | glm-4.5-air]
+                 gpt-oss-20b | glm-4.5-air | llama-4-scout]
         [--layers N] [--quantization int8] [--kv-cache-dtype auto|int8|fp8] [--batch 128]
         [--context 512] [--steps 32]
         [--top 40] [--layer]
@@ -47,6 +47,7 @@ from models import glm4_moe
 from models import gpt2
 from models import gpt_oss
 from models import llama
+from models import llama4
 from models import moe
 
 # name: (config, model class); bench_llama's shapes (every family) by their names.
@@ -58,7 +59,21 @@ MODELS.update({
     "qwen3-30b-a3b": (bench_moe.QWEN3_30B_A3B, moe.MoeForCausalLM),
     "deepseek-v2-lite": (bench_moe.DEEPSEEK_V2_LITE, deepseek.DeepseekForCausalLM),
     "gpt-oss-20b": (bench_moe.GPT_OSS_20B, gpt_oss.GptOssForCausalLM),
-    "glm-4.5-air": (bench_moe.GLM_4_5_AIR, glm4_moe.Glm4MoeForCausalLM)})
+    "glm-4.5-air": (bench_moe.GLM_4_5_AIR, glm4_moe.Glm4MoeForCausalLM),
+    "llama-4-scout": (bench_moe.LLAMA_4_SCOUT, llama4.Llama4ForCausalLM)})
+
+
+def with_layers(config, layers: int):
+  """`config` cut to its first `layers` decoder layers: its per-layer tuples (layer
+  types, NoPE and chunked layers...) to their first entries, its moe_layers to those
+  below."""
+  n = config.num_hidden_layers
+  fields = {f.name: getattr(config, f.name)[:layers] for f in dataclasses.fields(config)
+            if f.name != "eos_token_id" and isinstance(getattr(config, f.name), tuple)
+            and len(getattr(config, f.name)) == n}
+  if getattr(config, "moe_layers", None) is not None:
+    fields["moe_layers"] = tuple(i for i in config.moe_layers if i < layers)
+  return dataclasses.replace(config, num_hidden_layers=layers, **fields)
 
 
 def main():
@@ -92,7 +107,7 @@ def main():
   else:
     config, model_class = MODELS[args.model]
     if args.layers is not None:
-      config = dataclasses.replace(config, num_hidden_layers=args.layers)
+      config = with_layers(config, args.layers)
     model = model_class(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   if args.quantization == "int8":
     weight_quant.quantize_weights(model)
