@@ -297,7 +297,8 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
 # model_type -> (the sparse block's HF module, the router's, each expert's gate, up and
 # down projections, or None: every expert's in one tensor, `_FUSED_EXPERTS`')
 QWEN_EXPERTS = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
-_HF_EXPERTS = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+MIXTRAL_EXPERTS = ("block_sparse_moe", "gate", ("w1", "w3", "w2"))
+_HF_EXPERTS = {"mixtral": MIXTRAL_EXPERTS,
                "qwen2_moe": QWEN_EXPERTS, "qwen3_moe": QWEN_EXPERTS, "olmoe": QWEN_EXPERTS,
                "granitemoe": ("block_sparse_moe", "router.layer", None),
                "granitemoeshared": ("block_sparse_moe", "router.layer", None),

@@ -102,27 +102,39 @@ class DecoderLayer(llama.DecoderLayer):
     return x, h, kv
 
 
-class PhiForCausalLM(llama.LlamaForCausalLM):
-  """Phi with a biased LM head, attending through a `KVPool`: `LlamaForCausalLM`'s
-  forwards, pool and tensor parallel splits over Phi's blocks (its Args)."""
+class BiasedHead:
+  """A `llama.LlamaForCausalLM` mixin: an LM head with a bias, `lm_head_bias` [vocab] in
+  param_dtype (HF's lm_head.bias), where the config's `lm_head_bias` (default True) says
+  so (Phi's, GPT-J's, Phi-MoE's)."""
 
-  decoder_layer = DecoderLayer
-
-  def __init__(self, config: PhiConfig, *, dtype=jnp.float32, param_dtype=None,
+  def __init__(self, config, *, dtype=jnp.float32, param_dtype=None,
                decode_impl: paged_nn.DecodeImpl = "auto", rngs: nnx.Rngs):
     super().__init__(config, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl,
                      rngs=rngs)
     self.lm_head_bias = nnx.Param(jnp.zeros(
-        (config.vocab_size,), dtype if param_dtype is None else param_dtype))
+        (config.vocab_size,), dtype if param_dtype is None else param_dtype)) if getattr(
+            config, "lm_head_bias", True) else None
 
   def logits(self, h: jax.Array) -> jax.Array:
     """float32 logits [..., vocab] of final hidden states h [..., hidden_size], the head's
     bias added."""
-    return super().logits(h) + self.lm_head_bias[...].astype(jnp.float32)
+    logits = super().logits(h)
+    return logits if self.lm_head_bias is None else (
+        logits + self.lm_head_bias[...].astype(jnp.float32))
 
   def _greedy(self, h: jax.Array) -> jax.Array:
-    """int32 argmax of `logits(h)` (the bias moves it: `nn.attend_argmax` has none)."""
+    """int32 argmax of `logits(h)` (a bias moves it: `nn.attend_argmax` has none)."""
+    if self.lm_head_bias is None:
+      return super()._greedy(h)
     return jnp.argmax(self.logits(h), axis=-1).astype(jnp.int32)
+
+
+class PhiForCausalLM(BiasedHead, llama.LlamaForCausalLM):
+  """Phi with a biased LM head (`BiasedHead`), attending through a `KVPool`:
+  `LlamaForCausalLM`'s forwards, pool and tensor parallel splits over Phi's blocks (its
+  Args)."""
+
+  decoder_layer = DecoderLayer
 
   def lora_targets(self) -> dict[str, lora.Target]:
     """Hugging Face module name -> where its LoRA update lands (`jax_paged.PagedModel`):
