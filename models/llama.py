@@ -485,6 +485,11 @@ class LlamaConfig:
     return paged_nn.RMSNorm(self.hidden_size, epsilon=self.rms_norm_eps,
                             param_dtype=param_dtype)
 
+  def make_head_norm(self, width: int, param_dtype) -> paged_nn.RMSNorm | paged_nn.LayerNorm:
+    """A new q / k norm over `width` features (`qk_norm`): RMSNorm(rms_norm_eps) (a
+    subclass's own: Persimmon's LayerNorms)."""
+    return paged_nn.RMSNorm(width, epsilon=self.rms_norm_eps, param_dtype=param_dtype)
+
   @property
   def activation(self) -> Callable[[jax.Array], jax.Array]:
     """The MLP's activation (SwiGLU's gate's: silu)."""
@@ -709,8 +714,8 @@ class DecoderLayer(nnx.Module):
         qkv_bias=config.qkv_bias, out_bias=config.out_bias, rope=config.layer_rope(layer),
         sliding_window=config.window(layer), alibi_slopes=config.alibi_slopes,
         clip_qkv=config.clip_qkv, sinks=config.attention_sinks,
-        head_norm=(functools.partial(paged_nn.RMSNorm, epsilon=config.rms_norm_eps,
-                                     param_dtype=param_dtype) if config.qk_norm else None),
+        head_norm=(functools.partial(config.make_head_norm, param_dtype=param_dtype)
+                   if config.qk_norm else None),
         qk_norm_all_heads=config.qk_norm_all_heads,
         qk_norm_after_rope=config.qk_norm_after_rope,
         query_temperature=config.query_temperature, decode_impl=decode_impl,
