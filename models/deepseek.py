@@ -189,6 +189,25 @@ class DeepseekConfig(moe.MoeConfig):
     return llama.LlamaConfig.from_dict.__func__(cls, config)
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseDeepseekConfig(DeepseekConfig):
+  """DeepSeek's latent attention over a dense Llama MLP of intermediate_size on every
+  layer, no experts (MiniCPM3's, Youtu-LLM's: `models.minicpm3`, `models.youtu`)."""
+
+  def sparse(self, layer: int) -> bool:
+    del layer
+    return False
+
+  @classmethod
+  def from_dict(cls, config: dict) -> "DenseDeepseekConfig":
+    """`DeepseekConfig.from_dict` with the experts' fields dropped (one placeholder expert,
+    never built: `sparse` is False everywhere)."""
+    config = {k: v for k, v in config.items()
+              if k not in ("num_experts_per_tok", "n_routed_experts", "n_shared_experts",
+                           "moe_intermediate_size", "first_k_dense_replace")}
+    return super().from_dict({**config, "num_experts_per_tok": 1, "n_routed_experts": 1})
+
+
 def check_mlp_layer_types(config: moe.MoeConfig) -> None:
   """Makes a config's mlp_layer_types (None, or "dense" / "sparse" per layer) a tuple;
   ValueError unless it names each layer's MLP (GLM-4.7-Flash's, K-EXAONE's field)."""

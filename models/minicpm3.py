@@ -33,19 +33,15 @@ _HF_DEFAULTS = dict(
 
 
 @dataclasses.dataclass(frozen=True)
-class MiniCPM3Config(deepseek.DeepseekConfig):
-  """MiniCPM3 hyperparameters (`deepseek.DeepseekConfig`'s: every layer dense, RoPE not
-  interleaved; `from_dict` reads MiniCPM's scale_emb / scale_depth / dim_model_base into
-  Llama's multipliers)."""
+class MiniCPM3Config(deepseek.DenseDeepseekConfig):
+  """MiniCPM3 hyperparameters (`deepseek.DenseDeepseekConfig`'s: every layer dense; RoPE
+  not interleaved; `from_dict` reads MiniCPM's scale_emb / scale_depth / dim_model_base
+  into Llama's multipliers)."""
 
   model_type: str = "minicpm3"
   rope_interleave: bool = False
 
   model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
-
-  def sparse(self, layer: int) -> bool:
-    del layer
-    return False
 
   @classmethod
   def from_dict(cls, config: dict[str, Any]) -> "MiniCPM3Config":
@@ -62,9 +58,7 @@ class MiniCPM3Config(deepseek.DeepseekConfig):
     scale_depth = math.sqrt(layers) if scale_depth is None else scale_depth
     base = config.pop("dim_model_base")
     base = hidden if base is None else base
-    for name in ("num_experts_per_tok", "n_routed_experts", "n_shared_experts"):
-      config.pop(name, None)  # (no experts)
-    parsed = super().from_dict({**config, "num_experts_per_tok": 1, "n_routed_experts": 1})
+    parsed = super().from_dict(config)
     return dataclasses.replace(parsed, embedding_multiplier=float(scale_emb),
                                residual_multiplier=scale_depth / math.sqrt(layers),
                                logits_scaling=hidden / base)
