@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_paged import lora
-from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import gpt_neox
 from models import llama
@@ -116,19 +112,6 @@ def hf_sources(path: tuple[str, ...], config: GPTBigCodeConfig
   return [name], llama.linear_rows if path[-1] == "kernel" else llama.whole
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> GPTBigCodeForCausalLM:
-  """Loads a Hugging Face GPT-BigCode checkpoint directory (`models.llama.load_pretrained`:
-  its files, shards, errors and generation_config.json's eos ids).
+from_pretrained = llama.loader(GPTBigCodeConfig, GPTBigCodeForCausalLM, hf_sources, max_model_len=False)
 
-  Args:
-    path: a directory with config.json and model.safetensors or its shards.
-    dtype, param_dtype, decode_impl: as for `gpt2.GPT2LMHeadModel`.
-  """
-  return llama.load_pretrained(path, GPTBigCodeConfig.from_dict, functools.partial(
-      GPTBigCodeForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources)
-
-
-FAMILY = ModelFamily(name="gpt_bigcode", model_types=MODEL_TYPES, presets={},
-                     from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype))
+FAMILY = llama.family("gpt_bigcode", MODEL_TYPES, from_pretrained, max_model_len=False)

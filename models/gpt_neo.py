@@ -15,18 +15,14 @@ positions, pre-LayerNorm blocks, a GELU MLP, an LM head tied to wte) with
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged.kernels import validation
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import llama
 
@@ -142,19 +138,6 @@ def hf_sources(path: tuple[str, ...], config: GPTNeoConfig
   return [f"{prefix}{'.'.join(inner)}.{param}"], linear
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> GPTNeoForCausalLM:
-  """Loads a Hugging Face GPT-Neo checkpoint directory (`models.llama.load_pretrained`: its
-  files, shards, errors and generation_config.json's eos ids).
+from_pretrained = llama.loader(GPTNeoConfig, GPTNeoForCausalLM, hf_sources, max_model_len=False)
 
-  Args:
-    path: a directory with config.json and model.safetensors or its shards.
-    dtype, param_dtype, decode_impl: as for `gpt2.GPT2LMHeadModel`.
-  """
-  return llama.load_pretrained(path, GPTNeoConfig.from_dict, functools.partial(
-      GPTNeoForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources)
-
-
-FAMILY = ModelFamily(name="gpt_neo", model_types=MODEL_TYPES, presets={},
-                     from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype))
+FAMILY = llama.family("gpt_neo", MODEL_TYPES, from_pretrained, max_model_len=False)

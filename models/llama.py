@@ -1194,37 +1194,49 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       max_model_len=max_model_len)
 
 
-def loader(config_class: type, model_class: type, sources: Sources = hf_sources
-           ) -> Callable[..., nnx.Module]:
+def loader(config_class: type, model_class: type, sources: Sources = hf_sources, *,
+           max_model_len: bool = True) -> Callable[..., nnx.Module]:
   """A models/ module's `from_pretrained` over `load_pretrained`: (path, *, dtype=
   jnp.float32, param_dtype=None, decode_impl="auto", max_model_len=None) -> a
   `model_class` of the Hugging Face checkpoint directory at path (its config read by
-  `config_class.from_dict`, its tensors by `sources`)."""
+  `config_class.from_dict`, its tensors by `sources`); without `max_model_len` (a model
+  of learned positions: GPT-2's relatives serve up to their table) no such argument."""
 
-  def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                      decode_impl: paged_nn.DecodeImpl = "auto",
-                      max_model_len: int | None = None) -> nnx.Module:
+  def load(path, dtype, param_dtype, decode_impl, **context) -> nnx.Module:
     return load_pretrained(path, config_class.from_dict, functools.partial(
         model_class, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-        sources, max_model_len=max_model_len)
+        sources, **context)
 
+  if max_model_len:
+    def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+                        decode_impl: paged_nn.DecodeImpl = "auto",
+                        max_model_len: int | None = None) -> nnx.Module:
+      return load(path, dtype, param_dtype, decode_impl, max_model_len=max_model_len)
+  else:
+    def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+                        decode_impl: paged_nn.DecodeImpl = "auto") -> nnx.Module:
+      return load(path, dtype, param_dtype, decode_impl)
+
+  context = ("\n    max_model_len: as `models.llama.from_pretrained`'s." if max_model_len
+             else "")
   from_pretrained.__doc__ = f"""Loads a Hugging Face checkpoint directory as a
   `{model_class.__name__}` (`models.llama.load_pretrained`: its files, errors and eos
   ids; config.json read by `{config_class.__name__}.from_dict`).
 
   Args:
     path: as `models.llama.load_pretrained`'s.
-    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.
-    max_model_len: as `models.llama.from_pretrained`'s.
+    dtype, param_dtype, decode_impl: as for `models.llama.LlamaForCausalLM`.{context}
   """
   return from_pretrained
 
 
 def family(name: str, model_types: tuple[str, ...],
-           from_pretrained: Callable[..., nnx.Module]) -> ModelFamily:
+           from_pretrained: Callable[..., nnx.Module], *, max_model_len: bool = True
+           ) -> ModelFamily:
   """The CLI's `ModelFamily` of a models/ module on this loader: `from_pretrained` (a
-  `loader`'s) takes max_model_len; no random-weight presets."""
-  return ModelFamily(name=name, model_types=model_types, presets={}, max_model_len=True,
+  `loader`'s) takes max_model_len where `max_model_len`; no random-weight presets."""
+  return ModelFamily(name=name, model_types=model_types, presets={},
+                     max_model_len=max_model_len,
                      from_pretrained=lambda path, dtype, **options: from_pretrained(
                          path, dtype=dtype, **options))
 

@@ -21,7 +21,6 @@ from typing import Any, Callable, ClassVar, Mapping
 import jax
 import jax.numpy as jnp
 
-from jax_paged import lora
 from jax_paged import nn as paged_nn
 from jax_paged.kernels import validation
 from models import llama
@@ -82,9 +81,13 @@ class NanoChatConfig(llama.LlamaConfig):
     return llama.LlamaConfig.from_dict.__func__(cls, config)
 
 
-class NanoChatForCausalLM(llama.LlamaForCausalLM):
+class NanoChatForCausalLM(nemotron.NemotronForCausalLM):
   """NanoChat with an LM head: `llama.LlamaForCausalLM` (its Args) with the token
-  embeddings normalised before the first block and the logits soft-capped."""
+  embeddings normalised before the first block and the logits soft-capped, LoRA targets
+  under HF's names (q / k / v / o_proj, fc1, fc2: `nemotron.NemotronForCausalLM`'s
+  renames)."""
+
+  mlp_names: ClassVar[Mapping[str, str]] = {"c_fc": "fc1", "c_proj": "fc2"}
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     """The token embeddings, RMS-normalised (by the final norm's module, as HF's: weight
@@ -99,35 +102,16 @@ class NanoChatForCausalLM(llama.LlamaForCausalLM):
     cap = self.config.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-  def lora_targets(self) -> dict[str, lora.Target]:
-    """`LlamaForCausalLM.lora_targets` under HF's NanoChat names: q / k / v / o_proj, fc1
-    and fc2."""
-    renames = {".mlp.c_fc": ".mlp.fc1", ".mlp.c_proj": ".mlp.fc2"}
-    targets = {}
-    for name, target in super().lora_targets().items():
-      for ours, theirs in renames.items():
-        name = name.replace(ours, theirs)
-      targets[name] = target
-    return targets
-
-
-# Our plain MLP's linears under HF's NanoChat names.
-_MLP = {"c_fc": "fc1", "c_proj": "fc2"}
 
 
 def hf_sources(path: tuple[str, ...], config: NanoChatConfig
                ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
-  """`llama.hf_sources` with the plain MLP under fc1 / fc2 and every norm's weight one
-  (HF's norms have none: no tensor read)."""
+  """`nemotron.plain_mlp_sources` with the plain MLP under fc1 / fc2 and every norm's
+  weight one (HF's norms have none: no tensor read)."""
   if path[-1] == "weight":  # an RMSNorm's: [head_dim] for q / k, else [hidden_size]
     width = config.head_dim if path[-2] in ("q_norm", "k_norm") else config.hidden_size
     return [], lambda _: jnp.ones((width,), jnp.float32)
-  if path[0] == "layers" and path[2] == "mlp":
-    name = f"model.layers.{path[1]}.mlp.{_MLP[path[3]]}"
-    if path[-1] == "kernel":
-      return [f"{name}.weight"], llama.linear_rows
-    return [f"{name}.{path[-1]}"], llama.whole
-  return llama.hf_sources(path, config)
+  return nemotron.plain_mlp_sources(path, config, NanoChatForCausalLM.mlp_names)
 
 
 from_pretrained = llama.loader(NanoChatConfig, NanoChatForCausalLM, hf_sources)

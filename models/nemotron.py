@@ -84,20 +84,18 @@ class NemotronForCausalLM(llama.LlamaForCausalLM):
   `NemotronConfig` (its LayerNorms and relu^2 MLP; its Args). (Arcee's model too:
   `models.arcee`.)"""
 
+  # Our plain MLP's linears under HF's names (a subclass's own: `models.nanochat`'s).
+  mlp_names: ClassVar[Mapping[str, str]] = {"c_fc": "up_proj", "c_proj": "down_proj"}
+
   def lora_targets(self) -> dict[str, lora.Target]:
-    """`LlamaForCausalLM.lora_targets` under HF's Nemotron (and Arcee) names: q / k / v /
-    o_proj, up_proj and down_proj."""
-    renames = {".mlp.c_fc": ".mlp.up_proj", ".mlp.c_proj": ".mlp.down_proj"}
+    """`LlamaForCausalLM.lora_targets` under HF's names: q / k / v / o_proj and the plain
+    MLP's `mlp_names` (Nemotron's and Arcee's up_proj and down_proj)."""
     targets = {}
     for name, target in super().lora_targets().items():
-      for ours, theirs in renames.items():
-        name = name.replace(ours, theirs)
+      for ours, theirs in self.mlp_names.items():
+        name = name.replace(f".mlp.{ours}", f".mlp.{theirs}")
       targets[name] = target
     return targets
-
-
-# Our plain MLP's linears under HF's Nemotron names.
-_MLP = {"c_fc": "up_proj", "c_proj": "down_proj"}
 
 
 def _plus_one(parts: list[jax.Array]) -> jax.Array:
@@ -105,12 +103,13 @@ def _plus_one(parts: list[jax.Array]) -> jax.Array:
   return llama.whole(parts).astype(jnp.float32) + 1.0
 
 
-def plain_mlp_sources(path: tuple[str, ...], config: llama.LlamaConfig
+def plain_mlp_sources(path: tuple[str, ...], config: llama.LlamaConfig,
+                      names: Mapping[str, str] = NemotronForCausalLM.mlp_names
                       ) -> tuple[list[str], Callable[[list[jax.Array]], jax.Array]]:
-  """`llama.hf_sources` with the plain MLP's linears under HF's names up_proj / down_proj
-  (Nemotron's, Arcee's: `models.arcee`)."""
+  """`llama.hf_sources` with the plain MLP's linears under HF's `names` (Nemotron's and
+  Arcee's up_proj / down_proj: `models.arcee`)."""
   if path[0] == "layers" and path[2] == "mlp":
-    name = f"model.layers.{path[1]}.mlp.{_MLP[path[3]]}"
+    name = f"model.layers.{path[1]}.mlp.{names[path[3]]}"
     if path[-1] == "kernel":
       return [f"{name}.weight"], llama.linear_rows
     return [f"{name}.{path[-1]}"], llama.whole

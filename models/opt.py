@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from jax_paged import lora
-from jax_paged import nn as paged_nn
-from jax_paged.paged_model import ModelFamily
 from models import gpt2
 from models import llama
 
@@ -112,20 +109,6 @@ def hf_sources(path: tuple[str, ...], config: OPTConfig
           llama.linear_rows if path[-1] == "kernel" else llama.whole)
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    decode_impl: paged_nn.DecodeImpl = "auto") -> OPTForCausalLM:
-  """Loads a Hugging Face OPT checkpoint directory (`models.llama.load_pretrained`: its
-  files, shards, errors and generation_config.json's eos ids; OPTModel's tensors, without
-  "model.", as the Hub's OPT checkpoints hold them, too).
+from_pretrained = llama.loader(OPTConfig, OPTForCausalLM, hf_sources, max_model_len=False)
 
-  Args:
-    path: a directory with config.json and model.safetensors or its shards.
-    dtype, param_dtype, decode_impl: as for `gpt2.GPT2LMHeadModel`.
-  """
-  return llama.load_pretrained(path, OPTConfig.from_dict, functools.partial(
-      OPTForCausalLM, dtype=dtype, param_dtype=param_dtype, decode_impl=decode_impl),
-      hf_sources)
-
-
-FAMILY = ModelFamily(name="opt", model_types=MODEL_TYPES, presets={},
-                     from_pretrained=lambda path, dtype: from_pretrained(path, dtype=dtype))
+FAMILY = llama.family("opt", MODEL_TYPES, from_pretrained, max_model_len=False)
