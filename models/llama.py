@@ -31,8 +31,9 @@ the forwards over the pool that `jax_paged`'s runner jits. Serve it with
 `jax_paged.models` entry point).
 
 `from_pretrained` loads Hugging Face checkpoint directories: config.json and
-model.safetensors, or shards listed by model.safetensors.index.json. HF's q_proj, k_proj
-and v_proj (torch Linear weights, [out, in]) are transposed and concatenated into
+model.safetensors, or shards listed by model.safetensors.index.json (or PyTorch's
+pytorch_model.bin, or its shards). HF's q_proj, k_proj and v_proj (torch Linear
+weights, [out, in]) are transposed and concatenated into
 `PagedAttention.qkv`'s [in, (H + 2 Hkv) D] kernel, gate_proj and up_proj into the MLP's
 one `gate_up` kernel (Phi-3's fused qkv_proj and gate_up_proj are that layout already).
 The eos ids are `generation_config.json`'s where it names them (what HF's `generate`
@@ -961,9 +962,34 @@ class LlamaForCausalLM(nnx.Module):
 
 
 # ----------------------------------------------------------------- checkpoints
+class _TorchFile:
+  """A PyTorch checkpoint file's tensors (`torch.load`, weights only), as a safetensors
+  handle offers them: `keys()`, `get_tensor(name)` (a jax array, bfloat16 kept)."""
+
+  def __init__(self, file: str):
+    import torch  # an optional dependency: imported when used
+    try:
+      state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and OS errors alike
+      raise ValueError(f"{file}: not a readable PyTorch checkpoint ({e})") from e
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor)
+                                              for t in state.values()):
+      raise ValueError(f"{file}: not a PyTorch state dict of tensors")
+    self.tensors = {name: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                           if t.dtype == torch.bfloat16 else t.numpy())
+                    for name, t in state.items()}
+
+  def keys(self) -> list[str]:
+    return list(self.tensors)
+
+  def get_tensor(self, name: str) -> jax.Array:
+    return jnp.asarray(self.tensors[name])
+
+
 class _Checkpoint:
   """The tensors of a safetensors checkpoint directory, one file or shards, read lazily
-  (each by name, as jax arrays: numpy has no bfloat16).
+  (each by name, as jax arrays: numpy has no bfloat16); or of a PyTorch one
+  (pytorch_model.bin or its shards, each file read whole: `_TorchFile`).
 
   With `fp8_block` (a checkpoint of Hugging Face's "fp8" quantization: DeepSeek-V3's,
   Qwen3's *-FP8), a float8_e4m3fn weight is returned dequantized, in float32: each
@@ -976,35 +1002,44 @@ class _Checkpoint:
     self.fp8_block = fp8_block
     self.mxfp4 = mxfp4
     from safetensors import safe_open  # an optional dependency: imported when used
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
+    for kind, stem in (("safetensors", "model.safetensors"),
+                       ("PyTorch", "pytorch_model.bin")):
+      single = os.path.join(path, stem)
+      index = os.path.join(path, f"{stem}.index.json")
+      if os.path.isfile(single) or os.path.isfile(index):
+        break
+    else:
+      raise FileNotFoundError(f"no weights in {path}: expected model.safetensors or "
+                              "model.safetensors.index.json with its shards (or "
+                              "pytorch_model.bin, or pytorch_model.bin.index.json with its)")
     if os.path.isfile(single):
       weight_map = None
       files = [single]
-    elif os.path.isfile(index):
+    else:
       try:
         with open(index, encoding="utf-8") as f:
           weight_map = {name: os.path.join(path, file)
                         for name, file in json.load(f)["weight_map"].items()}
       except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
               AttributeError) as e:
-        raise ValueError(f"{index}: not a safetensors index (JSON with a \"weight_map\" of "
+        raise ValueError(f"{index}: not a {kind} index (JSON with a \"weight_map\" of "
                          f"tensor name -> file) ({type(e).__name__}: {e})") from e
       files = sorted(set(weight_map.values()))
-    else:
-      raise FileNotFoundError(f"no weights in {path}: expected model.safetensors or "
-                              "model.safetensors.index.json with its shards")
+    if kind == "PyTorch" and (fp8_block is not None or mxfp4):
+      raise ValueError(f"{path}: a quantized checkpoint (fp8 / mxfp4) must be safetensors")
     self.handles = {}
     self.where: dict[str, str] = {}  # tensor name -> its file
     for file in files:
       if not os.path.isfile(file):
         raise FileNotFoundError(f"{file}: listed in {index} but missing")
-      try:
-        self.handles[file] = safe_open(file, framework="flax")
-        names = list(self.handles[file].keys())
-      except Exception as e:  # SafetensorError and OSError: truncated, corrupt, unreadable
-        raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
-      self.where.update(dict.fromkeys(names, file))
+      if kind == "PyTorch":
+        self.handles[file] = _TorchFile(file)
+      else:
+        try:
+          self.handles[file] = safe_open(file, framework="flax")
+        except Exception as e:  # SafetensorError and OSError: truncated, corrupt, unreadable
+          raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+      self.where.update(dict.fromkeys(self.handles[file].keys(), file))
     # fp8: each file's header (tensor dtypes and byte ranges) read once.
     self.headers = ({file: _safetensors_header(file) for file in files}
                     if fp8_block is not None else {})

@@ -6,7 +6,10 @@ The HF model is random, its LayerNorms and biases too: 4 heads of 16, a ReLU MLP
 the learned positions offset by two rows. Tolerance as test_llama's: 1e-4 on the logits.
 """
 
+import json
+
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -54,6 +57,34 @@ def test_prefill_and_decode_logits_match_hf(saved, tmp_path):
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
   (tmp_path / "config.json").write_text((path / "config.json").read_text())
   assert_logits_track_hf(hf, opt.from_pretrained(tmp_path), [5], 2)
+
+
+def test_pytorch_checkpoints_load(saved, tmp_path):
+  """pytorch_model.bin (the Hub's OPT checkpoints have no safetensors), one file or shards
+  under pytorch_model.bin.index.json, bf16 tensors kept exactly; a truncated file named."""
+  hf, path = saved
+  (tmp_path / "config.json").write_text((path / "config.json").read_text())
+  state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+  torch.save(state, tmp_path / "pytorch_model.bin")
+  assert_logits_track_hf(hf, opt.from_pretrained(tmp_path), [5], 2)
+  shards = tmp_path / "shards"
+  shards.mkdir()
+  (shards / "config.json").write_text((path / "config.json").read_text())
+  names = sorted(state)
+  weight_map = {}
+  for i, part in enumerate((names[::2], names[1::2])):
+    file = f"pytorch_model-0000{i + 1}-of-00002.bin"
+    torch.save({k: state[k].to(torch.bfloat16) for k in part}, shards / file)
+    weight_map.update(dict.fromkeys(part, file))
+  (shards / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  half = opt.from_pretrained(shards, dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(
+      np.asarray(half.wte.embedding[...], np.float32),
+      state["model.decoder.embed_tokens.weight"].to(torch.bfloat16).float().numpy())
+  (shards / "pytorch_model-00002-of-00002.bin").write_bytes(b"not a zip")
+  with pytest.raises(ValueError, match="pytorch_model-00002-of-00002.bin: not a readable "
+                                       "PyTorch checkpoint"):
+    opt.from_pretrained(shards)
 
 
 def test_generate_and_engine_give_hfs_tokens(saved):
